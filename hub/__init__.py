@@ -1,0 +1,1 @@
+"""Hub side of gpulab: the configuration builder, login, the data folder and the CLI."""

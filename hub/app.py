@@ -1,0 +1,58 @@
+"""Run JupyterHub in this process with gpulab's configuration (``gpulab up``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from jupyterhub.app import JupyterHub
+from traitlets.config import Config
+
+from .config import LocalSettings, local_defaults, local_essentials
+
+LOG_FORMAT = "[%(levelname)1.1s %(asctime)s.%(msecs).03d %(name)s %(module)s:%(lineno)d] %(message)s"
+
+
+def _merge_named(first: list, second: list) -> list:
+    """`first` then the entries of `second` whose ``name`` `first` does not have."""
+    names = {entry.get("name") for entry in first}
+    return list(first) + [entry for entry in second if entry.get("name") not in names]
+
+
+class GpulabHub(JupyterHub):
+    """JupyterHub whose command-line settings (from `gpulab up`) win over the config file."""
+
+    gpulab_essentials: Config | None = None
+
+    def load_config_file(self, *args, **kwargs):
+        super().load_config_file(*args, **kwargs)
+        hub = self.config.get("JupyterHub", {})
+        file_services = list(hub.get("services", []))
+        file_roles = list(hub.get("load_roles", []))
+        if self.gpulab_essentials is not None:
+            essentials = Config(self.gpulab_essentials)
+            # the operator's services and roles are kept beside gpulab's own
+            essentials.JupyterHub.services = _merge_named(
+                essentials.JupyterHub.get("services", []), file_services
+            )
+            essentials.JupyterHub.load_roles = _merge_named(
+                essentials.JupyterHub.get("load_roles", []), file_roles
+            )
+            self.update_config(essentials)
+
+
+def run_local_hub(settings: LocalSettings, log_level: str = "INFO") -> int:
+    data = settings.data
+    handler = logging.FileHandler(data.log_dir / "hub.log", encoding="utf8")
+    os.chmod(data.log_dir / "hub.log", 0o600)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%Y-%m-%d %H:%M:%S"))
+    config = local_defaults(settings)
+    config.JupyterHub.extra_log_handlers = [handler]
+    essentials = local_essentials(settings)
+    app = GpulabHub.instance(config=config)
+    app.gpulab_essentials = essentials
+    # The hub's working directory holds nothing of gpulab's; state lives in the data folder.
+    os.chdir(data.path)
+    GpulabHub.launch_instance(["-f", str(data.config_file), f"--log-level={log_level.upper()}"])
+    return 0
+

@@ -1,0 +1,252 @@
+"""The ``gpulab`` command.
+
+``gpulab up`` runs the local deployment: JupyterHub with configurable-http-proxy, GPU-bound
+notebook servers, accounts in the hub, everything kept in one data folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+from .datadir import DataDir, DataDirError
+
+EXIT_USAGE = 2
+
+
+def default_data_dir() -> str:
+    if os.environ.get("GPULAB_DATA_DIR"):
+        return os.environ["GPULAB_DATA_DIR"]
+    if os.geteuid() == 0:
+        return "/var/lib/gpulab"
+    base = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
+    return os.path.join(base, "gpulab")
+
+
+def find_proxy(explicit: str | None) -> str | None:
+    """configurable-http-proxy: --proxy, else beside this Python (where set-up puts it), else PATH."""
+    if explicit:
+        return shutil.which(explicit) or (explicit if os.access(explicit, os.X_OK) else None)
+    here = os.path.dirname(sys.executable)
+    return shutil.which("configurable-http-proxy", path=here + os.pathsep + os.environ.get("PATH", ""))
+
+
+def port_in_use(ip: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((ip, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+def _pid_from(path: Path) -> int:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def fail(message: str) -> int:
+    print(f"gpulab: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def add_up_parser(sub) -> None:
+    p = sub.add_parser(
+        "up",
+        help="run the local deployment (JupyterHub on this machine)",
+        description="Run JupyterHub with GPU-bound notebook servers on this machine. "
+        "Ctrl-C stops the hub and every server it started; running it again on the same "
+        "data folder resumes where it stopped.",
+    )
+    p.add_argument("--ip", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to serve on (default 8000)")
+    p.add_argument("--hub-port", type=int, default=8081,
+                   help="loopback port of the hub's internal API (default 8081)")
+    p.add_argument("--proxy-api-port", type=int, default=8001,
+                   help="loopback port of the proxy's API (default 8001)")
+    p.add_argument("--data-dir", default=None,
+                   help="folder for all state: database, secrets, logs "
+                   "(default $GPULAB_DATA_DIR, else /var/lib/gpulab as root, "
+                   "~/.local/share/gpulab otherwise)")
+    p.add_argument("--shared-dir", default=None,
+                   help="shared storage folder with datasets/ and users/<name>/ "
+                   "(default <data-dir>/shared)")
+    p.add_argument("--admin-user", default="admin",
+                   help="name of the first admin account (default admin)")
+    p.add_argument("--idle-timeout", type=int, default=3600,
+                   help="stop servers idle for this many seconds (default 3600; 0: never)")
+    p.add_argument("--cull-every", type=int, default=0,
+                   help="how often to look for idle servers, seconds (default: timeout/10, 5..300)")
+    p.add_argument("--simulated-gpus", type=int, default=None,
+                   help="number of simulated GPUs where no real GPU is found (default 4)")
+    p.add_argument("--user-prefix", default=None,
+                   help="prefix of the system accounts made for users as root (default jupyter-)")
+    p.add_argument("--no-isolation", action="store_true",
+                   help="as root, still run every server as root's account (not recommended)")
+    p.add_argument("--proxy", default=None, help="path of configurable-http-proxy")
+    p.add_argument("--log-level", default="INFO", help="hub log level (default INFO)")
+
+
+def _check_port(name: str, value: int) -> str | None:
+    if not 1 <= value <= 65535:
+        return f"{name} must be a port number between 1 and 65535, got {value}."
+    return None
+
+
+def cmd_up(args) -> int:
+    from .config import LocalSettings
+
+    for name, value in (("--port", args.port), ("--hub-port", args.hub_port),
+                        ("--proxy-api-port", args.proxy_api_port)):
+        problem = _check_port(name, value)
+        if problem:
+            return fail(problem)
+    if len({args.port, args.hub_port, args.proxy_api_port}) != 3:
+        return fail("--port, --hub-port and --proxy-api-port must be three different ports.")
+    if args.idle_timeout < 0:
+        return fail(f"--idle-timeout must be 0 (never) or a number of seconds, got {args.idle_timeout}.")
+    if args.cull_every < 0:
+        return fail(f"--cull-every must be a number of seconds, got {args.cull_every}.")
+    if args.simulated_gpus is not None and args.simulated_gpus < 0:
+        return fail(f"--simulated-gpus must be 0 or more, got {args.simulated_gpus}.")
+    if args.admin_user.strip() != args.admin_user or not args.admin_user or "/" in args.admin_user:
+        return fail(f"--admin-user {args.admin_user!r} is not a usable user name.")
+
+    chp = find_proxy(args.proxy)
+    if chp is None:
+        return fail(
+            "configurable-http-proxy was not found. Install it with the README's set-up "
+            "command (bash scripts/run.sh), or `npm install -g configurable-http-proxy`, "
+            "or name it with --proxy."
+        )
+
+    data = DataDir.at(args.data_dir or default_data_dir(), args.shared_dir)
+    try:
+        data.prepare()
+        data.check_database()
+        password, created = data.admin_password()
+        data.cookie_secret()
+    except DataDirError as e:
+        return fail(str(e))
+
+    proxy_running = _alive(_pid_from(data.proxy_pid_file))
+    hub_pid = _pid_from(data.hub_pid_file)
+    if hub_pid != os.getpid() and _alive(hub_pid):
+        return fail(
+            f"a gpulab hub (pid {hub_pid}) is already running on {data.path}; stop it first."
+        )
+    ports = [(args.ip, args.port, "--port"), ("127.0.0.1", args.hub_port, "--hub-port"),
+             ("127.0.0.1", args.proxy_api_port, "--proxy-api-port")]
+    for ip, port, flag in ports:
+        # A proxy left running by a hub that crashed still holds its ports; the hub replaces it.
+        if flag != "--hub-port" and proxy_running:
+            continue
+        if port_in_use(ip, port):
+            return fail(f"{ip}:{port} ({flag}) is already in use. Choose another with {flag}.")
+
+    root = os.geteuid() == 0
+    isolate = root and not args.no_isolation
+    settings = LocalSettings(
+        data=data,
+        ip=args.ip,
+        port=args.port,
+        hub_port=args.hub_port,
+        proxy_api_port=args.proxy_api_port,
+        admin_user=args.admin_user,
+        idle_timeout=args.idle_timeout,
+        cull_every=args.cull_every,
+        chp_command=chp,
+        simulated_gpus=args.simulated_gpus,
+        isolate_users=isolate,
+        user_prefix=args.user_prefix,
+    )
+
+    url = f"http://{'[' + args.ip + ']' if ':' in args.ip else args.ip}:{args.port}/"
+    banner = [f"gpulab: data folder {data.path}", f"gpulab: shared storage {data.shared}"]
+    if created:
+        banner += [
+            "",
+            f"gpulab: first start: created the admin account '{args.admin_user}'",
+            f"gpulab:   password: {password}",
+            f"gpulab:   (shown once; kept for the operator in {data.admin_password_file}, mode 0600)",
+        ]
+    else:
+        banner.append(
+            f"gpulab: admin account '{args.admin_user}'; its first password is in "
+            f"{data.admin_password_file}"
+        )
+    banner += [
+        f"gpulab: people sign up at {url}hub/signup; approve them at {url}hub/authorize",
+        f"gpulab: open {url} in a browser. Ctrl-C stops the hub and all servers.",
+    ]
+    if not isolate:
+        banner += [
+            "",
+            "gpulab: WARNING " + "*" * 60,
+            "gpulab: WARNING users are NOT isolated from each other: every server runs as",
+            f"gpulab: WARNING this account ({_account()}) and can read every user's files.",
+            "gpulab: WARNING Run gpulab up as root to give each user a system account.",
+            "gpulab: WARNING " + "*" * 60,
+        ]
+    print("\n".join(banner), flush=True)
+
+    from .app import run_local_hub
+
+    return run_local_hub(settings, log_level=args.log_level)
+
+
+def _account() -> str:
+    import pwd
+
+    return pwd.getpwuid(os.geteuid()).pw_name
+
+
+def cmd_config_reference(args) -> int:
+    from .docs import config_reference
+
+    sys.stdout.write(config_reference())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpulab", description="gpulab: a JupyterHub for shared GPUs")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_up_parser(sub)
+    sub.add_parser("config-reference", help="print the configuration reference (Markdown)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "up":
+        return cmd_up(args)
+    if args.command == "config-reference":
+        return cmd_config_reference(args)
+    parser.print_help()
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""The machine's GPUs: read with NVML where GPUs exist, simulated where none do.
+
+`discover_gpus` is a pure function over an NVML-like module so that tests can hand it a
+stand-in; `GPUInventory` is the hub-wide configurable that holds the result.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from traitlets import CaselessStrEnum, Integer, Unicode, default
+from traitlets.config import SingletonConfigurable
+
+SIMULATED_MODEL = "Simulated-GPU"
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One GPU of this machine, as handed to servers and jobs."""
+
+    index: int
+    uuid: str
+    model: str
+    memory_mib: int
+    simulated: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def label(self) -> str:
+        """A short description for people, e.g. "GPU 1: NVIDIA-H100 (80 GiB)"."""
+        what = f"{self.model} (simulated)" if self.simulated else self.model
+        if self.memory_mib:
+            what += f", {self.memory_mib // 1024} GiB"
+        return f"GPU {self.index}: {what}"
+
+
+def normalize_model(name: str) -> str:
+    """Model names as Kubernetes labels spell them (GPU feature discovery replaces spaces).
+
+    ``"NVIDIA H100 80GB HBM3"`` -> ``"NVIDIA-H100-80GB-HBM3"``, so that one profile's
+    ``nvidia.com/gpu.product`` selector matches in both modes.
+    """
+    return "-".join(name.split())
+
+
+def model_matches(wanted: str | None, model: str) -> bool:
+    """Whether a GPU of `model` satisfies a profile asking for `wanted` (None: any model).
+
+    A profile may name the full product (``NVIDIA-H100-80GB-HBM3``) or a prefix of it that
+    ends at a word boundary (``NVIDIA-H100``); comparison ignores case.
+    """
+    if not wanted:
+        return True
+    w, m = normalize_model(wanted).lower(), normalize_model(model).lower()
+    return m == w or m.startswith(w + "-")
+
+
+def discover_gpus(nvml) -> list[GPU]:
+    """Read the GPUs through an NVML module (``pynvml``); [] when there is no driver or GPU."""
+    try:
+        nvml.nvmlInit()
+    except Exception:
+        return []
+    try:
+        gpus = []
+        for i in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            name = nvml.nvmlDeviceGetName(handle)
+            uuid = nvml.nvmlDeviceGetUUID(handle)
+            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+            gpus.append(
+                GPU(
+                    index=i,
+                    uuid=uuid.decode() if isinstance(uuid, bytes) else uuid,
+                    model=normalize_model(name.decode() if isinstance(name, bytes) else name),
+                    memory_mib=int(mem.total) // (1024 * 1024),
+                    simulated=False,
+                )
+            )
+        return gpus
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def simulated_gpus(count: int, model: str = SIMULATED_MODEL, memory_mib: int = 0) -> list[GPU]:
+    """`count` stand-in GPUs, labelled as simulated in every place they appear."""
+    return [
+        GPU(
+            index=i,
+            uuid=f"GPU-simulated-{i:04d}",
+            model=normalize_model(model),
+            memory_mib=memory_mib,
+            simulated=True,
+        )
+        for i in range(count)
+    ]
+
+
+class GPUInventory(SingletonConfigurable):
+    """The GPUs this hub hands out (one per hub process)."""
+
+    source = CaselessStrEnum(
+        ["auto", "nvml", "simulated"],
+        default_value="auto",
+        help="""Where the GPU list comes from.
+
+        - ``auto`` (default): the GPUs NVML reports; simulated GPUs where NVML finds none.
+        - ``nvml``: NVML only; a machine without GPUs then offers none.
+        - ``simulated``: always simulated GPUs, even where real ones exist.
+
+        Example: ``c.GPUInventory.source = "simulated"``
+        """,
+    ).tag(config=True)
+
+    simulated_gpus = Integer(
+        4,
+        min=0,
+        help="""How many simulated GPUs stand in where no real GPU is found (default 4; 0 allowed).
+
+        Simulated GPUs are numbered from 0, shown as simulated in the spawn form, the API and
+        the ``GPULAB_GPUS`` variable, and give processes ``CUDA_VISIBLE_DEVICES`` as real ones
+        would. Example: ``c.GPUInventory.simulated_gpus = 8``
+        """,
+    ).tag(config=True)
+
+    simulated_model = Unicode(
+        SIMULATED_MODEL,
+        help="""Model name of the simulated GPUs (default ``Simulated-GPU``).
+
+        Set it to a real product label (e.g. ``NVIDIA-H100``) to try profiles that select a
+        model. Example: ``c.GPUInventory.simulated_model = "NVIDIA-H100"``
+        """,
+    ).tag(config=True)
+
+    simulated_memory_mib = Integer(
+        0, min=0, help="Memory reported for each simulated GPU, in MiB (default 0: unknown)."
+    ).tag(config=True)
+
+    @default("source")
+    def _source_default(self):
+        import os
+
+        return os.environ.get("GPULAB_GPU_SOURCE", "auto")
+
+    def discover(self) -> list[GPU]:
+        gpus: list[GPU] = []
+        if self.source in ("auto", "nvml"):
+            try:
+                import pynvml
+            except ImportError:  # pragma: no cover - nvidia-ml-py is a dependency
+                pynvml = None
+            if pynvml is not None:
+                gpus = discover_gpus(pynvml)
+        if self.source == "simulated" or (self.source == "auto" and not gpus):
+            gpus = simulated_gpus(
+                self.simulated_gpus, self.simulated_model, self.simulated_memory_mib
+            )
+        return gpus
+
+    _gpus: list[GPU] | None = None
+
+    @property
+    def gpus(self) -> list[GPU]:
+        """The GPU list, read once per process."""
+        if self._gpus is None:
+            self._gpus = self.discover()
+            kind = "simulated" if any(g.simulated for g in self._gpus) else "NVML"
+            self.log.info(
+                "GPU inventory (%s): %s", kind, ", ".join(g.label for g in self._gpus) or "none"
+            )
+        return self._gpus
+
+    def by_index(self, index: int) -> GPU | None:
+        for gpu in self.gpus:
+            if gpu.index == index:
+                return gpu
+        return None
+
+
+def gpus_json(gpus) -> str:
+    """The ``GPULAB_GPUS`` value: a JSON list of index, uuid, model, memory_mib, simulated."""
+    return json.dumps([g.to_dict() for g in gpus])

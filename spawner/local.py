@@ -1,0 +1,234 @@
+"""`LocalGPUSpawner`: notebook servers as local processes bound to whole GPUs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pwd
+import sys
+from pathlib import Path
+
+from jupyterhub.spawner import LocalProcessSpawner, set_user_setuid
+from traitlets import Bool, Callable, List, Unicode, Union, default
+
+from .accounts import (
+    AccountError,
+    ensure_account,
+    prepare_user_folder,
+    safe_name,
+    system_username,
+)
+from .mixin import GPUSpawnerMixin, SpawnRefused, pid_alive
+from .profiles import GPUProfile
+
+# Spawner traits a profile's kubespawner_override may set locally.
+_PROFILE_TRAITS = ("cpu_limit", "cpu_guarantee", "mem_limit", "mem_guarantee", "default_url")
+
+
+class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
+    """Starts each server as a local process on the GPUs of the profile the user chose.
+
+    As root, each hub user's server runs as its own system account (``jupyter-<name>``);
+    otherwise every server runs as the hub's account and users are not isolated.
+    CPU and memory limits of a profile are passed to the server (``CPU_LIMIT``,
+    ``MEM_LIMIT``) but not enforced by this spawner.
+    """
+
+    profile_list = Union(
+        [List(), Callable()],
+        default_value=[],
+        help="""The GPU profiles offered in the spawn form, in KubeSpawner's ``profile_list``
+        shape (``display_name``, ``slug``, ``description``, ``default``,
+        ``kubespawner_override``), so one list serves local and Kubernetes mode.
+
+        The GPU count is ``kubespawner_override.extra_resource_limits["nvidia.com/gpu"]``, the
+        GPU model ``kubespawner_override.node_selector["nvidia.com/gpu.product"]``. Empty
+        (default): "CPU only" plus 1, 2, 4 and 8 GPUs as far as the machine has them.
+        A callable takes the spawner and returns the list. Example::
+
+            c.LocalGPUSpawner.profile_list = [
+                {"display_name": "CPU only", "slug": "cpu"},
+                {"display_name": "1 GPU", "slug": "gpu-1", "default": True,
+                 "kubespawner_override": {"extra_resource_limits": {"nvidia.com/gpu": "1"}}},
+            ]
+        """,
+    ).tag(config=True)
+
+    shared_dir = Unicode(
+        help="""The shared storage folder: ``datasets/`` (read-only for users) and
+        ``users/<name>/`` (each user's own folder, the server's root directory).
+
+        Default: ``$GPULAB_SHARED_DIR``. ``gpulab up`` sets it from ``--shared-dir``.
+        Example: ``c.LocalGPUSpawner.shared_dir = "/srv/gpulab/shared"``
+        """,
+    ).tag(config=True)
+
+    @default("shared_dir")
+    def _shared_dir_default(self):
+        return os.environ.get("GPULAB_SHARED_DIR", "")
+
+    isolate_users = Bool(
+        help="""Run each user's server as its own system account (``jupyter-<name>``,
+        created on first spawn) and give that account sole access to the user's folder.
+
+        Default: True when the hub runs as root, which this requires; False otherwise, when
+        all servers run as the hub's own account. Example: ``c.LocalGPUSpawner.isolate_users = True``
+        """,
+    ).tag(config=True)
+
+    @default("isolate_users")
+    def _isolate_default(self):
+        return os.geteuid() == 0
+
+    system_user_prefix = Unicode(
+        "jupyter-",
+        help="""Prefix of the system account made for each hub user when users are isolated
+        (default ``jupyter-``, as in The Littlest JupyterHub). Long or unusual names are
+        shortened with a hash. Example: ``c.LocalGPUSpawner.system_user_prefix = "lab-"``
+        """,
+    ).tag(config=True)
+
+    home_dir_template = Unicode(
+        "",
+        help="""Home folder of servers when users are not isolated; ``{username}`` is the hub
+        user name. Default '' keeps the hub account's home. ``gpulab up`` sets it to
+        ``<data-dir>/homes/{username}``. Isolated servers use their account's home.
+        """,
+    ).tag(config=True)
+
+    server_log_dir = Unicode(
+        "",
+        help="""Folder for one log file per server (``<user>.<server>.log``); '' (default)
+        leaves servers' output on the hub's own output. ``gpulab up`` sets it to
+        ``<data-dir>/logs/servers``.
+        """,
+    ).tag(config=True)
+
+    @default("cmd")
+    def _cmd_default(self):
+        # The hub's own interpreter: the same installation serves every account.
+        return [sys.executable, "-m", "jupyterhub.singleuser"]
+
+    @default("options_form")
+    def _options_form_default(self):
+        return lambda spawner: spawner.render_gpu_form()
+
+    @default("notebook_dir")
+    def _notebook_dir_default(self):
+        return str(self.user_folder) if self.shared_dir else ""
+
+    # -- where things are -------------------------------------------------------------
+
+    @property
+    def system_user(self) -> str:
+        if self.isolate_users:
+            return system_username(self.system_user_prefix, self.user.name)
+        return pwd.getpwuid(os.geteuid()).pw_name
+
+    @property
+    def user_folder(self) -> Path:
+        return Path(self.shared_dir) / "users" / safe_name(self.user.name)
+
+    @property
+    def home_dir(self) -> str:
+        if self.isolate_users:
+            return pwd.getpwnam(self.system_user).pw_dir
+        if self.home_dir_template:
+            return self.home_dir_template.format(username=safe_name(self.user.name))
+        return os.path.expanduser("~")
+
+    # -- LocalProcessSpawner hooks ------------------------------------------------------
+
+    def make_preexec_fn(self, name):
+        if self.isolate_users:
+            return set_user_setuid(self.system_user)
+        home = self.home_dir
+
+        def preexec():
+            os.chdir(home)
+
+        return preexec
+
+    def user_env(self, env):
+        if self.isolate_users:
+            entry = pwd.getpwnam(self.system_user)
+            env["USER"] = entry.pw_name
+            env["HOME"] = entry.pw_dir
+            env["SHELL"] = entry.pw_shell or "/bin/bash"
+        else:
+            env["HOME"] = self.home_dir
+        return env
+
+    def get_env(self):
+        env = super().get_env()
+        bindir = os.path.dirname(sys.executable)
+        env["PATH"] = bindir + os.pathsep + env.get("PATH", os.defpath)
+        env.update(self.gpu_env())
+        if self.shared_dir:
+            env["GPULAB_SHARED_DIR"] = self.shared_dir
+            env["GPULAB_USER_DIR"] = str(self.user_folder)
+            env["GPULAB_DATASETS_DIR"] = str(Path(self.shared_dir) / "datasets")
+        return env
+
+    def gpu_probe(self):
+        return lambda: pid_alive(self.pid)
+
+    def _apply_profile(self, profile: GPUProfile) -> None:
+        """Set the profile's overrides, undoing those of a previous start first."""
+        if not hasattr(self, "_trait_defaults_before_profile"):
+            self._trait_defaults_before_profile = {
+                name: getattr(self, name) for name in _PROFILE_TRAITS + ("environment",)
+            }
+        for name, value in self._trait_defaults_before_profile.items():
+            setattr(self, name, value)
+        override = profile.override
+        for name in _PROFILE_TRAITS:
+            if name in override:
+                setattr(self, name, override[name])
+        if "environment" in override:
+            self.environment = {**self.environment, **override["environment"]}
+
+    def _prepare_account(self) -> None:
+        owner = None
+        if self.isolate_users:
+            owner = ensure_account(self.system_user, f"gpulab user {self.user.name}")
+        elif self.home_dir_template:
+            Path(self.home_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.shared_dir:
+            prepare_user_folder(self.user_folder, owner)
+
+    async def start(self):
+        profile = self.selected_profile()
+        self._apply_profile(profile)
+        gpus = self.admit_gpus(profile)  # synchronous: atomic on the hub's event loop
+        try:
+            try:
+                await asyncio.to_thread(self._prepare_account)
+            except AccountError as e:
+                raise SpawnRefused(500, f"Your server could not be prepared: {e}") from e
+            log_file = None
+            if self.server_log_dir:
+                os.makedirs(self.server_log_dir, mode=0o700, exist_ok=True)
+                path = Path(self.server_log_dir) / (
+                    f"{safe_name(self.user.name)}.{safe_name(self.name) if self.name else 'default'}.log"
+                )
+                log_file = open(path, "ab", buffering=0)
+                self.popen_kwargs = {**self.popen_kwargs, "stdout": log_file, "stderr": log_file}
+            try:
+                url = await super().start()
+            finally:
+                if log_file is not None:
+                    log_file.close()
+        except BaseException:
+            self.release_gpus()
+            raise
+        if self.gpu_claim_id:
+            self.gpu_allocator.set_probe(self.gpu_claim_id, self.gpu_probe())
+        self.log.info(
+            "Started %s as %s on GPUs [%s] (profile %s)",
+            self._log_name,
+            self.system_user,
+            ",".join(str(g.index) for g in gpus),
+            profile.slug,
+        )
+        return url
