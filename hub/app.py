@@ -47,9 +47,9 @@ def run_local_hub(settings: LocalSettings, log_level: str = "INFO") -> int:
     os.chmod(data.log_dir / "hub.log", 0o600)
     handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%Y-%m-%d %H:%M:%S"))
     config = local_defaults(settings)
-    config.JupyterHub.extra_log_handlers = [handler]
     essentials = local_essentials(settings)
     app = GpulabHub.instance(config=config)
+    app.extra_log_handlers = [handler]
     app.gpulab_essentials = essentials
     # The hub's working directory holds nothing of gpulab's; state lives in the data folder.
     os.chdir(data.path)
