@@ -182,6 +182,15 @@ def cmd_up(args) -> int:
         user_prefix=args.user_prefix,
     )
 
+    if isolate:
+        blocked = _not_traversable(data.shared)
+        if blocked:
+            return fail(
+                f"{blocked} is not reachable by other accounts (it lacks o+x), so users' "
+                f"servers could not reach the shared folder {data.shared}. Choose a "
+                "--data-dir/--shared-dir elsewhere (e.g. under /srv) or run chmod o+x on it."
+            )
+
     url = f"http://{'[' + args.ip + ']' if ':' in args.ip else args.ip}:{args.port}/"
     banner = [f"gpulab: data folder {data.path}", f"gpulab: shared storage {data.shared}"]
     if created:
@@ -214,6 +223,14 @@ def cmd_up(args) -> int:
     from .app import run_local_hub
 
     return run_local_hub(settings, log_level=args.log_level)
+
+
+def _not_traversable(path: Path) -> Path | None:
+    """The first folder on the way to `path` that other accounts cannot pass through."""
+    for folder in [*reversed(path.parents), path]:
+        if not os.stat(folder).st_mode & 0o001:
+            return folder
+    return None
 
 
 def _account() -> str:

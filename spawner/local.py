@@ -109,6 +109,11 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         # The hub's own interpreter: the same installation serves every account.
         return [sys.executable, "-m", "jupyterhub.singleuser"]
 
+    @default("apply_user_options")
+    def _apply_user_options_default(self):
+        # user_options are validated and applied in start(), as KubeSpawner does
+        return lambda spawner, user_options: None
+
     @default("options_form")
     def _options_form_default(self):
         return lambda spawner: spawner.render_gpu_form()

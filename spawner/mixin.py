@@ -18,7 +18,6 @@ from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from tornado import web
-from traitlets import Unicode
 
 from .allocator import (
     ClaimConflict,
@@ -68,7 +67,7 @@ def hub_allocator(config=None) -> GPUAllocator:
 class GPUSpawnerMixin:
     """GPU profiles, admission and release for a JupyterHub spawner (mix in first)."""
 
-    gpu_claim_id = Unicode("", help="Id of this server's GPU claim ('' when it holds none).")
+    gpu_claim_id = ""  # id of this server's GPU claim ('' when it holds none)
 
     _gpu_claim = None  # the allocator's Claim while this server holds GPUs
 

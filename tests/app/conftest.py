@@ -1,0 +1,65 @@
+import os
+import pwd
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from gpulab.spawner.accounts import delete_account
+
+from .hubctl import Browser, Hub
+
+PASSWORD = "Correct-Horse-42"
+
+
+@pytest.fixture(scope="module")
+def prefix():
+    """A unique system-account prefix; every account made with it is removed afterwards."""
+    p = f"gt{uuid.uuid4().hex[:5]}-"
+    yield p
+    for entry in pwd.getpwall():
+        if entry.pw_name.startswith(p):
+            delete_account(entry.pw_name)
+
+
+@pytest.fixture(scope="module")
+def workdir():
+    """A folder the users' own accounts can pass through (pytest's tmp_path is 0700)."""
+    d = Path(tempfile.mkdtemp(prefix="gpulab-test-"))
+    os.chmod(d, 0o711)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def hub(workdir, prefix):
+    h = Hub(workdir / "data", "--simulated-gpus", "4", "--user-prefix", prefix).start()
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def admin(hub):
+    b = Browser(hub, "admin")
+    b.login(hub.admin_password)
+    return b
+
+
+@pytest.fixture(scope="module")
+def users(hub, admin):
+    """Three people who signed up, were approved by the admin, and logged in."""
+    made = {}
+    for name in ("ann", "bob", "carl"):
+        b = Browser(hub, name)
+        r = b.signup(PASSWORD)
+        assert r.status_code == 200, r.text[:300]
+        # not approved yet: the login is refused
+        r = b.post_form("/hub/login", {"username": name, "password": PASSWORD}, allow_redirects=False)
+        assert r.status_code != 302
+        r = admin.s.get(hub.url + f"/hub/authorize/{name}")
+        assert r.status_code == 200
+        b.login(PASSWORD)
+        made[name] = b
+    return made

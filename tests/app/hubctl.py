@@ -1,0 +1,179 @@
+"""Drive a real `gpulab up` (JupyterHub + configurable-http-proxy) over HTTP, as a person's
+browser would: sign up, get approved, log in, start and stop servers, run code in a kernel."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import requests
+import websocket
+
+GPULAB = str(Path(sys.executable).with_name("gpulab"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Hub:
+    def __init__(self, data_dir: Path, *extra: str):
+        self.data_dir = data_dir
+        self.port, self.hub_port, self.api_port = free_port(), free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.extra = list(extra)
+        self.proc = None
+
+    def start(self, timeout: float = 60):
+        self.log = open(self.data_dir.parent / f"up-{self.port}.log", "ab")
+        self.proc = subprocess.Popen(
+            [GPULAB, "up", "--data-dir", str(self.data_dir), "--port", str(self.port),
+             "--hub-port", str(self.hub_port), "--proxy-api-port", str(self.api_port),
+             *self.extra],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gpulab up exited {self.proc.returncode}: {self.output()[-3000:]}")
+            try:
+                if requests.get(self.url + "/hub/api/", timeout=2).ok:
+                    return self
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(self.output()[-3000:])
+
+    def output(self) -> str:
+        return (self.data_dir.parent / f"up-{self.port}.log").read_text(errors="replace")
+
+    def stop(self, sig=signal.SIGINT, timeout: float = 60):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    @property
+    def admin_password(self) -> str:
+        return (self.data_dir / "admin_password").read_text().strip()
+
+
+class Browser:
+    """A requests session that behaves like a logged-in browser (cookies + xsrf)."""
+
+    def __init__(self, hub: Hub, name: str):
+        self.hub, self.name, self.s = hub, name, requests.Session()
+
+    def _xsrf(self) -> str:
+        if "_xsrf" not in self.s.cookies:
+            self.s.get(self.hub.url + "/hub/login")
+        return self.s.cookies.get("_xsrf", path="/hub/") or self.s.cookies.get("_xsrf")
+
+    def post_form(self, path, data, **kw):
+        return self.s.post(self.hub.url + path, data={**data, "_xsrf": self._xsrf()}, **kw)
+
+    def signup(self, password):
+        return self.post_form("/hub/signup", {"username": self.name, "signup_password": password,
+                                              "signup_password_confirmation": password})
+
+    def login(self, password):
+        r = self.post_form("/hub/login", {"username": self.name, "password": password},
+                           allow_redirects=False)
+        assert r.status_code == 302, (r.status_code, r.text[:500])
+        return r
+
+    def api(self, method, path, **kw):
+        headers = {"X-XSRFToken": self._xsrf(), **kw.pop("headers", {})}
+        return self.s.request(method, self.hub.url + "/hub/api" + path, headers=headers, **kw)
+
+    def start_server(self, server="", options=None, wait=True):
+        r = self.api("POST", f"/users/{self.name}/servers/{server}", json=options or {})
+        if r.status_code >= 400 or not wait:
+            return r
+        self.wait_ready(server)
+        return r
+
+    def wait_ready(self, server="", timeout=90):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            info = self.api("GET", f"/users/{self.name}").json()
+            srv = info.get("servers", {}).get(server)
+            if srv and srv.get("ready"):
+                return srv
+            time.sleep(0.5)
+        raise TimeoutError(f"server {self.name}/{server} not ready")
+
+    def stop_server(self, server=""):
+        r = self.api("DELETE", f"/users/{self.name}/servers/{server}")
+        assert r.status_code in (202, 204), r.text
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            info = self.api("GET", f"/users/{self.name}").json()
+            if server not in info.get("servers", {}):
+                return
+            time.sleep(0.5)
+        raise TimeoutError("server did not stop")
+
+    def token(self) -> str:
+        if not hasattr(self, "_token"):
+            r = self.api("POST", f"/users/{self.name}/tokens", json={"note": "tests"})
+            assert r.status_code == 201, r.text
+            self._token = r.json()["token"]
+        return self._token
+
+    def run_in_kernel(self, code: str, server="", timeout=60) -> str:
+        """Run `code` in a new kernel of the server; return what it printed."""
+        base = f"{self.hub.url}/user/{self.name}/{server + '/' if server else ''}"
+        h = {"Authorization": f"token {self.token()}"}
+        k = requests.post(base + "api/kernels", headers=h, json={"name": "python3"})
+        assert k.status_code == 201, (k.status_code, k.text)
+        kid = k.json()["id"]
+        ws = websocket.create_connection(
+            base.replace("http", "ws", 1) + f"api/kernels/{kid}/channels",
+            header=[f"Authorization: token {self.token()}"], timeout=timeout)
+        msg_id = uuid.uuid4().hex
+        ws.send(json.dumps({
+            "header": {"msg_id": msg_id, "msg_type": "execute_request", "username": "t",
+                       "session": uuid.uuid4().hex, "version": "5.3"},
+            "parent_header": {}, "metadata": {}, "channel": "shell",
+            "content": {"code": code, "silent": False, "store_history": False,
+                        "user_expressions": {}, "allow_stdin": False},
+        }))
+        out, deadline = [], time.time() + timeout
+        try:
+            while time.time() < deadline:
+                m = json.loads(ws.recv())
+                if m.get("parent_header", {}).get("msg_id") != msg_id:
+                    continue
+                t = m["msg_type"]
+                if t == "stream":
+                    out.append(m["content"]["text"])
+                elif t == "error":
+                    raise AssertionError("kernel error: " + "\n".join(m["content"]["traceback"]))
+                elif t == "status" and m["content"]["execution_state"] == "idle":
+                    return "".join(out)
+        finally:
+            ws.close()
+            requests.delete(base + f"api/kernels/{kid}", headers=h)
+        raise TimeoutError("kernel did not answer")
+
+
+def pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,167 @@
+"""The local deployment through its real interfaces: `gpulab up` (JupyterHub with
+configurable-http-proxy), the hub's HTTP API and spawn form, and code run in the servers."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from .hubctl import pid_exists
+
+pytestmark = pytest.mark.app
+
+PROBE = (
+    "import os, json, pwd\n"
+    "print(json.dumps({'cuda': os.environ.get('CUDA_VISIBLE_DEVICES'),"
+    " 'gpus': json.loads(os.environ.get('GPULAB_GPUS', '[]')),"
+    " 'user': pwd.getpwuid(os.getuid()).pw_name, 'server_pid': os.getppid(),"
+    " 'user_dir': os.environ.get('GPULAB_USER_DIR'), 'cwd': os.getcwd()}))"
+)
+
+
+def probe(browser, server=""):
+    return json.loads(browser.run_in_kernel(PROBE, server).strip().splitlines()[-1])
+
+
+def devices(p):
+    return set(p["cuda"].split(",")) if p["cuda"] else set()
+
+
+def test_unapproved_and_unknown_people_cannot_log_in(hub):
+    from .hubctl import Browser
+
+    stranger = Browser(hub, "mallory")
+    r = stranger.post_form("/hub/login", {"username": "mallory", "password": "whatever1"},
+                           allow_redirects=False)
+    assert r.status_code != 302
+    assert stranger.api("GET", "/users/mallory").status_code in (401, 403)
+
+
+def test_spawn_form_lists_profiles_with_free_gpus(users, hub):
+    r = users["ann"].s.get(hub.url + "/hub/spawn")
+    assert r.status_code == 200
+    assert 'value="gpu-2"' in r.text and 'value="cpu"' in r.text
+    assert "4 of 4 GPUs free" in r.text and "simulated" in r.text
+
+
+def test_servers_get_disjoint_gpus(users, prefix):
+    ann, bob = users["ann"], users["bob"]
+    assert ann.start_server("big", {"profile": "gpu-2"}).status_code in (201, 202)
+    assert bob.start_server("", {"profile": "gpu-1"}).status_code in (201, 202)
+    pa, pb = probe(ann, "big"), probe(bob)
+    assert len(devices(pa)) == 2 and len(devices(pb)) == 1
+    assert devices(pa).isdisjoint(devices(pb))
+    assert [g["simulated"] for g in pa["gpus"]] == [True, True]
+    assert {str(g["index"]) for g in pa["gpus"]} == devices(pa)
+    assert pa["user_dir"].endswith("/users/ann")
+    if os.geteuid() == 0:
+        assert pa["user"] == prefix + "ann" and pb["user"] == prefix + "bob"
+
+
+def test_exhaustion_is_refused_with_a_message(users):
+    carl = users["carl"]
+    r = carl.start_server("", {"profile": "gpu-2"})
+    assert r.status_code == 409, r.text
+    msg = r.json()["message"]
+    assert "Not enough free GPUs" in msg and "1 of 4 is free" in msg
+    assert "3 held by other users" in msg
+    assert "ann" not in msg and "bob" not in msg and "big" not in msg
+    info = carl.api("GET", "/users/carl").json()
+    assert info["servers"] == {}  # nothing half-started
+
+
+def test_own_holdings_are_named_in_the_refusal(users):
+    ann = users["ann"]
+    r = ann.start_server("second", {"profile": "gpu-2"})
+    assert r.status_code == 409
+    assert "your server 'big' (2)" in r.json()["message"]
+
+
+@pytest.mark.parametrize(
+    "options,expected",
+    [
+        ({"profile": "gpu-99"}, "There is no profile 'gpu-99'"),
+        ({"profile": "gpu-1", "gpus": 3}, "Unknown server option(s): gpus"),
+        ({"profile": -1}, "'profile' must be a profile name"),
+    ],
+    ids=["unknown-profile", "tampered-gpu-count", "negative"],
+)
+def test_bad_options_are_refused(users, options, expected):
+    carl = users["carl"]
+    r = carl.start_server("", options)
+    assert r.status_code == 400, r.text
+    assert expected in r.json()["message"]
+    assert carl.api("GET", "/users/carl").json()["servers"] == {}
+
+
+def test_tampered_form_is_refused(users, hub):
+    carl = users["carl"]
+    r = carl.post_form("/hub/spawn/carl", {"profile": "gpu-99"})
+    assert r.status_code == 400
+    assert "There is no profile" in r.text
+    r = carl.post_form("/hub/spawn/carl", {"profile": "gpu-1", "gpus": "-3"})
+    assert r.status_code == 400 and "Unknown form field(s): gpus" in r.text
+    assert carl.api("GET", "/users/carl").json()["servers"] == {}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="isolation needs root")
+def test_users_cannot_read_each_others_folders(users, hub):
+    ann = users["ann"]
+    out = ann.run_in_kernel(
+        "import os\n"
+        "bob = os.path.join(os.path.dirname(os.environ['GPULAB_USER_DIR']), 'bob')\n"
+        "try:\n    os.listdir(bob); print('READ')\nexcept PermissionError: print('DENIED')\n"
+        "ds = os.path.join(os.environ['GPULAB_SHARED_DIR'], 'datasets')\n"
+        "print('DS-READ' if os.access(ds, os.R_OK) else 'DS-NOREAD')\n"
+        "print('DS-WRITE' if os.access(ds, os.W_OK) else 'DS-NOWRITE')\n",
+        "big",
+    )
+    assert out.split() == ["DENIED", "DS-READ", "DS-NOWRITE"]
+    st = os.stat(hub.data_dir / "shared" / "users" / "bob")
+    assert oct(st.st_mode & 0o777) == "0o700"
+
+
+def test_stop_releases_gpus(users):
+    ann, carl = users["ann"], users["carl"]
+    ann.stop_server("big")
+    assert carl.start_server("", {"profile": "gpu-2"}).status_code in (201, 202)
+    assert len(devices(probe(carl))) == 2
+    carl.stop_server("")
+
+
+def test_killed_server_releases_gpus(users):
+    bob, carl = users["bob"], users["carl"]
+    pid = probe(bob)["server_pid"]
+    os.kill(pid, signal.SIGKILL)
+    # all four GPUs: only possible once bob's dead server's GPU came back
+    r = carl.start_server("all", {"profile": "gpu-4"})
+    assert r.status_code in (201, 202), r.text
+    assert len(devices(probe(carl, "all"))) == 4
+    carl.stop_server("all")
+
+
+def test_hub_restart_keeps_assignments_and_ctrl_c_stops_servers(users, hub):
+    ann, bob = users["ann"], users["bob"]
+    deadline = time.time() + 30  # the hub notices bob's killed server
+    while "" in bob.api("GET", "/users/bob").json()["servers"] and time.time() < deadline:
+        time.sleep(0.5)
+    assert ann.start_server("", {"profile": "gpu-2"}).status_code in (201, 202)
+    before = probe(ann)
+    # the hub crashes; its servers keep running
+    hub.stop(signal.SIGKILL)
+    assert pid_exists(before["server_pid"])
+    hub.start()
+    # the same session cookie still works after the restart: nothing was lost
+    after = probe(ann)
+    assert devices(after) == devices(before) and after["server_pid"] == before["server_pid"]
+    r = bob.start_server("", {"profile": "gpu-4"})
+    assert r.status_code == 409 and "2 of 4 are free" in r.json()["message"]
+    # Ctrl-C: the hub stops every server it started
+    hub.stop(signal.SIGINT)
+    deadline = time.time() + 30
+    while pid_exists(before["server_pid"]) and time.time() < deadline:
+        time.sleep(0.3)
+    assert not pid_exists(before["server_pid"])
+    hub.start()  # for the module fixture's teardown
