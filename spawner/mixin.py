@@ -119,7 +119,7 @@ class GPUSpawnerMixin:
 
     def options_from_form(self, formdata):
         """The form posts one field, ``profile``; anything else is refused with 400."""
-        extra = sorted(k for k in formdata if k != "profile")
+        extra = sorted(k for k in formdata if k not in ("profile", "_xsrf"))
         if extra:
             raise SpawnRefused(400, f"Unknown form field(s): {', '.join(extra)}.")
         values = formdata.get("profile") or []
