@@ -14,6 +14,8 @@ import socket
 import sys
 from pathlib import Path
 
+from gpulab.spawner.mixin import pid_alive
+
 from .datadir import DataDir, DataDirError
 
 EXIT_USAGE = 2
@@ -52,18 +54,6 @@ def _pid_from(path: Path) -> int:
         return int(path.read_text().strip())
     except (OSError, ValueError):
         return 0
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def fail(message: str) -> int:
@@ -150,9 +140,9 @@ def cmd_up(args) -> int:
     except DataDirError as e:
         return fail(str(e))
 
-    proxy_running = _alive(_pid_from(data.proxy_pid_file))
+    proxy_running = pid_alive(_pid_from(data.proxy_pid_file))
     hub_pid = _pid_from(data.hub_pid_file)
-    if hub_pid != os.getpid() and _alive(hub_pid):
+    if hub_pid != os.getpid() and pid_alive(hub_pid):
         return fail(
             f"a gpulab hub (pid {hub_pid}) is already running on {data.path}; stop it first."
         )

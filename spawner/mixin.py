@@ -255,8 +255,8 @@ class GPUSpawnerMixin:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists (zombies count as gone)."""
-    if not pid:
+    """Whether process `pid` exists (zombies count as gone); 0 or negative: no process."""
+    if pid <= 0:
         return False
     try:
         os.kill(pid, 0)

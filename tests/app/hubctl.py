@@ -16,6 +16,8 @@ from pathlib import Path
 import requests
 import websocket
 
+from gpulab.spawner.mixin import pid_alive as pid_exists  # noqa: F401 (used by tests)
+
 GPULAB = str(Path(sys.executable).with_name("gpulab"))
 
 
@@ -170,10 +172,3 @@ class Browser:
             requests.delete(base + f"api/kernels/{kid}", headers=h)
         raise TimeoutError("kernel did not answer")
 
-
-def pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
