@@ -4,6 +4,19 @@
 #   bash scripts/test.sh -m "not app"    only the fast unit tier (any pytest arguments)
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# System packages the tests drive for real: Debian's Chromium (the browser tier) and
+# PostgreSQL's server (the ledger's concurrency tests start their own cluster).
+need=()
+command -v chromium >/dev/null || need+=(chromium)
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
+if ((${#need[@]})); then
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "scripts/test.sh: missing ${need[*]}; run as root (sudo) so it can apt-get install them" >&2
+    exit 1
+  fi
+  echo "scripts/test.sh: installing ${need[*]} with apt-get"
+  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"
+fi
 GPULAB_EXTRAS=test source "$repo/scripts/setup.sh"
 cd "$repo"
 exec "$GPULAB_HOME/venv/bin/python" -m pytest "$@"

@@ -164,6 +164,13 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             env["HOME"] = self.home_dir
         return env
 
+    def get_args(self):
+        args = super().get_args()
+        if not self.isolate_users and os.geteuid() == 0:
+            # the operator chose --no-isolation as root: Jupyter Server refuses root otherwise
+            args.append("--ServerApp.allow_root=True")
+        return args
+
     def get_env(self):
         env = super().get_env()
         bindir = os.path.dirname(sys.executable)

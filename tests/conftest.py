@@ -9,7 +9,7 @@ import pytest
 
 from gpulab.spawner.accounts import delete_account
 
-from .hubctl import Browser, Hub
+from tests.app.hubctl import Browser, Hub
 
 PASSWORD = "Correct-Horse-42"
 
