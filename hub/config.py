@@ -73,6 +73,7 @@ def local_essentials(s: LocalSettings) -> Config:
     c.Authenticator.admin_users = {s.admin_user}
     c.GpulabAuthenticator.bootstrap_admin = s.admin_user
     c.GpulabAuthenticator.bootstrap_password_file = str(d.admin_password_file)
+    c.GPULedger.db_url = d.ledger_url
     c.LocalGPUSpawner.shared_dir = str(d.shared)
     c.LocalGPUSpawner.home_dir_template = str(d.homes_dir / "{username}")
     c.LocalGPUSpawner.server_log_dir = str(d.server_log_dir)

@@ -80,6 +80,8 @@ class DataDir:
         return cls(p, s)
 
     db_file = property(lambda self: self.path / "jupyterhub.sqlite")
+    ledger_file = property(lambda self: self.path / "gpulab.sqlite")
+    ledger_url = property(lambda self: f"sqlite:///{self.path / 'gpulab.sqlite'}")
     cookie_secret_file = property(lambda self: self.path / "cookie_secret")
     proxy_token_file = property(lambda self: self.path / "proxy_token")
     admin_password_file = property(lambda self: self.path / "admin_password")
@@ -99,8 +101,12 @@ class DataDir:
         _ensure_dir(self.shared, 0o755, "shared folder")
         _ensure_dir(self.shared / "datasets", 0o755, "datasets folder")
         _ensure_dir(self.shared / "users", 0o711, "users folder")
-        if self.db_file.exists():
-            os.chmod(self.db_file, 0o600)
+        for db in (self.db_file, self.ledger_file):
+            if db.exists():
+                os.chmod(db, 0o600)
+        if not self.ledger_file.exists():
+            # the quota ledger: SQLite takes an empty file as a new database
+            os.close(os.open(self.ledger_file, os.O_CREAT | os.O_WRONLY, 0o600))
         if not self.config_file.exists():
             template = resources.files("gpulab.hub").joinpath("templates/gpulab_config.py")
             write_secret(self.config_file, template.read_text().rstrip("\n"))

@@ -235,7 +235,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             self.release_gpus()
             raise
         if self.gpu_claim_id:
-            self.gpu_allocator.set_probe(self.gpu_claim_id, self.gpu_probe())
+            self.set_gpu_probe()
         self.log.info(
             "Started %s as %s on GPUs [%s] (profile %s)",
             self._log_name,

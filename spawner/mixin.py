@@ -19,12 +19,11 @@ from pathlib import Path
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from tornado import web
 
-from .allocator import (
-    ClaimConflict,
-    GPUAllocationError,
-    GPUAllocator,
-    Holder,
-)
+from traitlets import Unicode
+from traitlets.config import SingletonConfigurable
+
+from gpulab.hub.ledger import AdmissionRefused, Allocation, DeviceInfo, Ledger, Request
+
 from .inventory import GPU, GPUInventory, gpus_json, model_matches
 from .profiles import (
     GPUProfile,
@@ -55,27 +54,91 @@ class SpawnRefused(web.HTTPError):
         self.jupyterhub_html_message = html.escape(message)
 
 
-def hub_allocator(config=None) -> GPUAllocator:
-    """The one allocator of this hub process, over `GPUInventory`'s GPUs."""
-    inventory = GPUInventory.instance(config=config)
-    allocator = getattr(inventory, "_allocator", None)
-    if allocator is None:
-        allocator = inventory._allocator = GPUAllocator(inventory.gpus, log=inventory.log)
-    return allocator
+class GPULedger(SingletonConfigurable):
+    """Where the hub keeps its quota ledger (quotas, GPU allocations, audit trail)."""
+
+    db_url = Unicode(
+        "sqlite:///gpulab.sqlite",
+        help="""SQLAlchemy URL of the quota ledger, shared by the hub and the gpulab service:
+        ``sqlite:///<path>`` (the local default, ``<data-dir>/gpulab.sqlite``) or
+        ``postgresql+psycopg://user:password@host/db`` in production.
+        """,
+    ).tag(config=True)
+
+    pool = Unicode(
+        "local",
+        help="""Name of this hub's GPU pool in the ledger (``local`` for the embedded
+        deployment, ``kubernetes`` for a cluster).""",
+    ).tag(config=True)
+
+    _ledger: Ledger | None = None
+
+
+#: allocation id -> callable telling whether its server still runs (this hub process)
+_probes: dict[str, object] = {}
+
+
+def hub_ledger(config=None, assigns_devices: bool = True) -> Ledger:
+    """The ledger of this hub process, migrated, with the machine's GPUs recorded."""
+    conf = GPULedger.instance(config=config)
+    if conf._ledger is None:
+        ledger = Ledger(conf.db_url, pool=conf.pool)
+        ledger.migrate()
+        if assigns_devices:
+            inventory = GPUInventory.instance(config=config)
+            ledger.sync_inventory(
+                DeviceInfo(g.index, g.uuid, g.model, g.memory_mib, g.simulated)
+                for g in inventory.gpus
+            )
+        else:
+            ledger.ensure_pool(assigns_devices=False)
+        conf._ledger = ledger
+    return conf._ledger
+
+
+def adopted_allocations() -> set[str]:
+    """Ids of the notebook allocations that servers of this hub process hold."""
+    return set(_probes)
+
+
+def reap_dead_servers(ledger: Ledger) -> int:
+    """Release the allocations whose server is known to be gone; returns how many."""
+    n = 0
+    for alloc_id, probe in list(_probes.items()):
+        if probe is None:
+            continue
+        try:
+            alive = probe()
+        except Exception:  # a probe that cannot tell keeps the GPUs
+            alive = True
+        if not alive:
+            _probes.pop(alloc_id, None)
+            if ledger.release(alloc_id, "server process gone") is not None:
+                n += 1
+    return n
 
 
 class GPUSpawnerMixin:
     """GPU profiles, admission and release for a JupyterHub spawner (mix in first)."""
 
-    gpu_claim_id = ""  # id of this server's GPU claim ('' when it holds none)
+    gpu_claim_id = ""  # id of this server's ledger allocation ('' when it holds none)
 
-    _gpu_claim = None  # the allocator's Claim while this server holds GPUs
+    #: True where the hub hands out device indices (local); False on Kubernetes
+    gpu_assigns_devices = True
 
-    # -- profiles --------------------------------------------------------------------------
+    _gpu_allocation: Allocation | None = None
 
     @property
-    def gpu_allocator(self) -> GPUAllocator:
-        return hub_allocator(self.config)
+    def gpu_ledger(self) -> Ledger:
+        return hub_ledger(self.config, self.gpu_assigns_devices)
+
+    @property
+    def gpu_inventory(self) -> list[GPU]:
+        return GPUInventory.instance(config=self.config).gpus
+
+    @property
+    def user_groups(self) -> tuple[str, ...]:
+        return tuple(sorted(g.name for g in getattr(self.user, "groups", []) or []))
 
     def gpu_profiles(self) -> list[GPUProfile]:
         """The configured profiles, parsed; the defaults when none are configured."""
@@ -85,7 +148,7 @@ class GPUSpawnerMixin:
             if inspect.isawaitable(configured):  # pragma: no cover - async lists: kube mode
                 raise ProfileError("An async profile_list is only supported by KubeGPUSpawner.")
         if not configured:
-            configured = default_profile_list(len(self.gpu_allocator.gpus))
+            configured = default_profile_list(len(self.gpu_inventory))
         return parse_profiles(configured)
 
     def selected_profile(self, user_options: dict | None = None) -> GPUProfile:
@@ -130,48 +193,43 @@ class GPUSpawnerMixin:
         return options
 
     def gpu_form_context(self) -> dict:
-        allocator = self.gpu_allocator
-        allocator.reap()
-        gpus = allocator.gpus
-        held = allocator.held_indices()
+        ledger = self.gpu_ledger
+        reap_dead_servers(ledger)
+        gpus = self.gpu_inventory
+        allocations = ledger.open_allocations()
+        held = {i for a in allocations for i in a.devices}
         rows = []
         for p in self.gpu_profiles():
             matching = [g for g in gpus if model_matches(p.model, g.model)]
             free = [g for g in matching if g.index not in held]
             if p.gpus == 0:
                 available, why = True, ""
-            elif len(matching) < p.gpus:
+            elif self.gpu_assigns_devices and len(matching) < p.gpus:
                 available = False
                 why = f"this machine has {len(matching)} matching GPU(s)"
-            elif len(free) < p.gpus:
+            elif self.gpu_assigns_devices and len(free) < p.gpus:
                 available, why = False, f"only {len(free)} free now"
             else:
                 available, why = True, ""
-            rows.append(
-                {
-                    "profile": p,
-                    "free": len(free),
-                    "total": len(matching),
-                    "available": available,
-                    "why": why,
-                }
-            )
+            rows.append({"profile": p, "free": len(free), "total": len(matching),
+                         "available": available, "why": why})
         if not any(r["profile"].default and r["available"] for r in rows):
             first = next((r for r in rows if r["available"]), rows[0] if rows else None)
             checked = first["profile"].slug if first else None
         else:
             checked = next(r["profile"].slug for r in rows if r["profile"].default)
-        mine = [
-            (c.holder.describe(), len(c.gpus), [g.index for g in c.gpus])
-            for c in allocator.holdings_of(self.user.name)
-        ]
+        mine = [a for a in allocations if a.user == self.user.name and a.gpus]
+        quota, source = ledger.effective(self.user.name, self.user_groups)
         return {
             "rows": rows,
             "checked": checked,
-            "mine": mine,
+            "mine": [(_describe(a), a.gpus, list(a.devices)) for a in mine],
             "free_total": len(gpus) - len(held),
             "total": len(gpus),
             "simulated": any(g.simulated for g in gpus),
+            "quota": quota.describe() if quota else "",
+            "quota_source": source,
+            "held": sum(a.gpus for a in mine),
         }
 
     def render_gpu_form(self) -> str:
@@ -180,37 +238,59 @@ class GPUSpawnerMixin:
     # -- admission -------------------------------------------------------------------------
 
     @property
-    def gpu_holder(self) -> Holder:
-        return Holder(kind="notebook", user=self.user.name, name=self.name or "")
+    def gpu_holder_name(self) -> str:
+        return self.name or "default"
 
     def gpu_probe(self):
         """A callable telling whether this server is still alive, or None (always trusted)."""
         return None
 
     def admit_gpus(self, profile: GPUProfile) -> tuple[GPU, ...]:
-        """Claim the profile's GPUs for this server, or raise `SpawnRefused` (409)."""
+        """Admit the profile's GPUs through the ledger, or raise `SpawnRefused` (409)."""
         if self.gpu_claim_id:
             self.release_gpus()
         if profile.gpus == 0:
             return ()
+        ledger = self.gpu_ledger
+        request = Request(user=self.user.name, kind="notebook", holder=self.gpu_holder_name,
+                          gpus=profile.gpus, groups=self.user_groups, model=profile.model,
+                          model_matches=model_matches)
         try:
-            claim = self.gpu_allocator.claim(self.gpu_holder, profile.gpus, profile.model)
-        except GPUAllocationError as e:
-            raise SpawnRefused(409, f"Cannot start with profile '{profile.display_name}'. "
+            try:
+                allocation = ledger.admit(request)
+            except AdmissionRefused:
+                # servers that died since the hub last looked must not keep GPUs from anyone
+                if not reap_dead_servers(ledger):
+                    raise
+                allocation = ledger.admit(request)
+        except AdmissionRefused as e:
+            raise SpawnRefused(e.status, f"Cannot start with profile '{profile.display_name}'. "
                                + e.message) from e
-        self._gpu_claim = claim
-        self.gpu_claim_id = claim.id
-        return claim.gpus
+        self._adopt(allocation, probe=None)
+        return self.assigned_gpus
 
-    def release_gpus(self) -> None:
+    def _adopt(self, allocation: Allocation, probe) -> None:
+        self._gpu_allocation = allocation
+        self.gpu_claim_id = allocation.id
+        _probes[allocation.id] = probe
+
+    def set_gpu_probe(self) -> None:
         if self.gpu_claim_id:
-            self.gpu_allocator.release(self.gpu_claim_id)
-        self._gpu_claim = None
+            _probes[self.gpu_claim_id] = self.gpu_probe()
+
+    def release_gpus(self, reason: str = "server stopped") -> None:
+        if self.gpu_claim_id:
+            _probes.pop(self.gpu_claim_id, None)
+            self.gpu_ledger.release(self.gpu_claim_id, reason)
+        self._gpu_allocation = None
         self.gpu_claim_id = ""
 
     @property
     def assigned_gpus(self) -> tuple[GPU, ...]:
-        return self._gpu_claim.gpus if self._gpu_claim is not None else ()
+        if self._gpu_allocation is None:
+            return ()
+        by_index = {g.index: g for g in self.gpu_inventory}
+        return tuple(by_index[i] for i in self._gpu_allocation.devices if i in by_index)
 
     def gpu_env(self) -> dict[str, str]:
         """The variables that bind a process to exactly this server's GPUs."""
@@ -227,10 +307,10 @@ class GPUSpawnerMixin:
 
     def get_state(self):
         state = super().get_state()
-        if self.gpu_claim_id and self._gpu_claim is not None:
+        if self.gpu_claim_id and self._gpu_allocation is not None:
             state["gpulab_claim"] = {
                 "id": self.gpu_claim_id,
-                "gpus": [g.index for g in self._gpu_claim.gpus],
+                "gpus": list(self._gpu_allocation.devices),
             }
         return state
 
@@ -239,19 +319,25 @@ class GPUSpawnerMixin:
         saved = state.get("gpulab_claim") if state else None
         if not saved:
             return
-        try:
-            claim = self.gpu_allocator.restore(
-                saved["id"], self.gpu_holder, list(saved["gpus"]), alive=self.gpu_probe()
-            )
-        except ClaimConflict as e:
-            self.log.error("Not restoring GPUs of %s: %s", self._log_name, e)
+        allocation = self.gpu_ledger.get(saved.get("id", ""))
+        if allocation is None or not allocation.open:
+            self.log.error("Not restoring GPUs of %s: its allocation %s is %s in the ledger",
+                           self._log_name, saved.get("id"),
+                           "closed" if allocation else "missing")
             return
-        self._gpu_claim = claim
-        self.gpu_claim_id = claim.id
+        if allocation.user != self.user.name or allocation.holder != self.gpu_holder_name:
+            self.log.error("Not restoring GPUs of %s: allocation %s belongs to %s/%s",
+                           self._log_name, allocation.id, allocation.user, allocation.holder)
+            return
+        self._adopt(allocation, probe=self.gpu_probe())
 
     def clear_state(self):
         super().clear_state()
         self.release_gpus()
+
+
+def _describe(a: Allocation) -> str:
+    return f"server '{a.holder}'" if a.kind == "notebook" else f"job '{a.holder}'"
 
 
 def pid_alive(pid: int) -> bool:

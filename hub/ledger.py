@@ -1,0 +1,509 @@
+"""The quota ledger: quotas, GPU allocations and the audit trail, in one SQL database.
+
+SQLAlchemy 2 with Alembic migrations (``gpulab.hub:migrations``); SQLite in WAL mode by
+default, PostgreSQL in production. Both the hub (notebook servers) and the gpulab service
+(training jobs, quota edits) write here.
+
+Admission is one transaction: the pool's row is locked (``SELECT … FOR UPDATE`` on
+PostgreSQL; ``BEGIN IMMEDIATE`` serialises writers on SQLite), then the effective quota, the
+user's current holdings, the GPU-hours used in the quota's window and the free devices are
+read, and the allocation is written, so concurrent requests can never exceed a quota or hand a
+GPU out twice. A request is admitted whole or refused whole.
+
+Times are seconds since the epoch (floats), the same on every database.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+from sqlalchemy import (
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+    func,
+    or_,
+    select,
+)
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+from .policy import Holding, Quota, QuotaError, effective_quota, refusal
+
+log = logging.getLogger("gpulab.ledger")
+
+KINDS = ("notebook", "job")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Pool(Base):
+    """A set of GPUs handed out together; its row is the admission lock."""
+
+    __tablename__ = "pools"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    #: whether the pool hands out device indices (local) or only counts (Kubernetes)
+    assigns_devices: Mapped[int] = mapped_column(Integer, default=1)
+
+
+class Device(Base):
+    __tablename__ = "devices"
+    pool: Mapped[str] = mapped_column(ForeignKey("pools.name"), primary_key=True)
+    index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    uuid: Mapped[str] = mapped_column(String(128), default="")
+    model: Mapped[str] = mapped_column(String(128), default="")
+    memory_mib: Mapped[int] = mapped_column(Integer, default=0)
+    simulated: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class QuotaRow(Base):
+    __tablename__ = "quotas"
+    __table_args__ = (UniqueConstraint("scope", "name", name="uq_quotas_scope_name"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    scope: Mapped[str] = mapped_column(String(16))  # default | group | user
+    name: Mapped[str] = mapped_column(String(255), default="")
+    max_gpus: Mapped[int] = mapped_column(Integer)
+    max_per_request: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    gpu_hours: Mapped[float | None] = mapped_column(Float, nullable=True)
+    window_hours: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    updated_at: Mapped[float] = mapped_column(Float)
+    updated_by: Mapped[str] = mapped_column(String(255), default="")
+
+    def quota(self) -> Quota:
+        return Quota(self.max_gpus, self.max_per_request, self.gpu_hours, self.window_hours)
+
+
+class AuditRow(Base):
+    __tablename__ = "quota_audit"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[float] = mapped_column(Float, index=True)
+    actor: Mapped[str] = mapped_column(String(255))
+    scope: Mapped[str] = mapped_column(String(16))
+    name: Mapped[str] = mapped_column(String(255), default="")
+    old: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON
+    new: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON
+
+
+class AllocationRow(Base):
+    __tablename__ = "allocations"
+    __table_args__ = (
+        Index("ix_allocations_open", "ended_at", "pool"),
+        Index("ix_allocations_user_time", "user", "started_at"),
+    )
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    pool: Mapped[str] = mapped_column(ForeignKey("pools.name"))
+    kind: Mapped[str] = mapped_column(String(16))  # notebook | job
+    holder: Mapped[str] = mapped_column(String(255))
+    user: Mapped[str] = mapped_column(String(255))
+    gpus: Mapped[int] = mapped_column(Integer)
+    model: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    devices: Mapped[str] = mapped_column(Text, default="[]")  # JSON list of indices
+    started_at: Mapped[float] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    end_reason: Mapped[str] = mapped_column(String(255), default="")
+
+
+@dataclass(frozen=True)
+class Allocation:
+    id: str
+    pool: str
+    kind: str
+    holder: str
+    user: str
+    gpus: int
+    model: str | None
+    devices: tuple[int, ...]
+    started_at: float
+    ended_at: float | None = None
+    end_reason: str = ""
+
+    @classmethod
+    def of(cls, row: AllocationRow) -> "Allocation":
+        return cls(row.id, row.pool, row.kind, row.holder, row.user, row.gpus, row.model,
+                   tuple(json.loads(row.devices or "[]")), row.started_at, row.ended_at,
+                   row.end_reason)
+
+    @property
+    def open(self) -> bool:
+        return self.ended_at is None
+
+    def as_dict(self) -> dict:
+        return {
+            "id": self.id, "kind": self.kind, "holder": self.holder, "user": self.user,
+            "gpus": self.gpus, "model": self.model, "devices": list(self.devices),
+            "started_at": self.started_at, "ended_at": self.ended_at,
+            "end_reason": self.end_reason,
+        }
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    index: int
+    uuid: str = ""
+    model: str = ""
+    memory_mib: int = 0
+    simulated: bool = False
+
+
+@dataclass(frozen=True)
+class Request:
+    user: str
+    kind: str  # notebook | job
+    holder: str
+    gpus: int
+    groups: tuple[str, ...] = ()
+    model: str | None = None
+    model_matches: Callable[[str | None, str], bool] | None = field(default=None, compare=False)
+
+
+class AdmissionRefused(Exception):
+    """Base of the refusals; ``message`` is written for the person asking."""
+
+    status = 409
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class QuotaExceeded(AdmissionRefused):
+    pass
+
+
+class NotEnoughGPUs(AdmissionRefused):
+    def __init__(self, message: str, *, requested: int, free: int, matching: int):
+        super().__init__(message)
+        self.requested, self.free, self.matching = requested, free, matching
+
+
+class BadRequest(AdmissionRefused):
+    status = 400
+
+
+def _exact_model(wanted: str | None, model: str) -> bool:
+    return wanted is None or wanted == model
+
+
+class Ledger:
+    """The ledger over one database; thread-safe (a session per call)."""
+
+    def __init__(self, url: str, *, pool: str = "local", echo: bool = False):
+        self.url = url
+        self.pool = pool
+        self.engine = make_engine(url, echo=echo)
+        self.Session = sessionmaker(self.engine, expire_on_commit=False)
+
+    # -- schema --------------------------------------------------------------------------
+
+    def migrate(self) -> None:
+        """Bring the schema to the newest revision (Alembic ``upgrade head``)."""
+        from alembic import command
+
+        with self.engine.begin() as conn:
+            cfg = alembic_config(self.url)
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")
+
+    def ensure_pool(self, assigns_devices: bool = True) -> None:
+        with self.Session.begin() as s:
+            row = s.get(Pool, self.pool)
+            if row is None:
+                s.add(Pool(name=self.pool, assigns_devices=int(assigns_devices)))
+            else:
+                row.assigns_devices = int(assigns_devices)
+
+    def sync_inventory(self, devices: Iterable[DeviceInfo]) -> None:
+        """Record the pool's devices (the hub does this at start-up)."""
+        devices = list(devices)
+        self.ensure_pool(assigns_devices=True)
+        with self.Session.begin() as s:
+            existing = {d.index: d for d in s.scalars(select(Device).where(Device.pool == self.pool))}
+            for d in devices:
+                row = existing.pop(d.index, None) or Device(pool=self.pool, index=d.index)
+                row.uuid, row.model, row.memory_mib = d.uuid, d.model, d.memory_mib
+                row.simulated = int(d.simulated)
+                s.add(row)
+            for gone in existing.values():
+                s.delete(gone)
+
+    def devices(self) -> list[DeviceInfo]:
+        with self.Session() as s:
+            rows = s.scalars(select(Device).where(Device.pool == self.pool).order_by(Device.index))
+            return [DeviceInfo(r.index, r.uuid, r.model, r.memory_mib, bool(r.simulated))
+                    for r in rows]
+
+    # -- quotas --------------------------------------------------------------------------
+
+    def quotas(self) -> list[dict]:
+        with self.Session() as s:
+            rows = s.scalars(select(QuotaRow).order_by(QuotaRow.scope, QuotaRow.name))
+            return [_quota_dict(r) for r in rows]
+
+    def quota_of(self, scope: str, name: str = "") -> Quota | None:
+        with self.Session() as s:
+            row = s.scalar(select(QuotaRow).where(QuotaRow.scope == scope, QuotaRow.name == name))
+            return row.quota() if row else None
+
+    def set_quota(self, scope: str, name: str, quota: Quota, actor: str) -> dict:
+        _check_scope(scope, name)
+        with self.Session.begin() as s:
+            row = s.scalar(select(QuotaRow).where(QuotaRow.scope == scope, QuotaRow.name == name))
+            old = row.quota().as_dict() if row else None
+            now = time.time()
+            if row is None:
+                row = QuotaRow(scope=scope, name=name)
+                s.add(row)
+            row.max_gpus, row.max_per_request = quota.max_gpus, quota.max_per_request
+            row.gpu_hours, row.window_hours = quota.gpu_hours, quota.window_hours
+            row.updated_at, row.updated_by = now, actor
+            s.add(AuditRow(at=now, actor=actor, scope=scope, name=name,
+                           old=json.dumps(old) if old else None, new=json.dumps(quota.as_dict())))
+            s.flush()
+            return _quota_dict(row)
+
+    def unset_quota(self, scope: str, name: str, actor: str) -> bool:
+        _check_scope(scope, name)
+        with self.Session.begin() as s:
+            row = s.scalar(select(QuotaRow).where(QuotaRow.scope == scope, QuotaRow.name == name))
+            if row is None:
+                return False
+            s.add(AuditRow(at=time.time(), actor=actor, scope=scope, name=name,
+                           old=json.dumps(row.quota().as_dict()), new=None))
+            s.delete(row)
+            return True
+
+    def audit(self, limit: int = 100) -> list[dict]:
+        with self.Session() as s:
+            rows = s.scalars(select(AuditRow).order_by(AuditRow.id.desc()).limit(limit))
+            return [
+                {"at": r.at, "actor": r.actor, "scope": r.scope, "name": r.name,
+                 "old": json.loads(r.old) if r.old else None,
+                 "new": json.loads(r.new) if r.new else None}
+                for r in rows
+            ]
+
+    def effective(self, user: str, groups: Iterable[str], s: Session | None = None):
+        """``(quota or None, source)`` for `user` in `groups`."""
+        groups = set(groups)
+        own = s or self.Session()
+        try:
+            rows = own.scalars(select(QuotaRow).where(or_(
+                QuotaRow.scope == "default",
+                (QuotaRow.scope == "user") & (QuotaRow.name == user),
+                (QuotaRow.scope == "group") & QuotaRow.name.in_(groups or {""}),
+            ))).all()
+        finally:
+            if s is None:
+                own.close()
+        default = next((r.quota() for r in rows if r.scope == "default"), None)
+        mine = next((r.quota() for r in rows if r.scope == "user"), None)
+        by_group = {r.name: r.quota() for r in rows if r.scope == "group"}
+        return effective_quota(default, by_group, mine)
+
+    # -- allocations ---------------------------------------------------------------------
+
+    def admit(self, req: Request, now: float | None = None) -> Allocation:
+        """Admit `req` whole, or raise `QuotaExceeded` / `NotEnoughGPUs` / `BadRequest`."""
+        if req.kind not in KINDS:
+            raise BadRequest(f"Unknown holder kind {req.kind!r}.")
+        if not isinstance(req.gpus, int) or isinstance(req.gpus, bool) or req.gpus < 0:
+            raise BadRequest(f"A GPU count must be a whole number, 0 or more (got {req.gpus!r}).")
+        matches = req.model_matches or _exact_model
+        now = time.time() if now is None else now
+        with self.Session.begin() as s:
+            pool = s.scalar(select(Pool).where(Pool.name == self.pool).with_for_update())
+            if pool is None:
+                pool = Pool(name=self.pool, assigns_devices=0)
+                s.add(pool)
+                s.flush()
+            open_rows = s.scalars(select(AllocationRow).where(
+                AllocationRow.pool == self.pool, AllocationRow.ended_at.is_(None))).all()
+            mine = [r for r in open_rows if r.user == req.user]
+            if any(r.kind == req.kind and r.holder == req.holder for r in mine):
+                raise BadRequest(f"{req.kind} '{req.holder}' already holds GPUs.")
+            quota, source = self.effective(req.user, req.groups, s)
+            used = 0.0
+            if quota is not None and quota.gpu_hours is not None and req.gpus:
+                since = now - quota.window_hours * 3600
+                used = self._gpu_hours(s, since, now, user=req.user)[req.user]
+            why = refusal(quota, source, req.gpus,
+                          [Holding(r.kind, r.holder, r.gpus) for r in mine if r.gpus], used)
+            if why:
+                raise QuotaExceeded(why)
+            devices: list[int] = []
+            if req.gpus and pool.assigns_devices:
+                inventory = s.scalars(select(Device).where(Device.pool == self.pool)
+                                      .order_by(Device.index)).all()
+                matching = [d for d in inventory if matches(req.model, d.model)]
+                held = {i for r in open_rows for i in json.loads(r.devices or "[]")}
+                free = [d.index for d in matching if d.index not in held]
+                if len(free) < req.gpus:
+                    raise NotEnoughGPUs(
+                        _not_enough(req, matching, free, open_rows),
+                        requested=req.gpus, free=len(free), matching=len(matching))
+                devices = free[: req.gpus]
+            row = AllocationRow(
+                id=uuid.uuid4().hex, pool=self.pool, kind=req.kind, holder=req.holder,
+                user=req.user, gpus=req.gpus, model=req.model, devices=json.dumps(devices),
+                started_at=now, ended_at=None, end_reason="",
+            )
+            s.add(row)
+        log.info("Admitted %s %s/%s: %d GPU(s) %s", req.kind, req.user, req.holder, req.gpus,
+                 devices)
+        return Allocation.of(row)
+
+    def release(self, alloc_id: str, reason: str = "released", now: float | None = None):
+        """Close an allocation; closing an unknown or closed one is a no-op (returns None)."""
+        with self.Session.begin() as s:
+            row = s.get(AllocationRow, alloc_id, with_for_update=True)
+            if row is None or row.ended_at is not None:
+                return None
+            row.ended_at = time.time() if now is None else now
+            row.end_reason = reason[:255]
+        log.info("Released %s %s/%s (%s)", row.kind, row.user, row.holder, reason)
+        return Allocation.of(row)
+
+    def get(self, alloc_id: str) -> Allocation | None:
+        with self.Session() as s:
+            row = s.get(AllocationRow, alloc_id)
+            return Allocation.of(row) if row else None
+
+    def open_allocations(self, user: str | None = None, kind: str | None = None) -> list[Allocation]:
+        with self.Session() as s:
+            q = select(AllocationRow).where(AllocationRow.pool == self.pool,
+                                            AllocationRow.ended_at.is_(None))
+            if user is not None:
+                q = q.where(AllocationRow.user == user)
+            if kind is not None:
+                q = q.where(AllocationRow.kind == kind)
+            return [Allocation.of(r) for r in s.scalars(q.order_by(AllocationRow.started_at))]
+
+    def close_orphans(self, kind: str, keep: set[str], reason: str) -> list[Allocation]:
+        """Close the open allocations of `kind` whose id is not in `keep` (reconciler)."""
+        closed = []
+        for a in self.open_allocations(kind=kind):
+            if a.id not in keep:
+                done = self.release(a.id, reason)
+                if done is not None:
+                    closed.append(done)
+                    log.warning("Closed orphaned %s allocation %s/%s: %s", kind, a.user,
+                                a.holder, reason)
+        return closed
+
+    # -- usage ---------------------------------------------------------------------------
+
+    def usage(self, since: float, until: float | None = None, user: str | None = None) -> dict[str, float]:
+        """GPU-hours per user between `since` and `until` (open allocations count to now)."""
+        until = time.time() if until is None else until
+        with self.Session() as s:
+            return dict(self._gpu_hours(s, since, until, user=user))
+
+    def _gpu_hours(self, s: Session, since: float, until: float, user: str | None = None):
+        end = func.coalesce(AllocationRow.ended_at, until)
+        q = select(AllocationRow.user, AllocationRow.gpus, AllocationRow.started_at, end).where(
+            AllocationRow.gpus > 0, AllocationRow.started_at < until, end > since)
+        if user is not None:
+            q = q.where(AllocationRow.user == user)
+        totals: dict[str, float] = _Zero()
+        for who, gpus, start, stop in s.execute(q):
+            span = min(stop, until) - max(start, since)
+            if span > 0:
+                totals[who] = totals.get(who, 0.0) + gpus * span / 3600.0
+        return totals
+
+
+class _Zero(dict):
+    def __missing__(self, key):
+        return 0.0
+
+
+def _quota_dict(r: QuotaRow) -> dict:
+    return {"scope": r.scope, "name": r.name, **r.quota().as_dict(),
+            "updated_at": r.updated_at, "updated_by": r.updated_by}
+
+
+def _check_scope(scope: str, name: str) -> None:
+    if scope not in ("default", "group", "user"):
+        raise QuotaError("scope", f"Unknown quota scope {scope!r}.")
+    if scope == "default" and name:
+        raise QuotaError("name", "The default quota has no name.")
+    if scope != "default" and (not name or len(name) > 255):
+        raise QuotaError("name", f"A {scope} quota needs a {scope} name (1-255 characters).")
+
+
+def _not_enough(req: Request, matching, free: list[int], open_rows) -> str:
+    gpus = "GPU" if req.gpus == 1 else "GPUs"
+    of_model = f" of model {req.model}" if req.model else ""
+    if not matching:
+        return f"This machine has no GPU{of_model}."
+    if req.gpus > len(matching):
+        return (f"This request needs {req.gpus} {gpus}{of_model}, but this machine has only "
+                f"{len(matching)}.")
+    indices = {d.index for d in matching}
+    mine, others = [], 0
+    for r in open_rows:
+        n = sum(1 for i in json.loads(r.devices or "[]") if i in indices)
+        if not n:
+            continue
+        if r.user == req.user:
+            what = f"server '{r.holder}'" if r.kind == "notebook" else f"job '{r.holder}'"
+            mine.append(f"{what} ({n})")
+        else:
+            others += n
+    parts = []
+    if mine:
+        parts.append("your " + ", ".join(mine))
+    if others:
+        parts.append(f"{others} held by other users")
+    held = len(matching) - len(free)
+    return (
+        f"Not enough free GPUs{of_model}: this request needs {req.gpus}, {len(free)} of "
+        f"{len(matching)} {'is' if len(free) == 1 else 'are'} free. In use ({held}): "
+        f"{'; '.join(parts)}. Stop one of your servers or jobs, ask for fewer GPUs, or try "
+        "again later."
+    )
+
+
+def make_engine(url: str, echo: bool = False) -> Engine:
+    if url.startswith("sqlite"):
+        engine = create_engine(url, echo=echo, connect_args={"timeout": 60})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_connect(dbapi_conn, _record):
+            dbapi_conn.isolation_level = None  # SQLAlchemy emits BEGIN itself (below)
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA busy_timeout=60000")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _sqlite_begin(conn):
+            # writers take the database lock at BEGIN: admission reads and writes atomically
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    return create_engine(url, echo=echo, pool_pre_ping=True, pool_size=10, max_overflow=20)
+
+
+def alembic_config(url: str):
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(Path(__file__).with_name("migrations")))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg

@@ -1,0 +1,187 @@
+"""GPU quota policy: what a person may hold, decided from data alone (no database, no I/O).
+
+A `Quota` bounds the GPUs held at once (notebooks and training jobs together), optionally the
+GPUs of one request, and optionally GPU-hours over a rolling window; past the budget, new
+requests are refused while running work continues.
+
+The effective quota of a user is their own override if an admin set one, else the most
+generous quota among their groups, else the default, else no limit but the hardware.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+#: limits that keep a typo from becoming a quota (checked on every write)
+MAX_GPUS = 4096
+MAX_GPU_HOURS = 10_000_000
+MAX_WINDOW_HOURS = 24 * 366
+
+SCOPES = ("default", "group", "user")
+
+
+class QuotaError(ValueError):
+    """A quota that cannot be stored; ``field`` names the offending field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Quota:
+    max_gpus: int
+    max_per_request: int | None = None
+    gpu_hours: float | None = None
+    window_hours: int | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def generosity(self) -> tuple:
+        """Sort key: more GPUs at once first, then a larger budget, then larger requests."""
+        inf = math.inf
+        return (
+            self.max_gpus,
+            inf if self.gpu_hours is None else self.gpu_hours,
+            inf if self.max_per_request is None else self.max_per_request,
+        )
+
+    def describe(self) -> str:
+        parts = [f"{self.max_gpus} GPU{'s' if self.max_gpus != 1 else ''} at once"]
+        if self.max_per_request is not None:
+            parts.append(f"at most {self.max_per_request} per request")
+        if self.gpu_hours is not None:
+            parts.append(f"{_num(self.gpu_hours)} GPU-hours per {_window(self.window_hours)}")
+        return ", ".join(parts)
+
+
+FIELDS = {"max_gpus", "max_per_request", "gpu_hours", "window_hours"}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def parse_quota(body) -> Quota:
+    """A `Quota` from an API body, or `QuotaError` naming the first bad field."""
+    if not isinstance(body, dict):
+        raise QuotaError("body", "A quota must be a JSON object.")
+    unknown = sorted(set(body) - FIELDS)
+    if unknown:
+        raise QuotaError(unknown[0], f"Unknown field '{unknown[0]}'. Known fields: "
+                         f"{', '.join(sorted(FIELDS))}.")
+    if "max_gpus" not in body:
+        raise QuotaError("max_gpus", "'max_gpus' is required: the GPUs a person may hold at once.")
+    max_gpus = body["max_gpus"]
+    if not _is_int(max_gpus) or not 0 <= max_gpus <= MAX_GPUS:
+        raise QuotaError("max_gpus", f"'max_gpus' must be a whole number from 0 to {MAX_GPUS}, "
+                         f"got {max_gpus!r}.")
+    per = body.get("max_per_request")
+    if per is not None and (not _is_int(per) or not 1 <= per <= MAX_GPUS):
+        raise QuotaError("max_per_request", "'max_per_request' must be a whole number from 1 to "
+                         f"{MAX_GPUS}, or null, got {per!r}.")
+    hours = body.get("gpu_hours")
+    window = body.get("window_hours")
+    if hours is not None and (not _is_number(hours) or not 0 <= hours <= MAX_GPU_HOURS):
+        raise QuotaError("gpu_hours", "'gpu_hours' must be a number from 0 to "
+                         f"{MAX_GPU_HOURS}, or null, got {hours!r}.")
+    if window is not None and (not _is_int(window) or not 1 <= window <= MAX_WINDOW_HOURS):
+        raise QuotaError("window_hours", "'window_hours' must be a whole number of hours from 1 "
+                         f"to {MAX_WINDOW_HOURS}, got {window!r}.")
+    if hours is not None and window is None:
+        raise QuotaError("window_hours", "'gpu_hours' needs 'window_hours', the length of the "
+                         "rolling window (e.g. 168 for 7 days).")
+    if window is not None and hours is None:
+        raise QuotaError("gpu_hours", "'window_hours' is only meaningful with 'gpu_hours'.")
+    return Quota(max_gpus, per, float(hours) if hours is not None else None, window)
+
+
+def effective_quota(
+    default: Quota | None,
+    groups: dict[str, Quota],
+    user: Quota | None,
+) -> tuple[Quota | None, str]:
+    """The quota that applies and where it comes from (``user``, ``group 'x'``, ``default``).
+
+    `groups` holds the quotas of the user's groups that have one. ``(None, 'none')`` means
+    nothing was configured: only the hardware limits the user.
+    """
+    if user is not None:
+        return user, "user"
+    if groups:
+        name, quota = max(groups.items(), key=lambda item: (item[1].generosity(), item[0]))
+        return quota, f"group '{name}'"
+    if default is not None:
+        return default, "default"
+    return None, "none"
+
+
+@dataclass(frozen=True)
+class Holding:
+    kind: str  # notebook | job
+    name: str
+    gpus: int
+
+    def describe(self) -> str:
+        return f"{self.kind} '{self.name}' ({self.gpus})"
+
+
+def refusal(
+    quota: Quota | None,
+    source: str,
+    requested: int,
+    holdings: list[Holding],
+    used_gpu_hours: float = 0.0,
+) -> str | None:
+    """Why `requested` more GPUs are refused under `quota`, in words; None when allowed."""
+    if quota is None or requested <= 0:
+        return None
+    where = "" if source in ("user", "none") else f" (from {source})"
+    if quota.max_per_request is not None and requested > quota.max_per_request:
+        return (
+            f"This request asks for {requested} GPUs; your quota{where} allows at most "
+            f"{quota.max_per_request} in one request. Ask for fewer, or ask an admin."
+        )
+    held = sum(h.gpus for h in holdings)
+    if held + requested > quota.max_gpus:
+        plural = "s" if quota.max_gpus != 1 else ""
+        if holdings:
+            what = ", ".join(h.describe() for h in holdings)
+            return (
+                f"Quota exceeded: this request needs {requested} GPU{'s' if requested != 1 else ''} "
+                f"and {held} of your {quota.max_gpus} GPU{plural}{where} are in use: {what}. "
+                "Stop one of them, ask for fewer GPUs, or ask an admin for a larger quota."
+            )
+        return (
+            f"Quota exceeded: this request needs {requested} GPUs, and your quota{where} is "
+            f"{quota.max_gpus} GPU{plural} at once. Ask for fewer GPUs, or ask an admin."
+        )
+    if quota.gpu_hours is not None and used_gpu_hours >= quota.gpu_hours:
+        return (
+            f"GPU-hour budget used up: {_num(used_gpu_hours)} of your {_num(quota.gpu_hours)} "
+            f"GPU-hours{where} over the last {_window(quota.window_hours)}. Running work "
+            "continues; new requests are accepted again once usage in the window falls below "
+            "the budget, or when an admin raises it."
+        )
+    return None
+
+
+def _num(x: float) -> str:
+    return f"{x:.1f}".rstrip("0").rstrip(".") if x != int(x) else str(int(x))
+
+
+def _window(hours: int | None) -> str:
+    if not hours:
+        return "window"
+    if hours % 24 == 0:
+        days = hours // 24
+        return f"{days} day{'s' if days != 1 else ''}"
+    return f"{hours} hour{'s' if hours != 1 else ''}"
