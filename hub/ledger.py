@@ -323,13 +323,14 @@ class Ledger:
         if not isinstance(req.gpus, int) or isinstance(req.gpus, bool) or req.gpus < 0:
             raise BadRequest(f"A GPU count must be a whole number, 0 or more (got {req.gpus!r}).")
         matches = req.model_matches or _exact_model
-        now = time.time() if now is None else now
         with self.Session.begin() as s:
             pool = s.scalar(select(Pool).where(Pool.name == self.pool).with_for_update())
             if pool is None:
                 pool = Pool(name=self.pool, assigns_devices=0)
                 s.add(pool)
                 s.flush()
+            # the clock is read under the lock, so the history is in admission order
+            now = time.time() if now is None else now
             open_rows = s.scalars(select(AllocationRow).where(
                 AllocationRow.pool == self.pool, AllocationRow.ended_at.is_(None))).all()
             mine = [r for r in open_rows if r.user == req.user]
@@ -369,6 +370,8 @@ class Ledger:
     def release(self, alloc_id: str, reason: str = "released", now: float | None = None):
         """Close an allocation; closing an unknown or closed one is a no-op (returns None)."""
         with self.Session.begin() as s:
+            # the pool's lock orders releases with admissions (see `admit`)
+            s.scalar(select(Pool).where(Pool.name == self.pool).with_for_update())
             row = s.get(AllocationRow, alloc_id, with_for_update=True)
             if row is None or row.ended_at is not None:
                 return None

@@ -73,7 +73,7 @@ def _is_number(value) -> bool:
 def parse_quota(body) -> Quota:
     """A `Quota` from an API body, or `QuotaError` naming the first bad field."""
     if not isinstance(body, dict):
-        raise QuotaError("body", "A quota must be a JSON object.")
+        raise QuotaError("body", "The request body must be a JSON object with the quota's fields.")
     unknown = sorted(set(body) - FIELDS)
     if unknown:
         raise QuotaError(unknown[0], f"Unknown field '{unknown[0]}'. Known fields: "
@@ -144,7 +144,7 @@ def refusal(
     """Why `requested` more GPUs are refused under `quota`, in words; None when allowed."""
     if quota is None or requested <= 0:
         return None
-    where = "" if source in ("user", "none") else f" (from {source})"
+    where = {"user": "", "none": "", "default": " (the default quota)"}.get(source, f" (from {source})")
     if quota.max_per_request is not None and requested > quota.max_per_request:
         return (
             f"This request asks for {requested} GPUs; your quota{where} allows at most "
@@ -157,7 +157,8 @@ def refusal(
             what = ", ".join(h.describe() for h in holdings)
             return (
                 f"Quota exceeded: this request needs {requested} GPU{'s' if requested != 1 else ''} "
-                f"and {held} of your {quota.max_gpus} GPU{plural}{where} are in use: {what}. "
+                f"and {held} of your {quota.max_gpus} GPU{plural}{where} "
+                f"{'is' if held == 1 else 'are'} in use: {what}. "
                 "Stop one of them, ask for fewer GPUs, or ask an admin for a larger quota."
             )
         return (

@@ -63,3 +63,13 @@ def users(hub, admin):
         b.login(PASSWORD)
         made[name] = b
     return made
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server (Debian's), started for the session and removed after it."""
+    from tests.pg import PostgresServer
+
+    server = PostgresServer().start()
+    yield server
+    server.stop()

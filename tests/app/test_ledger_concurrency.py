@@ -1,0 +1,93 @@
+"""Admission under contention, on SQLite and on a real PostgreSQL server.
+
+20 users send 200 admission requests at once (each on its own database connection, from a
+thread pool) against small quotas and a small inventory, releasing some as they go. From the
+ledger's full history afterwards: at no instant did a user hold more than their quota, and
+no device ever had two holders at once.
+"""
+
+import random
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from gpulab.hub.ledger import AdmissionRefused, DeviceInfo, Ledger, Request
+from gpulab.hub.policy import Quota
+
+USERS = [f"u{i:02d}" for i in range(20)]
+QUOTA = {u: (1 if i % 3 == 0 else 2) for i, u in enumerate(USERS)}
+GPUS = 6
+REQUESTS = 200
+
+
+def run_contention(url: str):
+    ledger = Ledger(url)
+    ledger.migrate()
+    ledger.sync_inventory(DeviceInfo(i) for i in range(GPUS))
+    for user, q in QUOTA.items():
+        ledger.set_quota("user", user, Quota(q), actor="test")
+    rng = random.Random(7)
+    plan = [(rng.choice(USERS), rng.choice([1, 1, 2]), rng.random() < 0.95) for _ in range(REQUESTS)]
+
+    def one(item):
+        user, gpus, release = item
+        try:
+            a = ledger.admit(Request(user, rng.choice(["notebook", "job"]), uuid.uuid4().hex[:8], gpus))
+        except AdmissionRefused:
+            return "refused"
+        if release:
+            ledger.release(a.id, "test")
+        return "admitted"
+
+    with ThreadPoolExecutor(max_workers=20) as pool:
+        outcomes = list(pool.map(one, plan))
+    return ledger, outcomes
+
+
+def check_history(ledger: Ledger):
+    from sqlalchemy import select
+
+    from gpulab.hub.ledger import Allocation, AllocationRow
+
+    with ledger.Session() as s:
+        rows = [Allocation.of(r) for r in s.scalars(select(AllocationRow))]
+    end = float("inf")
+    events = []
+    for a in rows:
+        events.append((a.started_at, 1, a))
+        events.append((a.ended_at if a.ended_at is not None else end, 0, a))
+    events.sort(key=lambda e: (e[0], e[1]))  # at equal times, releases first
+    held: dict[str, int] = {}
+    owner: dict[int, str] = {}
+    for _, starting, a in events:
+        if starting:
+            held[a.user] = held.get(a.user, 0) + a.gpus
+            assert held[a.user] <= QUOTA[a.user], f"{a.user} held {held[a.user]} > quota"
+            for d in a.devices:
+                assert d not in owner, f"GPU {d} held by {owner[d]} and {a.id} at once"
+                owner[d] = a.id
+        else:
+            held[a.user] -= a.gpus
+            for d in a.devices:
+                owner.pop(d, None)
+    assert all(0 <= d < GPUS for a in rows for d in a.devices)
+    assert all(len(a.devices) == a.gpus for a in rows)
+    return rows
+
+
+def test_contention_on_sqlite(tmp_path):
+    ledger, outcomes = run_contention(f"sqlite:///{tmp_path / 'ledger.sqlite'}")
+    rows = check_history(ledger)
+    assert outcomes.count("admitted") == len(rows) and "refused" in outcomes
+    assert len(rows) >= 20
+
+
+@pytest.mark.postgres
+def test_contention_on_postgresql(postgres):
+    url = postgres.create_database("contention")
+    ledger, outcomes = run_contention(url)
+    rows = check_history(ledger)
+    assert outcomes.count("admitted") == len(rows) and "refused" in outcomes
+    assert len(rows) >= 20
+    ledger.engine.dispose()

@@ -1,0 +1,95 @@
+"""Quota policy as tables: which quota applies, and what it refuses."""
+
+import pytest
+
+from gpulab.hub.policy import Holding, Quota, QuotaError, effective_quota, parse_quota, refusal
+
+D = Quota(1)
+SMALL = Quota(2, max_per_request=1)
+BIG = Quota(8)
+BUDGET = Quota(8, gpu_hours=10, window_hours=168)
+
+
+@pytest.mark.parametrize(
+    "default,groups,user,expected,source",
+    [
+        (None, {}, None, None, "none"),
+        (D, {}, None, D, "default"),
+        (D, {"students": SMALL}, None, SMALL, "group 'students'"),
+        (D, {"students": SMALL, "staff": BIG}, None, BIG, "group 'staff'"),
+        # an override wins even when it is smaller than a group's quota
+        (D, {"staff": BIG}, Quota(0), Quota(0), "user"),
+        # equal GPUs: the group without a GPU-hour budget is the more generous one
+        (D, {"a": BUDGET, "b": BIG}, None, BIG, "group 'b'"),
+    ],
+    ids=["nothing-set", "default", "one-group", "most-generous-group", "override-wins",
+         "budget-less-generous"],
+)
+def test_effective_quota(default, groups, user, expected, source):
+    assert effective_quota(default, groups, user) == (expected, source)
+
+
+NB = Holding("notebook", "default", 1)
+JOB = Holding("job", "digits-3", 1)
+
+
+@pytest.mark.parametrize(
+    "quota,requested,holdings,used,expect",
+    [
+        (None, 64, [], 0, None),
+        (Quota(2), 2, [], 0, None),
+        (Quota(2), 1, [NB], 0, None),
+        (Quota(2), 1, [NB, JOB], 0,
+         "2 of your 2 GPUs are in use: notebook 'default' (1), job 'digits-3' (1)"),
+        (Quota(2), 3, [], 0, "your quota is 2 GPUs at once"),
+        (Quota(4, max_per_request=2), 3, [], 0, "allows at most 2 in one request"),
+        (BUDGET, 1, [], 9.5, None),
+        (BUDGET, 1, [], 10.0, "10 of your 10 GPU-hours over the last 7 days"),
+        (Quota(0), 0, [], 0, None),  # CPU-only servers are never refused
+    ],
+    ids=["no-quota", "fits", "fits-with-holding", "full", "too-big", "per-request",
+         "under-budget", "budget-spent", "zero-gpus"],
+)
+def test_refusal(quota, requested, holdings, used, expect):
+    why = refusal(quota, "user", requested, holdings, used)
+    if expect is None:
+        assert why is None
+    else:
+        assert why is not None and expect in why
+
+
+def test_refusal_names_the_group_it_comes_from():
+    why = refusal(Quota(1), "group 'students'", 2, [], 0)
+    assert "(from group 'students')" in why
+
+
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"max_gpus": -1}, "max_gpus"),
+        ({"max_gpus": 1.5}, "max_gpus"),
+        ({"max_gpus": 10**9}, "max_gpus"),
+        ({"max_gpus": True}, "max_gpus"),
+        ({}, "max_gpus"),
+        ({"max_gpus": 1, "colour": "red"}, "colour"),
+        ({"max_gpus": 1, "max_per_request": 0}, "max_per_request"),
+        ({"max_gpus": 1, "gpu_hours": 5}, "window_hours"),
+        ({"max_gpus": 1, "gpu_hours": 5, "window_hours": 0}, "window_hours"),
+        ({"max_gpus": 1, "gpu_hours": float("nan"), "window_hours": 24}, "gpu_hours"),
+        ({"max_gpus": 1, "window_hours": 24}, "gpu_hours"),
+        ([1, 2], "body"),
+    ],
+    ids=["negative", "fractional", "absurd", "bool", "missing", "unknown-field",
+         "per-request-zero", "budget-without-window", "window-zero", "nan-hours",
+         "window-without-budget", "not-an-object"],
+)
+def test_bad_quotas_name_the_field(body, field):
+    with pytest.raises(QuotaError) as e:
+        parse_quota(body)
+    assert e.value.field == field and field in e.value.message
+
+
+def test_good_quota_round_trips():
+    q = parse_quota({"max_gpus": 4, "max_per_request": 2, "gpu_hours": 100, "window_hours": 168})
+    assert q == Quota(4, 2, 100.0, 168)
+    assert q.describe() == "4 GPUs at once, at most 2 per request, 100 GPU-hours per 7 days"
