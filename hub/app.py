@@ -42,13 +42,14 @@ class GpulabHub(JupyterHub):
 
 
     async def init_spawners(self):
-        await super().init_spawners()
+        result = await super().init_spawners()
         # Every server with saved state has now adopted its allocation: any other open
         # notebook allocation in the ledger belongs to a server that is gone (hub crash).
         from gpulab.spawner.mixin import adopted_allocations, hub_ledger
 
         ledger = hub_ledger(self.config)
         ledger.close_orphans("notebook", adopted_allocations(), "server gone at hub start-up")
+        return result
 
 
 def run_local_hub(settings: LocalSettings, log_level: str = "INFO") -> int:

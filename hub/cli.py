@@ -75,6 +75,8 @@ def add_up_parser(sub) -> None:
                    help="loopback port of the hub's internal API (default 8081)")
     p.add_argument("--proxy-api-port", type=int, default=8001,
                    help="loopback port of the proxy's API (default 8001)")
+    p.add_argument("--service-port", type=int, default=8002,
+                   help="loopback port of the gpulab service (quotas, jobs; default 8002)")
     p.add_argument("--data-dir", default=None,
                    help="folder for all state: database, secrets, logs "
                    "(default $GPULAB_DATA_DIR, else /var/lib/gpulab as root, "
@@ -108,12 +110,14 @@ def cmd_up(args) -> int:
     from .config import LocalSettings
 
     for name, value in (("--port", args.port), ("--hub-port", args.hub_port),
-                        ("--proxy-api-port", args.proxy_api_port)):
+                        ("--proxy-api-port", args.proxy_api_port),
+                        ("--service-port", args.service_port)):
         problem = _check_port(name, value)
         if problem:
             return fail(problem)
-    if len({args.port, args.hub_port, args.proxy_api_port}) != 3:
-        return fail("--port, --hub-port and --proxy-api-port must be three different ports.")
+    if len({args.port, args.hub_port, args.proxy_api_port, args.service_port}) != 4:
+        return fail("--port, --hub-port, --proxy-api-port and --service-port must be four "
+                    "different ports.")
     if args.idle_timeout < 0:
         return fail(f"--idle-timeout must be 0 (never) or a number of seconds, got {args.idle_timeout}.")
     if args.cull_every < 0:
@@ -147,10 +151,11 @@ def cmd_up(args) -> int:
             f"a gpulab hub (pid {hub_pid}) is already running on {data.path}; stop it first."
         )
     ports = [(args.ip, args.port, "--port"), ("127.0.0.1", args.hub_port, "--hub-port"),
-             ("127.0.0.1", args.proxy_api_port, "--proxy-api-port")]
+             ("127.0.0.1", args.proxy_api_port, "--proxy-api-port"),
+             ("127.0.0.1", args.service_port, "--service-port")]
     for ip, port, flag in ports:
         # A proxy left running by a hub that crashed still holds its ports; the hub replaces it.
-        if flag != "--hub-port" and proxy_running:
+        if flag in ("--port", "--proxy-api-port") and proxy_running:
             continue
         if port_in_use(ip, port):
             return fail(f"{ip}:{port} ({flag}) is already in use. Choose another with {flag}.")
@@ -163,6 +168,7 @@ def cmd_up(args) -> int:
         port=args.port,
         hub_port=args.hub_port,
         proxy_api_port=args.proxy_api_port,
+        service_port=args.service_port,
         admin_user=args.admin_user,
         idle_timeout=args.idle_timeout,
         cull_every=args.cull_every,

@@ -14,6 +14,11 @@ from traitlets.config import Config
 
 from .datadir import DataDir
 
+from pathlib import Path
+
+from .service import ADMIN_SCOPE, SERVICE_NAME
+
+ADMIN_GROUP = "gpulab-admins"
 CULLER_SCOPES = ["list:users", "read:users:activity", "read:servers", "delete:servers"]
 
 
@@ -24,6 +29,7 @@ class LocalSettings:
     port: int = 8000
     hub_port: int = 8081
     proxy_api_port: int = 8001
+    service_port: int = 8002
     admin_user: str = "admin"
     idle_timeout: int = 3600
     cull_every: int = 0  # 0: derived from idle_timeout
@@ -51,6 +57,8 @@ def local_defaults(s: LocalSettings) -> Config:
     c.NativeAuthenticator.open_signup = False
     c.NativeAuthenticator.minimum_password_length = 8
     c.NativeAuthenticator.check_common_password = True
+    # the hub's pages get a "GPUs" link to the gpulab service
+    c.JupyterHub.template_paths = [str(Path(__file__).parent / "templates" / "jupyterhub")]
     c.Spawner.default_url = "/lab"
     c.Spawner.poll_interval = 10
     c.Spawner.start_timeout = 120
@@ -83,7 +91,11 @@ def local_essentials(s: LocalSettings) -> Config:
         c.LocalGPUSpawner.system_user_prefix = s.user_prefix
     if s.simulated_gpus is not None:
         c.GPUInventory.simulated_gpus = s.simulated_gpus
-    services, roles = [], []
+    services, roles = gpulab_service(s), gpulab_roles(s.admin_user)
+    c.JupyterHub.custom_scopes = {
+        ADMIN_SCOPE: {"description": "Manage gpulab's GPU quotas and see everyone's GPU use."},
+    }
+    c.JupyterHub.load_groups = {ADMIN_GROUP: {"users": [s.admin_user]}}
     if s.idle_timeout > 0:
         every = s.cull_every or culler_interval(s.idle_timeout)
         services.append(
@@ -102,3 +114,39 @@ def local_essentials(s: LocalSettings) -> Config:
     c.JupyterHub.services = services
     c.JupyterHub.load_roles = roles
     return c
+
+
+def gpulab_service(s: LocalSettings) -> list[dict]:
+    """The gpulab service as a hub-managed process, sharing the hub's ledger."""
+    return [
+        {
+            "name": SERVICE_NAME,
+            "url": f"http://127.0.0.1:{s.service_port}",
+            "command": [sys.executable, "-m", "gpulab.hub.service"],
+            "environment": {"GPULAB_LEDGER_URL": s.data.ledger_url, "GPULAB_LEDGER_POOL": "local"},
+            "oauth_client_allowed_scopes": [ADMIN_SCOPE],
+            "display": True,
+            "oauth_no_confirm": True,
+        }
+    ]
+
+
+def gpulab_roles(admin_user: str) -> list[dict]:
+    """Who may do what with the gpulab service (JupyterHub RBAC)."""
+    return [
+        # gpulab admins: the first admin and the members of the group gpulab-admins
+        {"name": "gpulab-admin", "description": "Manage GPU quotas, see all GPU use",
+         "scopes": [ADMIN_SCOPE, f"access:services!service={SERVICE_NAME}"],
+         "users": [admin_user], "groups": [ADMIN_GROUP]},
+        # the service reads users and their groups (effective quotas come from groups)
+        {"name": "gpulab-service", "description": "The gpulab service's own token",
+         "scopes": ["list:users", "read:users", "list:groups", "read:groups"],
+         "services": [SERVICE_NAME]},
+        # everyone may call the gpulab service for themselves (their own tokens included)
+        {"name": "user", "description": "Standard user privileges, and the gpulab service",
+         "scopes": ["self", f"access:services!service={SERVICE_NAME}"]},
+        # a notebook server's token may call the gpulab service for its user (jobs, quota)
+        {"name": "server", "description": "Post activity, reach the gpulab service",
+         "scopes": ["users:activity!user", "access:servers!server",
+                    f"access:services!service={SERVICE_NAME}"]},
+    ]

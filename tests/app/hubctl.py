@@ -31,6 +31,7 @@ class Hub:
     def __init__(self, data_dir: Path, *extra: str):
         self.data_dir = data_dir
         self.port, self.hub_port, self.api_port = free_port(), free_port(), free_port()
+        self.service_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.extra = list(extra)
         self.proc = None
@@ -40,6 +41,7 @@ class Hub:
         self.proc = subprocess.Popen(
             [GPULAB, "up", "--data-dir", str(self.data_dir), "--port", str(self.port),
              "--hub-port", str(self.hub_port), "--proxy-api-port", str(self.api_port),
+             "--service-port", str(self.service_port),
              *self.extra],
             stdout=self.log, stderr=subprocess.STDOUT,
         )
@@ -48,12 +50,18 @@ class Hub:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gpulab up exited {self.proc.returncode}: {self.output()[-3000:]}")
             try:
-                if requests.get(self.url + "/hub/api/", timeout=2).ok:
+                # the hub, and the gpulab service behind it, both answer
+                if (requests.get(self.url + "/hub/api/", timeout=2).ok and requests.get(
+                        self.service_api + "openapi.json", timeout=2).ok):
                     return self
             except requests.ConnectionError:
                 pass
             time.sleep(0.3)
         raise TimeoutError(self.output()[-3000:])
+
+    @property
+    def service_api(self) -> str:
+        return self.url + "/services/gpulab/api/v1/"
 
     def output(self) -> str:
         return (self.data_dir.parent / f"up-{self.port}.log").read_text(errors="replace")
@@ -135,6 +143,11 @@ class Browser:
             assert r.status_code == 201, r.text
             self._token = r.json()["token"]
         return self._token
+
+    def service(self, method, path, token=None, **kw):
+        """A request to the gpulab service's API with this person's token (or `token`)."""
+        headers = {"Authorization": f"token {token or self.token()}", **kw.pop("headers", {})}
+        return requests.request(method, self.hub.service_api + path, headers=headers, **kw)
 
     def run_in_kernel(self, code: str, server="", timeout=60) -> str:
         """Run `code` in a new kernel of the server; return what it printed."""

@@ -24,7 +24,7 @@ def test_data_folder_that_cannot_be_made(tmp_path):
     "args,message",
     [
         (["--port", "0"], "--port must be a port number"),
-        (["--port", "9000", "--hub-port", "9000"], "three different ports"),
+        (["--port", "9000", "--hub-port", "9000"], "four different ports"),
         (["--idle-timeout", "-5"], "--idle-timeout"),
         (["--simulated-gpus", "-1"], "--simulated-gpus"),
     ],

@@ -1,0 +1,118 @@
+"""The OpenAPI 3 document of the gpulab service's REST API (served at ``api/v1/openapi.json``).
+
+A test checks that its paths and methods are exactly the handlers' (`make_app`).
+"""
+
+from __future__ import annotations
+
+from .policy import MAX_GPU_HOURS, MAX_GPUS, MAX_WINDOW_HOURS
+
+ERROR = {"$ref": "#/components/schemas/Error"}
+
+
+def _resp(schema: dict | None, *codes: int, ok: int = 200) -> dict:
+    out = {}
+    out[str(ok)] = ({"description": "OK", "content": {"application/json": {"schema": schema}}}
+                    if schema else {"description": "Done"})
+    words = {400: "Bad input; `field` names the field", 401: "Not logged in",
+             403: "Missing scope", 404: "Not found", 413: "Body too large"}
+    for c in (401, 403, *codes):
+        out[str(c)] = {"description": words[c], "content": {"application/json": {"schema": ERROR}}}
+    return out
+
+
+QUOTA_IN = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["max_gpus"],
+    "properties": {
+        "max_gpus": {"type": "integer", "minimum": 0, "maximum": MAX_GPUS,
+                     "description": "GPUs held at once, notebooks and jobs together"},
+        "max_per_request": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_GPUS},
+        "gpu_hours": {"type": ["number", "null"], "minimum": 0, "maximum": MAX_GPU_HOURS,
+                      "description": "GPU-hour budget over the rolling window"},
+        "window_hours": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_WINDOW_HOURS},
+    },
+}
+QUOTA_OUT = {
+    "type": "object",
+    "properties": {
+        "scope": {"type": "string", "enum": ["default", "group", "user"]},
+        "name": {"type": "string"},
+        **QUOTA_IN["properties"],
+        "updated_at": {"type": "number"},
+        "updated_by": {"type": "string"},
+    },
+}
+HOLDING = {"type": "object", "properties": {
+    "id": {"type": "string"}, "kind": {"type": "string", "enum": ["notebook", "job"]},
+    "name": {"type": "string"}, "gpus": {"type": "integer"},
+    "devices": {"type": "array", "items": {"type": "integer"}}, "since": {"type": "number"}}}
+NAME = {"name": "name", "in": "path", "required": True,
+        "schema": {"type": "string", "minLength": 1, "maxLength": 255}}
+
+
+def openapi_document(prefix: str = "/services/gpulab/") -> dict:
+    quota_ops = {
+        "get": {"summary": "Read a quota (admin)", "responses": _resp(QUOTA_OUT, 404)},
+        "put": {"summary": "Set a quota (admin)",
+                "requestBody": {"required": True,
+                                "content": {"application/json": {"schema": QUOTA_IN}}},
+                "responses": _resp(QUOTA_OUT, 400, 413)},
+    }
+    quota_ops["delete"] = {"summary": "Unset a quota (admin); without a default quota, only "
+                           "free GPUs limit people without another quota",
+                           "responses": _resp(None, 404, ok=204)}
+    named = {**quota_ops, "parameters": [NAME]}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "gpulab service", "version": "1",
+                 "description": "GPU quotas, holdings and usage. Authenticate with a hub token "
+                                "(`Authorization: token …`); admin operations need the scope "
+                                "`custom:gpulab:admin`."},
+        "servers": [{"url": prefix.rstrip("/") + "/api/v1"}],
+        "components": {
+            "securitySchemes": {"token": {"type": "apiKey", "in": "header", "name": "Authorization"}},
+            "schemas": {"Error": {"type": "object", "required": ["status", "message"],
+                                  "properties": {"status": {"type": "integer"},
+                                                 "message": {"type": "string"},
+                                                 "field": {"type": "string"}}}},
+        },
+        "security": [{"token": []}],
+        "paths": {
+            "/me": {"get": {"summary": "My quota, holdings and usage", "responses": _resp({
+                "type": "object", "properties": {
+                    "user": {"type": "string"}, "groups": {"type": "array", "items": {"type": "string"}},
+                    "quota": {"type": ["object", "null"]}, "quota_source": {"type": "string"},
+                    "holdings": {"type": "array", "items": HOLDING},
+                    "gpus_held": {"type": "integer"},
+                    "usage_gpu_hours": {"type": "object"}, "inventory": {"type": "object"},
+                    "admin": {"type": "boolean"}}})}},
+            "/quotas": {"get": {"summary": "All quotas set (admin)", "responses": _resp({
+                "type": "object", "properties": {"quotas": {"type": "array", "items": QUOTA_OUT}}})}},
+            "/quotas/default": quota_ops,
+            "/quotas/users/{name}": named,
+            "/quotas/groups/{name}": named,
+            "/allocations": {"get": {
+                "summary": "Current allocations (admin: everyone's; others: their own)",
+                "parameters": [{"name": "user", "in": "query", "required": False,
+                                "schema": {"type": "string"}}],
+                "responses": _resp({"type": "object", "properties": {
+                    "allocations": {"type": "array", "items": {"type": "object"}}}})}},
+            "/usage": {"get": {
+                "summary": "GPU-hours per user and group over the last `days` days",
+                "parameters": [{"name": "days", "in": "query", "required": False,
+                                "schema": {"type": "integer", "minimum": 1, "maximum": 366}}],
+                "responses": _resp({"type": "object", "properties": {
+                    "days": {"type": "integer"}, "users": {"type": "object"},
+                    "groups": {"type": "object"}}}, 400)}},
+            "/audit": {"get": {
+                "summary": "Quota changes, newest first (admin)",
+                "parameters": [{"name": "limit", "in": "query", "required": False,
+                                "schema": {"type": "integer", "minimum": 1, "maximum": 1000}}],
+                "responses": _resp({"type": "object", "properties": {
+                    "audit": {"type": "array", "items": {"type": "object"}}}}, 400)}},
+            "/openapi.json": {"get": {"summary": "This document", "security": [],
+                                      "responses": {"200": {"description": "OK"}}}},
+        },
+    }

@@ -1,0 +1,444 @@
+"""The gpulab service: quotas, GPU holdings and usage over REST, an admin page and a user page.
+
+A JupyterHub managed service at ``/services/gpulab/`` (``python -m gpulab.hub.service``),
+tornado handlers authenticated by the hub (`HubOAuthenticated`: browser cookies through
+OAuth, or ``Authorization: token …``).
+
+Permissions are JupyterHub scopes: every request needs ``access:services!service=gpulab``;
+the custom scope ``custom:gpulab:admin`` (granted by the ``gpulab-admin`` role to the first
+admin and to the group ``gpulab-admins``) is needed to see other people or change quotas.
+Anonymous API requests get 401; tokens without the scopes get 403.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from jupyterhub.services.auth import HubOAuth, HubOAuthCallbackHandler, HubOAuthenticated
+from jupyterhub.utils import url_path_join
+from tornado import web
+from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+from tornado.ioloop import IOLoop
+
+from .ledger import Ledger
+from .policy import QuotaError, parse_quota
+
+log = logging.getLogger("gpulab.service")
+
+ADMIN_SCOPE = "custom:gpulab:admin"
+SERVICE_NAME = "gpulab"
+ACCESS_SCOPE = f"access:services!service={SERVICE_NAME}"
+DAY = 24 * 3600
+MAX_BODY = 64 * 1024
+
+_pages = Environment(
+    loader=FileSystemLoader(Path(__file__).parent / "templates" / "service"),
+    autoescape=select_autoescape(["html"]),
+)
+
+
+class HubDirectory:
+    """Users and groups as the hub knows them, read with the service's own token."""
+
+    def __init__(self, api_url: str, token: str, ttl: float = 5.0):
+        self.api_url, self.token, self.ttl = api_url.rstrip("/"), token, ttl
+        self._cache: tuple[float, list[dict]] | None = None
+        self._lock = asyncio.Lock()
+
+    async def _get(self, path: str):
+        req = HTTPRequest(self.api_url + path, headers={"Authorization": f"token {self.token}"},
+                          request_timeout=20)
+        resp = await AsyncHTTPClient().fetch(req)
+        return json.loads(resp.body)
+
+    async def users(self) -> list[dict]:
+        async with self._lock:
+            if self._cache and time.monotonic() - self._cache[0] < self.ttl:
+                return self._cache[1]
+            users, offset = [], 0
+            while True:
+                page = await self._get(f"/users?offset={offset}&limit=200&include_stopped_servers=0")
+                items = page["items"] if isinstance(page, dict) else page
+                users.extend({"name": u["name"], "groups": sorted(u.get("groups", [])),
+                              "admin": bool(u.get("admin"))} for u in items)
+                if not isinstance(page, dict) or not page.get("_pagination", {}).get("next"):
+                    break
+                offset = page["_pagination"]["next"]["offset"]
+            self._cache = (time.monotonic(), users)
+            return users
+
+    async def groups_of(self, name: str) -> list[str]:
+        for u in await self.users():
+            if u["name"] == name:
+                return u["groups"]
+        try:
+            model = await self._get(f"/users/{quote(name, safe='')}")
+        except Exception:
+            return []
+        return sorted(model.get("groups", []))
+
+    def forget(self) -> None:
+        self._cache = None
+
+
+class Base(HubOAuthenticated, web.RequestHandler):
+    @property
+    def ledger(self) -> Ledger:
+        return self.settings["ledger"]
+
+    @property
+    def directory(self) -> HubDirectory:
+        return self.settings["directory"]
+
+    @property
+    def hub_scopes(self):
+        return {ACCESS_SCOPE}
+
+    @property
+    def is_gpulab_admin(self) -> bool:
+        user = self.current_user
+        return bool(user) and bool(self.hub_auth.check_scopes({ADMIN_SCOPE}, user))
+
+
+class APIHandler(Base):
+    """JSON in, JSON out; every error is ``{"status": …, "message": …, "field"?: …}``."""
+
+    async def prepare(self):
+        model = await self.hub_auth.get_user(self, sync=False)
+        if not model:
+            raise web.HTTPError(401, "Log in to the hub, or send a hub API token "
+                                "(header 'Authorization: token <token>').")
+        if not self.hub_auth.check_scopes(self.hub_scopes, model):
+            raise web.HTTPError(403, f"This token lacks the scope {ACCESS_SCOPE}.")
+        self._hub_auth_user_cache = model
+        self.current_user = model
+
+    def set_default_headers(self):
+        self.set_header("Content-Type", "application/json; charset=utf-8")
+        self.set_header("Cache-Control", "no-store")
+
+    def write_error(self, status_code, **kwargs):
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        message = getattr(exc, "message", None)
+        if message is None and isinstance(exc, web.HTTPError) and exc.log_message:
+            message = exc.log_message % exc.args if exc.args else exc.log_message
+        message = message or self._reason
+        body = {"status": status_code, "message": message}
+        if getattr(exc, "field", None):
+            body["field"] = exc.field
+        if status_code >= 500:
+            body["message"] = "Internal error in the gpulab service; see its log."
+        self.finish(json.dumps(body))
+
+    def require_admin(self):
+        if not self.is_gpulab_admin:
+            raise web.HTTPError(403, f"This needs the scope {ADMIN_SCOPE} (a gpulab admin).")
+
+    def json_body(self):
+        if len(self.request.body) > MAX_BODY:
+            raise FieldError(413, "body", "The request body is too large.")
+        try:
+            return json.loads(self.request.body or b"null")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise FieldError(400, "body", f"The request body is not valid JSON: {e}.") from None
+
+    def send(self, obj, status=200):
+        self.set_status(status)
+        self.finish(json.dumps(obj))
+
+    def int_arg(self, name: str, default: int, lo: int, hi: int) -> int:
+        raw = self.get_query_argument(name, None)
+        if raw is None:
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise FieldError(400, name, f"'{name}' must be a whole number, got {raw!r}.") from None
+        if not lo <= value <= hi:
+            raise FieldError(400, name, f"'{name}' must be from {lo} to {hi}, got {value}.")
+        return value
+
+
+class FieldError(web.HTTPError):
+    """A 4xx whose ``message`` is for people and whose ``field`` names the bad input."""
+
+    def __init__(self, status: int, field: str, message: str):
+        super().__init__(status, "%s", message)
+        self.field = field
+        self.message = message
+
+
+# -- views shared by the API and the pages ------------------------------------------------
+
+
+async def user_view(handler: Base, name: str, now: float | None = None) -> dict:
+    now = time.time() if now is None else now
+    ledger = handler.ledger
+    groups = await handler.directory.groups_of(name)
+    quota, source = ledger.effective(name, groups)
+    held = ledger.open_allocations(user=name)
+    return {
+        "user": name,
+        "groups": groups,
+        "quota": quota.as_dict() if quota else None,
+        "quota_source": source,
+        "quota_text": quota.describe() if quota else "no limit but free GPUs",
+        "holdings": [_holding(a) for a in held if a.gpus],
+        "gpus_held": sum(a.gpus for a in held),
+        "usage_gpu_hours": {
+            "7d": round(ledger.usage(now - 7 * DAY, now, user=name).get(name, 0.0), 3),
+            "30d": round(ledger.usage(now - 30 * DAY, now, user=name).get(name, 0.0), 3),
+        },
+    }
+
+
+def _holding(a) -> dict:
+    return {"id": a.id, "kind": a.kind, "name": a.holder, "gpus": a.gpus,
+            "devices": list(a.devices), "since": a.started_at}
+
+
+def inventory_view(ledger: Ledger) -> dict:
+    devices = ledger.devices()
+    held = {i for a in ledger.open_allocations() for i in a.devices}
+    return {"total": len(devices), "free": len([d for d in devices if d.index not in held]),
+            "simulated": any(d.simulated for d in devices)}
+
+
+async def overview(handler: Base) -> dict:
+    """Everything the admin page shows: users, groups, default quota, audit trail."""
+    now = time.time()
+    ledger = handler.ledger
+    users = await handler.directory.users()
+    open_allocs = ledger.open_allocations()
+    u7 = ledger.usage(now - 7 * DAY, now)
+    u30 = ledger.usage(now - 30 * DAY, now)
+    rows = {q["scope"] + ":" + q["name"]: q for q in ledger.quotas()}
+    known = {u["name"] for u in users}
+    # people the hub no longer lists but who still hold GPUs or have history stay visible
+    for name in sorted({a.user for a in open_allocs} | set(u30) - known):
+        users.append({"name": name, "groups": [], "admin": False})
+    out_users = []
+    groups: dict[str, dict] = {}
+    for u in users:
+        quota, source = ledger.effective(u["name"], u["groups"])
+        mine = [a for a in open_allocs if a.user == u["name"] and a.gpus]
+        out_users.append({
+            "name": u["name"], "groups": u["groups"],
+            "quota": quota.as_dict() if quota else None, "quota_source": source,
+            "quota_text": quota.describe() if quota else "no limit",
+            "override": rows.get("user:" + u["name"]),
+            "holdings": [_holding(a) for a in mine],
+            "gpus_held": sum(a.gpus for a in mine),
+            "gpu_hours_7d": round(u7.get(u["name"], 0.0), 2),
+            "gpu_hours_30d": round(u30.get(u["name"], 0.0), 2),
+        })
+        for g in u["groups"]:
+            entry = groups.setdefault(g, {"name": g, "members": [], "gpus_held": 0,
+                                          "gpu_hours_7d": 0.0, "gpu_hours_30d": 0.0})
+            entry["members"].append(u["name"])
+            entry["gpus_held"] += sum(a.gpus for a in mine)
+            entry["gpu_hours_7d"] += u7.get(u["name"], 0.0)
+            entry["gpu_hours_30d"] += u30.get(u["name"], 0.0)
+    for key, q in rows.items():
+        if q["scope"] == "group":
+            groups.setdefault(q["name"], {"name": q["name"], "members": [], "gpus_held": 0,
+                                          "gpu_hours_7d": 0.0, "gpu_hours_30d": 0.0})
+    for g in groups.values():
+        g["quota"] = rows.get("group:" + g["name"])
+        g["gpu_hours_7d"] = round(g["gpu_hours_7d"], 2)
+        g["gpu_hours_30d"] = round(g["gpu_hours_30d"], 2)
+    return {
+        "users": sorted(out_users, key=lambda u: u["name"]),
+        "groups": sorted(groups.values(), key=lambda g: g["name"]),
+        "default": rows.get("default:"),
+        "inventory": inventory_view(ledger),
+        "audit": ledger.audit(50),
+    }
+
+
+# -- REST API ------------------------------------------------------------------------------
+
+
+class MeHandler(APIHandler):
+    async def get(self):
+        view = await user_view(self, self.current_user["name"])
+        view["inventory"] = inventory_view(self.ledger)
+        view["admin"] = self.is_gpulab_admin
+        self.send(view)
+
+
+class QuotasHandler(APIHandler):
+    async def get(self):
+        self.require_admin()
+        self.send({"quotas": self.ledger.quotas()})
+
+
+class QuotaHandler(APIHandler):
+    """``/quotas/default``, ``/quotas/users/<name>``, ``/quotas/groups/<name>``."""
+
+    def _target(self, kind: str, name: str | None) -> tuple[str, str]:
+        self.require_admin()
+        scope = {"default": "default", "users": "user", "groups": "group"}[kind]
+        name = name or ""
+        if scope != "default" and not 1 <= len(name) <= 255:
+            raise FieldError(400, "name", f"A {scope} name must have 1 to 255 characters.")
+        return scope, name
+
+    async def get(self, kind, name=None):
+        scope, name = self._target(kind, name)
+        q = self.ledger.quota_of(scope, name)
+        if q is None:
+            raise web.HTTPError(404, f"No {scope} quota is set" + (f" for '{name}'." if name else "."))
+        self.send({"scope": scope, "name": name, **q.as_dict()})
+
+    async def put(self, kind, name=None):
+        scope, name = self._target(kind, name)
+        try:
+            quota = parse_quota(self.json_body())
+            row = self.ledger.set_quota(scope, name, quota, actor=self.current_user["name"])
+        except QuotaError as e:
+            raise FieldError(400, e.field, e.message) from None
+        self.settings["on_quota_change"](scope, name)
+        self.send(row)
+
+    async def delete(self, kind, name=None):
+        scope, name = self._target(kind, name)
+        if not self.ledger.unset_quota(scope, name, actor=self.current_user["name"]):
+            raise web.HTTPError(404, f"No {scope} quota is set" + (f" for '{name}'." if name else "."))
+        self.settings["on_quota_change"](scope, name)
+        self.set_status(204)
+        self.finish()
+
+
+class AllocationsHandler(APIHandler):
+    async def get(self):
+        who = self.get_query_argument("user", None)
+        if not self.is_gpulab_admin:
+            if who not in (None, self.current_user["name"]):
+                raise web.HTTPError(403, "You may only see your own allocations.")
+            who = self.current_user["name"]
+        allocs = self.ledger.open_allocations(user=who)
+        self.send({"allocations": [a.as_dict() for a in allocs]})
+
+
+class UsageHandler(APIHandler):
+    async def get(self):
+        days = self.int_arg("days", 7, 1, 366)
+        now = time.time()
+        if not self.is_gpulab_admin:
+            name = self.current_user["name"]
+            hours = self.ledger.usage(now - days * DAY, now, user=name).get(name, 0.0)
+            self.send({"days": days, "users": {name: round(hours, 3)}, "groups": {}})
+            return
+        users = self.ledger.usage(now - days * DAY, now)
+        groups: dict[str, float] = {}
+        for u in await self.directory.users():
+            for g in u["groups"]:
+                groups[g] = groups.get(g, 0.0) + users.get(u["name"], 0.0)
+        self.send({"days": days, "users": {k: round(v, 3) for k, v in sorted(users.items())},
+                   "groups": {k: round(v, 3) for k, v in sorted(groups.items())}})
+
+
+class AuditHandler(APIHandler):
+    async def get(self):
+        self.require_admin()
+        self.send({"audit": self.ledger.audit(self.int_arg("limit", 100, 1, 1000))})
+
+
+class NotFoundHandler(web.RequestHandler):
+    def prepare(self):
+        self.set_status(404)
+        self.set_header("Content-Type", "application/json; charset=utf-8")
+        self.finish(json.dumps({"status": 404, "message": f"No such gpulab endpoint: {self.request.path}"}))
+
+
+class OpenAPIHandler(web.RequestHandler):
+    def get(self):
+        from .openapi import openapi_document
+
+        self.set_header("Content-Type", "application/json; charset=utf-8")
+        self.finish(json.dumps(openapi_document(self.settings["service_prefix"])))
+
+
+# -- pages ---------------------------------------------------------------------------------
+
+
+class PageHandler(Base):
+    def render_page(self, name: str, **ctx):
+        self.finish(_pages.get_template(name).render(
+            prefix=self.settings["service_prefix"], hub_prefix=self.settings["hub_prefix"],
+            user=self.current_user["name"], xsrf=self.xsrf_token.decode()
+            if isinstance(self.xsrf_token, bytes) else self.xsrf_token, **ctx))
+
+
+class UserPage(PageHandler):
+    @web.authenticated
+    async def get(self):
+        view = await user_view(self, self.current_user["name"])
+        self.render_page("user.html", me=view, inventory=inventory_view(self.ledger),
+                         admin=self.is_gpulab_admin)
+
+
+class AdminPage(PageHandler):
+    @web.authenticated
+    async def get(self):
+        if not self.is_gpulab_admin:
+            raise web.HTTPError(403, "The gpulab admin page needs the scope " + ADMIN_SCOPE)
+        self.render_page("admin.html", o=await overview(self), admin=True)
+
+
+def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirectory,
+             on_quota_change=None) -> web.Application:
+    api = url_path_join(prefix, "api/v1")
+    name = r"([^/]+)"
+    return web.Application(
+        [
+            (prefix, UserPage),
+            (url_path_join(prefix, "admin"), AdminPage),
+            (url_path_join(prefix, "oauth_callback"), HubOAuthCallbackHandler),
+            (url_path_join(api, "me"), MeHandler),
+            (url_path_join(api, "quotas"), QuotasHandler),
+            (url_path_join(api, "quotas/(default)"), QuotaHandler),
+            (url_path_join(api, f"quotas/(users|groups)/{name}"), QuotaHandler),
+            (url_path_join(api, "allocations"), AllocationsHandler),
+            (url_path_join(api, "usage"), UsageHandler),
+            (url_path_join(api, "audit"), AuditHandler),
+            (url_path_join(api, "openapi.json"), OpenAPIHandler),
+        ],
+        ledger=ledger,
+        directory=directory,
+        service_prefix=prefix,
+        hub_prefix=hub_prefix,
+        hub_auth=HubOAuth(cache_max_age=5, access_scopes={ACCESS_SCOPE}),
+        cookie_secret=os.urandom(32),
+        xsrf_cookies=False,  # HubOAuth checks xsrf on cookie-authenticated requests itself
+        default_handler_class=NotFoundHandler,
+        on_quota_change=on_quota_change or (lambda scope, name: directory.forget()),
+    )
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="[%(levelname)1.1s %(asctime)s gpulab-service] %(message)s")
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ["JUPYTERHUB_SERVICE_URL"])
+    prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", f"/services/{SERVICE_NAME}/")
+    hub_prefix = os.environ.get("JUPYTERHUB_BASE_URL", "/") + "hub/"
+    ledger = Ledger(os.environ["GPULAB_LEDGER_URL"], pool=os.environ.get("GPULAB_LEDGER_POOL", "local"))
+    ledger.migrate()
+    directory = HubDirectory(os.environ["JUPYTERHUB_API_URL"], os.environ["JUPYTERHUB_API_TOKEN"])
+    app = make_app(ledger, prefix, hub_prefix, directory)
+    app.listen(url.port, url.hostname)
+    log.info("gpulab service at %s%s (ledger %s)", url.geturl(), prefix, ledger.engine.url.render_as_string(hide_password=True))
+    IOLoop.current().start()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The gpulab service over HTTP against the real hub: who may call what, quotas changed
+through the API reaching the next spawn, and bad input refused with the field named."""
+
+import requests
+import pytest
+
+pytestmark = pytest.mark.app
+
+ANON, USER, OTHER, ADMIN, NOSCOPE = "anonymous", "user", "other", "admin", "no-scope"
+
+# (method, path, body, {actor: expected status})
+MATRIX = [
+    ("GET", "me", None, {ANON: 401, NOSCOPE: 403, USER: 200, OTHER: 200, ADMIN: 200}),
+    ("GET", "quotas", None, {ANON: 401, NOSCOPE: 403, USER: 403, ADMIN: 200}),
+    ("PUT", "quotas/default", {"max_gpus": 4}, {ANON: 401, NOSCOPE: 403, USER: 403, ADMIN: 200}),
+    ("GET", "quotas/default", None, {ANON: 401, NOSCOPE: 403, USER: 403, ADMIN: 200}),
+    ("PUT", "quotas/users/carl", {"max_gpus": 3},
+     {ANON: 401, NOSCOPE: 403, USER: 403, OTHER: 403, ADMIN: 200}),
+    ("GET", "quotas/users/carl", None, {ANON: 401, NOSCOPE: 403, USER: 403, ADMIN: 200}),
+    ("DELETE", "quotas/users/carl", None, {ANON: 401, NOSCOPE: 403, USER: 403, ADMIN: 204}),
+    ("PUT", "quotas/groups/staff", {"max_gpus": 2},
+     {ANON: 401, NOSCOPE: 403, USER: 403, ADMIN: 200}),
+    ("DELETE", "quotas/groups/staff", None, {ANON: 401, NOSCOPE: 403, USER: 403, ADMIN: 204}),
+    ("GET", "allocations", None, {ANON: 401, NOSCOPE: 403, USER: 200, ADMIN: 200}),
+    ("GET", "allocations?user=ann", None,
+     {ANON: 401, NOSCOPE: 403, USER: 200, OTHER: 403, ADMIN: 200}),
+    ("GET", "usage?days=30", None, {ANON: 401, NOSCOPE: 403, USER: 200, ADMIN: 200}),
+    ("GET", "audit", None, {ANON: 401, NOSCOPE: 403, USER: 403, ADMIN: 200}),
+]
+
+
+@pytest.fixture(scope="module")
+def actors(users, admin):
+    ann = users["ann"]
+    r = ann.api("POST", "/users/ann/tokens", json={"note": "no scope", "scopes": ["read:users:name!user"]})
+    assert r.status_code == 201, r.text
+    return {USER: (ann, None), OTHER: (users["bob"], None), ADMIN: (admin, None),
+            NOSCOPE: (ann, r.json()["token"])}
+
+
+def call(hub, actors, actor, method, path, body):
+    if actor == ANON:
+        return requests.request(method, hub.service_api + path, json=body)
+    who, token = actors[actor]
+    return who.service(method, path, token=token, json=body)
+
+
+@pytest.mark.parametrize("method,path,body,expected", MATRIX,
+                         ids=[f"{m} {p}" for m, p, _, _ in MATRIX])
+def test_authorization_matrix(hub, actors, method, path, body, expected):
+    for actor in (ANON, NOSCOPE, USER, OTHER, ADMIN):
+        want = expected.get(actor, expected.get(USER))
+        r = call(hub, actors, actor, method, path, body)
+        assert r.status_code == want, (actor, method, path, r.status_code, r.text)
+        if r.status_code >= 400:
+            assert r.json()["message"]  # a message for people, never a bare status
+
+
+def test_people_see_only_their_own(users, hub):
+    ann, bob = users["ann"], users["bob"]
+    assert ann.start_server("seen", {"profile": "gpu-1"}).status_code in (201, 202)
+    try:
+        mine = ann.service("GET", "me").json()
+        assert [h["name"] for h in mine["holdings"]] == ["seen"]
+        theirs = bob.service("GET", "me").json()
+        assert theirs["user"] == "bob" and theirs["holdings"] == []
+        assert {a["user"] for a in bob.service("GET", "allocations").json()["allocations"]} <= {"bob"}
+        usage = bob.service("GET", "usage").json()
+        assert set(usage["users"]) <= {"bob"} and usage["groups"] == {}
+    finally:
+        ann.stop_server("seen")
+
+
+def test_quota_set_by_admin_reaches_the_next_spawn(users, admin, hub):
+    carl = users["carl"]
+    assert admin.service("PUT", "quotas/users/carl", json={"max_gpus": 1}).status_code == 200
+    try:
+        r = carl.start_server("", {"profile": "gpu-2"})
+        assert r.status_code == 409
+        assert "your quota is 1 GPU at once" in r.json()["message"]
+        assert carl.service("GET", "me").json()["quota"]["max_gpus"] == 1
+        # the spawn form says so too
+        assert "Your GPU quota: 1 GPU at once" in carl.s.get(hub.url + "/hub/spawn").text
+        assert admin.service("PUT", "quotas/users/carl", json={"max_gpus": 2}).status_code == 200
+        assert carl.start_server("", {"profile": "gpu-2"}).status_code in (201, 202)
+        me = carl.service("GET", "me").json()
+        assert me["gpus_held"] == 2 and me["holdings"][0]["kind"] == "notebook"
+        carl.stop_server()
+    finally:
+        admin.service("DELETE", "quotas/users/carl")
+    trail = admin.service("GET", "audit").json()["audit"]
+    assert trail[0]["actor"] == "admin" and trail[0]["new"] is None  # the unset
+    assert any(t["name"] == "carl" and t["new"] and t["new"]["max_gpus"] == 1 for t in trail)
+
+
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"max_gpus": -1}, "max_gpus"),
+        ({"max_gpus": 0.5}, "max_gpus"),
+        ({"max_gpus": 100000}, "max_gpus"),
+        ({"max_gpus": 1, "shoe_size": 9}, "shoe_size"),
+        ({"max_gpus": 1, "gpu_hours": 10, "window_hours": 0}, "window_hours"),
+        ("{not json", "body"),
+        ([], "body"),
+    ],
+    ids=["negative", "fractional", "absurd", "unknown-field", "zero-window", "malformed-json",
+         "not-an-object"],
+)
+def test_bad_quota_bodies(admin, body, field):
+    kw = {"data": body} if isinstance(body, str) else {"json": body}
+    r = admin.service("PUT", "quotas/groups/staff", **kw)
+    assert r.status_code == 400, r.text
+    assert r.json()["field"] == field and field in r.json()["message"]
+    assert admin.service("GET", "quotas/groups/staff").status_code == 404  # nothing stored
+
+
+@pytest.mark.parametrize("query,field", [("days=0", "days"), ("days=x", "days"), ("days=9999", "days")])
+def test_bad_windows(admin, query, field):
+    r = admin.service("GET", "usage?" + query)
+    assert r.status_code == 400 and r.json()["field"] == field
+
+
+def test_unknown_endpoint_is_json_404(admin):
+    r = admin.service("GET", "nope")
+    assert r.status_code == 404 and "No such gpulab endpoint" in r.json()["message"]
+
+
+def test_openapi_document_matches_the_handlers(hub, admin):
+    from gpulab.hub.openapi import openapi_document
+    from gpulab.hub.service import make_app
+
+    doc = requests.get(hub.service_api + "openapi.json").json()
+    assert doc == openapi_document("/services/gpulab/")
+    documented = {(p, m.upper()) for p, ops in doc["paths"].items() for m in ops if m != "parameters"}
+
+    import os
+    from unittest import mock
+
+    env = {"JUPYTERHUB_API_TOKEN": "x", "JUPYTERHUB_API_URL": "http://127.0.0.1:1/hub/api",
+           "JUPYTERHUB_CLIENT_ID": "service-gpulab", "JUPYTERHUB_SERVICE_PREFIX": "/services/gpulab/"}
+    with mock.patch.dict(os.environ, env):
+        app = make_app(ledger=None, prefix="/services/gpulab/", hub_prefix="/hub/", directory=None)
+    routed = set()
+    for rule in app.wildcard_router.rules:
+        pattern = rule.matcher.regex.pattern.rstrip("$")
+        if "/api/v1/" not in pattern:
+            continue
+        path = pattern.split("/api/v1")[1]
+        handler = rule.target
+        methods = {m for m in ("GET", "PUT", "POST", "DELETE", "PATCH")
+                   if m.lower() in vars(handler)}
+        variants = [path.replace("(default)", "default")]
+        if "(users|groups)" in path:
+            variants = [path.replace("(users|groups)", k) for k in ("users", "groups")]
+        for v in variants:
+            v = v.replace("([^/]+)", "{name}")
+            routed |= {(v, m) for m in methods}
+    assert routed == documented
