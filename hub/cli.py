@@ -247,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_up_parser(sub)
     sub.add_parser("config-reference", help="print the configuration reference (Markdown)")
+    from .client_cli import add_client_parsers
+
+    add_client_parsers(sub)
     return parser
 
 
@@ -257,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_up(args)
     if args.command == "config-reference":
         return cmd_config_reference(args)
+    if args.command in ("quota", "usage"):
+        from .client_cli import cmd_quota, cmd_usage
+
+        return (cmd_quota if args.command == "quota" else cmd_usage)(args)
     parser.print_help()
     return EXIT_USAGE
 

@@ -222,7 +222,7 @@ async def overview(handler: Base) -> dict:
     rows = {q["scope"] + ":" + q["name"]: q for q in ledger.quotas()}
     known = {u["name"] for u in users}
     # people the hub no longer lists but who still hold GPUs or have history stay visible
-    for name in sorted({a.user for a in open_allocs} | set(u30) - known):
+    for name in sorted(({a.user for a in open_allocs} | set(u30)) - known):
         users.append({"name": name, "groups": [], "admin": False})
     out_users = []
     groups: dict[str, dict] = {}

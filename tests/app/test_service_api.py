@@ -1,6 +1,8 @@
 """The gpulab service over HTTP against the real hub: who may call what, quotas changed
 through the API reaching the next spawn, and bad input refused with the field named."""
 
+import json
+
 import requests
 import pytest
 
@@ -157,3 +159,37 @@ def test_openapi_document_matches_the_handlers(hub, admin):
             v = v.replace("([^/]+)", "{name}")
             routed |= {(v, m) for m in methods}
     assert routed == documented
+
+
+def gpulab_cli(*args, token, hub):
+    import subprocess
+
+    from .hubctl import GPULAB
+
+    return subprocess.run([GPULAB, *args, "--url", hub.url, "--token", token],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cli_quota_and_usage(hub, admin, users):
+    r = gpulab_cli("quota", "set", "--group", "students", "--max-gpus", "2",
+                   "--gpu-hours", "100", "--window-hours", "168", token=admin.token(), hub=hub)
+    assert r.returncode == 0 and "set group quota students: 2 GPUs at once" in r.stdout, r.stderr
+    r = gpulab_cli("quota", "show", "--all", token=admin.token(), hub=hub)
+    assert r.returncode == 0
+    assert any(line.split()[:3] == ["group", "students", "2"] for line in r.stdout.splitlines())
+    r = gpulab_cli("quota", "show", "--all", "--json", token=admin.token(), hub=hub)
+    assert {"scope": "group", "name": "students"}.items() <= next(
+        q for q in json.loads(r.stdout) if q["name"] == "students").items()
+    r = gpulab_cli("quota", "show", token=users["bob"].token(), hub=hub)
+    assert r.returncode == 0 and r.stdout.startswith("bob: ")
+    # a person without the admin scope is told so, with exit code 1 and no traceback
+    r = gpulab_cli("quota", "set", "--user", "bob", "--max-gpus", "8", token=users["bob"].token(), hub=hub)
+    assert r.returncode == 1 and "custom:gpulab:admin" in r.stderr and "Traceback" not in r.stderr
+    r = gpulab_cli("quota", "set", "--default", "--max-gpus", "-3", token=admin.token(), hub=hub)
+    assert r.returncode == 1 and "'max_gpus' must be" in r.stderr
+    r = gpulab_cli("usage", "--days", "30", "--json", token=admin.token(), hub=hub)
+    assert r.returncode == 0 and json.loads(r.stdout)["days"] == 30
+    r = gpulab_cli("quota", "unset", "--group", "students", token=admin.token(), hub=hub)
+    assert r.returncode == 0
+    r = gpulab_cli("quota", "show", token="not-a-token", hub=hub)
+    assert r.returncode == 1 and "HTTP 401" in r.stderr
