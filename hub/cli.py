@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import sys
+import time
 from pathlib import Path
 
 from gpulab.spawner.mixin import pid_alive
@@ -157,8 +158,12 @@ def cmd_up(args) -> int:
         # A proxy left running by a hub that crashed still holds its ports; the hub replaces it.
         if flag in ("--port", "--proxy-api-port") and proxy_running:
             continue
-        if port_in_use(ip, port):
-            return fail(f"{ip}:{port} ({flag}) is already in use. Choose another with {flag}.")
+        # a gpulab service left by a hub that was killed exits within a second: wait for it
+        patience = time.monotonic() + (5 if flag == "--service-port" else 0)
+        while port_in_use(ip, port):
+            if time.monotonic() > patience:
+                return fail(f"{ip}:{port} ({flag}) is already in use. Choose another with {flag}.")
+            time.sleep(0.25)
 
     root = os.geteuid() == 0
     isolate = root and not args.no_isolation

@@ -436,6 +436,18 @@ def main() -> None:
     directory = HubDirectory(os.environ["JUPYTERHUB_API_URL"], os.environ["JUPYTERHUB_API_TOKEN"])
     app = make_app(ledger, prefix, hub_prefix, directory)
     app.listen(url.port, url.hostname)
+    # The hub manages this process; if the hub dies (kill -9), go too, so that the next
+    # `gpulab up` finds the port free and starts a fresh service.
+    hub_pid = os.getppid()
+
+    def exit_if_orphaned():
+        if os.getppid() != hub_pid:
+            log.warning("The hub (pid %s) is gone; the gpulab service stops.", hub_pid)
+            IOLoop.current().stop()
+
+    from tornado.ioloop import PeriodicCallback
+
+    PeriodicCallback(exit_if_orphaned, 500).start()
     log.info("gpulab service at %s%s (ledger %s)", url.geturl(), prefix, ledger.engine.url.render_as_string(hide_password=True))
     IOLoop.current().start()
 
