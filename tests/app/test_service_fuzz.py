@@ -1,0 +1,26 @@
+"""schemathesis against the served OpenAPI document: generated requests (valid and invalid,
+as a gpulab admin) never get a 5xx from the gpulab service."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.app
+
+ST = str(Path(sys.executable).with_name("schemathesis"))
+
+
+def test_no_server_errors_from_generated_requests(hub, admin):
+    r = subprocess.run(
+        [ST, "run", hub.service_api + "openapi.json", "--url", hub.service_api.rstrip("/"),
+         "-H", f"Authorization: token {admin.token()}", "--checks", "not_a_server_error",
+         "--max-examples", "60", "--seed", "1", "--workers", "2", "--warnings", "off"],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    m = re.search(r"(\d+) generated, (\d+) passed", r.stdout)
+    assert m, r.stdout[-3000:]
+    assert int(m.group(1)) >= 500 and m.group(1) == m.group(2), r.stdout[-3000:]
