@@ -27,9 +27,13 @@ def test_spawn_form_to_jupyterlab_with_widgets(page, hub, users):
 
     page.wait_for_url(re.compile(r".*/user/ann/lab.*"), timeout=90_000)
     page.locator(".jp-LauncherCard[data-category='Notebook']").first.click(timeout=60_000)
+    # a person waits for the kernel to be ready before running a cell (a cold kernel start
+    # takes a while on a loaded machine)
+    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(
+        timeout=120_000)
     cell = page.locator(".jp-Notebook .jp-Cell .cm-content").first
     cell.click()
-    page.keyboard.type(
+    code = (
         "import os, ipywidgets as w\n"
         "s = w.IntSlider(value=3, description='gpus')\n"
         "l = w.Label(value='CUDA ' + os.environ['CUDA_VISIBLE_DEVICES'])\n"
@@ -37,9 +41,20 @@ def test_spawn_form_to_jupyterlab_with_widgets(page, hub, users):
         "s.observe(lambda ch: setattr(l, 'value', f\"moved to {ch['new']}\"), 'value')\n"
         "w.VBox([s, l])"
     )
+    page.keyboard.type(code)
+    # what the editor holds is what was typed (no lost or auto-inserted characters)
+    typed = page.evaluate(
+        "() => Array.from(document.querySelector('.jp-Notebook .jp-Cell .cm-content')"
+        ".querySelectorAll('.cm-line')).map(l => l.textContent).join('\\n')")
+    assert typed == code, typed
     page.keyboard.press("Shift+Enter")
     slider = page.locator(".jp-OutputArea .widget-slider").first
-    slider.wait_for(timeout=90_000)
+    error = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+    page.locator(".jp-OutputArea .widget-slider, "
+                 ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+                 ).first.wait_for(timeout=120_000)
+    assert error.count() == 0, error.first.inner_text()
+    assert slider.is_visible()
     label = page.locator(".jp-OutputArea .gpulab-probe").first
     assert re.fullmatch(r"CUDA \d", label.inner_text().strip())
 
