@@ -1,0 +1,1 @@
+"""Cluster tier: a real Kubernetes control plane (see controlplane.py)."""
