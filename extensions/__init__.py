@@ -1,7 +1,9 @@
 """Notebook-side gpulab: what code running inside a user's server can ask about itself.
 
-The widgets, magics and the training runtime arrive with the jobs API; today this package
-tells a notebook which GPUs its server was given.
+`gpus` and `shared_dir` tell a notebook what its server was given. The training runtime
+(`gpulab.extensions.runtime`, the entry point of every job replica) also lends its helpers
+here: ``strategy``, ``logdir``, ``checkpoint_dir``, ``writable_dir``, ``is_chief``, ``task``
+and ``report``, loaded on first use, so ``import gpulab.extensions`` never imports TensorFlow.
 """
 
 from __future__ import annotations
@@ -29,3 +31,19 @@ def gpus() -> list[dict]:
 def shared_dir() -> str | None:
     """This user's folder on the shared storage (``GPULAB_USER_DIR``), if any."""
     return os.environ.get("GPULAB_USER_DIR") or None
+
+
+_RUNTIME_HELPERS = ("strategy", "logdir", "checkpoint_dir", "writable_dir", "is_chief", "task",
+                    "report")
+
+
+def __getattr__(name: str):
+    if name in _RUNTIME_HELPERS:
+        from . import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_RUNTIME_HELPERS])
