@@ -1,0 +1,446 @@
+"""`KubeGPUSpawner`: notebook servers as pods in each user's namespace, on whole GPUs.
+
+It is KubeSpawner configured through its own traits and hooks, plus `GPUSpawnerMixin`:
+
+- each user gets a namespace (``enable_user_namespaces``) labelled for Pod Security
+  ``baseline`` enforcement, with a ResourceQuota on ``requests.nvidia.com/gpu`` that mirrors the
+  user's effective gpulab quota (`GPUQuotaMirror` keeps it current when an admin edits quotas);
+- the GPUs come from the chosen profile of ``profile_list`` (``extra_resource_limits``,
+  ``node_selector``; override keys are KubeSpawner trait names), plus the GPU toleration;
+- the shared ReadWriteMany volume is mounted as the user's own sub-path read-write and the
+  datasets read-only, next to KubeSpawner's home volume; no service-account token is mounted;
+- the quota ledger admits the GPUs before the pod is made; a 403 "exceeded quota" from the API
+  server becomes the same quota message; the scheduler's reasons reach the progress page in
+  plain words.
+
+The Kubernetes objects are built by the pure functions of `gpulab.spawner.kubeobjects`. The
+permissions the hub needs are in ``helm-values/rbac.yaml``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+from typing import Any
+
+from kubernetes_asyncio.client.rest import ApiException
+from kubespawner import KubeSpawner
+from traitlets import Dict, Float, Unicode, default
+
+from gpulab.hub.ledger import Ledger
+from gpulab.hub.policy import Holding, Quota, effective_quota, refusal
+
+from .kubeobjects import (
+    POD_SECURITY_LEVELS,
+    QUOTA_NAME,
+    explain_unschedulable,
+    free_gpus_by_node,
+    make_gpu_quota,
+    make_user_namespace,
+    parse_quota_refusal,
+    server_pod_settings,
+)
+from .mixin import GPUSpawnerMixin, SpawnRefused
+from .profiles import GPUProfile, default_profile_list, parse_profiles
+
+APPLY = "application/apply-patch+yaml"
+FIELD_MANAGER = "gpulab-hub"
+
+#: traits the spawner sets for each start (from the profile and its own settings)
+_MANAGED_TRAITS = ("tolerations", "volumes", "volume_mounts", "environment")
+
+
+def api_message(e: ApiException) -> str:
+    """The ``message`` of an API server error (its Status body), or the raw body."""
+    try:
+        return str(json.loads(e.body).get("message", e.body))
+    except (TypeError, ValueError, AttributeError):
+        return str(e.body or e.reason)
+
+
+def effective_max_gpus(quota_rows: list[dict], user: str, groups: tuple[str, ...]) -> int | None:
+    """The ``max_gpus`` of the quota that applies to ``user`` (None: no quota), from
+    ``Ledger.quotas()`` rows, as `Ledger.effective` decides it."""
+    def q(r: dict) -> Quota:
+        return Quota(r["max_gpus"], r.get("max_per_request"), r.get("gpu_hours"), r.get("window_hours"))
+
+    default_q = next((q(r) for r in quota_rows if r["scope"] == "default"), None)
+    mine = next((q(r) for r in quota_rows if r["scope"] == "user" and r["name"] == user), None)
+    by_group = {r["name"]: q(r) for r in quota_rows if r["scope"] == "group" and r["name"] in groups}
+    quota, _ = effective_quota(default_q, by_group, mine)
+    return None if quota is None else quota.max_gpus
+
+
+class GPUQuotaMirror:
+    """Keeps each user namespace's ResourceQuota equal to the user's effective gpulab quota.
+
+    One per hub process and event loop: spawners register their user's namespace; every
+    ``interval`` seconds the mirror reads all quotas from the ledger (one query) and writes
+    only the ResourceQuotas whose limit changed (no API request otherwise).
+    """
+
+    _instances: dict[Any, GPUQuotaMirror] = {}
+
+    def __init__(self, ledger: Ledger, api, interval: float, log: logging.Logger):
+        self.ledger, self.api, self.interval, self.log = ledger, api, interval, log
+        self.users: dict[str, tuple[str, tuple[str, ...], str]] = {}  # ns -> user, groups, label
+        self.applied: dict[str, int | None] = {}  # ns -> max_gpus written last
+        self._task: asyncio.Task | None = None
+
+    @classmethod
+    def for_loop(cls, ledger: Ledger, api, interval: float, log: logging.Logger) -> GPUQuotaMirror:
+        loop = asyncio.get_running_loop()
+        mirror = cls._instances.get(loop)
+        if mirror is None or mirror.ledger is not ledger:
+            if mirror is not None and mirror._task is not None:
+                mirror._task.cancel()
+            mirror = cls._instances[loop] = cls(ledger, api, interval, log)
+        return mirror
+
+    def register(self, namespace: str, user: str, groups: tuple[str, ...], label: str) -> None:
+        self.users[namespace] = (user, groups, label)
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+
+    async def apply(self, namespace: str, max_gpus: int | None) -> None:
+        """Write (or, for None, delete) the ResourceQuota of ``namespace``."""
+        user, _, label = self.users[namespace]
+        if max_gpus is None:
+            try:
+                await self.api.delete_namespaced_resource_quota(QUOTA_NAME, namespace)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+        else:
+            body = make_gpu_quota(namespace=namespace, max_gpus=max_gpus, user_label=label)
+            await self.api.patch_namespaced_resource_quota(
+                QUOTA_NAME, namespace, body, field_manager=FIELD_MANAGER, force=True,
+                _content_type=APPLY)
+        self.applied[namespace] = max_gpus
+        self.log.info("GPU quota of %s (namespace %s): %s", user, namespace,
+                      "none" if max_gpus is None else max_gpus)
+
+    async def sync(self) -> int:
+        """Write the ResourceQuotas that differ from the ledger; returns how many."""
+        rows = self.ledger.quotas()
+        n = 0
+        for ns, (user, groups, _) in list(self.users.items()):
+            want = effective_max_gpus(rows, user, groups)
+            if ns in self.applied and self.applied[ns] == want:
+                continue
+            try:
+                await self.apply(ns, want)
+                n += 1
+            except ApiException as e:
+                self.log.warning("Could not update the GPU quota of namespace %s: %s %s",
+                                 ns, e.status, api_message(e))
+        return n
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.sync()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a ledger or API hiccup must not end the mirror
+                self.log.exception("GPU quota mirror: sync failed")
+
+
+class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
+    """Starts each server as a pod in the user's namespace on the GPUs of the chosen profile.
+
+    ``profile_list`` is KubeSpawner's (z2jh ``singleuser.profileList``); each profile's
+    ``kubespawner_override`` sets KubeSpawner traits, its GPUs being
+    ``extra_resource_limits["nvidia.com/gpu"]`` and its model
+    ``node_selector["nvidia.com/gpu.product"]``. The only user option is ``profile``
+    (``profile_options`` are not supported). Overrides are undone before the next start.
+
+    Use it with ``c.JupyterHub.spawner_class = "gpulab.spawner.kube.KubeGPUSpawner"``, the
+    ledger's pool set with ``c.GPULedger.pool = "kubernetes"``, and the hub's ServiceAccount
+    bound by ``helm-values/rbac.yaml``.
+    """
+
+    gpu_assigns_devices = False
+
+    pod_security_level = Unicode(
+        "baseline",
+        help="""Pod Security Standard enforced in each user namespace (label
+        ``pod-security.kubernetes.io/enforce``): ``baseline`` (default: no privileged pods,
+        host paths or host namespaces) or ``restricted``. The label is applied at every spawn.
+        Example: ``c.KubeGPUSpawner.pod_security_level = "restricted"``
+        """,
+    ).tag(config=True)
+
+    shared_volume = Dict(
+        None,
+        allow_none=True,
+        help="""The team's shared ReadWriteMany storage, as a pod volume source, or None (default)
+        for none. Each server mounts the user's own sub-path (``user_subpath_template``)
+        read-write and ``datasets_subpath`` read-only under ``shared_mount_path``.
+        Example (NFS, allowed by the ``baseline`` Pod Security level)::
+
+            c.KubeGPUSpawner.shared_volume = {"nfs": {"server": "nfs.example.org", "path": "/gpulab"}}
+        """,
+    ).tag(config=True)
+
+    shared_mount_path = Unicode(
+        "/gpulab/shared",
+        help="""Where the shared storage's folders appear in the server (default
+        ``/gpulab/shared``): ``<path>/users/<name>`` and ``<path>/datasets``, also given to the
+        server as ``GPULAB_USER_DIR`` and ``GPULAB_DATASETS_DIR``.""",
+    ).tag(config=True)
+
+    user_subpath_template = Unicode(
+        "users/{username}",
+        help="""The user's own folder on the shared storage (a sub-path of it; KubeSpawner's
+        template fields, default ``users/{username}``). Only this folder is writable.""",
+    ).tag(config=True)
+
+    datasets_subpath = Unicode(
+        "datasets",
+        help="""The shared datasets folder on the shared storage, mounted read-only (default
+        ``datasets``; '' for none).""",
+    ).tag(config=True)
+
+    home_mount_path = Unicode(
+        "/home/jovyan",
+        help="""Where the user's home volume (KubeSpawner's PVC ``pvc_name``, made when
+        ``storage_pvc_ensure``) is mounted; '' to leave volumes to ``volumes`` (default
+        ``/home/jovyan``, the Jupyter Docker Stacks' home).""",
+    ).tag(config=True)
+
+    gpu_quota_sync_interval = Float(
+        3.0,
+        help="""Seconds between two comparisons of the ledger's quotas with the users'
+        ResourceQuotas (default 3); an admin's quota edit reaches the cluster within that.""",
+    ).tag(config=True)
+
+    @default("enable_user_namespaces")
+    def _enable_user_namespaces_default(self):
+        return True
+
+    @default("automount_service_account_token")
+    def _automount_default(self):
+        return False
+
+    @default("storage_pvc_ensure")
+    def _storage_pvc_ensure_default(self):
+        return True
+
+    @default("storage_capacity")
+    def _storage_capacity_default(self):
+        return "10Gi"
+
+    @default("apply_user_options")
+    def _apply_user_options_default(self):
+        # user_options are validated and applied in load_user_options(), as KubeSpawner does
+        return lambda spawner, user_options: None
+
+    # -- profiles and settings ------------------------------------------------------------
+
+    _gpu_profile_list: list | None = None
+    gpu_profile: GPUProfile | None = None
+
+    def gpu_profiles(self) -> list[GPUProfile]:
+        if self._gpu_profile_list is None:  # not resolved yet (the spawn form)
+            return super().gpu_profiles()
+        return parse_profiles(self._gpu_profile_list or default_profile_list(0))
+
+    @property
+    def gpu_inventory(self):
+        return []  # the cluster's GPUs are on its nodes, not on the hub's machine
+
+    @property
+    def user_label(self) -> str:
+        """The user's safe name, a valid label value."""
+        return self._expand_user_properties("{safe_username}")
+
+    def _restore_traits(self, names) -> None:
+        """Put back the configured values of the traits a start may change."""
+        pristine = self.__dict__.setdefault("_gpu_pristine", {})
+        for name in names:
+            if name not in pristine:
+                pristine[name] = copy.deepcopy(getattr(self, name))
+        for name, value in pristine.items():
+            setattr(self, name, copy.deepcopy(value))
+
+    def _server_settings(self, profile: GPUProfile) -> dict[str, Any]:
+        home = None
+        if self.storage_pvc_ensure and self.home_mount_path:
+            home = {"claim": self.pvc_name, "mount": self.home_mount_path}
+        return server_pod_settings(
+            gpus=profile.gpus,
+            tolerations=self.tolerations,
+            volumes=self.volumes,
+            volume_mounts=self.volume_mounts,
+            environment=self.environment,
+            home=home,
+            shared_volume=self.shared_volume,
+            shared_mount=self.shared_mount_path,
+            user_subpath=self._expand_user_properties(self.user_subpath_template),
+            datasets_subpath=self.datasets_subpath or None,
+        )
+
+    async def load_user_options(self):
+        """Validate ``user_options``, apply the profile, then admit its GPUs (or refuse)."""
+        configured = self._sorted_dict_values(self.profile_list)
+        if callable(configured):
+            configured = await _maybe_await(configured(self))
+        self._gpu_profile_list = list(configured or [])
+        profile = self.selected_profile()  # SpawnRefused(400) for bad options
+        self._restore_traits([*_MANAGED_TRAITS, *profile.override])
+        self._apply_overrides(copy.deepcopy(profile.override))
+        for name, value in self._server_settings(profile).items():
+            setattr(self, name, value)
+        self.gpu_profile = profile
+        self.admit_gpus(profile)  # SpawnRefused(409) when the quota is used up
+
+    # -- namespace and quota ---------------------------------------------------------------
+
+    @property
+    def quota_mirror(self) -> GPUQuotaMirror:
+        return GPUQuotaMirror.for_loop(self.gpu_ledger, self.api, self.gpu_quota_sync_interval,
+                                       self.log)
+
+    async def _ensure_namespace(self):
+        """Create or update the user's namespace (Pod Security labels), then its quota."""
+        if self.pod_security_level not in POD_SECURITY_LEVELS:
+            raise SpawnRefused(500, f"pod_security_level {self.pod_security_level!r} is not "
+                               f"one of {', '.join(POD_SECURITY_LEVELS)}.")
+        ns = make_user_namespace(name=self.namespace, user_label=self.user_label,
+                                 pod_security=self.pod_security_level)
+        await asyncio.wait_for(
+            self.api.patch_namespace(self.namespace, ns, field_manager=FIELD_MANAGER,
+                                     force=True, _content_type=APPLY),
+            self.k8s_api_request_timeout,
+        )
+        mirror = self.quota_mirror
+        mirror.register(self.namespace, self.user.name, self.user_groups, self.user_label)
+        want = effective_max_gpus(self.gpu_ledger.quotas(), self.user.name, self.user_groups)
+        if mirror.applied.get(self.namespace, "unknown") != want:
+            await asyncio.wait_for(mirror.apply(self.namespace, want), self.k8s_api_request_timeout)
+
+    async def _make_create_pod_request(self, pod, request_timeout):
+        try:
+            return await super()._make_create_pod_request(pod, request_timeout)
+        except ApiException as e:
+            if e.status == 403 and "status unknown for quota" in api_message(e):
+                # a new ResourceQuota is not counted yet by the quota controller: retry
+                return False
+            raise
+
+    # -- start, and what the person reads ------------------------------------------------
+
+    def start(self):
+        inner = super().start()  # KubeSpawner keeps this future for progress()
+        return asyncio.ensure_future(self._finish_start(inner))
+
+    async def _finish_start(self, inner):
+        try:
+            url = await inner
+        except ApiException as e:
+            self.release_gpus("server did not start")
+            raise self._translate(e) from e
+        except BaseException:
+            self.release_gpus("server did not start")
+            raise
+        self.set_gpu_probe()
+        self.log.info("Started %s as pod %s/%s (profile %s, %d GPU(s))", self._log_name,
+                      self.namespace, self.pod_name,
+                      self.gpu_profile.slug if self.gpu_profile else "?",
+                      self.gpu_profile.gpus if self.gpu_profile else 0)
+        return url
+
+    def _translate(self, e: ApiException) -> Exception:
+        """A refusal by the API server as a message for the person (else ``e`` itself)."""
+        message = api_message(e)
+        numbers = parse_quota_refusal(message) if e.status == 403 else None
+        if numbers:
+            return SpawnRefused(403, self.quota_message(**numbers))
+        if e.status == 403 and "violates PodSecurity" in message:
+            return SpawnRefused(403, "The cluster refused this server's pod because it breaks "
+                                f"the namespace's security policy: {message}")
+        return e
+
+    def quota_message(self, *, requested: int, used: int, limited: int) -> str:
+        """The ledger's quota message for a refusal by the namespace's ResourceQuota."""
+        ledger = self.gpu_ledger
+        quota, source = ledger.effective(self.user.name, self.user_groups)
+        if quota is None or quota.max_gpus != limited:
+            source = "your namespace's ResourceQuota"
+        holdings = [Holding(a.kind, a.holder, a.gpus)
+                    for a in ledger.open_allocations(user=self.user.name) if a.gpus]
+        other = used - sum(h.gpus for h in holdings)
+        if other > 0:
+            holdings.append(Holding("other pods in namespace", self.namespace, other))
+        why = refusal(Quota(max_gpus=limited), source, requested, holdings)
+        return why or (f"Quota exceeded: the cluster allows {limited} GPUs in namespace "
+                       f"{self.namespace}, {used} are in use and this server needs {requested}.")
+
+    async def progress(self):
+        """KubeSpawner's progress, with the scheduler's reasons in plain words."""
+        explained: dict[str, str | None] = {}
+        async for event in super().progress():
+            raw = event.get("raw_event")
+            if raw and raw.get("reason") == "FailedScheduling" and self.gpu_profile is not None:
+                text = raw.get("message") or ""
+                if text not in explained:
+                    explained[text] = await self._explain_unschedulable(text)
+                if explained[text]:
+                    event = {**event, "message": explained[text]}
+            yield event
+
+    async def _explain_unschedulable(self, message: str) -> str | None:
+        profile = self.gpu_profile
+        free: dict[str, int] = {}
+        if profile.gpus:
+            try:
+                nodes = await self._list_json(self.api.list_node)
+                pods = await self._list_json(
+                    self.api.list_pod_for_all_namespaces,
+                    field_selector="spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed")
+            except (ApiException, asyncio.TimeoutError) as e:
+                self.log.warning("Cannot explain why %s waits: %s", self._log_name, e)
+                return None
+            free = free_gpus_by_node(nodes=nodes, pods=pods, model=profile.model)
+        return explain_unschedulable(message, gpus=profile.gpus, model=profile.model,
+                                     free_by_node=free)
+
+    async def _list_json(self, method, **kwargs) -> list[dict]:
+        resp = await asyncio.wait_for(method(_preload_content=False, **kwargs),
+                                      self.k8s_api_request_timeout)
+        return json.loads(await resp.read())["items"]
+
+    # -- liveness and state ----------------------------------------------------------------
+
+    def gpu_probe(self):
+        key = f"{self.namespace}/{self.pod_name}"
+
+        def alive() -> bool:
+            ref = self.pod_reflector
+            if ref is None or not ref.first_load_future.done():
+                return True  # cannot tell yet: keep the GPUs
+            return key in ref.pods
+
+        return alive
+
+    def load_state(self, state):
+        super().load_state(state)
+        if self.gpu_claim_id and self.enable_user_namespaces:
+            try:
+                self.quota_mirror.register(self.namespace, self.user.name, self.user_groups,
+                                           self.user_label)
+            except RuntimeError:  # no running loop (a hub that restores state synchronously)
+                pass
+
+
+async def _maybe_await(value):
+    if asyncio.isfuture(value) or asyncio.iscoroutine(value):
+        return await value
+    return value
+
+
+__all__ = ["GPUQuotaMirror", "KubeGPUSpawner", "effective_max_gpus"]

@@ -1,0 +1,208 @@
+"""The Kubernetes objects and pod settings of `KubeGPUSpawner`, built by pure functions.
+
+Every function here takes keyword-only arguments, does no I/O and returns plain dicts (the
+JSON the API server receives), so the tests compare them with literal dicts
+(tests/unit/test_kubeobjects.py). The spawner only gathers its settings and calls them.
+
+- `make_user_namespace`: a user's namespace, labelled for Pod Security admission.
+- `make_gpu_quota`: the ResourceQuota on ``requests.nvidia.com/gpu`` that mirrors a user's quota.
+- `server_pod_settings`: the KubeSpawner trait values that add the GPU toleration, the home
+  volume, the shared
+  storage (the user's own sub-path read-write, the datasets read-only) and its environment.
+- `free_gpus_by_node`, `explain_unschedulable`: the scheduler's reasons in plain words.
+- `parse_quota_refusal`: the numbers in the API server's 403 "exceeded quota" message.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .profiles import GPU_MODEL_LABEL, GPU_RESOURCE
+
+#: the taint GPU node pools carry (and the toleration GPU pods get)
+GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+#: name of the ResourceQuota in each user's namespace
+QUOTA_NAME = "gpulab-gpus"
+QUOTA_RESOURCE = f"requests.{GPU_RESOURCE}"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "gpulab"}
+USER_LABEL = "gpulab.io/user"
+POD_SECURITY_LEVELS = ("privileged", "baseline", "restricted")
+
+
+def make_user_namespace(*, name: str, user_label: str, pod_security: str = "baseline") -> dict:
+    """A user's namespace; Pod Security admission enforces ``pod_security`` (latest version).
+
+    ``user_label`` must be a valid label value (KubeSpawner's safe user name is).
+    """
+    if pod_security not in POD_SECURITY_LEVELS:
+        raise ValueError(f"pod_security must be one of {', '.join(POD_SECURITY_LEVELS)}, "
+                         f"got {pod_security!r}")
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {
+            "name": name,
+            "labels": {
+                **MANAGED_BY,
+                USER_LABEL: user_label,
+                "pod-security.kubernetes.io/enforce": pod_security,
+                "pod-security.kubernetes.io/enforce-version": "latest",
+            },
+        },
+    }
+
+
+def make_gpu_quota(*, namespace: str, max_gpus: int, user_label: str, name: str = QUOTA_NAME) -> dict:
+    """The ResourceQuota that caps the GPUs requested by all pods in ``namespace``."""
+    if not isinstance(max_gpus, int) or isinstance(max_gpus, bool) or max_gpus < 0:
+        raise ValueError(f"max_gpus must be a whole number >= 0, got {max_gpus!r}")
+    return {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {**MANAGED_BY, USER_LABEL: user_label},
+        },
+        "spec": {"hard": {QUOTA_RESOURCE: str(max_gpus)}},
+    }
+
+
+def _with(value: list | dict, key: str, item: dict) -> list | dict:
+    """``value`` (a KubeSpawner list-or-dict trait value) plus ``item``, as a new value."""
+    if isinstance(value, dict):
+        return {**copy.deepcopy(value), key: item}
+    return [*copy.deepcopy(list(value)), item]
+
+
+def server_pod_settings(
+    *,
+    gpus: int,
+    tolerations: list | dict,
+    volumes: list | dict,
+    volume_mounts: list | dict,
+    environment: Mapping[str, Any],
+    home: Mapping[str, str] | None,
+    shared_volume: Mapping[str, Any] | None,
+    shared_mount: str,
+    user_subpath: str,
+    datasets_subpath: str | None,
+) -> dict[str, Any]:
+    """New values of KubeSpawner's ``tolerations``, ``volumes``, ``volume_mounts`` and
+    ``environment`` traits for one server, from their current values.
+
+    - ``gpus`` > 0 adds `GPU_TOLERATION` (the GPU count and model themselves come from the
+      profile's ``extra_resource_limits`` and ``node_selector``).
+    - ``home`` (``{"claim": <PVC name>, "mount": <path>}``; None: none) mounts the user's home
+      volume.
+    - ``shared_volume`` (a pod volume source, e.g. ``{"persistentVolumeClaim": {"claimName":
+      "gpulab-shared"}}``; None: no shared storage) is mounted twice: ``user_subpath``
+      read-write at ``<shared_mount>/<user_subpath>`` and ``datasets_subpath`` read-only at
+      ``<shared_mount>/<datasets_subpath>``; ``GPULAB_*_DIR`` variables name the folders.
+    """
+    out: dict[str, Any] = {
+        "tolerations": _with(tolerations, "gpulab-gpu", dict(GPU_TOLERATION)) if gpus > 0
+        else copy.deepcopy(tolerations),
+        "volumes": copy.deepcopy(volumes),
+        "volume_mounts": copy.deepcopy(volume_mounts),
+        "environment": dict(environment),
+    }
+    if home:
+        out["volumes"] = _with(out["volumes"], "gpulab-home", {
+            "name": "home", "persistentVolumeClaim": {"claimName": home["claim"]}})
+        out["volume_mounts"] = _with(out["volume_mounts"], "gpulab-home", {
+            "name": "home", "mountPath": home["mount"]})
+    if shared_volume is None:
+        return out
+    if not user_subpath or user_subpath.startswith("/") or ".." in user_subpath.split("/"):
+        raise ValueError(f"user_subpath must be a relative path inside the share, got {user_subpath!r}")
+    root = shared_mount.rstrip("/")
+    out["volumes"] = _with(out["volumes"], "gpulab-shared", {"name": "gpulab-shared", **shared_volume})
+    out["volume_mounts"] = _with(out["volume_mounts"], "gpulab-shared-user", {
+        "name": "gpulab-shared", "mountPath": f"{root}/{user_subpath}", "subPath": user_subpath,
+    })
+    env = {"GPULAB_SHARED_DIR": root, "GPULAB_USER_DIR": f"{root}/{user_subpath}"}
+    if datasets_subpath:
+        out["volume_mounts"] = _with(out["volume_mounts"], "gpulab-shared-datasets", {
+            "name": "gpulab-shared", "mountPath": f"{root}/{datasets_subpath}",
+            "subPath": datasets_subpath, "readOnly": True,
+        })
+        env["GPULAB_DATASETS_DIR"] = f"{root}/{datasets_subpath}"
+    out["environment"].update(env)
+    return out
+
+
+# --------------------------------------------------------------------------- plain words
+
+
+def _quantity(value: Any) -> int:
+    try:
+        return int(str(value))
+    except ValueError:
+        return 0
+
+
+def free_gpus_by_node(*, nodes: Iterable[Mapping], pods: Iterable[Mapping],
+                      model: str | None = None) -> dict[str, int]:
+    """Free GPUs per schedulable GPU node (of ``model`` when given): allocatable minus the
+    GPU requests of the pods bound to it that have not finished."""
+    free: dict[str, int] = {}
+    for n in nodes:
+        meta, spec = n.get("metadata", {}), n.get("spec", {})
+        if spec.get("unschedulable"):
+            continue
+        if model and meta.get("labels", {}).get(GPU_MODEL_LABEL) != model:
+            continue
+        total = _quantity(n.get("status", {}).get("allocatable", {}).get(GPU_RESOURCE, 0))
+        if total > 0:
+            free[meta["name"]] = total
+    for p in pods:
+        node = p.get("spec", {}).get("nodeName")
+        if node not in free or p.get("status", {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        for c in p["spec"].get("containers", []):
+            res = c.get("resources") or {}
+            asked = (res.get("requests") or {}).get(GPU_RESOURCE, (res.get("limits") or {}).get(GPU_RESOURCE, 0))
+            free[node] -= _quantity(asked)
+    return {k: max(v, 0) for k, v in free.items()}
+
+
+_MISSING_PVC = re.compile(r'persistentvolumeclaim "([^"]+)" not found')
+
+
+def explain_unschedulable(message: str, *, gpus: int, model: str | None,
+                          free_by_node: Mapping[str, int]) -> str | None:
+    """The scheduler's FailedScheduling ``message`` in plain words, or None to keep it.
+
+    ``free_by_node``: `free_gpus_by_node` for the pod's GPU model.
+    """
+    of_model = f" of model {model}" if model else ""
+    plural = "s" if gpus != 1 else ""
+    m = _MISSING_PVC.search(message)
+    if m:
+        return f"The storage volume '{m.group(1)}' of this server does not exist; waiting for it."
+    if "unbound immediate PersistentVolumeClaims" in message:
+        return "A storage volume of this server is not ready yet (not bound to a disk); waiting."
+    if gpus > 0 and not free_by_node:
+        return f"No node has GPUs{of_model}; waiting (ask an admin which GPU models the cluster has)."
+    if gpus > 0 and f"Insufficient {GPU_RESOURCE}" in message:
+        most = max(free_by_node.values())
+        return (f"No node has {gpus} free GPU{plural}{of_model} "
+                f"(most free on one node: {most}); waiting.")
+    return None
+
+
+_QUOTA_PART = re.compile(r"(requested|used|limited): " + re.escape(QUOTA_RESOURCE) + r"=(\d+)")
+
+
+def parse_quota_refusal(message: str) -> dict[str, int] | None:
+    """``{"requested": r, "used": u, "limited": l}`` for the GPUs in an API server message
+    ``exceeded quota: <name>, requested: requests.nvidia.com/gpu=3, used: ..., limited: ...``;
+    None when the message is not a GPU quota refusal."""
+    if "exceeded quota" not in message:
+        return None
+    found = {k: int(v) for k, v in _QUOTA_PART.findall(message)}
+    return found if {"requested", "used", "limited"} <= set(found) else None

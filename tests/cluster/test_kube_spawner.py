@@ -1,0 +1,346 @@
+"""KubeGPUSpawner against the real control plane, as the hub's ServiceAccount bound by exactly
+helm-values/rbac.yaml (not as cluster admin), with a real quota ledger (SQLite)."""
+
+import asyncio
+import copy
+import re
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from jupyterhub.objects import Hub
+from kubernetes_asyncio.config import kube_config
+from kubespawner.clients import load_config
+from traitlets.config import Config
+
+from gpulab.hub.policy import Quota
+from gpulab.spawner.kube import GPUQuotaMirror, KubeGPUSpawner
+from gpulab.spawner.mixin import GPULedger, SpawnRefused, hub_ledger
+
+from .controlplane import GPU_TOLERATION
+
+pytestmark = pytest.mark.cluster
+
+RBAC = Path(__file__).resolve().parents[2] / "helm-values" / "rbac.yaml"
+HUB_NAMESPACE = "gpulab-hub-test"
+SHARED = {"nfs": {"server": "nfs.invalid", "path": "/gpulab"}}
+
+
+def h100(n, **extra):
+    return {"display_name": f"{n} H100", "slug": f"h100-{n}",
+            "kubespawner_override": {
+                "extra_resource_limits": {"nvidia.com/gpu": str(n)},
+                "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100"},
+                "cpu_limit": 2, "mem_limit": "4G", **extra}}
+
+
+PROFILES = [
+    {"display_name": "CPU only", "slug": "cpu", "default": True},
+    h100(2),
+    h100(9),
+    {"display_name": "1 B200", "slug": "b200-1", "kubespawner_override": {
+        "extra_resource_limits": {"nvidia.com/gpu": "1"},
+        "node_selector": {"nvidia.com/gpu.product": "NVIDIA-B200"}}},
+    {**h100(1, privileged=True, allow_privilege_escalation=True), "slug": "tampered-privileged"},
+    {**h100(1, volumes=[{"name": "host", "hostPath": {"path": "/"}}],
+            volume_mounts=[{"name": "host", "mountPath": "/host"}]), "slug": "tampered-hostpath"},
+]
+
+
+@pytest.fixture(scope="module")
+def hub_kubeconfig(control_plane, tmp_path_factory):
+    """A kubeconfig of ServiceAccount hub, bound by helm-values/rbac.yaml and nothing else."""
+    cp = control_plane
+    cp.create_namespace(HUB_NAMESPACE)
+    docs = list(yaml.safe_load_all(RBAC.read_text()))
+    for d in docs:
+        for s in d.get("subjects", []):
+            s["namespace"] = HUB_NAMESPACE
+    cp.apply(*docs)
+    path = cp.service_account_kubeconfig(HUB_NAMESPACE, "hub")
+    yield path
+
+
+@pytest.fixture(scope="module")
+def ledger(tmp_path_factory):
+    db = tmp_path_factory.mktemp("ledger") / "gpulab.sqlite"
+    cfg = Config()
+    cfg.GPULedger.db_url = f"sqlite:///{db}"
+    cfg.GPULedger.pool = "kubernetes"
+    GPULedger.clear_instance()
+    ledger = hub_ledger(cfg, assigns_devices=False)
+    yield cfg, ledger
+    GPULedger.clear_instance()
+
+
+@pytest.fixture
+async def make_spawner(hub_kubeconfig, ledger, monkeypatch):
+    """Makes KubeGPUSpawners for fresh users; stops their pods and the shared watches after."""
+    # as KUBECONFIG would in the hub's environment (kubernetes_asyncio reads it at import)
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", hub_kubeconfig)
+    load_config.cache_clear()
+    cfg, _ = ledger
+    made = []
+
+    def make(*, profile_list=PROFILES, **traits):
+        c = copy.deepcopy(cfg)
+        name = f"u{uuid.uuid4().hex[:6]}"
+        c.KubeGPUSpawner.profile_list = profile_list
+        c.KubeGPUSpawner.shared_volume = SHARED
+        c.KubeGPUSpawner.user_namespace_template = "gpulab-{username}"
+        c.KubeGPUSpawner.start_timeout = 60
+        c.KubeGPUSpawner.gpu_quota_sync_interval = 0.5
+        for k, v in traits.items():
+            setattr(c.KubeGPUSpawner, k, v)
+        user = SimpleNamespace(name=name, id=len(made) + 1, url=f"/user/{name}/", groups=[])
+        s = KubeGPUSpawner(config=c, user=user, hub=Hub(), api_token="not-a-token",
+                           oauth_client_id=f"jupyterhub-user-{name}")
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        try:
+            await s.stop(now=True)
+        except Exception:  # noqa: BLE001 - best effort; the namespace goes with the session
+            pass
+        s.clear_state()
+    await KubeGPUSpawner._stop_all_reflectors()
+    for mirror in list(GPUQuotaMirror._instances.values()):
+        if mirror._task is not None:
+            mirror._task.cancel()
+    GPUQuotaMirror._instances.clear()
+
+
+def home_pv(cp, spawner):
+    """A PersistentVolume pre-bound to the spawner's home claim (the test cluster has no
+    provisioner)."""
+    cp.apply({
+        "apiVersion": "v1", "kind": "PersistentVolume",
+        "metadata": {"name": f"home-{spawner.namespace}"},
+        "spec": {"capacity": {"storage": "10Gi"}, "accessModes": ["ReadWriteOnce"],
+                 "persistentVolumeReclaimPolicy": "Delete",
+                 "nfs": {"server": "nfs.invalid", "path": f"/homes/{spawner.user.name}"},
+                 "claimRef": {"namespace": spawner.namespace, "name": spawner.pvc_name}},
+    })
+
+
+def get(cp, path):
+    status, body = cp.api("GET", path)
+    return body if status == 200 else None
+
+
+async def eventually(check, timeout=30, what="a condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.2)
+
+
+def quota_of(cp, ns):
+    return get(cp, f"/api/v1/namespaces/{ns}/resourcequotas/gpulab-gpus")
+
+
+async def test_spawn_makes_the_pod_binds_it_to_h100_and_stop_frees_the_quota(
+        control_plane, make_spawner, ledger):
+    cp = control_plane
+    _, led = ledger
+    s = make_spawner()
+    led.set_quota("user", s.user.name, Quota(max_gpus=4), actor="admin")
+    home_pv(cp, s)
+    s.user_options = {"profile": "h100-2"}
+
+    url = await asyncio.wait_for(s.start(), 90)
+
+    ns, name = s.namespace, s.pod_name
+    assert ns == f"gpulab-{s.user.name}"
+    pod = get(cp, f"/api/v1/namespaces/{ns}/pods/{name}")
+    assert url == f"http://{pod['status']['podIP']}:8888"
+    spec = pod["spec"]
+    assert spec["nodeName"].startswith("gpu-h100-"), spec["nodeName"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100"}
+    assert [t for t in spec["tolerations"] if t["key"] == "nvidia.com/gpu"] == [GPU_TOLERATION]
+    assert spec["automountServiceAccountToken"] is False
+    assert not any(v["name"].startswith("kube-api-access") for v in spec["volumes"])
+    (c,) = spec["containers"]
+    assert c["name"] == "notebook"
+    assert c["resources"] == {
+        "limits": {"cpu": "2", "memory": "4294967296", "nvidia.com/gpu": "2"},  # 4G: 4 GiB
+        "requests": {"cpu": "2", "memory": "4294967296", "nvidia.com/gpu": "2"},
+    }
+    assert sorted(spec["volumes"], key=lambda v: v["name"]) == [
+        {"name": "gpulab-shared", "nfs": {"server": "nfs.invalid", "path": "/gpulab"}},
+        {"name": "home", "persistentVolumeClaim": {"claimName": s.pvc_name}},
+    ]
+    assert c["volumeMounts"] == [
+        {"name": "home", "mountPath": "/home/jovyan"},
+        {"name": "gpulab-shared", "mountPath": f"/gpulab/shared/users/{s.user.name}",
+         "subPath": f"users/{s.user.name}"},
+        {"name": "gpulab-shared", "mountPath": "/gpulab/shared/datasets", "subPath": "datasets",
+         "readOnly": True},
+    ]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["GPULAB_USER_DIR"] == f"/gpulab/shared/users/{s.user.name}"
+    assert env["GPULAB_DATASETS_DIR"] == "/gpulab/shared/datasets"
+    assert pod["status"]["phase"] == "Running"
+
+    labels = get(cp, f"/api/v1/namespaces/{ns}")["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "baseline"
+    assert labels["gpulab.io/user"] == s.user.name
+
+    rq = await eventually(lambda: (lambda q: q if q.get("status", {}).get("used", {}).get(
+        "requests.nvidia.com/gpu") == "2" else None)(quota_of(cp, ns)), what="quota used 2")
+    assert rq["spec"]["hard"] == {"requests.nvidia.com/gpu": "4"}
+    (alloc,) = led.open_allocations(user=s.user.name)
+    assert (alloc.kind, alloc.holder, alloc.gpus, alloc.model) == ("notebook", "default", 2, "NVIDIA-H100")
+
+    await s.stop()
+    s.clear_state()
+    assert cp.api("GET", f"/api/v1/namespaces/{ns}/pods/{name}")[0] == 404
+    await eventually(lambda: quota_of(cp, ns)["status"]["used"]["requests.nvidia.com/gpu"] == "0",
+                     what="quota used back to 0")
+    assert led.open_allocations(user=s.user.name) == []
+
+    # the GPU profile's overrides are undone: the next server, CPU only, asks for no GPU
+    s.user_options = {"profile": "cpu"}
+    await asyncio.wait_for(s.start(), 90)
+    spec = get(cp, f"/api/v1/namespaces/{ns}/pods/{name}")["spec"]
+    assert spec["nodeName"] == "cpu-0"
+    assert not spec.get("nodeSelector")
+    assert not [t for t in spec["tolerations"] if t["key"] == "nvidia.com/gpu"]
+    assert spec["containers"][0].get("resources", {}) == {}
+    assert led.open_allocations(user=s.user.name) == []  # no GPU, no allocation
+    await s.stop()
+    s.clear_state()
+
+
+async def test_user_options_cannot_change_the_pod(make_spawner):
+    s = make_spawner()
+    s.user_options = {"profile": "cpu", "volume_mounts": [{"name": "gpulab-shared",
+                                                            "mountPath": "/x", "subPath": "users/bob"}]}
+    with pytest.raises(SpawnRefused) as e:
+        await s.start()
+    assert e.value.status_code == 400
+    assert "Unknown server option(s): volume_mounts" in e.value.jupyterhub_message
+
+
+async def test_api_server_refuses_a_pod_over_the_quota_with_the_quota_message(
+        control_plane, make_spawner, ledger):
+    cp = control_plane
+    _, led = ledger
+    s = make_spawner()
+    led.set_quota("user", s.user.name, Quota(max_gpus=2), actor="admin")
+    # a pod the ledger knows nothing of already holds one GPU in the user's namespace
+    cp.create_namespace(s.namespace)
+    outside = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "outside"},
+               "spec": {"tolerations": [GPU_TOLERATION], "containers": [{
+                   "name": "main", "image": "registry.invalid/x:1",
+                   "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}
+    cp.api("POST", f"/api/v1/namespaces/{s.namespace}/pods", outside, expect=(201,))
+    s.user_options = {"profile": "h100-2"}
+
+    with pytest.raises(SpawnRefused) as e:
+        await asyncio.wait_for(s.start(), 60)
+
+    assert e.value.status_code == 403
+    assert e.value.jupyterhub_message == (
+        f"Quota exceeded: this request needs 2 GPUs and 1 of your 2 GPUs is in use: "
+        f"other pods in namespace '{s.namespace}' (1). Stop one of them, ask for fewer GPUs, "
+        "or ask an admin for a larger quota.")
+    assert led.open_allocations(user=s.user.name) == []  # the ledger's admission was undone
+
+
+@pytest.mark.parametrize("profile, home, expected", [
+    ("h100-9", False,
+     r"No node has 9 free GPUs of model NVIDIA-H100 \(most free on one node: [0-8]\); waiting\."),
+    ("b200-1", False,
+     r"No node has GPUs of model NVIDIA-B200; waiting \(ask an admin which GPU models the "
+     r"cluster has\)\."),
+    ("cpu", True, r"A storage volume of this server is not ready yet \(not bound to a disk\); "
+     r"waiting\."),
+], ids=["nine-gpus-on-8-gpu-nodes", "no-such-model", "home-volume-not-bound"])
+async def test_why_a_server_waits_reaches_the_progress_stream(make_spawner, ledger, profile, home,
+                                                               expected):
+    _, led = ledger
+    s = make_spawner(storage_pvc_ensure=home)
+    led.set_quota("user", s.user.name, Quota(max_gpus=16), actor="admin")
+    s.user_options = {"profile": profile}
+    start = s.start()
+    seen = []
+    try:
+        async def first_explained():
+            async for event in s.progress():
+                seen.append(event.get("message", ""))
+                if re.fullmatch(expected, seen[-1]):
+                    return seen[-1]
+        try:
+            await asyncio.wait_for(first_explained(), 30)
+        except asyncio.TimeoutError:
+            raise AssertionError(f"no {expected!r} in the progress events: {seen}") from None
+    finally:
+        start.cancel()
+        with pytest.raises((asyncio.CancelledError, Exception)):
+            await start
+    assert led.open_allocations(user=s.user.name) == []  # the GPUs went back with the spawn
+
+
+@pytest.mark.parametrize("profile, violation", [
+    ("tampered-privileged", 'privileged (container "notebook" must not set securityContext.privileged=true)'),
+    ("tampered-hostpath", 'hostPath volumes (volume "host")'),
+])
+async def test_pod_security_refuses_a_tampered_profile(make_spawner, profile, violation):
+    s = make_spawner(storage_pvc_ensure=False)
+    s.user_options = {"profile": profile}
+    with pytest.raises(SpawnRefused) as e:
+        await asyncio.wait_for(s.start(), 60)
+    assert e.value.status_code == 403
+    msg = e.value.jupyterhub_message
+    assert msg.startswith("The cluster refused this server's pod because it breaks the "
+                          "namespace's security policy:"), msg
+    assert 'violates PodSecurity "baseline:latest"' in msg and violation in msg, msg
+
+
+async def test_quota_edits_reach_the_resource_quota_within_seconds(control_plane, make_spawner, ledger):
+    cp = control_plane
+    _, led = ledger
+    s = make_spawner(storage_pvc_ensure=False)
+    led.set_quota("user", s.user.name, Quota(max_gpus=1), actor="admin")
+    s.user_options = {"profile": "cpu"}
+    await asyncio.wait_for(s.start(), 60)
+    assert quota_of(cp, s.namespace)["spec"]["hard"] == {"requests.nvidia.com/gpu": "1"}
+
+    t0 = time.monotonic()
+    led.set_quota("user", s.user.name, Quota(max_gpus=3), actor="admin")
+    await eventually(lambda: quota_of(cp, s.namespace)["spec"]["hard"] == {"requests.nvidia.com/gpu": "3"},
+                     timeout=10, what="the ResourceQuota to say 3")
+    assert time.monotonic() - t0 < 5
+
+    led.unset_quota("user", s.user.name, actor="admin")  # no quota at all: no ResourceQuota
+    await eventually(lambda: quota_of(cp, s.namespace) is None, timeout=10,
+                     what="the ResourceQuota to be deleted")
+
+
+def test_the_users_pod_identity_can_do_nothing(control_plane):
+    """The user namespace's default ServiceAccount (whose token the pod does not even get) may
+    not make pods, so nobody can mount another user's sub-path from inside a server."""
+    cp = control_plane
+    ns = f"gpulab-u{uuid.uuid4().hex[:6]}"
+    cp.create_namespace(ns, labels={"pod-security.kubernetes.io/enforce": "baseline"})
+    kubeconfig = cp.service_account_kubeconfig(ns, "default", create=False)
+    r = cp.kubectl("run", "peek", "--image=registry.invalid/x:1", kubeconfig=kubeconfig, check=False)
+    assert r.returncode != 0 and "(Forbidden)" in r.stderr, r.stderr
+
+
+def test_the_hub_token_is_not_cluster_admin(control_plane, hub_kubeconfig):
+    r = control_plane.kubectl("get", "secrets", "-A", kubeconfig=hub_kubeconfig, check=False)
+    assert r.returncode != 0 and "(Forbidden)" in r.stderr, r.stderr
+    r = control_plane.kubectl("auth", "can-i", "create", "pods", "-n", "gpulab-anyone",
+                              kubeconfig=hub_kubeconfig, check=False)
+    assert r.stdout.strip() == "yes", r.stdout + r.stderr
