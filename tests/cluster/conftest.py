@@ -1,4 +1,4 @@
-"""Fixtures of the cluster tier: one real control plane per test session.
+"""Fixtures of the cluster tier: one real control plane for the whole tier.
 
 The binaries are built on first use by ``build.sh`` (a cold build takes a long while; later runs,
 from any clone, copy them from the cache outside the checkout keyed by the module files, or reuse
@@ -38,9 +38,13 @@ def _build(config) -> None:
     pytest.fail(f"{BUILD_SCRIPT} failed: {why}\n{r.stderr[-3000:]}", pytrace=False)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def control_plane(request):
-    """A started ``ControlPlane`` (see controlplane.py for its nodes, taint and helpers)."""
+    """A started ``ControlPlane`` (see controlplane.py for its nodes, taint and helpers).
+
+    Package-scoped: started once for this tier and stopped after its last test, so that it
+    does not run (and take CPU) while the other tiers of the same session run.
+    """
     _build(request.config)
     cp = ControlPlane()
     cp.start()
