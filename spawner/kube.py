@@ -43,7 +43,7 @@ from .kubeobjects import (
     server_pod_settings,
 )
 from .mixin import GPUSpawnerMixin, SpawnRefused
-from .profiles import GPUProfile, default_profile_list, parse_profiles
+from .profiles import GPUProfile, ProfileError, default_profile_list, parse_profiles
 
 APPLY = "application/apply-patch+yaml"
 FIELD_MANAGER = "gpulab-hub"
@@ -245,9 +245,23 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
     gpu_profile: GPUProfile | None = None
 
     def gpu_profiles(self) -> list[GPUProfile]:
-        if self._gpu_profile_list is None:  # not resolved yet (the spawn form)
-            return super().gpu_profiles()
-        return parse_profiles(self._gpu_profile_list or default_profile_list(0))
+        configured = self._gpu_profile_list
+        if configured is None:  # not resolved by load_user_options yet (the spawn form)
+            configured = self._sorted_dict_values(self.profile_list)
+            if callable(configured):
+                raise ProfileError("A callable profile_list is resolved when the server starts.")
+        return parse_profiles(list(configured) or default_profile_list(0))
+
+    def options_from_form(self, formdata):
+        """One ``profile`` field; checked against ``profile_list`` here unless that is a
+        callable (then when the server starts, in `load_user_options`)."""
+        if callable(self.profile_list) and self._gpu_profile_list is None:
+            extra = sorted(k for k in formdata if k not in ("profile", "_xsrf"))
+            values = formdata.get("profile") or []
+            if extra or len(values) != 1:
+                raise SpawnRefused(400, "Choose exactly one profile.")
+            return {"profile": values[0]}
+        return super().options_from_form(formdata)
 
     @property
     def gpu_inventory(self):
