@@ -269,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         from .client_cli import cmd_quota, cmd_usage
 
         return (cmd_quota if args.command == "quota" else cmd_usage)(args)
+    if args.command == "jobs":
+        from .jobs_cli import cmd_jobs
+
+        return cmd_jobs(args)
     parser.print_help()
     return EXIT_USAGE
 

@@ -23,13 +23,17 @@ class APIError(Exception):
         self.status, self.message = status, message
 
 
+def common(p) -> None:
+    """The options every client command takes: where the hub is, the token, JSON output."""
+    p.add_argument("--url", default=None,
+                   help="the hub's address (default $GPULAB_URL, else http://127.0.0.1:8000)")
+    p.add_argument("--token", default=None,
+                   help="hub API token (default $GPULAB_TOKEN, else $JUPYTERHUB_API_TOKEN)")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+
 def add_client_parsers(sub) -> None:
-    def common(p):
-        p.add_argument("--url", default=None,
-                       help="the hub's address (default $GPULAB_URL, else http://127.0.0.1:8000)")
-        p.add_argument("--token", default=None,
-                       help="hub API token (default $GPULAB_TOKEN, else $JUPYTERHUB_API_TOKEN)")
-        p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    from .jobs_cli import add_jobs_parser
 
     q = sub.add_parser("quota", help="show or change GPU quotas (through the gpulab service)")
     qs = q.add_subparsers(dest="action", metavar="ACTION")
@@ -53,6 +57,13 @@ def add_client_parsers(sub) -> None:
     u = sub.add_parser("usage", help="GPU-hours per user and group")
     u.add_argument("--days", type=int, default=7, help="window in days (default 7)")
     common(u)
+    add_jobs_parser(sub)
+
+
+def fail_api(e: APIError) -> int:
+    print(f"gpulab: error: {e.message}" + (f" (HTTP {e.status})" if e.status else ""),
+          file=sys.stderr)
+    return EXIT_API
 
 
 def _call(args, method: str, path: str, body=None):
@@ -133,9 +144,7 @@ def cmd_quota(args) -> int:
             _call(args, "DELETE", f"quotas/{target}")
             print(json.dumps({"unset": target}) if args.json else f"unset quota {target}")
     except APIError as e:
-        print(f"gpulab: error: {e.message}" + (f" (HTTP {e.status})" if e.status else ""),
-              file=sys.stderr)
-        return EXIT_API
+        return fail_api(e)
     return 0
 
 
@@ -143,9 +152,7 @@ def cmd_usage(args) -> int:
     try:
         usage = _call(args, "GET", f"usage?days={args.days}")
     except APIError as e:
-        print(f"gpulab: error: {e.message}" + (f" (HTTP {e.status})" if e.status else ""),
-              file=sys.stderr)
-        return EXIT_API
+        return fail_api(e)
     if args.json:
         print(json.dumps(usage, indent=2))
         return 0

@@ -123,7 +123,14 @@ def gpulab_service(s: LocalSettings) -> list[dict]:
             "name": SERVICE_NAME,
             "url": f"http://127.0.0.1:{s.service_port}",
             "command": [sys.executable, "-m", "gpulab.hub.service"],
-            "environment": {"GPULAB_LEDGER_URL": s.data.ledger_url, "GPULAB_LEDGER_POOL": "local"},
+            "environment": {
+                "GPULAB_LEDGER_URL": s.data.ledger_url,
+                "GPULAB_LEDGER_POOL": "local",
+                # training jobs run as the same accounts, in the same folders, as notebooks
+                "GPULAB_SHARED_DIR": str(s.data.shared),
+                "GPULAB_ISOLATE": "1" if s.isolate_users else "0",
+                "GPULAB_USER_PREFIX": s.user_prefix or "jupyter-",
+            },
             "oauth_client_allowed_scopes": [ADMIN_SCOPE],
             "display": True,
             "oauth_no_confirm": True,

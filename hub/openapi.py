@@ -15,7 +15,8 @@ def _resp(schema: dict | None, *codes: int, ok: int = 200) -> dict:
     out[str(ok)] = ({"description": "OK", "content": {"application/json": {"schema": schema}}}
                     if schema else {"description": "Done"})
     words = {400: "Bad input; `field` names the field", 401: "Not logged in",
-             403: "Missing scope", 404: "Not found", 413: "Body too large"}
+             403: "Missing scope", 404: "Not found", 409: "Conflict (see message)",
+             413: "Body too large"}
     for c in (401, 403, *codes):
         out[str(c)] = {"description": words[c], "content": {"application/json": {"schema": ERROR}}}
     return out
@@ -52,6 +53,27 @@ NAME = {"name": "name", "in": "path", "required": True,
         "schema": {"type": "string", "minLength": 1, "maxLength": 255}}
 
 
+def _jobspec_schemas() -> dict:
+    from .jobspec import JobSpec
+
+    schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs", {})
+    return {"JobSpec": schema, **defs}
+
+
+JOB = {"type": "object", "properties": {
+    "name": {"type": "string"}, "user": {"type": "string"}, "state": {
+        "type": "string", "enum": ["Admitted", "Starting", "Running", "Succeeded", "Failed", "Stopped"]},
+    "reason": {"type": "string"}, "gpus": {"type": "integer"},
+    "replicas": {"type": "array", "items": {"type": "object"}}, "spec": {"type": "object"},
+    "progress": {"type": ["object", "null"], "description": "the last progress line of the "
+                 "chief (or worker 0): step, total and metrics"}}}
+JOB_NAME = {"name": "name", "in": "path", "required": True,
+            "schema": {"type": "string", "minLength": 1, "maxLength": 64}}
+AS_USER = {"name": "user", "in": "query", "required": False, "schema": {"type": "string"},
+           "description": "another user's jobs (gpulab admins only)"}
+
+
 def openapi_document(prefix: str = "/services/gpulab/") -> dict:
     quota_ops = {
         "get": {"summary": "Read a quota (admin)", "responses": _resp(QUOTA_OUT, 404)},
@@ -76,7 +98,8 @@ def openapi_document(prefix: str = "/services/gpulab/") -> dict:
             "schemas": {"Error": {"type": "object", "required": ["status", "message"],
                                   "properties": {"status": {"type": "integer"},
                                                  "message": {"type": "string"},
-                                                 "field": {"type": "string"}}}},
+                                                 "field": {"type": "string"}}},
+                        **_jobspec_schemas()},
         },
         "security": [{"token": []}],
         "paths": {
@@ -112,6 +135,38 @@ def openapi_document(prefix: str = "/services/gpulab/") -> dict:
                                 "schema": {"type": "integer", "minimum": 1, "maximum": 1000}}],
                 "responses": _resp({"type": "object", "properties": {
                     "audit": {"type": "array", "items": {"type": "object"}}}}, 400)}},
+            "/jobs": {
+                "get": {"summary": "My jobs (admins: ?user= or ?all=1)",
+                        "parameters": [AS_USER, {"name": "all", "in": "query", "required": False,
+                                                 "schema": {"type": "string", "enum": ["1"]}}],
+                        "responses": _resp({"type": "object", "properties": {
+                            "jobs": {"type": "array", "items": JOB}}})},
+                "post": {"summary": "Submit a training job: validated, admitted whole, started",
+                         "requestBody": {"required": True, "content": {"application/json": {
+                             "schema": {"$ref": "#/components/schemas/JobSpec"}}}},
+                         "responses": {**_resp(JOB, 400, 404, 413, ok=201),
+                                       "409": {"description": "Quota or GPUs refuse it, or the "
+                                               "name is taken", "content": {"application/json": {
+                                                   "schema": ERROR}}}}},
+            },
+            "/jobs/{name}": {"parameters": [JOB_NAME, AS_USER],
+                             "get": {"summary": "A job: state, replicas, reasons",
+                                     "responses": _resp(JOB, 404)}},
+            "/jobs/{name}/stop": {"parameters": [JOB_NAME, AS_USER],
+                                  "post": {"summary": "Stop a job (all replicas; GPUs released)",
+                                           "responses": _resp(JOB, 404)}},
+            "/jobs/{name}/logs/{replica}": {
+                "parameters": [JOB_NAME, {"name": "replica", "in": "path", "required": True,
+                                          "schema": {"type": "string"}}, AS_USER,
+                               {"name": "offset", "in": "query", "required": False,
+                                "schema": {"type": "integer", "minimum": 0}},
+                               {"name": "follow", "in": "query", "required": False,
+                                "schema": {"type": "string", "enum": ["1"]}}],
+                "get": {"summary": "A replica's log from `offset`; follow=1 waits for more",
+                        "responses": _resp({"type": "object", "properties": {
+                            "replica": {"type": "string"}, "text": {"type": "string"},
+                            "offset": {"type": "integer"}, "size": {"type": "integer"},
+                            "done": {"type": "boolean"}}}, 400, 404, 409)}},
             "/openapi.json": {"get": {"summary": "This document", "security": [],
                                       "responses": {"200": {"description": "OK"}}}},
         },

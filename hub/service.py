@@ -27,7 +27,7 @@ from tornado import web
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.ioloop import IOLoop
 
-from .ledger import Ledger
+from .ledger import AdmissionRefused, Ledger
 from .policy import QuotaError, parse_quota
 
 log = logging.getLogger("gpulab.service")
@@ -141,8 +141,8 @@ class APIHandler(Base):
         if not self.is_gpulab_admin:
             raise web.HTTPError(403, f"This needs the scope {ADMIN_SCOPE} (a gpulab admin).")
 
-    def json_body(self):
-        if len(self.request.body) > MAX_BODY:
+    def json_body(self, limit: int = MAX_BODY):
+        if len(self.request.body) > limit:
             raise FieldError(413, "body", "The request body is too large.")
         try:
             return json.loads(self.request.body or b"null")
@@ -359,6 +359,97 @@ class NotFoundHandler(web.RequestHandler):
         self.finish(json.dumps({"status": 404, "message": f"No such gpulab endpoint: {self.request.path}"}))
 
 
+# -- training jobs -------------------------------------------------------------------------
+
+
+class JobsBase(APIHandler):
+    @property
+    def backend(self):
+        backend = self.settings.get("jobs")
+        if backend is None:
+            raise web.HTTPError(503, "Training jobs are not configured on this hub.")
+        return backend
+
+    def owner(self) -> str:
+        """Whose jobs: your own; an admin may name another user with ?user=."""
+        who = self.get_query_argument("user", None)
+        me = self.current_user["name"]
+        if who is None or who == me:
+            return me
+        if not self.is_gpulab_admin:
+            raise web.HTTPError(403, "You may only see and act on your own jobs.")
+        return who
+
+    def job_or_404(self, name: str) -> dict:
+        job = self.backend.get(self.owner(), name)
+        if job is None:
+            raise web.HTTPError(404, f"You have no job named '{name}'.")
+        return job
+
+
+class JobsHandler(JobsBase):
+    async def get(self):
+        if self.get_query_argument("all", "") in ("1", "true") :
+            self.require_admin()
+            self.send({"jobs": self.backend.list()})
+            return
+        self.send({"jobs": self.backend.list(self.owner())})
+
+    async def post(self):
+        from .jobs import JobError
+        from .jobspec import SpecError, parse_spec
+
+        limits = self.settings["job_limits"]
+        body = self.json_body(limit=limits.max_source_bytes + MAX_BODY)
+        try:
+            spec = parse_spec(body, limits)
+        except SpecError as e:
+            raise FieldError(400, e.field, e.message) from None
+        me = self.current_user["name"]
+        groups = tuple(await self.directory.groups_of(me))
+        try:
+            job = await self.backend.submit(me, groups, spec)
+        except AdmissionRefused as e:
+            raise FieldError(e.status, "resources", f"Job '{spec.name}' was not started: {e.message}") from None
+        except JobError as e:
+            raise FieldError(e.status, e.field or "body", e.message) from None
+        self.send(job, 201)
+
+
+class JobHandler(JobsBase):
+    async def get(self, name):
+        self.send(self.job_or_404(name))
+
+
+class JobStopHandler(JobsBase):
+    async def post(self, name):
+        self.job_or_404(name)
+        self.send(await self.backend.stop(self.owner(), name, actor=self.current_user["name"]))
+
+
+class JobLogsHandler(JobsBase):
+    """A replica's log from ``offset`` (at most 1 MiB a call); with ``follow=1`` waits up to
+    20 s for more while the job runs. ``offset`` in the answer is where to ask next."""
+
+    async def get(self, name, replica):
+        from .jobs import JobError
+
+        offset = self.int_arg("offset", 0, 0, 2**62)
+        follow = self.get_query_argument("follow", "") in ("1", "true")
+        owner = self.owner()
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                text, size, done = self.backend.read_log(owner, name, replica, offset)
+            except JobError as e:
+                raise FieldError(e.status, e.field or "name", e.message) from None
+            if text or not follow or done or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        self.send({"replica": replica, "offset": offset + len(text), "size": size,
+                   "text": text.decode(errors="replace"), "done": done})
+
+
 class OpenAPIHandler(web.RequestHandler):
     def get(self):
         from .openapi import openapi_document
@@ -395,7 +486,9 @@ class AdminPage(PageHandler):
 
 
 def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirectory,
-             on_quota_change=None) -> web.Application:
+             on_quota_change=None, jobs=None, job_limits=None) -> web.Application:
+    from .jobspec import DEFAULT_LIMITS
+
     api = url_path_join(prefix, "api/v1")
     name = r"([^/]+)"
     return web.Application(
@@ -410,6 +503,10 @@ def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirecto
             (url_path_join(api, "allocations"), AllocationsHandler),
             (url_path_join(api, "usage"), UsageHandler),
             (url_path_join(api, "audit"), AuditHandler),
+            (url_path_join(api, "jobs"), JobsHandler),
+            (url_path_join(api, f"jobs/{name}"), JobHandler),
+            (url_path_join(api, f"jobs/{name}/stop"), JobStopHandler),
+            (url_path_join(api, f"jobs/{name}/logs/{name}"), JobLogsHandler),
             (url_path_join(api, "openapi.json"), OpenAPIHandler),
         ],
         ledger=ledger,
@@ -421,7 +518,33 @@ def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirecto
         xsrf_cookies=False,  # HubOAuth checks xsrf on cookie-authenticated requests itself
         default_handler_class=NotFoundHandler,
         on_quota_change=on_quota_change or (lambda scope, name: directory.forget()),
+        jobs=jobs,
+        job_limits=job_limits or DEFAULT_LIMITS,
     )
+
+
+def local_backend_from_env(ledger: Ledger):
+    """The local job backend, from what `gpulab up` passes in the environment."""
+    shared = os.environ.get("GPULAB_SHARED_DIR")
+    if not shared:
+        return None
+    from gpulab.spawner.accounts import ensure_account, prepare_user_folder, safe_name, system_username
+
+    from .jobs import LocalJobBackend, UserAccount
+
+    isolate = os.environ.get("GPULAB_ISOLATE") == "1"
+    prefix = os.environ.get("GPULAB_USER_PREFIX", "jupyter-")
+
+    def account(user: str) -> UserAccount:
+        folder = Path(shared) / "users" / safe_name(user)
+        if not isolate:
+            prepare_user_folder(folder, None)
+            return UserAccount(user, folder)
+        entry = ensure_account(system_username(prefix, user), f"gpulab user {user}")
+        prepare_user_folder(folder, entry)
+        return UserAccount(user, folder, entry.pw_uid, entry.pw_gid, entry.pw_dir)
+
+    return LocalJobBackend(ledger, account)
 
 
 def main() -> None:
@@ -434,7 +557,11 @@ def main() -> None:
     ledger = Ledger(os.environ["GPULAB_LEDGER_URL"], pool=os.environ.get("GPULAB_LEDGER_POOL", "local"))
     ledger.migrate()
     directory = HubDirectory(os.environ["JUPYTERHUB_API_URL"], os.environ["JUPYTERHUB_API_TOKEN"])
-    app = make_app(ledger, prefix, hub_prefix, directory)
+    jobs = local_backend_from_env(ledger)
+    app = make_app(ledger, prefix, hub_prefix, directory, jobs=jobs)
+    if jobs is not None:
+        jobs.recover()
+        IOLoop.current().add_callback(jobs.ensure_supervisor)
     app.listen(url.port, url.hostname)
     # The hub manages this process; if the hub dies (kill -9), go too, so that the next
     # `gpulab up` finds the port free and starts a fresh service.

@@ -1,5 +1,9 @@
 """schemathesis against the served OpenAPI document: generated requests (valid and invalid,
-as a gpulab admin) never get a 5xx from the gpulab service."""
+as a gpulab admin) never get a 5xx from the gpulab service.
+
+Job submission is left out: a valid generated spec would start real training processes
+(TensorFlow servers for every ps and worker) by the dozen on the test machine. Bad job specs
+are covered by the table in test_jobs_api.py and tests/unit/test_jobspec.py."""
 
 import re
 import subprocess
@@ -17,7 +21,8 @@ def test_no_server_errors_from_generated_requests(hub, admin):
     r = subprocess.run(
         [ST, "run", hub.service_api + "openapi.json", "--url", hub.service_api.rstrip("/"),
          "-H", f"Authorization: token {admin.token()}", "--checks", "not_a_server_error",
-         "--max-examples", "60", "--seed", "1", "--workers", "2", "--warnings", "off"],
+         "--max-examples", "60",
+         "--exclude-name", "POST /jobs", "--seed", "1", "--workers", "2", "--warnings", "off"],
         capture_output=True, text=True, timeout=900,
     )
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]

@@ -1,0 +1,230 @@
+"""``gpulab jobs``: submit, list, show, follow the logs of and stop training jobs.
+
+The same jobs API the notebook extension uses (``/services/gpulab/api/v1/jobs``), with the
+token and address of ``gpulab quota`` (``--token``/``$GPULAB_TOKEN``/``$JUPYTERHUB_API_TOKEN``,
+``--url``/``$GPULAB_URL``). A spec comes from a YAML (or JSON) file, from flags, or both: flags
+override the file's fields. The service checks the spec; its message names the bad field.
+
+    gpulab jobs submit --name digits --strategy parameter-server --ps 1 --workers 2 \\
+        --gpus 1 --script examples/digits_parameter_server.py -f
+    gpulab jobs submit spec.yaml
+    gpulab jobs list [--all]
+    gpulab jobs show digits
+    gpulab jobs logs digits [chief-0] [-f]
+    gpulab jobs stop digits
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+from .client_cli import EXIT_USAGE, APIError, _call, common, fail_api, table
+
+STRATEGIES = ("parameter-server", "multi-worker-mirrored")
+
+
+def add_jobs_parser(sub) -> None:
+    j = sub.add_parser("jobs", help="distributed TensorFlow training jobs")
+    js = j.add_subparsers(dest="action", metavar="ACTION")
+
+    s = js.add_parser("submit", help="submit a job (a YAML spec and/or flags)",
+                      description="Submit a training job. Flags override the spec file.")
+    s.add_argument("spec", nargs="?", help="YAML or JSON file with the job spec")
+    s.add_argument("--name", help="job name: lower-case letters, digits and '-'")
+    s.add_argument("--strategy", choices=STRATEGIES)
+    s.add_argument("--ps", type=int, help="parameter servers (parameter-server)")
+    s.add_argument("--workers", type=int, help="workers")
+    s.add_argument("--evaluator", action="store_true", help="add an evaluator replica")
+    s.add_argument("--gpus", type=int, help="GPUs of each worker")
+    s.add_argument("--cpu", type=float, help="CPUs of each worker")
+    s.add_argument("--memory", help="memory of each worker, e.g. 8Gi")
+    code = s.add_mutually_exclusive_group()
+    code.add_argument("--script", help="a .py file, relative to your folder on shared storage")
+    code.add_argument("--source-file", help="a local .py file whose text is sent as the code")
+    s.add_argument("--arg", action="append", default=None, dest="args", metavar="ARG",
+                   help="an argument for the program (repeat)")
+    s.add_argument("--env", action="append", default=None, metavar="NAME=VALUE",
+                   help="an environment variable for every replica (repeat)")
+    s.add_argument("--max-runtime", type=int, help="seconds after which the job is stopped")
+    s.add_argument("--retries", type=int, help="restarts of failed replicas (default 2)")
+    s.add_argument("--image", help="container image (Kubernetes; admin-allowed list)")
+    s.add_argument("-f", "--follow", action="store_true",
+                   help="then follow the lead replica's log until the job ends")
+    common(s)
+
+    ls = js.add_parser("list", help="my jobs (admins: --all or --user)")
+    ls.add_argument("--all", action="store_true", help="everyone's jobs (admins)")
+    ls.add_argument("--user", help="another user's jobs (admins)")
+    common(ls)
+    for name, text in (("show", "a job's state and replicas"), ("stop", "stop a job")):
+        p = js.add_parser(name, help=text)
+        p.add_argument("name")
+        p.add_argument("--user", help="another user's job (admins)")
+        common(p)
+    lg = js.add_parser("logs", help="a replica's log")
+    lg.add_argument("name")
+    lg.add_argument("replica", nargs="?", help="e.g. chief-0, ps-0, worker-1 "
+                    "(default: the chief, or worker-0)")
+    lg.add_argument("-f", "--follow", action="store_true", help="follow until the job ends")
+    lg.add_argument("--user", help="another user's job (admins)")
+    common(lg)
+
+
+class UsageError(Exception):
+    pass
+
+
+def spec_from_args(args) -> dict:
+    """The job spec: the file's fields, then the flags over them."""
+    spec: dict = {}
+    if args.spec:
+        import yaml
+
+        try:
+            loaded = yaml.safe_load(Path(args.spec).read_text())
+        except OSError as e:
+            raise UsageError(f"cannot read {args.spec}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise UsageError(f"{args.spec} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise UsageError(f"{args.spec} must hold a mapping (name:, strategy:, …)")
+        spec = loaded
+    for key in ("name", "strategy", "script", "max_runtime", "retries", "image"):
+        if getattr(args, key) is not None:
+            spec[key] = getattr(args, key)
+    replicas = dict(spec.get("replicas") or {})
+    if args.strategy == "parameter-server" or spec.get("strategy") == "parameter-server":
+        replicas.setdefault("chief", 1)
+        replicas.setdefault("ps", 1)
+    if args.ps is not None:
+        replicas["ps"] = args.ps
+    if args.workers is not None:
+        replicas["worker"] = args.workers
+    if args.evaluator:
+        replicas["evaluator"] = 1
+    if replicas:
+        spec["replicas"] = replicas
+    worker = dict((spec.get("resources") or {}).get("worker") or {})
+    for key in ("gpus", "cpu", "memory"):
+        if getattr(args, key) is not None:
+            worker[key] = getattr(args, key)
+    if worker:
+        spec["resources"] = {**(spec.get("resources") or {}), "worker": worker}
+    if args.source_file:
+        try:
+            spec["source"] = Path(args.source_file).read_text()
+        except OSError as e:
+            raise UsageError(f"cannot read {args.source_file}: {e.strerror}") from None
+        spec.pop("script", None)
+    if args.args is not None:
+        spec["args"] = args.args
+    if args.env is not None:
+        env = dict(spec.get("env") or {})
+        for item in args.env:
+            if "=" not in item:
+                raise UsageError(f"--env takes NAME=VALUE, not {item!r}")
+            k, v = item.split("=", 1)
+            env[k] = v
+        spec["env"] = env
+    if not spec.get("name") or not spec.get("strategy"):
+        raise UsageError("a job needs --name and --strategy (or a spec file that has them)")
+    return spec
+
+
+def _job_path(args, *rest: str) -> str:
+    path = "jobs/" + "/".join(quote(p, safe="") for p in (args.name, *rest))
+    return path + (f"?user={quote(args.user, safe='')}" if args.user else "")
+
+
+def _elapsed(job: dict) -> str:
+    if not job.get("started_at"):
+        return "-"
+    end = job.get("finished_at") or time.time()
+    secs = int(end - job["started_at"])
+    return f"{secs // 3600}:{secs // 60 % 60:02d}:{secs % 60:02d}"
+
+
+def print_job(job: dict) -> None:
+    print(f"{job['name']} ({job['user']}): {job['state']}: {job['reason']}")
+    print(f"strategy {job['strategy']}, {job['gpus']} GPU(s), elapsed {_elapsed(job)}, "
+          f"folder {job['job_dir']}")
+    p = job.get("progress")
+    if p:
+        total = f"/{p['total']}" if p.get("total") else ""
+        metrics = ", ".join(f"{k} {v}" for k, v in p.items() if k not in ("step", "total"))
+        print(f"progress: step {p['step']}{total}" + (f" ({metrics})" if metrics else ""))
+    print(table([[r["name"], r["state"], r["restarts"], r["exit_code"],
+                  ",".join(map(str, r["devices"])) or "-", r["reason"]] for r in job["replicas"]],
+                ["REPLICA", "STATE", "RESTARTS", "EXIT", "GPUS", "REASON"]))
+
+
+def follow_logs(args, replica: str, follow: bool) -> int:
+    offset = 0
+    while True:
+        q = f"offset={offset}" + ("&follow=1" if follow else "")
+        path = _job_path(args, "logs", replica)
+        chunk = _call(args, "GET", path + ("&" if "?" in path else "?") + q)
+        sys.stdout.write(chunk["text"])
+        sys.stdout.flush()
+        offset = chunk["offset"]
+        if not follow or (chunk["done"] and not chunk["text"]):
+            return 0
+
+
+def lead_replica(job: dict) -> str:
+    return "chief-0" if job["strategy"] == "parameter-server" else "worker-0"
+
+
+def cmd_jobs(args) -> int:
+    if args.action is None:
+        print("gpulab jobs: choose submit, list, show, logs or stop (see gpulab jobs -h)",
+              file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        if args.action == "submit":
+            try:
+                spec = spec_from_args(args)
+            except UsageError as e:
+                print(f"gpulab jobs submit: error: {e}", file=sys.stderr)
+                return EXIT_USAGE
+            job = _call(args, "POST", "jobs", spec)
+            if args.json:
+                print(json.dumps(job, indent=2))
+            else:
+                print(f"submitted {job['name']}: {job['state']} ({job['reason']})")
+            if args.follow:
+                args.user = None
+                args.name = job["name"]
+                follow_logs(args, lead_replica(job), True)
+                job = _call(args, "GET", _job_path(args))
+                print(f"{job['name']}: {job['state']}: {job['reason']}")
+                return 0 if job["state"] == "Succeeded" else 1
+        elif args.action == "list":
+            q = "?all=1" if args.all else (f"?user={quote(args.user, safe='')}" if args.user else "")
+            jobs = _call(args, "GET", "jobs" + q)["jobs"]
+            if args.json:
+                print(json.dumps(jobs, indent=2))
+            else:
+                print(table([[j["name"], j["user"], j["strategy"], j["state"], j["gpus"],
+                              _elapsed(j), j["reason"]] for j in jobs],
+                            ["NAME", "USER", "STRATEGY", "STATE", "GPUS", "ELAPSED", "REASON"]))
+        elif args.action == "show":
+            job = _call(args, "GET", _job_path(args))
+            print(json.dumps(job, indent=2)) if args.json else print_job(job)
+        elif args.action == "stop":
+            job = _call(args, "POST", _job_path(args, "stop"))
+            print(json.dumps(job, indent=2) if args.json else
+                  f"{job['name']}: {job['state']}: {job['reason']}")
+        elif args.action == "logs":
+            replica = args.replica or lead_replica(_call(args, "GET", _job_path(args)))
+            return follow_logs(args, replica, args.follow)
+    except APIError as e:
+        return fail_api(e)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+

@@ -1,0 +1,206 @@
+"""The training job spec: what a person asks for when they launch distributed TensorFlow.
+
+A pydantic v2 model (part of the service's OpenAPI document). Every rule that TensorFlow or
+gpulab imposes is checked here, before anything is admitted or started, with a message that
+names the field:
+
+- ``parameter-server``: exactly 1 ``chief`` (the coordinator that runs the user's code),
+  ``ps`` >= 1, ``worker`` >= 1, optional ``evaluator``;
+- ``multi-worker-mirrored``: ``worker`` >= 1, no chief, no ps (worker 0 is the chief);
+- all workers get the same GPU count (one ``resources.worker`` for the role);
+- the code is either ``script`` (a path inside the user's own folder, no ``..``) or
+  ``source`` (code text, stored in the job folder), never both;
+- ``env`` cannot set what gpulab sets (``TF_CONFIG``, ``CUDA_VISIBLE_DEVICES``, ``GPULAB_*``…).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+ROLES = ("chief", "ps", "worker", "evaluator")
+RESERVED_ENV = {"TF_CONFIG", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
+                "GRPC_FAIL_FAST", "TF_USE_LEGACY_KERAS", "JUPYTERHUB_API_TOKEN", "PYTHONPATH",
+                "LD_PRELOAD", "LD_LIBRARY_PATH", "PATH", "HOME", "USER"}
+RESERVED_PREFIXES = ("GPULAB_", "JUPYTERHUB_")
+
+
+@dataclass(frozen=True)
+class JobLimits:
+    """Limits an admin may change (``c.GpulabService.job_limits`` style, see service)."""
+
+    max_name_length: int = 40  # leaves room for "-worker-12" and Kubernetes suffixes
+    max_replicas: int = 32
+    max_gpus_per_replica: int = 8
+    max_source_bytes: int = 256 * 1024
+    max_runtime: int = 7 * 24 * 3600
+    max_args: int = 64
+    max_env: int = 64
+    max_retries: int = 10
+    allowed_images: tuple[str, ...] = field(default_factory=tuple)
+
+
+DEFAULT_LIMITS = JobLimits()
+
+
+class SpecError(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field, self.message = field, message
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Replicas(Strict):
+    chief: int = Field(0, ge=0, le=1, description="1 for parameter-server, 0 otherwise")
+    ps: int = Field(0, ge=0)
+    worker: int = Field(1, ge=0)
+    evaluator: int = Field(0, ge=0, le=1)
+
+
+class Resources(Strict):
+    gpus: int = Field(0, ge=0, description="GPUs of each replica of the role")
+    cpu: float | None = Field(None, gt=0, le=1024)
+    memory: str | None = Field(None, pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$",
+                               description="e.g. 8Gi")
+
+
+class JobSpec(Strict):
+    name: str = Field(..., description="DNS-1035 label: lower-case letters, digits and '-'")
+    strategy: Literal["parameter-server", "multi-worker-mirrored"]
+    replicas: Replicas = Field(default_factory=Replicas)
+    resources: dict[Literal["chief", "ps", "worker", "evaluator"], Resources] = Field(
+        default_factory=dict)
+    script: str | None = Field(None, description="path of a .py file inside your own folder")
+    source: str | None = Field(None, description="Python code, stored in the job folder")
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    max_runtime: int | None = Field(None, gt=0, description="seconds; the job is stopped after")
+    retries: int = Field(2, ge=0, description="restarts of failed replicas before the job fails")
+    image: str | None = Field(None, description="container image (Kubernetes backend)")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError("must be a DNS-1035 label: start with a lower-case letter, then "
+                             "lower-case letters, digits or '-', not ending in '-'")
+        return v
+
+    @field_validator("script")
+    @classmethod
+    def _script(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        p = PurePosixPath(v)
+        if p.is_absolute() or ".." in p.parts or not v.strip():
+            raise ValueError("must be a relative path inside your own folder, without '..'")
+        if p.suffix != ".py":
+            raise ValueError("must name a .py file")
+        return str(p)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for k in v:
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
+                raise ValueError(f"{k!r} is not a variable name")
+            if k in RESERVED_ENV or k.startswith(RESERVED_PREFIXES):
+                raise ValueError(f"{k} is set by gpulab and cannot be overridden")
+        return v
+
+    @model_validator(mode="after")
+    def _shape(self):
+        r = self.replicas
+        if self.strategy == "parameter-server":
+            if r.chief != 1:
+                raise ValueError("replicas.chief: a parameter-server job has exactly 1 chief")
+            if r.ps < 1:
+                raise ValueError("replicas.ps: a parameter-server job needs at least 1 ps")
+            if r.worker < 1:
+                raise ValueError("replicas.worker: a parameter-server job needs at least 1 worker")
+        else:
+            if r.chief or r.ps:
+                raise ValueError("replicas.chief: a multi-worker-mirrored job has only workers "
+                                 "(worker 0 acts as chief); set chief and ps to 0")
+            if r.worker < 1:
+                raise ValueError("replicas.worker: a multi-worker-mirrored job needs at least 1 worker")
+        for role in self.resources:
+            if getattr(r, role) == 0:
+                raise ValueError(f"resources.{role}: this job has no {role} replicas")
+        if (self.script is None) == (self.source is None):
+            raise ValueError("script: give either 'script' (a file in your folder) or 'source' "
+                             "(code text), not both and not neither")
+        if self.source is not None and not self.source.strip():
+            raise ValueError("source: the code is empty")
+        return self
+
+    # -- derived -----------------------------------------------------------------------
+
+    def count(self, role: str) -> int:
+        return getattr(self.replicas, role)
+
+    def gpus_of(self, role: str) -> int:
+        res = self.resources.get(role)
+        return res.gpus if res else 0
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(self.count(r) * self.gpus_of(r) for r in ROLES)
+
+    def replica_names(self) -> list[tuple[str, int]]:
+        return [(role, i) for role in ROLES for i in range(self.count(role))]
+
+
+def parse_spec(body, limits: JobLimits = DEFAULT_LIMITS) -> JobSpec:
+    """A `JobSpec` from an API body, or `SpecError` naming the first bad field."""
+    if not isinstance(body, dict):
+        raise SpecError("body", "A job spec must be a JSON object.")
+    try:
+        spec = JobSpec.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"] if x != "[key]") or "body"
+        msg = err["msg"].removeprefix("Value error, ")
+        m = re.match(r"^([a-z_.]+): (.*)$", msg)
+        if m and not err["loc"]:  # whole-spec rules name their field first
+            loc, msg = m.group(1), m.group(2)
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown field '{err['loc'][-1]}'"
+        raise SpecError(loc, f"{loc}: {msg}") from None
+    _check_limits(spec, limits)
+    return spec
+
+
+def _check_limits(spec: JobSpec, lim: JobLimits) -> None:
+    if len(spec.name) > lim.max_name_length:
+        raise SpecError("name", f"name: at most {lim.max_name_length} characters")
+    n = sum(spec.count(r) for r in ROLES)
+    if n > lim.max_replicas:
+        raise SpecError("replicas", f"replicas: at most {lim.max_replicas} replicas in one job, "
+                        f"this one has {n}")
+    for role, res in spec.resources.items():
+        if res.gpus > lim.max_gpus_per_replica:
+            raise SpecError(f"resources.{role}.gpus", f"resources.{role}.gpus: at most "
+                            f"{lim.max_gpus_per_replica} GPUs per replica")
+    if spec.source is not None and len(spec.source.encode()) > lim.max_source_bytes:
+        raise SpecError("source", f"source: at most {lim.max_source_bytes} bytes of code; put "
+                        "larger programs in a file in your folder and use 'script'")
+    if spec.max_runtime is not None and spec.max_runtime > lim.max_runtime:
+        raise SpecError("max_runtime", f"max_runtime: at most {lim.max_runtime} seconds")
+    if len(spec.args) > lim.max_args or any(len(a) > 4096 for a in spec.args):
+        raise SpecError("args", f"args: at most {lim.max_args} arguments of 4096 characters")
+    if len(spec.env) > lim.max_env or any(len(v) > 4096 for v in spec.env.values()):
+        raise SpecError("env", f"env: at most {lim.max_env} variables of 4096 characters")
+    if spec.retries > lim.max_retries:
+        raise SpecError("retries", f"retries: at most {lim.max_retries}")
+    if spec.image is not None and spec.image not in lim.allowed_images:
+        allowed = ", ".join(lim.allowed_images) or "none: this deployment sets the image"
+        raise SpecError("image", f"image: {spec.image!r} is not allowed (allowed: {allowed})")

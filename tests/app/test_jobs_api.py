@@ -1,0 +1,344 @@
+"""Training jobs through the gpulab service's API and the CLI, on a real `gpulab up`.
+
+The programs here are small Python programs run by the gpulab runtime (which makes the
+job's TensorFlow strategy before they start, so each replica still starts TensorFlow): they
+exercise the backend's admission, processes, logs, supervision, stop and recovery without
+training. Real training through the same API is in tests/tf/test_jobs_training.py.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+from tests.app.hubctl import GPULAB
+
+pytestmark = pytest.mark.app
+
+HELLO = """
+import json, os, sys
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+print(f"hello from {task['type']}-{task['index']} on GPUs [{os.environ['CUDA_VISIBLE_DEVICES']}]")
+print("args", sys.argv[1:])
+"""
+
+# runs until stopped; leaves its pid where the test can find it
+SLEEPER = """
+import json, os, time
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+with open(f"pid-{task['type']}-{task['index']}", "w") as f:
+    f.write(str(os.getpid()))
+print("sleeping", flush=True)
+time.sleep(600)
+"""
+
+
+def mw(name, workers=2, gpus=0, source=HELLO, **extra):
+    return {"name": name, "strategy": "multi-worker-mirrored", "replicas": {"worker": workers},
+            "resources": {"worker": {"gpus": gpus}}, "source": source, **extra}
+
+
+def wait_state(person, name, states, timeout=180, user=None):
+    q = f"?user={user}" if user else ""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        job = person.service("GET", f"jobs/{name}{q}").json()
+        if job["state"] in states:
+            return job
+        time.sleep(0.3)
+    raise TimeoutError(f"job {name} is {job['state']} ({job['reason']}), not {states}")
+
+
+def job_dir(hub, user, name) -> Path:
+    return hub.data_dir / "shared" / "users" / user / "jobs" / name
+
+
+def wait_pids(folder: Path, n: int, timeout=120) -> list[int]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        pids = [int(p.read_text()) for p in folder.glob("pid-*") if p.read_text()]
+        if len(pids) == n:
+            return pids
+        time.sleep(0.2)
+    raise TimeoutError(f"{n} replicas did not start in {folder}")
+
+
+def job_processes(folder: Path) -> list[psutil.Process]:
+    """Every live process started for the job (replicas and what they started)."""
+    out = []
+    for p in psutil.process_iter(["environ", "status"]):
+        env = p.info["environ"] or {}
+        if env.get("GPULAB_JOB_DIR") == str(folder) and p.info["status"] != psutil.STATUS_ZOMBIE:
+            out.append(p)
+    return out
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def holdings(person):
+    return person.service("GET", "me").json()["holdings"]
+
+
+def test_job_runs_on_disjoint_gpus_with_logs_and_history(hub, users):
+    ann = users["ann"]
+    r = ann.service("POST", "jobs", json=mw("hello", gpus=1, args=["--epochs", "3"]))
+    assert r.status_code == 201, r.text
+    assert r.json()["gpus"] == 2 and r.json()["state"] in ("Running", "Succeeded")
+    job = wait_state(ann, "hello", {"Succeeded", "Failed"})
+    assert job["state"] == "Succeeded", job
+    assert [x["state"] for x in job["replicas"]] == ["Succeeded", "Succeeded"]
+    devices = [x["devices"] for x in job["replicas"]]
+    assert len(devices[0]) == 1 and len(devices[1]) == 1 and devices[0] != devices[1]
+
+    log = ann.service("GET", "jobs/hello/logs/worker-1").json()
+    assert f"hello from worker-1 on GPUs [{devices[1][0]}]" in log["text"]
+    assert "args ['--epochs', '3']" in log["text"]
+    assert log["done"] and log["offset"] == log["size"] > 0
+    # reading on from the end gives nothing more
+    more = ann.service("GET", f"jobs/hello/logs/worker-1?offset={log['offset']}&follow=1").json()
+    assert more["text"] == "" and more["done"]
+    assert ann.service("GET", "jobs/hello/logs/ps-0").status_code == 404
+
+    # kept as history; its GPUs are back
+    assert "hello" in [j["name"] for j in ann.service("GET", "jobs").json()["jobs"]]
+    assert not [h for h in holdings(ann) if h["kind"] == "job"]
+    again = ann.service("POST", "jobs", json=mw("hello"))
+    assert again.status_code == 409 and again.json()["field"] == "name"
+
+
+def test_only_the_owner_or_an_admin_sees_and_stops_a_job(hub, users, admin):
+    ann, bob = users["ann"], users["bob"]
+    assert ann.service("POST", "jobs", json=mw("private", workers=1, gpus=1,
+                                                source=SLEEPER)).status_code == 201
+    folder = job_dir(hub, "ann", "private")
+    wait_pids(folder, 1)
+    # bob has no job of that name, and may not ask for ann's
+    assert bob.service("GET", "jobs/private").status_code == 404
+    for method, path in (("GET", "jobs/private?user=ann"), ("POST", "jobs/private/stop?user=ann"),
+                         ("GET", "jobs/private/logs/worker-0?user=ann"), ("GET", "jobs?user=ann"),
+                         ("GET", "jobs?all=1")):
+        r = bob.service(method, path)
+        assert r.status_code == 403, (method, path, r.status_code, r.text)
+        assert r.json()["message"]
+    assert bob.service("POST", "jobs/private/stop").status_code == 404
+    assert "private" not in [j["name"] for j in bob.service("GET", "jobs").json()["jobs"]]
+    # anonymous and scope-less callers
+    assert requests.get(hub.service_api + "jobs/private").status_code == 401
+    assert requests.post(hub.service_api + "jobs", json=mw("anon")).status_code == 401
+    noscope = ann.api("POST", "/users/ann/tokens",
+                      json={"note": "no scope", "scopes": ["read:users:name!user"]}).json()["token"]
+    assert ann.service("GET", "jobs", token=noscope).status_code == 403
+    assert ann.service("POST", "jobs", token=noscope, json=mw("ns")).status_code == 403
+    assert wait_state(ann, "private", {"Running"})["state"] == "Running"
+
+    # an admin sees everyone's and may stop it
+    everyone = admin.service("GET", "jobs?all=1").json()["jobs"]
+    assert ("ann", "private") in [(j["user"], j["name"]) for j in everyone]
+    assert admin.service("GET", "jobs/private/logs/worker-0?user=ann").json()["text"]
+    stopped = admin.service("POST", "jobs/private/stop?user=ann")
+    assert stopped.status_code == 200, stopped.text
+    assert stopped.json()["state"] == "Stopped" and "admin" in stopped.json()["reason"]
+
+
+def test_stop_ends_every_replica_and_releases_its_gpus(hub, users):
+    ann = users["ann"]
+    spec = {"name": "sleepy", "strategy": "parameter-server",
+            "replicas": {"chief": 1, "ps": 1, "worker": 2}, "resources": {"worker": {"gpus": 1}},
+            "source": SLEEPER}
+    # the chief is the only replica that runs the program under parameter-server; ps and
+    # workers run TensorFlow servers
+    r = ann.service("POST", "jobs", json=spec)
+    assert r.status_code == 201, r.text
+    folder = job_dir(hub, "ann", "sleepy")
+    pids = wait_pids(folder, 1)
+    replicas = {x["name"] for x in r.json()["replicas"]}
+    assert replicas == {"chief-0", "ps-0", "worker-0", "worker-1"}
+    held = [h for h in holdings(ann) if h["kind"] == "job" and h["name"] == "sleepy"]
+    assert held and held[0]["gpus"] == 2
+    assert len(job_processes(folder)) >= 4
+    t0 = time.time()
+    job = ann.service("POST", "jobs/sleepy/stop").json()
+    assert job["state"] == "Stopped"
+    assert all(x["state"] != "Running" for x in job["replicas"])
+    assert time.time() - t0 < 30
+    assert all(gone(p) for p in pids)
+    assert job_processes(folder) == []
+    assert not [h for h in holdings(ann) if h["name"] == "sleepy"]
+    # stopping again is harmless
+    assert ann.service("POST", "jobs/sleepy/stop").json()["state"] == "Stopped"
+
+
+BAD_BODIES = [
+    ("zero workers", mw("bad1", workers=0), "replicas.worker"),
+    ("unknown strategy", {**mw("bad2"), "strategy": "allreduce"}, "strategy"),
+    ("chief count 2", {"name": "bad3", "strategy": "parameter-server",
+                       "replicas": {"chief": 2, "ps": 1, "worker": 1}, "source": HELLO},
+     "replicas.chief"),
+    ("script outside", {**mw("bad4", source=None), "script": "/etc/passwd.py"}, "script"),
+    ("dot-dot", {**mw("bad5", source=None), "script": "../bob/x.py"}, "script"),
+    ("TF_CONFIG", {**mw("bad6"), "env": {"TF_CONFIG": "{}"}}, "env"),
+    ("oversize source", mw("bad7", source="x = 1\n" * 45_000), "source"),
+    ("oversize body", mw("bad7", source="x = 1\n" * 60_000), "body"),
+    ("missing script", {**mw("bad8", source=None), "script": "nothere.py"}, "script"),
+    ("link to another's file", {**mw("bad9", source=None), "script": "bobs.py"}, "script"),
+    ("not JSON", "not json", "body"),
+    ("too many gpus", mw("bad10", workers=2, gpus=3), "resources"),
+]
+
+
+@pytest.mark.parametrize("body,field", [b[1:] for b in BAD_BODIES], ids=[b[0] for b in BAD_BODIES])
+def test_bad_specs_get_400_naming_the_field_and_nothing_is_made(hub, users, body, field):
+    carl = users["carl"]
+    mine = hub.data_dir / "shared" / "users" / "carl"
+    bobs = hub.data_dir / "shared" / "users" / "bob" / "secret.py"
+    if body is not None and isinstance(body, dict) and body.get("script") == "bobs.py":
+        bobs.parent.mkdir(parents=True, exist_ok=True)
+        bobs.write_text("print('bob')\n")
+        mine.mkdir(parents=True, exist_ok=True)
+        (mine / "bobs.py").unlink(missing_ok=True)
+        (mine / "bobs.py").symlink_to(bobs)
+    kw = {"data": body} if isinstance(body, str) else {"json": body}
+    r = carl.service("POST", "jobs", **kw)
+    assert 400 <= r.status_code < 500 and r.status_code != 404, (r.status_code, r.text)
+    assert r.json()["field"] == field, r.json()
+    assert r.json()["message"]
+    assert carl.service("GET", "jobs").json()["jobs"] == []
+    assert holdings(carl) == []
+    assert not (mine / "jobs").exists() or not any((mine / "jobs").iterdir())
+
+
+def test_job_over_quota_with_a_notebook_is_refused_whole(hub, users, admin):
+    bob = users["bob"]
+    assert admin.service("PUT", "quotas/users/bob", json={"max_gpus": 2}).status_code == 200
+    try:
+        bob.start_server("", {"profile": "gpu-1"})
+        r = bob.service("POST", "jobs", json=mw("big", workers=2, gpus=1))
+        assert r.status_code == 409, r.text
+        message = r.json()["message"]
+        assert "notebook" in message and "2" in message, message
+        assert bob.service("GET", "jobs/big").status_code == 404
+        assert [h["kind"] for h in holdings(bob)] == ["notebook"]
+        assert not job_dir(hub, "bob", "big").exists()
+        # one GPU still fits
+        ok = bob.service("POST", "jobs", json=mw("small", workers=1, gpus=1))
+        assert ok.status_code == 201, ok.text
+        assert wait_state(bob, "small", {"Succeeded", "Failed"})["state"] == "Succeeded"
+    finally:
+        bob.stop_server("")
+        admin.service("DELETE", "quotas/users/bob")
+
+
+def _service_process(hub) -> psutil.Process:
+    for p in psutil.process_iter(["cmdline", "environ"]):
+        cmd = p.info["cmdline"] or []
+        env = p.info["environ"] or {}
+        if "gpulab.hub.service" in cmd and str(hub.data_dir) in env.get("GPULAB_LEDGER_URL", ""):
+            return p
+    raise LookupError("no gpulab service process")
+
+
+def _wait_service(hub, old_pid, timeout=90):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            p = _service_process(hub)
+            if p.pid != old_pid and requests.get(hub.service_api + "openapi.json", timeout=2).ok:
+                return p
+        except (LookupError, requests.ConnectionError):
+            pass
+        time.sleep(0.3)
+    raise TimeoutError("the hub did not restart the gpulab service")
+
+
+def test_service_killed_mid_job_recovers_state_and_gpus(hub, users):
+    ann = users["ann"]
+    # job 1 survives the outage whole: re-adopted, then it finishes normally
+    finish_later = SLEEPER.replace("time.sleep(600)",
+                                   "while not os.path.exists('go'): time.sleep(0.1)\n"
+                                   "print('finished', flush=True)")
+    assert ann.service("POST", "jobs", json=mw("survivor", workers=2, gpus=1,
+                                               source=finish_later)).status_code == 201
+    # job 2 loses a replica while the service is down: marked lost, the rest killed
+    assert ann.service("POST", "jobs", json=mw("victim", workers=2, gpus=1,
+                                               source=SLEEPER)).status_code == 201
+    survivor, victim = job_dir(hub, "ann", "survivor"), job_dir(hub, "ann", "victim")
+    survivor_pids, victim_pids = wait_pids(survivor, 2), wait_pids(victim, 2)
+
+    service = _service_process(hub)
+    service.send_signal(signal.SIGKILL)
+    deadline = time.time() + 10
+    while not gone(service.pid):  # a zombie until the hub reaps it
+        assert time.time() < deadline
+        time.sleep(0.1)
+    os.kill(victim_pids[0], signal.SIGKILL)
+    _wait_service(hub, service.pid)
+
+    lost = wait_state(ann, "victim", {"Failed"})
+    assert "lost" in lost["reason"], lost
+    assert all(gone(p) for p in victim_pids)
+    job = ann.service("GET", "jobs/survivor").json()
+    assert job["state"] == "Running", job
+    assert all(not gone(p) for p in survivor_pids)
+    held = {h["name"]: h["gpus"] for h in holdings(ann) if h["kind"] == "job"}
+    assert held == {"survivor": 2}, held
+
+    (survivor / "go").write_text("")
+    done = wait_state(ann, "survivor", {"Succeeded", "Failed"})
+    assert done["state"] == "Succeeded", done
+    assert not [h for h in holdings(ann) if h["kind"] == "job"]
+
+
+def test_cli_submit_follow_list_show_logs_stop(hub, users, workdir):
+    ann = users["ann"]
+    env = {**os.environ, "GPULAB_URL": hub.url, "GPULAB_TOKEN": ann.token()}
+    program = workdir / "cli_job.py"
+    program.write_text(HELLO)
+
+    def gl(*args):
+        return subprocess.run([GPULAB, "jobs", *args], env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    r = gl("submit", "--name", "cli-one", "--strategy", "multi-worker-mirrored", "--workers", "1",
+           "--source-file", str(program), "--arg", "x", "-f")
+    assert r.returncode == 0, r.stderr
+    assert "hello from worker-0" in r.stdout and "cli-one: Succeeded" in r.stdout
+
+    spec = workdir / "spec.yaml"
+    spec.write_text("name: cli-two\nstrategy: multi-worker-mirrored\nreplicas: {worker: 1}\n"
+                    f"source: |\n" + "".join(f"  {line}\n" for line in SLEEPER.splitlines()))
+    r = gl("submit", str(spec), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["name"] == "cli-two"
+    wait_pids(job_dir(hub, "ann", "cli-two"), 1)
+    r = gl("list")
+    assert r.returncode == 0 and "cli-two" in r.stdout and "Running" in r.stdout, r.stdout
+    r = gl("show", "cli-two")
+    assert r.returncode == 0 and "worker-0" in r.stdout and "Running" in r.stdout, r.stdout
+    r = gl("logs", "cli-two")
+    assert r.returncode == 0 and "sleeping" in r.stdout
+    r = gl("stop", "cli-two")
+    assert r.returncode == 0 and "Stopped" in r.stdout
+
+    # bad input: a clear message and a non-zero exit, nothing submitted
+    r = gl("submit", "--name", "cli-bad", "--strategy", "multi-worker-mirrored",
+           "--workers", "0", "--source-file", str(program))
+    assert r.returncode == 1 and "replicas.worker" in r.stderr, r.stderr
+    r = gl("submit", "--name", "cli-bad", "--strategy", "multi-worker-mirrored",
+           "--env", "NOEQUALS", "--source-file", str(program))
+    assert r.returncode == 2 and "NAME=VALUE" in r.stderr
+    r = gl("submit", str(workdir / "missing.yaml"))
+    assert r.returncode == 2 and "cannot read" in r.stderr
+    r = gl("show", "nope")
+    assert r.returncode == 1 and "no job named 'nope'" in r.stderr
+    assert "cli-bad" not in gl("list").stdout

@@ -1,0 +1,87 @@
+"""The job spec's rules, as a table: each bad spec is refused with the field it names."""
+
+import pytest
+
+from gpulab.hub.jobspec import JobLimits, SpecError, parse_spec
+
+PS = {"name": "digits", "strategy": "parameter-server",
+      "replicas": {"chief": 1, "ps": 1, "worker": 2},
+      "resources": {"worker": {"gpus": 1}}, "source": "print('hi')"}
+MW = {"name": "mw", "strategy": "multi-worker-mirrored", "replicas": {"worker": 2},
+      "resources": {"worker": {"gpus": 2}}, "script": "train/main.py"}
+
+
+def with_(base, **changes):
+    out = {**base}
+    for k, v in changes.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = v
+    return out
+
+
+BAD = [
+    ("zero workers", with_(PS, replicas={"chief": 1, "ps": 1, "worker": 0}), "replicas.worker"),
+    ("unknown strategy", with_(PS, strategy="horovod"), "strategy"),
+    ("two chiefs", with_(PS, replicas={"chief": 2, "ps": 1, "worker": 1}), "replicas.chief"),
+    ("no chief", with_(PS, replicas={"chief": 0, "ps": 1, "worker": 1}), "replicas.chief"),
+    ("no ps", with_(PS, replicas={"chief": 1, "ps": 0, "worker": 1}), "replicas.ps"),
+    ("ps in multi-worker", with_(MW, replicas={"ps": 1, "worker": 2}), "replicas.chief"),
+    ("negative workers", with_(MW, replicas={"worker": -1}), "replicas.worker"),
+    ("workers as text", with_(MW, replicas={"worker": "2"}), "replicas.worker"),
+    ("script outside", with_(MW, script="/etc/passwd.py"), "script"),
+    ("dot-dot", with_(MW, script="../bob/train.py"), "script"),
+    ("dot-dot inside", with_(MW, script="a/../../bob/train.py"), "script"),
+    ("not python", with_(MW, script="train.sh"), "script"),
+    ("both codes", with_(PS, script="train.py"), "script"),
+    ("no code", with_(PS, source=None), "script"),
+    ("empty source", with_(PS, source="   "), "source"),
+    ("override TF_CONFIG", with_(PS, env={"TF_CONFIG": "{}"}), "env"),
+    ("override CUDA", with_(PS, env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"}), "env"),
+    ("override GPULAB_", with_(PS, env={"GPULAB_JOB_DIR": "/"}), "env"),
+    ("bad env name", with_(PS, env={"A-B": "1"}), "env"),
+    ("oversize source", with_(PS, source="x = 1\n" * 50_000), "source"),
+    ("bad name", with_(PS, name="Digits_1"), "name"),
+    ("name too long", with_(PS, name="a" * 41), "name"),
+    ("unknown field", with_(PS, priority=3), "priority"),
+    ("resources of absent role", with_(PS, resources={"evaluator": {"gpus": 1}}),
+     "resources.evaluator"),
+    ("unknown role", with_(PS, resources={"master": {"gpus": 1}}), "resources.master"),
+    ("negative gpus", with_(PS, resources={"worker": {"gpus": -1}}), "resources.worker.gpus"),
+    ("too many gpus", with_(PS, resources={"worker": {"gpus": 9}}), "resources.worker.gpus"),
+    ("bad memory", with_(PS, resources={"worker": {"memory": "lots"}}),
+     "resources.worker.memory"),
+    ("too many replicas", with_(MW, replicas={"worker": 33}), "replicas"),
+    ("zero runtime", with_(PS, max_runtime=0), "max_runtime"),
+    ("image not allowed", with_(PS, image="evil/miner:latest"), "image"),
+    ("too many retries", with_(PS, retries=11), "retries"),
+    ("not an object", ["digits"], "body"),
+]
+
+
+@pytest.mark.parametrize("body,field", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_specs_name_the_field(body, field):
+    with pytest.raises(SpecError) as e:
+        parse_spec(body)
+    assert e.value.field == field, e.value.message
+    assert e.value.message.startswith(field) or field == "body", e.value.message
+
+
+def test_parameter_server_spec_counts_gpus_over_its_replicas():
+    spec = parse_spec(PS)
+    assert spec.total_gpus == 2
+    assert spec.replica_names() == [("chief", 0), ("ps", 0), ("worker", 0), ("worker", 1)]
+
+
+def test_multi_worker_spec_and_allowed_image():
+    spec = parse_spec(with_(MW, image="gpulab/singleuser:1"),
+                      JobLimits(allowed_images=("gpulab/singleuser:1",)))
+    assert spec.total_gpus == 4 and spec.script == "train/main.py"
+    assert spec.replica_names() == [("worker", 0), ("worker", 1)]
+
+
+def test_limits_are_configurable():
+    with pytest.raises(SpecError) as e:
+        parse_spec(with_(MW, replicas={"worker": 3}), JobLimits(max_replicas=2))
+    assert e.value.field == "replicas" and "at most 2" in e.value.message
