@@ -443,7 +443,8 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
 
     def load_state(self, state):
         super().load_state(state)
-        if self.gpu_claim_id and self.enable_user_namespaces:
+        # a server that runs since before a hub restart: keep its quota mirrored
+        if state and state.get("pod_name") and self.enable_user_namespaces:
             try:
                 self.quota_mirror.register(self.namespace, self.user.name, self.user_groups,
                                            self.user_label)

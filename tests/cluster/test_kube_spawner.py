@@ -85,9 +85,9 @@ async def make_spawner(hub_kubeconfig, ledger, monkeypatch):
     cfg, _ = ledger
     made = []
 
-    def make(*, profile_list=PROFILES, **traits):
+    def make(*, profile_list=PROFILES, name=None, **traits):
         c = copy.deepcopy(cfg)
-        name = f"u{uuid.uuid4().hex[:6]}"
+        name = name or f"u{uuid.uuid4().hex[:6]}"
         c.KubeGPUSpawner.profile_list = profile_list
         c.KubeGPUSpawner.shared_volume = SHARED
         c.KubeGPUSpawner.user_namespace_template = "gpulab-{username}"
@@ -325,6 +325,18 @@ async def test_quota_edits_reach_the_resource_quota_within_seconds(control_plane
     led.unset_quota("user", s.user.name, actor="admin")  # no quota at all: no ResourceQuota
     await eventually(lambda: quota_of(cp, s.namespace) is None, timeout=10,
                      what="the ResourceQuota to be deleted")
+
+    # the hub restarts (a new spawner from the saved state): the running server's quota is
+    # still mirrored
+    for mirror in list(GPUQuotaMirror._instances.values()):
+        mirror._task.cancel()
+    GPUQuotaMirror._instances.clear()
+    again = make_spawner(name=s.user.name, storage_pvc_ensure=False)
+    again.load_state(s.get_state())
+    led.set_quota("user", s.user.name, Quota(max_gpus=2), actor="admin")
+    await eventually(lambda: (quota_of(cp, s.namespace) or {}).get("spec", {}).get("hard")
+                     == {"requests.nvidia.com/gpu": "2"}, timeout=10,
+                     what="the ResourceQuota to say 2 after the restart")
 
 
 def test_the_users_pod_identity_can_do_nothing(control_plane):
