@@ -248,6 +248,10 @@ class LocalJobBackend:
             self._kill_job_processes(job_id)
             if isinstance(e, JobError):
                 raise
+            if isinstance(e, safefs.UnsafePath):
+                raise JobError(f"name: jobs/{spec.name} in your folder is a link or not a "
+                               f"folder ({e.strerror}); gpulab does not follow links there. "
+                               "Remove it, or choose another name.", 409, "name") from None
             if isinstance(e, IntegrityError):  # a concurrent submit took the name first
                 raise JobError(f"name: you already have a job named '{spec.name}'; choose "
                                "another name.", 409, "name") from None

@@ -342,3 +342,32 @@ def test_cli_submit_follow_list_show_logs_stop(hub, users, workdir):
     r = gl("show", "nope")
     assert r.returncode == 1 and "no job named 'nope'" in r.stderr
     assert "cli-bad" not in gl("list").stdout
+
+
+def test_links_in_a_users_folder_are_never_followed(hub, users):
+    """A person who owns their folder can put links in it; the service (root) must not
+    follow them into someone else's files, for writing or for reading logs."""
+    ann, carl = users["ann"], users["carl"]
+    shared = hub.data_dir / "shared" / "users"
+    secret = shared / "bob" / "secret.txt"
+    secret.parent.mkdir(parents=True, exist_ok=True)
+    secret.write_text("bob's secret\n")
+    before = sorted(p.name for p in secret.parent.iterdir())
+
+    # a job folder that is a link to bob's folder: refused, nothing written there
+    (shared / "carl" / "jobs").mkdir(parents=True, exist_ok=True)
+    (shared / "carl" / "jobs" / "linked").symlink_to(secret.parent)
+    r = carl.service("POST", "jobs", json=mw("linked", workers=1, gpus=1))
+    assert r.status_code == 409 and r.json()["field"] == "name", r.text
+    assert "link" in r.json()["message"]
+    assert sorted(p.name for p in secret.parent.iterdir()) == before
+    assert holdings(carl) == []
+
+    # a replica's log replaced by a link to bob's file: not served
+    log = job_dir(hub, "ann", "hello") / "logs" / "worker-1.log"
+    log.unlink()
+    log.symlink_to(secret)
+    r = ann.service("GET", "jobs/hello/logs/worker-1")
+    assert r.status_code == 409, r.text
+    assert "secret" not in r.text and r.json()["message"]
+    assert ann.service("GET", "jobs/hello").status_code == 200
