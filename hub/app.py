@@ -39,6 +39,18 @@ class GpulabHub(JupyterHub):
                 essentials.JupyterHub.get("load_roles", []), file_roles
             )
             self.update_config(essentials)
+        # the service checks job specs against the limits set in the operator's file
+        from .jobspec import GPUJobs
+        from .service import SERVICE_NAME
+
+        limits = GPUJobs(config=self.config).limits_json()
+        services = []
+        for service in self.services:
+            if service.get("name") == SERVICE_NAME:
+                env = {**service.get("environment", {}), "GPULAB_JOB_LIMITS": limits}
+                service = {**service, "environment": env}
+            services.append(service)
+        self.services = services
 
 
     async def init_spawners(self):

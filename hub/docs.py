@@ -73,6 +73,7 @@ def _cli_section() -> str:
 
 def config_reference() -> str:
     from gpulab.hub.auth import GpulabAuthenticator
+    from gpulab.hub.jobspec import GPUJobs
     from gpulab.spawner import GPUInventory, GPULedger, LocalGPUSpawner
 
     parts = [
@@ -84,5 +85,6 @@ def config_reference() -> str:
         _trait_section(GPUInventory),
         _trait_section(GPULedger),
         _trait_section(GpulabAuthenticator),
+        _trait_section(GPUJobs),
     ]
     return "\n".join(parts).rstrip() + "\n"

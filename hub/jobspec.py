@@ -15,11 +15,14 @@ names the field:
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
 from typing import Literal
 
+from traitlets import Int, List, Unicode
+from traitlets.config import Configurable
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -32,7 +35,7 @@ RESERVED_PREFIXES = ("GPULAB_", "JUPYTERHUB_")
 
 @dataclass(frozen=True)
 class JobLimits:
-    """Limits an admin may change (``c.GpulabService.job_limits`` style, see service)."""
+    """Limits on job specs; an admin sets them as ``c.GPUJobs.*`` (see `GPUJobs`)."""
 
     max_name_length: int = 40  # leaves room for "-worker-12" and Kubernetes suffixes
     max_replicas: int = 32
@@ -46,6 +49,15 @@ class JobLimits:
 
 
 DEFAULT_LIMITS = JobLimits()
+
+
+def limits_from_json(raw: str | None) -> JobLimits:
+    """`JobLimits` from the JSON the hub hands the service (``GPULAB_JOB_LIMITS``)."""
+    if not raw:
+        return DEFAULT_LIMITS
+    values = json.loads(raw)
+    values["allowed_images"] = tuple(values.get("allowed_images", ()))
+    return JobLimits(**values)
 
 
 class SpecError(ValueError):
@@ -204,3 +216,35 @@ def _check_limits(spec: JobSpec, lim: JobLimits) -> None:
     if spec.image is not None and spec.image not in lim.allowed_images:
         allowed = ", ".join(lim.allowed_images) or "none: this deployment sets the image"
         raise SpecError("image", f"image: {spec.image!r} is not allowed (allowed: {allowed})")
+
+
+class GPUJobs(Configurable):
+    """Limits on the training jobs people submit (checked before anything is admitted)."""
+
+    max_replicas = Int(DEFAULT_LIMITS.max_replicas, help="""
+        Most replicas (chief, ps, workers, evaluator together) in one job (default 32).
+        Example: ``c.GPUJobs.max_replicas = 16``
+        """).tag(config=True)
+    max_gpus_per_replica = Int(DEFAULT_LIMITS.max_gpus_per_replica, help="""
+        Most GPUs one replica may ask for (default 8).""").tag(config=True)
+    max_source_bytes = Int(DEFAULT_LIMITS.max_source_bytes, help="""
+        Most bytes of code a spec may carry as ``source`` (default 262144, 256 KiB); larger
+        programs go in a file in the person's folder (``script``).""").tag(config=True)
+    max_runtime = Int(DEFAULT_LIMITS.max_runtime, help="""
+        Most seconds a spec's ``max_runtime`` may ask for (default 604800, a week).""").tag(
+        config=True)
+    max_retries = Int(DEFAULT_LIMITS.max_retries, help="""
+        Most restarts of failed replicas a spec may ask for (default 10).""").tag(config=True)
+    allowed_images = List(Unicode(), help="""
+        Container images a job may name (Kubernetes backend); default none: jobs run in
+        the deployment's image. Example: ``c.GPUJobs.allowed_images = ["gpulab/singleuser:1"]``
+        """).tag(config=True)
+
+    def limits(self) -> JobLimits:
+        return JobLimits(max_replicas=self.max_replicas,
+                         max_gpus_per_replica=self.max_gpus_per_replica,
+                         max_source_bytes=self.max_source_bytes, max_runtime=self.max_runtime,
+                         max_retries=self.max_retries, allowed_images=tuple(self.allowed_images))
+
+    def limits_json(self) -> str:
+        return json.dumps(asdict(self.limits()))

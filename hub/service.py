@@ -558,7 +558,10 @@ def main() -> None:
     ledger.migrate()
     directory = HubDirectory(os.environ["JUPYTERHUB_API_URL"], os.environ["JUPYTERHUB_API_TOKEN"])
     jobs = local_backend_from_env(ledger)
-    app = make_app(ledger, prefix, hub_prefix, directory, jobs=jobs)
+    from .jobspec import limits_from_json
+
+    app = make_app(ledger, prefix, hub_prefix, directory, jobs=jobs,
+                   job_limits=limits_from_json(os.environ.get("GPULAB_JOB_LIMITS")))
     if jobs is not None:
         jobs.recover()
         IOLoop.current().add_callback(jobs.ensure_supervisor)

@@ -371,3 +371,24 @@ def test_links_in_a_users_folder_are_never_followed(hub, users):
     assert r.status_code == 409, r.text
     assert "secret" not in r.text and r.json()["message"]
     assert ann.service("GET", "jobs/hello").status_code == 200
+
+
+def test_job_limits_come_from_the_operators_config(workdir, prefix):
+    from tests.app.hubctl import Browser, Hub
+
+    data = workdir / "limited"
+    data.mkdir(mode=0o711)
+    (data / "gpulab_config.py").write_text("c.GPUJobs.max_replicas = 2\n"
+                                           "c.GPUJobs.max_source_bytes = 1000\n")
+    hub = Hub(data, "--simulated-gpus", "2", "--user-prefix", prefix).start()
+    try:
+        admin = Browser(hub, "admin")
+        admin.login(hub.admin_password)
+        r = admin.service("POST", "jobs", json=mw("three", workers=3))
+        assert r.status_code == 400 and r.json()["field"] == "replicas", r.text
+        assert "at most 2 replicas" in r.json()["message"]
+        r = admin.service("POST", "jobs", json=mw("long", workers=1, source="x = 1\n" * 200))
+        assert r.status_code == 400 and r.json()["field"] == "source", r.text
+        assert admin.service("GET", "jobs").json()["jobs"] == []
+    finally:
+        hub.stop()
