@@ -1,0 +1,275 @@
+"""The Kubernetes objects of a training job, built by pure functions (no I/O).
+
+`make_training_job_objects` returns, for one `JobSpec`:
+
+- a headless Service ``<job>`` (``clusterIP: None``, ``publishNotReadyAddresses``): the
+  job's **parent**. Every other object names it in ``ownerReferences``, so deleting the
+  Service deletes the whole job through garbage collection (Jobs, then their pods). A Service
+  is cheap, is needed anyway for the replicas' DNS names, and the hub may already create one;
+- one ``batch/v1`` Indexed Job ``<job>-<role>`` per replica role (chief, ps, worker,
+  evaluator), ``completions = parallelism = <replicas of the role>``. Its pods get the host
+  name ``<job>-<role>-<index>`` and the Service as ``subdomain``, so each replica has the
+  stable name ``<job>-<role>-<index>.<job>.<namespace>.svc``.
+
+``TF_CONFIG`` is per pod, yet a pod template is per role: the template sets
+``GPULAB_TASK_INDEX`` from the pod's completion-index annotation (a ``fieldRef``) and
+``TF_CONFIG`` as JSON whose task index is ``$(GPULAB_TASK_INDEX)``, which the kubelet expands
+(Kubernetes' dependent environment variables). The runtime reads a plain ``TF_CONFIG`` as
+always. A ``$(`` in the person's own ``env`` values is escaped (``$$(``) so that it stays as
+written.
+
+Labels (``kubectl get jobs,pods,svc -l gpulab.io/job=<job>``): ``gpulab.io/user``,
+``gpulab.io/job``, ``gpulab.io/role`` (Jobs and pods), and on pods Kubernetes' own
+``batch.kubernetes.io/job-completion-index`` for the index, e.g.
+``kubectl get pods -l gpulab.io/job=digits,gpulab.io/role=worker,batch.kubernetes.io/job-completion-index=1``.
+
+Pods: restart policy ``Never`` (a failed replica is replaced by the Job controller within
+``backoffLimit`` = the spec's ``retries``), ``activeDeadlineSeconds`` = ``max_runtime``, the GPU
+limit, toleration and model node selector on roles with GPUs, the user's shared folders as in
+notebooks (`gpulab.spawner.kubeobjects.server_pod_settings`), no service-account token, no
+privilege escalation, no host paths.
+
+`make_tfjob` renders the same job as a Kubeflow ``TFJob`` (``kubeflow.org/v1``) for clusters
+that run the legacy training operator (which writes ``TF_CONFIG`` itself).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from gpulab.spawner.kubeobjects import MANAGED_BY, USER_LABEL, server_pod_settings
+from gpulab.spawner.profiles import GPU_MODEL_LABEL, GPU_RESOURCE
+
+from .jobspec import ROLES, JobSpec
+
+JOB_LABEL = "gpulab.io/job"
+ROLE_LABEL = "gpulab.io/role"
+INDEX_LABEL = "batch.kubernetes.io/job-completion-index"  # set by Kubernetes on Indexed Job pods
+COMPONENT = {"app.kubernetes.io/component": "training-job"}
+#: the label selector of everything a training job is made of (the backend's shared watches)
+SELECTOR = "app.kubernetes.io/managed-by=gpulab,app.kubernetes.io/component=training-job"
+CONTAINER = "tensorflow"  # the name the Kubeflow training operator expects, too
+TF_PORT = 2222
+INDEX_ENV = "GPULAB_TASK_INDEX"
+_INDEX_FIELD = f"metadata.annotations['{INDEX_LABEL}']"
+_TFJOB_ROLES = {"chief": "Chief", "ps": "PS", "worker": "Worker", "evaluator": "Evaluator"}
+
+
+def job_labels(*, user_label: str, job: str, role: str | None = None) -> dict[str, str]:
+    labels = {**MANAGED_BY, **COMPONENT, USER_LABEL: user_label, JOB_LABEL: job}
+    if role:
+        labels[ROLE_LABEL] = role
+    return labels
+
+
+def role_job_name(job: str, role: str) -> str:
+    return f"{job}-{role}"
+
+
+def replica_host(*, job: str, role: str, index: int, namespace: str) -> str:
+    """The stable DNS name of one replica: ``<job>-<role>-<index>.<job>.<namespace>.svc``."""
+    return f"{job}-{role}-{index}.{job}.{namespace}.svc"
+
+
+def tf_cluster(*, spec: JobSpec, namespace: str, port: int = TF_PORT) -> dict[str, list[str]]:
+    """``TF_CONFIG``'s cluster: every role but the evaluator, by stable host name."""
+    return {role: [f"{replica_host(job=spec.name, role=role, index=i, namespace=namespace)}:{port}"
+                   for i in range(spec.count(role))]
+            for role in ROLES if role != "evaluator" and spec.count(role)}
+
+
+def tf_config_template(*, cluster: Mapping[str, list[str]], role: str) -> str:
+    """``TF_CONFIG`` with the task index left as ``$(GPULAB_TASK_INDEX)`` for the kubelet."""
+    return (f'{{"cluster": {json.dumps(cluster, sort_keys=False)}, '
+            f'"task": {{"type": "{role}", "index": $({INDEX_ENV})}}}}')
+
+
+def _resources(spec: JobSpec, role: str) -> dict[str, dict[str, str]]:
+    res = spec.resources.get(role)
+    out: dict[str, dict[str, str]] = {}
+    if res is None:
+        return out
+    if res.cpu is not None:
+        out.setdefault("requests", {})["cpu"] = f"{res.cpu:g}"
+        out.setdefault("limits", {})["cpu"] = f"{res.cpu:g}"
+    if res.memory is not None:
+        out.setdefault("requests", {})["memory"] = res.memory
+        out.setdefault("limits", {})["memory"] = res.memory
+    if res.gpus:
+        out.setdefault("limits", {})[GPU_RESOURCE] = str(res.gpus)
+    return out
+
+
+def _pod_spec(*, spec: JobSpec, role: str, image: str, program: str, job_dir: str,
+              gpu_model: str | None, shared_volume: Mapping[str, Any] | None, shared_mount: str,
+              user_subpath: str, datasets_subpath: str | None, env: list[dict],
+              port: int) -> dict:
+    gpus = spec.gpus_of(role)
+    shared = server_pod_settings(
+        gpus=gpus, tolerations=[], volumes=[], volume_mounts=[], environment={}, home=None,
+        shared_volume=shared_volume, shared_mount=shared_mount, user_subpath=user_subpath,
+        datasets_subpath=datasets_subpath)
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": image,
+        "command": ["python", "-m", "gpulab.extensions.runtime", program, *spec.args],
+        "workingDir": job_dir,
+        "env": [*env, *({"name": k, "value": v} for k, v in shared["environment"].items()
+                        if k not in {e["name"] for e in env}),
+                *({"name": k, "value": v.replace("$(", "$$(")} for k, v in spec.env.items())],
+        "ports": [{"name": "tf", "containerPort": port}],
+        "resources": _resources(spec, role),
+        "securityContext": {"allowPrivilegeEscalation": False, "privileged": False},
+    }
+    if shared["volume_mounts"]:
+        container["volumeMounts"] = shared["volume_mounts"]
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "containers": [container],
+    }
+    if shared["volumes"]:
+        pod["volumes"] = shared["volumes"]
+    if shared["tolerations"]:
+        pod["tolerations"] = shared["tolerations"]
+    if gpus and gpu_model:
+        pod["nodeSelector"] = {GPU_MODEL_LABEL: gpu_model}
+    return pod
+
+
+def make_training_job_objects(
+    *,
+    spec: JobSpec,
+    namespace: str,
+    user_label: str,
+    image: str,
+    program: str,
+    job_dir: str,
+    user_dir: str,
+    gpu_model: str | None = None,
+    shared_volume: Mapping[str, Any] | None = None,
+    shared_mount: str = "/gpulab/shared",
+    user_subpath: str = "",
+    datasets_subpath: str | None = None,
+    parent_uid: str | None = None,
+    port: int = TF_PORT,
+) -> list[dict]:
+    """``[service, *jobs]``: the parent Service, then one Indexed Job per role (ROLES order).
+
+    ``program`` and ``job_dir`` are paths inside the container (on the shared volume);
+    ``user_dir`` is the user's folder there (``GPULAB_USER_DIR``). With ``parent_uid`` (the
+    created Service's uid) every Job names the Service as its owner.
+    """
+    labels = job_labels(user_label=user_label, job=spec.name)
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": spec.name, "namespace": namespace, "labels": labels},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {USER_LABEL: user_label, JOB_LABEL: spec.name},
+            "ports": [{"name": "tf", "port": port, "targetPort": port}],
+        },
+    }
+    cluster = tf_cluster(spec=spec, namespace=namespace, port=port)
+    owner = ([{"apiVersion": "v1", "kind": "Service", "name": spec.name, "uid": parent_uid}]
+             if parent_uid else None)
+    objects = [service]
+    for role in ROLES:
+        n = spec.count(role)
+        if not n:
+            continue
+        env = [
+            {"name": INDEX_ENV, "valueFrom": {"fieldRef": {"fieldPath": _INDEX_FIELD}}},
+            {"name": "TF_CONFIG", "value": tf_config_template(cluster=cluster, role=role)},
+            {"name": "GPULAB_STRATEGY", "value": spec.strategy},
+            {"name": "GPULAB_JOB_NAME", "value": spec.name},
+            {"name": "GPULAB_JOB_DIR", "value": job_dir},
+            {"name": "GPULAB_USER_DIR", "value": user_dir},
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+        ]
+        pod = _pod_spec(spec=spec, role=role, image=image, program=program, job_dir=job_dir,
+                        gpu_model=gpu_model, shared_volume=shared_volume,
+                        shared_mount=shared_mount, user_subpath=user_subpath,
+                        datasets_subpath=datasets_subpath, env=env, port=port)
+        pod["subdomain"] = spec.name
+        role_labels = job_labels(user_label=user_label, job=spec.name, role=role)
+        job_spec: dict[str, Any] = {
+            "completionMode": "Indexed",
+            "completions": n,
+            "parallelism": n,
+            "backoffLimit": spec.retries,
+            "podReplacementPolicy": "Failed",
+            "template": {"metadata": {"labels": role_labels}, "spec": pod},
+        }
+        if spec.max_runtime:
+            job_spec["activeDeadlineSeconds"] = spec.max_runtime
+        meta: dict[str, Any] = {"name": role_job_name(spec.name, role), "namespace": namespace,
+                                "labels": role_labels}
+        if owner:
+            meta["ownerReferences"] = owner
+        objects.append({"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
+                        "spec": job_spec})
+    return objects
+
+
+def make_tfjob(
+    *,
+    spec: JobSpec,
+    namespace: str,
+    user_label: str,
+    image: str,
+    program: str,
+    job_dir: str,
+    user_dir: str,
+    gpu_model: str | None = None,
+    shared_volume: Mapping[str, Any] | None = None,
+    shared_mount: str = "/gpulab/shared",
+    user_subpath: str = "",
+    datasets_subpath: str | None = None,
+    port: int = TF_PORT,
+) -> dict:
+    """The job as a Kubeflow ``TFJob`` (v1): replica types Chief (not Master), PS, Worker,
+    Evaluator; ``runPolicy.cleanPodPolicy: Running`` (running pods are removed when the job
+    ends), ``backoffLimit`` from ``retries``, ``activeDeadlineSeconds`` from ``max_runtime``.
+    The operator sets ``TF_CONFIG``; restart policy ``ExitCode`` retries the runtime's
+    retryable exits (signals, 75 lost cluster) but not a program error."""
+    labels = job_labels(user_label=user_label, job=spec.name)
+    replica_specs = {}
+    for role in ROLES:
+        n = spec.count(role)
+        if not n:
+            continue
+        env = [
+            {"name": "GPULAB_STRATEGY", "value": spec.strategy},
+            {"name": "GPULAB_JOB_NAME", "value": spec.name},
+            {"name": "GPULAB_JOB_DIR", "value": job_dir},
+            {"name": "GPULAB_USER_DIR", "value": user_dir},
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+        ]
+        pod = _pod_spec(spec=spec, role=role, image=image, program=program, job_dir=job_dir,
+                        gpu_model=gpu_model, shared_volume=shared_volume,
+                        shared_mount=shared_mount, user_subpath=user_subpath,
+                        datasets_subpath=datasets_subpath, env=env, port=port)
+        pod["containers"][0]["ports"] = [{"name": "tfjob-port", "containerPort": port}]
+        del pod["restartPolicy"]  # the operator's restartPolicy below decides
+        replica_specs[_TFJOB_ROLES[role]] = {
+            "replicas": n,
+            "restartPolicy": "ExitCode",
+            "template": {"metadata": {"labels": job_labels(user_label=user_label,
+                                                           job=spec.name, role=role)},
+                         "spec": pod},
+        }
+    run_policy: dict[str, Any] = {"cleanPodPolicy": "Running", "backoffLimit": spec.retries}
+    if spec.max_runtime:
+        run_policy["activeDeadlineSeconds"] = spec.max_runtime
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "TFJob",
+        "metadata": {"name": spec.name, "namespace": namespace, "labels": labels},
+        "spec": {"runPolicy": run_policy, "tfReplicaSpecs": replica_specs},
+    }

@@ -1,0 +1,217 @@
+"""The Kubernetes objects of a training job (gpulab.hub.kubejobs_objects), as literal dicts."""
+
+import json
+import re
+
+from gpulab.hub.jobspec import parse_spec
+from gpulab.hub.kubejobs_objects import make_tfjob, make_training_job_objects
+
+PS_SPEC = {
+    "name": "digits", "strategy": "parameter-server",
+    "replicas": {"chief": 1, "ps": 1, "worker": 2},
+    "resources": {"worker": {"gpus": 2, "cpu": 4, "memory": "8Gi"}},
+    "script": "train.py", "args": ["--epochs", "3"], "env": {"MODE": "a$(HOME)b"},
+    "max_runtime": 3600, "retries": 3,
+}
+SHARED = {"nfs": {"server": "nfs.example.org", "path": "/gpulab"}}
+LABELS = {"app.kubernetes.io/managed-by": "gpulab", "app.kubernetes.io/component": "training-job",
+          "gpulab.io/user": "ann", "gpulab.io/job": "digits"}
+NS = "gpulab-ann"
+HOSTS = {
+    "chief": ["digits-chief-0.digits.gpulab-ann.svc:2222"],
+    "ps": ["digits-ps-0.digits.gpulab-ann.svc:2222"],
+    "worker": ["digits-worker-0.digits.gpulab-ann.svc:2222",
+               "digits-worker-1.digits.gpulab-ann.svc:2222"],
+}
+
+
+def build(spec=PS_SPEC, **kw):
+    args = dict(spec=parse_spec(spec), namespace=NS, user_label="ann", image="gpulab/singleuser:1",
+                program="/gpulab/shared/users/ann/train.py",
+                job_dir="/gpulab/shared/users/ann/jobs/digits",
+                user_dir="/gpulab/shared/users/ann", gpu_model="NVIDIA-H100",
+                shared_volume=SHARED, user_subpath="users/ann", datasets_subpath="datasets",
+                parent_uid="uid-1")
+    args.update(kw)
+    return make_training_job_objects(**args)
+
+
+def env_of(role, tf_config):
+    return [
+        {"name": "GPULAB_TASK_INDEX", "valueFrom": {"fieldRef": {
+            "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
+        {"name": "TF_CONFIG", "value": tf_config},
+        {"name": "GPULAB_STRATEGY", "value": "parameter-server"},
+        {"name": "GPULAB_JOB_NAME", "value": "digits"},
+        {"name": "GPULAB_JOB_DIR", "value": "/gpulab/shared/users/ann/jobs/digits"},
+        {"name": "GPULAB_USER_DIR", "value": "/gpulab/shared/users/ann"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        {"name": "GPULAB_SHARED_DIR", "value": "/gpulab/shared"},
+        {"name": "GPULAB_DATASETS_DIR", "value": "/gpulab/shared/datasets"},
+        {"name": "MODE", "value": "a$$(HOME)b"},
+    ]
+
+
+def test_service_is_the_headless_parent():
+    svc = build()[0]
+    assert svc == {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "digits", "namespace": NS, "labels": LABELS},
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                 "selector": {"gpulab.io/user": "ann", "gpulab.io/job": "digits"},
+                 "ports": [{"name": "tf", "port": 2222, "targetPort": 2222}]},
+    }
+
+
+def test_one_indexed_job_per_role_owned_by_the_service():
+    objs = build()
+    assert [(o["kind"], o["metadata"]["name"]) for o in objs] == [
+        ("Service", "digits"), ("Job", "digits-chief"), ("Job", "digits-ps"), ("Job", "digits-worker")]
+    for o in objs[1:]:
+        assert o["metadata"]["ownerReferences"] == [
+            {"apiVersion": "v1", "kind": "Service", "name": "digits", "uid": "uid-1"}]
+    assert "ownerReferences" not in build(parent_uid=None)[1]["metadata"]
+
+
+def test_worker_job_literal():
+    worker = build()[3]
+    tf_config = ('{"cluster": ' + json.dumps(HOSTS) + ', "task": {"type": "worker", '
+                 '"index": $(GPULAB_TASK_INDEX)}}')
+    labels = {**LABELS, "gpulab.io/role": "worker"}
+    assert worker == {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": "digits-worker", "namespace": NS, "labels": labels,
+                     "ownerReferences": [{"apiVersion": "v1", "kind": "Service",
+                                          "name": "digits", "uid": "uid-1"}]},
+        "spec": {
+            "completionMode": "Indexed", "completions": 2, "parallelism": 2,
+            "backoffLimit": 3, "podReplacementPolicy": "Failed", "activeDeadlineSeconds": 3600,
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "containers": [{
+                        "name": "tensorflow",
+                        "image": "gpulab/singleuser:1",
+                        "command": ["python", "-m", "gpulab.extensions.runtime",
+                                    "/gpulab/shared/users/ann/train.py", "--epochs", "3"],
+                        "workingDir": "/gpulab/shared/users/ann/jobs/digits",
+                        "env": env_of("worker", tf_config),
+                        "ports": [{"name": "tf", "containerPort": 2222}],
+                        "resources": {"requests": {"cpu": "4", "memory": "8Gi"},
+                                      "limits": {"cpu": "4", "memory": "8Gi",
+                                                 "nvidia.com/gpu": "2"}},
+                        "securityContext": {"allowPrivilegeEscalation": False,
+                                            "privileged": False},
+                        "volumeMounts": [
+                            {"name": "gpulab-shared", "mountPath": "/gpulab/shared/users/ann",
+                             "subPath": "users/ann"},
+                            {"name": "gpulab-shared", "mountPath": "/gpulab/shared/datasets",
+                             "subPath": "datasets", "readOnly": True},
+                        ],
+                    }],
+                    "volumes": [{"name": "gpulab-shared", **SHARED}],
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                     "effect": "NoSchedule"}],
+                    "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100"},
+                    "subdomain": "digits",
+                },
+            },
+        },
+    }
+
+
+def test_cpu_roles_get_no_gpu_settings_and_no_host_paths():
+    chief = build()[1]["spec"]["template"]["spec"]
+    assert "tolerations" not in chief and "nodeSelector" not in chief
+    assert chief["containers"][0]["resources"] == {}
+    for o in build():
+        text = json.dumps(o)
+        assert "hostPath" not in text and '"privileged": true' not in text
+
+
+def expand(value, index):
+    """What the kubelet does with the TF_CONFIG template (dependent variables)."""
+    return re.sub(r"(?<!\$)\$\(GPULAB_TASK_INDEX\)", str(index), value)
+
+
+def test_tf_config_expands_per_pod_to_valid_json():
+    from gpulab.extensions.runtime import parse_tf_config
+
+    for job, role in ((build()[1], "chief"), (build()[3], "worker")):
+        env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+        for i in range(job["spec"]["completions"]):
+            cfg = json.loads(expand(env["TF_CONFIG"], i))
+            assert cfg == {"cluster": HOSTS, "task": {"type": role, "index": i}}
+            parse_tf_config(expand(env["TF_CONFIG"], i))  # the runtime accepts it
+
+
+def test_multi_worker_without_shared_storage_or_deadline():
+    spec = {"name": "mw", "strategy": "multi-worker-mirrored", "replicas": {"worker": 2},
+            "source": "print(1)", "retries": 0}
+    objs = build(spec, shared_volume=None, gpu_model=None, parent_uid=None)
+    assert [o["metadata"]["name"] for o in objs] == ["mw", "mw-worker"]
+    job = objs[1]["spec"]
+    assert "activeDeadlineSeconds" not in job and job["backoffLimit"] == 0
+    pod = job["template"]["spec"]
+    assert "volumes" not in pod and "volumeMounts" not in pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert json.loads(expand(env["TF_CONFIG"], 1)) == {
+        "cluster": {"worker": ["mw-worker-0.mw.gpulab-ann.svc:2222",
+                               "mw-worker-1.mw.gpulab-ann.svc:2222"]},
+        "task": {"type": "worker", "index": 1}}
+    assert env["GPULAB_USER_DIR"] == "/gpulab/shared/users/ann"
+
+
+def test_evaluator_is_outside_the_cluster():
+    spec = {**PS_SPEC, "replicas": {"chief": 1, "ps": 1, "worker": 1, "evaluator": 1}}
+    ev = build(spec)[-1]
+    env = {e["name"]: e.get("value") for e in ev["spec"]["template"]["spec"]["containers"][0]["env"]}
+    cfg = json.loads(expand(env["TF_CONFIG"], 0))
+    assert "evaluator" not in cfg["cluster"] and cfg["task"] == {"type": "evaluator", "index": 0}
+
+
+def test_tfjob_literal():
+    spec = {"name": "digits", "strategy": "parameter-server",
+            "replicas": {"chief": 1, "ps": 1, "worker": 2},
+            "resources": {"worker": {"gpus": 1}}, "script": "train.py", "retries": 2}
+    tfjob = make_tfjob(spec=parse_spec(spec), namespace=NS, user_label="ann", image="img:1",
+                       program="/p/train.py", job_dir="/p/jobs/digits", user_dir="/p",
+                       gpu_model="NVIDIA-H100")
+
+    def pod(role, gpus):
+        p = {
+            "automountServiceAccountToken": False, "enableServiceLinks": False,
+            "containers": [{
+                "name": "tensorflow", "image": "img:1",
+                "command": ["python", "-m", "gpulab.extensions.runtime", "/p/train.py"],
+                "workingDir": "/p/jobs/digits",
+                "env": [{"name": "GPULAB_STRATEGY", "value": "parameter-server"},
+                        {"name": "GPULAB_JOB_NAME", "value": "digits"},
+                        {"name": "GPULAB_JOB_DIR", "value": "/p/jobs/digits"},
+                        {"name": "GPULAB_USER_DIR", "value": "/p"},
+                        {"name": "PYTHONUNBUFFERED", "value": "1"}],
+                "ports": [{"name": "tfjob-port", "containerPort": 2222}],
+                "resources": {"limits": {"nvidia.com/gpu": "1"}} if gpus else {},
+                "securityContext": {"allowPrivilegeEscalation": False, "privileged": False},
+            }],
+        }
+        if gpus:
+            p["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+            p["nodeSelector"] = {"nvidia.com/gpu.product": "NVIDIA-H100"}
+        return {"metadata": {"labels": {**LABELS, "gpulab.io/role": role}}, "spec": p}
+
+    assert tfjob == {
+        "apiVersion": "kubeflow.org/v1", "kind": "TFJob",
+        "metadata": {"name": "digits", "namespace": NS, "labels": LABELS},
+        "spec": {
+            "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": 2},
+            "tfReplicaSpecs": {
+                "Chief": {"replicas": 1, "restartPolicy": "ExitCode", "template": pod("chief", 0)},
+                "PS": {"replicas": 1, "restartPolicy": "ExitCode", "template": pod("ps", 0)},
+                "Worker": {"replicas": 2, "restartPolicy": "ExitCode", "template": pod("worker", 1)},
+            },
+        },
+    }
