@@ -422,7 +422,9 @@ class LocalJobBackend:
                     if wanted:
                         if can_retry:
                             restart = wanted
-                        elif dead_ps or chief.state == "Failed":
+                        elif dead_ps or chief.state == "Failed" or all(
+                                r.state == "Failed" for k, r in by.items() if k[0] == "worker"):
+                            # (with workers left the coordinator trains on without the dead)
                             outcome = ("Failed", f"out of retries ({spec.retries}) after "
                                        f"{', '.join(f'{a}-{b}' for a, b in sorted(wanted))} failed")
             else:

@@ -179,6 +179,21 @@ def test_stop_ends_every_replica_and_releases_its_gpus(hub, users):
     assert ann.service("POST", "jobs/sleepy/stop").json()["state"] == "Stopped"
 
 
+def test_a_failing_program_is_retried_then_fails_with_the_reason(hub, users):
+    ann = users["ann"]
+    spec = mw("broken", workers=1, gpus=1, source="raise ValueError('bad learning rate')\n",
+              retries=1)
+    assert ann.service("POST", "jobs", json=spec).status_code == 201
+    job = wait_state(ann, "broken", {"Succeeded", "Failed"})
+    assert job["state"] == "Failed", job
+    assert "retries" in job["reason"] and "exit 1" in job["reason"], job["reason"]
+    worker = job["replicas"][0]
+    assert worker["restarts"] == 1 and worker["exit_code"] == 1
+    log = ann.service("GET", "jobs/broken/logs/worker-0").json()["text"]
+    assert log.count("ValueError: bad learning rate") == 2  # the first run and the retry
+    assert not [h for h in holdings(ann) if h["name"] == "broken"]
+
+
 BAD_BODIES = [
     ("zero workers", mw("bad1", workers=0), "replicas.worker"),
     ("unknown strategy", {**mw("bad2"), "strategy": "allreduce"}, "strategy"),
