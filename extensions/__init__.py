@@ -4,6 +4,12 @@
 (`gpulab.extensions.runtime`, the entry point of every job replica) also lends its helpers
 here: ``strategy``, ``logdir``, ``checkpoint_dir``, ``writable_dir``, ``is_chief``, ``task``
 and ``report``, loaded on first use, so ``import gpulab.extensions`` never imports TensorFlow.
+
+The notebook side is loaded on first use too (never in a job's replicas): ``Client``,
+``GpulabError`` (`gpulab.extensions.client`), ``TrainingLauncher``, ``JobView``,
+``JobsList``, ``TensorBoard`` (`gpulab.extensions.widgets`), and
+``%load_ext gpulab.extensions`` registers the ``%%gpulab_train`` cell magic
+(`gpulab.extensions.magics`).
 """
 
 from __future__ import annotations
@@ -37,13 +43,28 @@ _RUNTIME_HELPERS = ("strategy", "logdir", "checkpoint_dir", "writable_dir", "is_
                     "report")
 
 
+_NOTEBOOK_NAMES = {"Client": "client", "GpulabError": "client", "TrainingLauncher": "widgets",
+                   "JobView": "widgets", "JobsList": "widgets", "TensorBoard": "widgets"}
+
+
 def __getattr__(name: str):
     if name in _RUNTIME_HELPERS:
         from . import runtime
 
         return getattr(runtime, name)
+    if name in _NOTEBOOK_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_NOTEBOOK_NAMES[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted([*globals(), *_RUNTIME_HELPERS])
+    return sorted([*globals(), *_RUNTIME_HELPERS, *_NOTEBOOK_NAMES])
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext gpulab.extensions``: the ``%%gpulab_train`` cell magic."""
+    from .magics import load_ipython_extension as load
+
+    load(ipython)

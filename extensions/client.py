@@ -1,0 +1,283 @@
+"""The gpulab service's jobs API from Python: what notebooks, the widgets and the magic call.
+
+    from gpulab.extensions.client import Client
+    gl = Client()                          # inside a hub server: configured from the environment
+    job = gl.submit(name="digits", strategy="parameter-server", ps=1, workers=2, gpus=1,
+                    source=open("train.py").read())
+    job.status()["state"]                  # Admitted, Starting, Running, Succeeded, Failed, Stopped
+    for text in job.logs("chief-0", follow=True):
+        print(text, end="")
+    job.wait(timeout=600); job.stop()
+    gl.me()["quota_text"], gl.holdings()
+
+Where the service is (`service_url_from_env`), first match wins:
+
+1. ``GPULAB_SERVICE_URL``: the service's own base URL (``…/services/gpulab/``);
+2. ``GPULAB_URL``: the hub's address, as for the ``gpulab`` CLI (``http://127.0.0.1:8000``);
+3. ``JUPYTERHUB_PUBLIC_HUB_URL`` (set by JupyterHub when the hub has a ``public_url``),
+   without its ``hub/``;
+4. ``http://127.0.0.1:8000``, the address `gpulab up` listens on by default.
+
+The hub's internal API address (``JUPYTERHUB_API_URL``) is not used: the hub does not route
+``/services/``, only the proxy does. The token is ``GPULAB_TOKEN``, else the server's own
+``JUPYTERHUB_API_TOKEN`` (its ``server`` role may call the gpulab service).
+
+Every error answer of the service (``{"status", "message", "field"?}``) becomes a
+`GpulabError` whose message is the service's own. Standard library only (no tornado, no
+ipywidgets): this module also runs where a job's code runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from typing import Iterator, Mapping
+from urllib.parse import quote, urlencode
+
+DEFAULT_HUB_URL = "http://127.0.0.1:8000"
+SERVICE_PATH = "services/gpulab/"
+API_PATH = "api/v1/"
+ACTIVE_STATES = ("Admitted", "Starting", "Running")
+FINAL_STATES = ("Succeeded", "Failed", "Stopped")
+#: the service waits up to 20 s for more log with ``follow=1``
+FOLLOW_TIMEOUT = 60.0
+
+
+class GpulabError(Exception):
+    """An error answer of the gpulab service, or no answer at all.
+
+    ``message`` is for people (the service's own words); ``status`` the HTTP status (None when
+    the service could not be reached); ``field`` the part of the request at fault, when the
+    service names one (``name``, ``replicas.worker``, ``resources``, ``script``…).
+    """
+
+    def __init__(self, message: str, status: int | None = None, field: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.field = message, status, field
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __repr__(self) -> str:
+        return f"GpulabError({self.message!r}, status={self.status!r}, field={self.field!r})"
+
+
+def service_url_from_env(env: Mapping[str, str] | None = None) -> str:
+    """The gpulab service's base URL (ending in ``/services/gpulab/``) from the environment."""
+    env = os.environ if env is None else env
+    explicit = env.get("GPULAB_SERVICE_URL")
+    if explicit:
+        return explicit.rstrip("/") + "/"
+    hub = env.get("GPULAB_URL")
+    if not hub:
+        public = env.get("JUPYTERHUB_PUBLIC_HUB_URL", "").rstrip("/")
+        hub = public[: -len("/hub")] if public.endswith("/hub") else public
+    return (hub or DEFAULT_HUB_URL).rstrip("/") + "/" + SERVICE_PATH
+
+
+def token_from_env(env: Mapping[str, str] | None = None) -> str | None:
+    env = os.environ if env is None else env
+    return env.get("GPULAB_TOKEN") or env.get("JUPYTERHUB_API_TOKEN") or None
+
+
+def lead_replica(view: Mapping) -> str:
+    """The replica whose log and progress are the job's: the chief, or worker 0."""
+    names = [r["name"] for r in view.get("replicas") or ()]
+    for name in ("chief-0", "worker-0"):
+        if name in names:
+            return name
+    if names:
+        return names[0]
+    return "chief-0" if view.get("strategy") == "parameter-server" else "worker-0"
+
+
+class Client:
+    """The gpulab service's API for one person (the token's owner).
+
+    ``Client()`` inside a hub server; ``Client(url=…, token=…)`` elsewhere, where ``url`` is
+    the service's base URL (``http://hub:8000/services/gpulab/``) or, with ``hub_url=``, the
+    hub's address. ``timeout`` is seconds per request.
+    """
+
+    def __init__(self, url: str | None = None, token: str | None = None, *,
+                 hub_url: str | None = None, timeout: float = 30.0):
+        if url is None and hub_url is not None:
+            url = hub_url.rstrip("/") + "/" + SERVICE_PATH
+        self.url = (url or service_url_from_env()).rstrip("/") + "/"
+        self.token = token if token is not None else token_from_env()
+        self.timeout = timeout
+
+    def __repr__(self) -> str:  # never the token
+        return f"Client({self.url!r})"
+
+    # -- HTTP ----------------------------------------------------------------------------
+
+    def request(self, method: str, path: str, body=None, params: Mapping | None = None,
+                timeout: float | None = None):
+        """One API call (``path`` below ``api/v1/``); the decoded JSON answer."""
+        if not self.token:
+            raise GpulabError("No hub API token: set GPULAB_TOKEN (make one on the hub's Token "
+                              "page, /hub/token), or run this inside a hub server.")
+        url = self.url + API_PATH + path
+        query = {k: v for k, v in (params or {}).items() if v is not None}
+        if query:
+            url += "?" + urlencode(query)
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(url, data=data, method=method, headers={
+            "Authorization": f"token {self.token}", "Content-Type": "application/json",
+            "Accept": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            raise _api_error(e) from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", None) or e
+            raise GpulabError(f"The gpulab service at {self.url} cannot be reached: "
+                              f"{reason}.") from e
+        try:
+            return json.loads(raw or b"null")
+        except ValueError as e:
+            raise GpulabError(f"The gpulab service at {self.url} answered something that is "
+                              "not JSON; is this the right address?") from e
+
+    # -- the person ----------------------------------------------------------------------
+
+    def me(self) -> dict:
+        """Quota (``quota``, ``quota_text``), ``holdings``, ``gpus_held``, ``inventory``
+        (``total``, ``free``, ``simulated``) and GPU-hours of the token's owner."""
+        return self.request("GET", "me")
+
+    def quota(self) -> dict:
+        """The parts of `me` about GPUs: quota, quota_text, gpus_held, holdings, inventory."""
+        me = self.me()
+        return {k: me.get(k) for k in ("quota", "quota_text", "gpus_held", "holdings",
+                                       "inventory")}
+
+    def holdings(self) -> list[dict]:
+        """What holds this person's GPUs now: ``kind`` (notebook, job), ``name``, ``gpus``…"""
+        return self.me().get("holdings") or []
+
+    # -- jobs ----------------------------------------------------------------------------
+
+    def jobs(self, user: str | None = None) -> list[dict]:
+        """This person's jobs, newest first (admins: another ``user``'s)."""
+        return self.request("GET", "jobs", params={"user": user}).get("jobs") or []
+
+    def job(self, name: str, user: str | None = None) -> "Job":
+        """A handle on the job ``name`` (no request is made until it is used)."""
+        return Job(self, name, user=user)
+
+    def submit(self, spec: Mapping | None = None, /, **fields) -> "Job":
+        """Submit a job: a whole ``spec`` (the API's JSON) or `build_spec` keyword fields.
+
+        ``submit(name=…, strategy="parameter-server", ps=1, workers=2, gpus=1, source=…)``.
+        Raises `GpulabError` with the service's message (and ``field``) when it is refused.
+        """
+        from .jobmodel import build_spec
+
+        if spec is not None and fields:
+            raise TypeError("submit() takes a spec or keyword fields, not both")
+        body = dict(spec) if spec is not None else build_spec(**fields)
+        view = self.request("POST", "jobs", body=body)
+        return Job(self, view["name"], view=view)
+
+
+class Job:
+    """One job of a person, by name. ``view`` is its last known state (`status` refreshes)."""
+
+    def __init__(self, client: Client, name: str, *, user: str | None = None,
+                 view: dict | None = None):
+        self.client, self.name, self.user, self.view = client, name, user, view
+
+    def __repr__(self) -> str:
+        state = self.view["state"] if self.view else "?"
+        return f"<gpulab Job {self.name!r} {state}>"
+
+    def _path(self, *parts: str) -> str:
+        return "/".join(["jobs", quote(self.name, safe=""), *(quote(p, safe="") for p in parts)])
+
+    def status(self) -> dict:
+        """The job now: state, reason, replicas, gpus, started_at, finished_at, progress."""
+        self.view = self.client.request("GET", self._path(), params={"user": self.user})
+        return self.view
+
+    @property
+    def state(self) -> str:
+        return self.status()["state"]
+
+    def stop(self) -> dict:
+        """Stop every replica and release the job's GPUs; the job's state afterwards."""
+        self.view = self.client.request("POST", self._path("stop"), params={"user": self.user})
+        return self.view
+
+    def wait(self, timeout: float | None = None, interval: float = 2.0) -> dict:
+        """Wait until the job has ended; its final state. `TimeoutError` after ``timeout`` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            view = self.status()
+            if view["state"] in FINAL_STATES:
+                return view
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {self.name} is still {view['state']} after {timeout} s")
+            pause = interval if deadline is None else min(interval, deadline - time.monotonic())
+            time.sleep(max(0.0, pause))
+
+    def read_log(self, replica: str, offset: int = 0, follow: bool = False) -> dict:
+        """One piece of a replica's log: ``{text, offset (where to ask next), size, done}``.
+        With ``follow`` the service waits up to 20 s for more while the job runs."""
+        return self.client.request(
+            "GET", self._path("logs", replica),
+            params={"offset": offset, "follow": "1" if follow else None, "user": self.user},
+            timeout=FOLLOW_TIMEOUT if follow else None)
+
+    def logs(self, replica: str | None = None, follow: bool = False,
+             offset: int = 0) -> str | Iterator[str]:
+        """A replica's log (default: the chief, or worker 0): the whole text so far, or with
+        ``follow=True`` a generator of new text that ends when the job has ended."""
+        replica = replica or lead_replica(self.view or self.status())
+        if follow:
+            return self._follow(replica, offset)
+        parts = []
+        while True:
+            piece = self.read_log(replica, offset)
+            parts.append(piece["text"])
+            if piece["offset"] >= piece["size"] or not piece["text"]:
+                return "".join(parts)
+            offset = piece["offset"]
+
+    def _follow(self, replica: str, offset: int) -> Iterator[str]:
+        while True:
+            piece = self.read_log(replica, offset, follow=True)
+            offset = piece["offset"]
+            if piece["text"]:
+                yield piece["text"]
+            elif piece["done"]:
+                return
+
+    def tensorboard_url(self, prefix: str | None = None) -> str:
+        """Where TensorBoard shows this job's runs, in the person's own notebook server."""
+        from .jobmodel import tensorboard_url
+
+        return tensorboard_url(self.name, prefix=prefix)
+
+
+def _api_error(e: urllib.error.HTTPError) -> GpulabError:
+    try:
+        raw = e.read()
+    except OSError:
+        raw = b""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and body.get("message"):
+        return GpulabError(str(body["message"]), e.code, body.get("field"))
+    if e.code == 503 or e.code == 502:
+        return GpulabError(f"The gpulab service is not available right now (HTTP {e.code}); "
+                           "try again in a moment, or ask the hub's admin.", e.code)
+    return GpulabError(f"The gpulab service refused the request (HTTP {e.code} {e.reason}).",
+                       e.code)

@@ -1,0 +1,702 @@
+"""Notebook widgets (ipywidgets 8) for training jobs: launch, watch, stop, TensorBoard.
+
+    from gpulab.extensions.widgets import TrainingLauncher, JobView, JobsList, TensorBoard
+    TrainingLauncher()          # a form; Launch submits and shows a JobView below it
+    JobView("digits")           # a job's replicas, progress, logs, Stop and TensorBoard, live
+    JobsList()                  # my jobs, with Open and Stop
+    TensorBoard("digits")       # TensorBoard for one job (or all runs without a name)
+
+Each is an ``ipywidgets.VBox`` with ``on_*`` callbacks (``on_launch``, ``on_submitted``,
+``on_error``, ``on_stop``, ``on_open``). What they check and show is computed by
+`gpulab.extensions.jobmodel` (plain functions); the service is reached through
+`gpulab.extensions.client.Client`. Errors of the service appear as a message in the widget,
+never as a traceback. Key parts carry stable CSS classes (``gpulab-…``) for browser tests.
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+from typing import Callable
+
+import ipywidgets as W
+
+from . import jobmodel as jm
+from .client import Client, GpulabError, Job, lead_replica
+
+#: at most one request a second per view
+MIN_INTERVAL = 1.0
+
+
+class _Callbacks:
+    def __init__(self):
+        self._callbacks: dict[str, list[Callable]] = {}
+
+    def _register(self, kind: str, callback: Callable, remove: bool = False) -> None:
+        lst = self._callbacks.setdefault(kind, [])
+        if remove:
+            if callback in lst:
+                lst.remove(callback)
+        else:
+            lst.append(callback)
+
+    def _fire(self, kind: str, *args) -> list:
+        return [cb(*args) for cb in list(self._callbacks.get(kind, ()))]
+
+
+def _message(kind: str, text: str) -> str:
+    """An HTML message line: kind is error, warning, ok or info."""
+    colors = {"error": "#b00020", "warning": "#8a5300", "ok": "#1b6e20", "info": "#444"}
+    return (f'<div class="gpulab-msg gpulab-msg-{kind}" style="color:{colors[kind]}">'
+            f"{html.escape(text)}</div>")
+
+
+def _error_text(e: Exception) -> str:
+    if isinstance(e, GpulabError):
+        return e.message
+    return f"{type(e).__name__}: {e}"
+
+
+# -- TensorBoard ------------------------------------------------------------------------
+
+
+class TensorBoard(W.VBox):
+    """TensorBoard of the person's own server, embedded: one job's runs, or all of them.
+
+    The server extension serves it at ``<JUPYTERHUB_SERVICE_PREFIX>tensorboard/`` over
+    ``$GPULAB_USER_DIR/jobs`` (runs are ``<job>/tensorboard/…``); ``prefix`` overrides the
+    server prefix, ``height`` is in pixels.
+    """
+
+    def __init__(self, job: str | None = None, *, prefix: str | None = None, height: int = 560):
+        self.job, self.url = job, jm.tensorboard_url(job, prefix=prefix)
+        caption = (f"TensorBoard: runs of job <b>{html.escape(job)}</b>" if job
+                   else "TensorBoard: all your runs")
+        self.caption = W.HTML(f'{caption} · <a href="{html.escape(self.url)}" target="_blank" '
+                              'rel="noopener">open in a new tab</a>')
+        self.frame = W.HTML(
+            f'<iframe class="gpulab-tensorboard-frame" src="{html.escape(self.url)}" '
+            f'style="width:100%;height:{int(height)}px;border:1px solid #ddd" '
+            f'title="TensorBoard"></iframe>')
+        super().__init__([self.caption, self.frame])
+        self.add_class("gpulab-tensorboard")
+
+
+# -- JobView ----------------------------------------------------------------------------
+
+
+def _replica_table(view: dict) -> str:
+    head = "".join(f"<th style='text-align:left;padding:2px 8px'>{c}</th>"
+                   for c in jm.REPLICA_COLUMNS)
+    body = []
+    for row in jm.replica_rows(view):
+        cells = "".join(f"<td style='padding:2px 8px' class='gpulab-col-{c.replace(' ', '-')}'>"
+                        f"{html.escape(row[c])}</td>" for c in jm.REPLICA_COLUMNS)
+        body.append(f"<tr class='gpulab-replica' data-replica='{html.escape(row['replica'])}' "
+                    f"data-state='{html.escape(row['state'])}'>{cells}</tr>")
+    return (f"<table class='gpulab-replica-table'><thead><tr>{head}</tr></thead>"
+            f"<tbody>{''.join(body)}</tbody></table>")
+
+
+class JobView(W.VBox):
+    """One job, live: state, replicas (state, restarts, exit code, GPUs), elapsed time,
+    progress, the log tail of a chosen replica, Stop (with a confirmation) and TensorBoard.
+
+    ``job`` is a `Job` or a name (then ``client`` or ``Client()`` is used). A background
+    thread asks the service at most once a second (status and log in turn) until the job has
+    ended or the view is closed; ``start=False`` leaves polling to explicit `refresh` calls.
+    Callbacks: ``on_stop(callback)``: ``callback(view_dict)`` after Stop was confirmed;
+    ``on_update(callback)``: ``callback(view_dict)`` after each status read.
+    """
+
+    def __init__(self, job: Job | str, client: Client | None = None, *,
+                 interval: float = MIN_INTERVAL, log_lines: int = 30, start: bool = True,
+                 tensorboard: bool = False, tensorboard_prefix: str | None = None):
+        self._cb = _Callbacks()
+        if isinstance(job, str):
+            job = (client or Client()).job(job)
+        self.job = job
+        self.interval = max(MIN_INTERVAL, interval)
+        self.log_lines = log_lines
+        self._tb_prefix = tensorboard_prefix
+        self._lock = threading.RLock()
+        self._stop_event = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._tail: jm.LogTail | None = None
+        self.view: dict | None = job.view
+
+        self.title = W.HTML(f"<b>Job {html.escape(job.name)}</b>")
+        self.state = W.HTML("…")
+        self.state.add_class("gpulab-job-state")
+        self.replicas = W.HTML("")
+        self.replicas.add_class("gpulab-replicas")
+        self.progress = W.FloatProgress(value=0.0, min=0.0, max=1.0,
+                                        layout=W.Layout(width="50%", visibility="hidden"))
+        self.progress.add_class("gpulab-progress")
+        self.progress_label = W.HTML("")
+        self.progress_label.add_class("gpulab-progress-text")
+        self.replica_choice = W.Dropdown(options=[], description="Log of",
+                                         layout=W.Layout(width="auto"))
+        self.replica_choice.add_class("gpulab-log-replica")
+        self.log_text = W.Textarea(value="", disabled=True,
+                              layout=W.Layout(width="100%", height="14em"))
+        self.log_text.add_class("gpulab-log")
+        self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop")
+        self.stop_button.add_class("gpulab-stop")
+        self.confirm_button = W.Button(description="Yes, stop it", button_style="danger")
+        self.confirm_button.add_class("gpulab-stop-confirm")
+        self.cancel_button = W.Button(description="Cancel")
+        self.cancel_button.add_class("gpulab-stop-cancel")
+        self.confirm_text = W.HTML("")
+        self.confirm_box = W.HBox([self.confirm_text, self.confirm_button, self.cancel_button],
+                                  layout=W.Layout(display="none"))
+        self.confirm_box.add_class("gpulab-stop-confirmation")
+        self.tb_toggle = W.ToggleButton(value=False, description="TensorBoard",
+                                        icon="line-chart")
+        self.tb_toggle.add_class("gpulab-tensorboard-toggle")
+        self.tb_box = W.VBox([])
+        self.message = W.HTML("")
+        self.message.add_class("gpulab-message")
+
+        self.stop_button.on_click(lambda _: self._ask_stop())
+        self.cancel_button.on_click(lambda _: self._hide_confirm())
+        self.confirm_button.on_click(lambda _: self._confirm_stop())
+        self.tb_toggle.observe(lambda ch: self.show_tensorboard(ch["new"]), names="value")
+        self.replica_choice.observe(lambda ch: self._choose_replica(ch["new"]), names="value")
+
+        super().__init__([
+            W.HBox([self.title, self.state]),
+            self.replicas,
+            W.HBox([self.progress, self.progress_label]),
+            self.replica_choice, self.log_text,
+            W.HBox([self.stop_button, self.tb_toggle]), self.confirm_box,
+            self.message, self.tb_box,
+        ])
+        self.add_class("gpulab-jobview")
+        if self.view:
+            self._render(self.view)
+        if tensorboard:
+            self.tb_toggle.value = True
+        if start:
+            self.start()
+
+    # -- callbacks ------------------------------------------------------------------------
+
+    def on_stop(self, callback: Callable[[dict], None], remove: bool = False) -> None:
+        self._cb._register("stop", callback, remove)
+
+    def on_update(self, callback: Callable[[dict], None], remove: bool = False) -> None:
+        self._cb._register("update", callback, remove)
+
+    # -- reading the service ----------------------------------------------------------------
+
+    def refresh(self) -> dict | None:
+        """Read the job's status once and show it; the view, or None on an error (shown)."""
+        try:
+            view = self.job.status()
+        except GpulabError as e:
+            self._show_message("error", e.message)
+            return None
+        with self._lock:
+            self.view = view
+            self._render(view)
+        self._cb._fire("update", view)
+        return view
+
+    def refresh_log(self) -> None:
+        """Read the chosen replica's log on from where it was read last, and show its tail."""
+        tail = self._tail
+        if tail is None:
+            return
+        try:
+            piece = self.job.read_log(tail.replica, tail.next_offset())
+            if tail.pieces == 0 and piece.get("size", 0) > tail.max_chars + piece["offset"]:
+                piece = self.job.read_log(tail.replica, piece["size"] - tail.max_chars)
+        except GpulabError as e:
+            self._show_message("warning", f"Log of {tail.replica}: {e.message}")
+            return
+        if tail is self._tail and tail.feed(piece):
+            self.log_text.value = tail.lines(self.log_lines)
+
+    def start(self) -> None:
+        """Watch the job in a background thread until it ends or the view is closed."""
+        if self._thread and self._thread.is_alive():
+            return
+        self._stop_event.clear()
+        self._thread = threading.Thread(target=self._watch, name=f"gpulab-jobview-{self.job.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop_watching(self) -> None:
+        self._stop_event.set()
+
+    def close(self):
+        self._stop_event.set()
+        super().close()
+
+    def _watch(self) -> None:
+        ended_reads = 0
+        while not self._stop_event.is_set():
+            view = self.refresh()
+            if self._stop_event.wait(self.interval):
+                return
+            self.refresh_log()
+            if jm.is_final(view) or jm.is_final(self.view):
+                ended_reads += 1
+                if ended_reads >= 2:  # one more log read after the end: the last lines
+                    return
+            if self._stop_event.wait(self.interval):
+                return
+
+    # -- showing --------------------------------------------------------------------------
+
+    def _render(self, view: dict) -> None:
+        state = view.get("state") or "?"
+        self.state.value = (f"<span class='gpulab-state gpulab-state-{html.escape(state.lower())}'"
+                            f" data-state='{html.escape(state)}'>"
+                            f"{html.escape(jm.state_line(view))}</span>")
+        self.replicas.value = _replica_table(view)
+        known = jm.progress_of(view)
+        if known:
+            self.progress.value = known[2]
+            self.progress.layout.visibility = "visible"
+        self.progress_label.value = html.escape(jm.progress_text(view))
+        names = [r["replica"] for r in jm.replica_rows(view)]
+        if list(self.replica_choice.options) != names:
+            current = self.replica_choice.value
+            self.replica_choice.options = names
+            if current in names:
+                self.replica_choice.value = current
+            elif names:
+                self.replica_choice.value = lead_replica(view)
+        if jm.is_final(view):
+            self.stop_button.disabled = True
+            self._hide_confirm()
+
+    def _choose_replica(self, replica: str | None) -> None:
+        if not replica or (self._tail and self._tail.replica == replica):
+            return
+        self._tail = jm.LogTail(replica)
+        self.log_text.value = ""
+
+    def _show_message(self, kind: str, text: str) -> None:
+        self.message.value = _message(kind, text) if text else ""
+
+    def show_tensorboard(self, show: bool = True) -> None:
+        if show and not self.tb_box.children:
+            self.tb_box.children = [TensorBoard(self.job.name, prefix=self._tb_prefix)]
+        elif not show:
+            self.tb_box.children = []
+        if self.tb_toggle.value != show:
+            self.tb_toggle.value = show
+
+    # -- stop -----------------------------------------------------------------------------
+
+    def _ask_stop(self) -> None:
+        gpus = (self.view or {}).get("gpus")
+        self.confirm_text.value = html.escape(
+            f"Stop job {self.job.name}? Every replica ends"
+            + (f" and its {gpus} GPU{'s' if gpus != 1 else ''} are released." if gpus else "."))
+        self.confirm_box.layout.display = "flex"
+
+    def _hide_confirm(self) -> None:
+        self.confirm_box.layout.display = "none"
+
+    def _confirm_stop(self) -> None:
+        self._hide_confirm()
+        self.stop_button.disabled = True
+        self._show_message("info", f"Stopping {self.job.name}…")
+        try:
+            view = self.job.stop()
+        except GpulabError as e:
+            self.stop_button.disabled = False
+            self._show_message("error", e.message)
+            return
+        with self._lock:
+            self.view = view
+            self._render(view)
+        self._show_message("ok", f"Job {self.job.name} is {view.get('state')}.")
+        self._cb._fire("stop", view)
+
+
+# -- TrainingLauncher -------------------------------------------------------------------
+
+
+class TrainingLauncher(W.VBox):
+    """A form that launches a distributed training job and then shows its `JobView`.
+
+    Fields: name, strategy, parameter servers, workers, GPUs / CPUs / memory per worker,
+    image (only when jobs run on Kubernetes), and the code: this cell (the cell that made the
+    launcher, without the launcher's own lines), a function defined in the notebook, a
+    ``.py`` file in your folder (``$GPULAB_USER_DIR``), or text (``code=``). Your quota and
+    the hub's free GPUs are shown; Launch is disabled, with the reason, while the request
+    cannot be admitted.
+
+    Callbacks: ``on_launch(cb)``: ``cb(spec)`` before submitting (return False to cancel);
+    ``on_submitted(cb)``: ``cb(job)`` with the submitted `Job`; ``on_error(cb)``:
+    ``cb(error)`` with the `GpulabError` of a refusal.
+    """
+
+    def __init__(self, client: Client | None = None, *, name: str | None = None,
+                 strategy: str = "parameter-server", ps: int = 1, workers: int = 2,
+                 gpus: int = 0, cpu: float | None = None, memory: str | None = None,
+                 image: str | None = None, code: str | None = None, cell: str | None = None,
+                 namespace: dict | None = None, user_dir: str | None = None,
+                 show_job: bool = True):
+        import os
+
+        self._cb = _Callbacks()
+        self.client = client or Client()
+        self.show_job = show_job
+        self.me: dict | None = None
+        self.job_view: JobView | None = None
+        self.namespace = namespace if namespace is not None else _user_namespace()
+        self.user_dir = user_dir if user_dir is not None else os.environ.get("GPULAB_USER_DIR")
+        self.cell = cell if cell is not None else _current_cell()
+
+        self.name = W.Text(value=name or jm.unique_name(), description="Name")
+        self.name.add_class("gpulab-name")
+        self.strategy = W.Dropdown(options=list(jm.STRATEGIES), value=strategy,
+                                   description="Strategy")
+        self.strategy.add_class("gpulab-strategy")
+        self.ps = W.IntText(value=ps, description="PS")
+        self.ps.add_class("gpulab-ps")
+        self.workers = W.IntText(value=workers, description="Workers")
+        self.workers.add_class("gpulab-workers")
+        self.gpus = W.IntText(value=gpus, description="GPUs/worker")
+        self.gpus.add_class("gpulab-gpus")
+        self.cpu = W.Text(value="" if cpu is None else str(cpu), description="CPUs/worker",
+                          placeholder="default")
+        self.cpu.add_class("gpulab-cpu")
+        self.memory = W.Text(value=memory or "", description="Memory", placeholder="e.g. 8Gi")
+        self.memory.add_class("gpulab-memory")
+        self.image = W.Text(value=image or "", description="Image", placeholder="default",
+                            layout=W.Layout(display="none"))
+        self.image.add_class("gpulab-image")
+
+        sources = [("this cell", "cell"), ("a function", "function"), ("a file", "file"),
+                   ("text", "text")]
+        self.code_source = W.ToggleButtons(options=sources,
+                                           value="text" if code is not None else "cell",
+                                           description="Code")
+        self.code_source.add_class("gpulab-code-source")
+        self.function = W.Dropdown(options=[], description="Function")
+        self.function.add_class("gpulab-function")
+        self.file = W.Dropdown(options=[], description="File")
+        self.file.add_class("gpulab-file")
+        self.code = W.Textarea(value=code or "", description="Code",
+                               layout=W.Layout(width="100%", height="10em"))
+        self.code.add_class("gpulab-code")
+        self.rescan = W.Button(description="Rescan", icon="refresh",
+                               tooltip="look again for functions and files, and the quota")
+        self.code_box = W.VBox([])
+
+        self.quota = W.HTML("")
+        self.quota.add_class("gpulab-quota")
+        self.reason = W.HTML("")
+        self.reason.add_class("gpulab-launch-reason")
+        self.launch_button = W.Button(description="Launch", button_style="primary", icon="play")
+        self.launch_button.add_class("gpulab-launch-button")
+        self.message = W.HTML("")
+        self.message.add_class("gpulab-message")
+        self.output = W.VBox([])
+        self.output.add_class("gpulab-launched")
+
+        for w in (self.name, self.strategy, self.ps, self.workers, self.gpus, self.cpu,
+                  self.memory, self.function, self.file, self.code):
+            w.observe(lambda _: self.validate(), names="value")
+        self.code_source.observe(lambda _: self._show_code_source(), names="value")
+        self.strategy.observe(lambda _: self._show_strategy(), names="value")
+        self.rescan.on_click(lambda _: self.scan())
+        self.launch_button.on_click(lambda _: self.launch())
+
+        super().__init__([
+            W.HTML("<b>Distributed TensorFlow training</b>"),
+            self.name, self.strategy,
+            W.HBox([self.ps, self.workers]),
+            W.HBox([self.gpus, self.cpu, self.memory]),
+            self.image,
+            W.HBox([self.code_source, self.rescan]), self.code_box,
+            self.quota,
+            W.HBox([self.launch_button, self.reason]),
+            self.message, self.output,
+        ])
+        self.add_class("gpulab-launcher")
+        self._show_strategy()
+        self._show_code_source()
+        self.scan()
+
+    # -- callbacks ------------------------------------------------------------------------
+
+    def on_launch(self, callback: Callable[[dict], bool | None], remove: bool = False) -> None:
+        self._cb._register("launch", callback, remove)
+
+    def on_submitted(self, callback: Callable[[Job], None], remove: bool = False) -> None:
+        self._cb._register("submitted", callback, remove)
+
+    def on_error(self, callback: Callable[[GpulabError], None], remove: bool = False) -> None:
+        self._cb._register("error", callback, remove)
+
+    # -- state ----------------------------------------------------------------------------
+
+    def scan(self) -> None:
+        """Look (again) for the notebook's functions, the folder's files and the quota."""
+        fns = jm.notebook_functions(self.namespace or {})
+        self._functions = fns
+        _set_options(self.function, list(fns))
+        _set_options(self.file, jm.python_files(self.user_dir))
+        try:
+            self.me = self.client.me()
+        except GpulabError as e:
+            self.me = None
+            self.quota.value = _message("warning", f"Quota unknown: {e.message}")
+        else:
+            self.quota.value = html.escape(jm.quota_summary(self.me))
+        self.image.layout.display = "flex" if jm.is_kubernetes(self.me) else "none"
+        self.validate()
+
+    def _show_strategy(self) -> None:
+        self.ps.layout.display = "flex" if self.strategy.value == "parameter-server" else "none"
+        self.validate()
+
+    def _show_code_source(self) -> None:
+        kind = self.code_source.value
+        self.code_box.children = {
+            "cell": [W.HTML(f"<i>{html.escape(self._cell_note())}</i>")],
+            "function": [self.function],
+            "file": [self.file],
+            "text": [self.code],
+        }[kind]
+        self.validate()
+
+    def _cell_note(self) -> str:
+        program = jm.cell_program(self.cell or "")
+        n = len(program.splitlines())
+        return (f"The code of this cell ({n} line{'s' if n != 1 else ''}, without the launcher)."
+                if n else "This cell has no code besides the launcher.")
+
+    def _number(self, text: str) -> float | None:
+        text = (text or "").strip()
+        if not text:
+            return None
+        return float(text)
+
+    def form(self) -> tuple[dict, list[str]]:
+        """(the spec the form describes, what stands in the way of launching it)."""
+        problems: list[str] = []
+        try:
+            cpu = self._number(self.cpu.value)
+        except ValueError:
+            cpu = None
+            problems.append(f"CPUs per worker '{self.cpu.value}' is not a number.")
+        code, script = None, None
+        kind = self.code_source.value
+        try:
+            if kind == "cell":
+                code = jm.cell_program(self.cell or "")
+            elif kind == "function":
+                fn = self._functions.get(self.function.value)
+                code = jm.function_program(fn) if fn else ""
+                if not fn:
+                    problems.append("Choose a function defined in this notebook.")
+            elif kind == "file":
+                script = self.file.value or None
+                if not script:
+                    problems.append("Choose a .py file in your folder.")
+            else:
+                code = self.code.value
+        except ValueError as e:
+            problems.append(str(e))
+        fields = dict(name=self.name.value.strip(), strategy=self.strategy.value,
+                      ps=self.ps.value, workers=self.workers.value, gpus=self.gpus.value,
+                      cpu=cpu, memory=self.memory.value.strip() or None)
+        problems += [p for p in jm.check_form(**fields, code=code, script=script)
+                     if not (script is None and kind == "file" and "no code" in p)]
+        spec = jm.build_spec(**fields, source=code if script is None else None, script=script,
+                             image=(self.image.value.strip() or None)
+                             if self.image.layout.display != "none" else None)
+        if not problems:
+            problems += jm.check_quota(jm.spec_gpus(spec), self.me)
+        return spec, problems
+
+    def validate(self) -> list[str]:
+        """Check the form; disable Launch with the reason while it cannot be admitted."""
+        if not hasattr(self, "launch_button"):
+            return []
+        _, problems = self.form()
+        self.launch_button.disabled = bool(problems)
+        self.reason.value = (_message("warning", " ".join(problems)) if problems else "")
+        return problems
+
+    def launch(self) -> Job | None:
+        """Submit the job the form describes; show its `JobView` (or the service's refusal)."""
+        spec, problems = self.form()
+        if problems:
+            self.validate()
+            return None
+        if any(result is False for result in self._cb._fire("launch", spec)):
+            return None
+        self.launch_button.disabled = True
+        self.message.value = _message("info", f"Submitting {spec['name']}…")
+        try:
+            job = self.client.submit(spec)
+        except GpulabError as e:
+            self.message.value = _message("error", e.message)
+            self._cb._fire("error", e)
+            self.launch_button.disabled = False
+            return None
+        self.message.value = _message("ok", f"Job {job.name} submitted: {job.view['state']}.")
+        if self.show_job:
+            self.job_view = JobView(job, self.client)
+            self.output.children = [self.job_view]
+        self._cb._fire("submitted", job)
+        self.name.value = jm.unique_name()  # names are used once; ready for the next launch
+        self.scan()
+        return job
+
+
+# -- JobsList ---------------------------------------------------------------------------
+
+
+class JobsList(W.VBox):
+    """The person's jobs (newest first) with their state, GPUs and time, Open and Stop.
+
+    Open shows the job's `JobView` below the list (``on_open(cb)``: ``cb(job_view)``); Stop
+    asks for confirmation, then stops it (``on_stop(cb)``: ``cb(view_dict)``). Refresh reads
+    the list again; ``interval`` (seconds, default 5, 0 for never) refreshes it while a job
+    is active.
+    """
+
+    def __init__(self, client: Client | None = None, *, interval: float = 5.0,
+                 start: bool = True):
+        self._cb = _Callbacks()
+        self.client = client or Client()
+        self.interval = max(MIN_INTERVAL, interval) if interval else 0
+        self.jobs: list[dict] = []
+        self._pending_stop: str | None = None
+        self._stop_event = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.refresh_button = W.Button(description="Refresh", icon="refresh")
+        self.refresh_button.add_class("gpulab-jobs-refresh")
+        self.rows = W.VBox([])
+        self.rows.add_class("gpulab-jobs-rows")
+        self.message = W.HTML("")
+        self.message.add_class("gpulab-message")
+        self.detail = W.VBox([])
+        self.detail.add_class("gpulab-jobs-detail")
+        self.refresh_button.on_click(lambda _: self.refresh())
+        super().__init__([W.HBox([W.HTML("<b>Your training jobs</b>"), self.refresh_button]),
+                          self.rows, self.message, self.detail])
+        self.add_class("gpulab-jobslist")
+        self.refresh()
+        if start and self.interval:
+            self._thread = threading.Thread(target=self._watch, daemon=True,
+                                            name="gpulab-jobslist")
+            self._thread.start()
+
+    def on_open(self, callback: Callable[[JobView], None], remove: bool = False) -> None:
+        self._cb._register("open", callback, remove)
+
+    def on_stop(self, callback: Callable[[dict], None], remove: bool = False) -> None:
+        self._cb._register("stop", callback, remove)
+
+    def close(self):
+        self._stop_event.set()
+        super().close()
+
+    def _watch(self) -> None:
+        while not self._stop_event.wait(self.interval):
+            if any(j.get("state") not in ("Succeeded", "Failed", "Stopped") for j in self.jobs):
+                self.refresh()
+
+    def refresh(self) -> None:
+        try:
+            jobs = self.client.jobs()
+        except GpulabError as e:
+            self.message.value = _message("error", e.message)
+            return
+        self.message.value = "" if jobs else _message("info", "You have no training jobs yet.")
+        if [(j["name"], j["state"]) for j in jobs] == [(j["name"], j["state"]) for j in self.jobs]:
+            self.jobs = jobs
+            return
+        self.jobs = jobs
+        self.rows.children = [self._row(j) for j in jobs]
+
+    def _row(self, job: dict) -> W.Widget:
+        name = job["name"]
+        label = W.HTML(
+            f"<span class='gpulab-job-name'>{html.escape(name)}</span> · "
+            f"<span class='gpulab-state gpulab-state-{html.escape(job['state'].lower())}' "
+            f"data-state='{html.escape(job['state'])}'>{html.escape(jm.state_line(job))}</span>",
+            layout=W.Layout(width="60%"))
+        open_button = W.Button(description="Open", layout=W.Layout(width="auto"))
+        open_button.add_class("gpulab-open")
+        stop_button = W.Button(description="Stop", button_style="danger",
+                               layout=W.Layout(width="auto"),
+                               disabled=jm.is_final(job))
+        stop_button.add_class("gpulab-stop")
+        confirm = W.Button(description=f"Yes, stop {name}", button_style="danger",
+                           layout=W.Layout(width="auto", display="none"))
+        confirm.add_class("gpulab-stop-confirm")
+        open_button.on_click(lambda _: self.open_job(name))
+        stop_button.on_click(lambda _: setattr(confirm.layout, "display", "flex"))
+        confirm.on_click(lambda _: self.stop_job(name))
+        row = W.HBox([label, open_button, stop_button, confirm])
+        row.add_class("gpulab-job-row")
+        return row
+
+    def open_job(self, name: str) -> JobView:
+        for child in self.detail.children:
+            child.close()
+        view = JobView(self.client.job(name), self.client)
+        self.detail.children = [view]
+        self._cb._fire("open", view)
+        return view
+
+    def stop_job(self, name: str) -> dict | None:
+        try:
+            view = self.client.job(name).stop()
+        except GpulabError as e:
+            self.message.value = _message("error", e.message)
+            return None
+        self.message.value = _message("ok", f"Job {name} is {view.get('state')}.")
+        self._cb._fire("stop", view)
+        self.refresh()
+        return view
+
+
+def _set_options(dropdown: W.Dropdown, options: list) -> None:
+    current = dropdown.value
+    dropdown.options = options
+    if current in options:
+        dropdown.value = current
+    elif options:
+        dropdown.value = options[0]
+
+
+# -- notebook context -------------------------------------------------------------------
+
+
+def _ipython():
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    return get_ipython()
+
+
+def _user_namespace() -> dict:
+    ip = _ipython()
+    return ip.user_ns if ip is not None else {}
+
+
+def _current_cell() -> str:
+    """The code of the cell being run (IPython stores it in ``In`` before running it)."""
+    ip = _ipython()
+    if ip is None:
+        return ""
+    inputs = ip.user_ns.get("In") or []
+    return inputs[-1] if inputs else ""
+
+
+__all__ = ["TrainingLauncher", "JobView", "JobsList", "TensorBoard", "GpulabError"]
