@@ -1,10 +1,21 @@
-"""helm-values/: the z2jh values name real settings, and the RBAC covers what the spawner does."""
+"""helm-values/: the z2jh values name real settings and pass the chart's own schema, the chart's
+hub would load the gpulab configuration from them, and the RBAC covers what the spawner does."""
 
+import copy
+import json
+import os
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
+from jupyterhub.services.service import Service
+from kubespawner import KubeSpawner
+from traitlets.config import Config
 
+from gpulab.hub.config import ADMIN_GROUP
+from gpulab.hub.kubeconfig import SERVICE_PORT
+from gpulab.hub.service import ADMIN_SCOPE, SERVICE_NAME
 from gpulab.spawner.kube import KubeGPUSpawner
 from gpulab.spawner.mixin import GPULedger
 from gpulab.spawner.profiles import parse_profiles
@@ -48,3 +59,190 @@ def test_rbac_binds_the_hub_service_account_to_the_cluster_role():
                    ("batch", "jobs", "create")]:
         assert needed in granted, needed
     assert not [x for x in granted if x[1] == "secrets" or x[2] == "*"]  # least privilege
+
+
+# -- the values as the chart sees them: its schema, and its jupyterhub_config.py
+
+Z2JH = Path(__file__).resolve().parents[3] / "shared" / "reference" / "z2jh"
+MANIFESTS = ("rbac.yaml", "shared-volume-nfs.yaml", "networkpolicy-jobs.yaml")
+
+
+def helm_merge(defaults, overrides):
+    """What ``helm install -f values.yaml`` hands the templates: maps merged key by key, other
+    values (lists included) replaced, and a null removing the chart's key."""
+    if not (isinstance(defaults, dict) and isinstance(overrides, dict)):
+        return copy.deepcopy(overrides)
+    out = copy.deepcopy(defaults)
+    for key, value in overrides.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = helm_merge(out.get(key), value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def chart_schema():
+    return yaml.safe_load((Z2JH / "values.schema.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def chart_values(values):
+    return helm_merge(yaml.safe_load((Z2JH / "values.yaml").read_text()), values)
+
+
+def schema_errors(schema, values) -> list[str]:
+    validator = jsonschema.Draft7Validator(schema)
+    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in validator.iter_errors(values)]
+
+
+def test_values_validate_against_the_chart_schema(chart_schema, chart_values):
+    assert schema_errors(chart_schema, chart_values) == []
+
+
+@pytest.mark.parametrize("path, wrong", [
+    (("hub", "extraConfig"), "extraconfig"),
+    (("singleuser", "profileList"), "profilelist"),
+    (("cull", "timeout"), "timout"),
+    (("scheduling", "userScheduler", "enabled"), "enable"),
+    (("hub", "networkPolicy", "ingress"), "ingres"),
+    (("hub", "db", "url"), "uri"),
+], ids=lambda x: ".".join(x) if isinstance(x, tuple) else x)
+def test_a_misspelt_key_fails_the_schema(chart_schema, values, path, wrong):
+    mutated = copy.deepcopy(values)
+    parent = mutated
+    for key in path[:-1]:
+        parent = parent[key]
+    parent[wrong] = parent.pop(path[-1])
+    merged = helm_merge(yaml.safe_load((Z2JH / "values.yaml").read_text()), mutated)
+    errors = schema_errors(chart_schema, merged)
+    assert any(wrong in e for e in errors), errors
+
+
+def run_chart_config(values: dict, env: dict) -> Config:
+    """The parts of z2jh's hub jupyterhub_config.py (4.x) that gpulab's settings go through, in
+    its order: culler, hub.services (with the chart's generated api token), hub.loadRoles,
+    hub.config sections, then each hub.extraConfig snippet exec'd with c and get_config."""
+    def get_config(key, default=None):
+        value = values
+        for part in key.split("."):
+            if not isinstance(value, dict) or part not in value:
+                return default
+            value = value[part]
+        return copy.deepcopy(value)
+
+    c = Config()
+    c.JupyterHub.spawner_class = "kubespawner.KubeSpawner"
+    c.JupyterHub.services = []
+    c.JupyterHub.load_roles = []
+    if get_config("cull.enabled", False):
+        c.JupyterHub.services.append({"name": "jupyterhub-idle-culler", "command": [
+            "python3", "-m", "jupyterhub_idle_culler",
+            f"--timeout={get_config('cull.timeout')}", f"--cull-every={get_config('cull.every')}"]})
+        c.JupyterHub.load_roles.append({"name": "jupyterhub-idle-culler", "scopes": [
+            "list:users", "read:users:activity", "read:servers", "delete:servers"],
+            "services": ["jupyterhub-idle-culler"]})
+    for key, service in get_config("hub.services", {}).items():
+        service.setdefault("name", key)
+        service.pop("apiToken", None)
+        service["api_token"] = "chart-generated-token"
+        c.JupyterHub.services.append(service)
+    for key, role in get_config("hub.loadRoles", {}).items():
+        role.setdefault("name", key)
+        c.JupyterHub.load_roles.append(role)
+    for section, cfg in get_config("hub.config", {}).items():
+        assert section[:1].isupper(), f"hub.config.{section} is not a class name"
+        c[section].update(cfg)
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        for _key, snippet in sorted(get_config("hub.extraConfig", {}).items()):
+            exec(snippet, {"c": c, "get_config": get_config})
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return c
+
+
+LEDGER = "postgresql+psycopg://gpulab:pw@postgres.gpulab.svc.cluster.local:5432/gpulab"
+
+
+@pytest.fixture(scope="module")
+def hub_config(chart_values):
+    return run_chart_config(chart_values, {"GPULAB_LEDGER_URL": LEDGER, "POD_IP": "10.1.2.3"})
+
+
+def test_extra_config_makes_the_kube_spawner_and_the_ledger(hub_config, values):
+    c = hub_config
+    assert c.JupyterHub.spawner_class == "gpulab.spawner.kube.KubeGPUSpawner"
+    assert c.GPULedger.db_url == LEDGER and c.GPULedger.pool == "kubernetes"
+    ledger_conf = GPULedger(config=c)
+    assert (ledger_conf.db_url, ledger_conf.pool) == (LEDGER, "kubernetes")
+    assert issubclass(KubeGPUSpawner, KubeSpawner)  # c.KubeSpawner (singleuser.*) applies too
+    assert dict(c.KubeGPUSpawner) == values["hub"]["config"]["KubeGPUSpawner"]
+    assert c.Authenticator.admin_users == {values["custom"]["gpulab"]["firstAdmin"]}
+    # z2jh's hub NetworkPolicy lets the proxy in on the port the service listens on
+    ports = [p["port"] for rule in values["hub"]["networkPolicy"]["ingress"]
+             for p in rule["ports"]]
+    assert SERVICE_PORT in ports
+
+
+def test_extra_config_adds_the_gpulab_service_and_its_roles(hub_config, values):
+    c = hub_config
+    services = {s["name"]: s for s in c.JupyterHub.services}
+    assert set(services) == {"gpulab", "jupyterhub-idle-culler"}
+    gpulab = services["gpulab"]
+    assert gpulab["url"] == f"http://10.1.2.3:{SERVICE_PORT}"
+    assert gpulab["command"] == ["python3", "-m", "gpulab.hub.service"]
+    assert gpulab["api_token"] == "chart-generated-token"  # the chart's entry was completed
+    env = gpulab["environment"]
+    assert env["GPULAB_LEDGER_URL"] == LEDGER and env["GPULAB_LEDGER_POOL"] == "kubernetes"
+    assert "GPULAB_SHARED_DIR" not in env  # no local job backend in the hub pod
+    limits = json.loads(env["GPULAB_JOB_LIMITS"])
+    assert limits["allowed_images"] == values["hub"]["config"]["GPUJobs"]["allowed_images"]
+    assert gpulab["oauth_client_allowed_scopes"] == [ADMIN_SCOPE]
+    # every key is a field of JupyterHub's Service, with a valid value (as init_services checks)
+    fields = Service.class_traits()
+    for key, value in gpulab.items():
+        assert key in fields, f"no such service field: {key}"
+        fields[key].validate(Service(), value)
+
+    roles = {r["name"]: r for r in c.JupyterHub.load_roles}
+    assert set(roles) >= {"gpulab-admin", "gpulab-service", "user", "server",
+                          "jupyterhub-idle-culler"}
+    admin = roles["gpulab-admin"]
+    assert ADMIN_SCOPE in admin["scopes"]
+    assert admin["groups"] == [ADMIN_GROUP] and admin["users"] == ["ann"]
+    assert f"access:services!service={SERVICE_NAME}" in roles["user"]["scopes"]
+    assert f"access:services!service={SERVICE_NAME}" in roles["server"]["scopes"]
+    assert ADMIN_SCOPE in c.JupyterHub.custom_scopes
+    # groups come from the identity provider: loading groups too would stop the hub
+    assert not c.JupyterHub.get("load_groups")
+    assert c.GenericOAuthenticator.manage_groups is True
+
+
+def test_extra_config_needs_a_ledger_database(chart_values):
+    with pytest.raises(ValueError, match="GPULAB_LEDGER_URL"):
+        run_chart_config(chart_values, {"GPULAB_LEDGER_URL": ""})
+
+
+def test_oidc_settings_are_generic_oauthenticator_traits(values):
+    from oauthenticator.generic import GenericOAuthenticator
+
+    config = values["hub"]["config"]
+    assert config["JupyterHub"]["authenticator_class"] == "generic-oauth"
+    traits = GenericOAuthenticator.class_traits(config=True)
+    unknown = sorted(set(config["GenericOAuthenticator"]) - set(traits))
+    assert not unknown, unknown
+    assert ADMIN_GROUP in config["GenericOAuthenticator"]["admin_groups"]
+    assert ADMIN_GROUP in config["GenericOAuthenticator"]["allowed_groups"]
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_manifests_are_labelled_kubernetes_objects(name):
+    docs = [d for d in yaml.safe_load_all((HELM / name).read_text()) if d]
+    assert docs
+    for d in docs:
+        assert {"apiVersion", "kind", "metadata"} <= set(d), d
+        assert d["metadata"]["labels"]["app.kubernetes.io/name"] == "gpulab"
