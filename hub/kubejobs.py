@@ -1,0 +1,682 @@
+"""`KubeJobBackend`: training jobs as pods made by Kubernetes' own Job controller.
+
+The same interface as `gpulab.hub.jobs.LocalJobBackend` (``submit``, ``list``, ``get``,
+``read_log``, ``stop``, ``recover``, ``ensure_supervisor``, ``shutdown``) and the same views
+and states (Admitted, Starting, Running, Succeeded, Failed, Stopped, with reasons in words).
+
+Submit
+    The spec is checked (`gpulab.hub.jobspec`) before this backend sees it. The backend
+    checks that the schedulable nodes of the GPU model can hold every replica at once (node
+    allocatable, first fit), admits the job's GPUs whole through the ledger (the same quota as
+    notebooks), makes sure the user's namespace and its GPU ResourceQuota exist (as
+    `gpulab.spawner.kube.KubeGPUSpawner` does; once per namespace per process), then creates
+    the objects of `gpulab.hub.kubejobs_objects.make_training_job_objects`: the parent
+    headless Service, a ConfigMap with the code when the spec gave ``source``, and one Indexed
+    Job per role, each owned by the Service. API requests per submit: roles + 1 (+1 with
+    ``source``, +2 for a namespace this process has not prepared yet).
+
+Watching
+    One shared watch over the Jobs and one over the Pods labelled as gpulab training jobs in
+    all namespaces (kubespawner's reflectors); a reconciler reads those caches every
+    ``reconcile_interval`` seconds and calls the API only to act. Nothing polls per job.
+    Nodes (for the capacity check) are listed at most every ``node_cache_seconds``.
+
+Lifecycle
+    A failed replica is replaced by the Job controller while ``backoffLimit`` (the spec's
+    ``retries``) lasts; ``activeDeadlineSeconds`` is ``max_runtime``. A parameter-server job
+    succeeds when its chief's Job completes; a multi-worker job when its worker Job completes.
+    Its other role Jobs are then deleted (their pods by garbage collection), the finished Job
+    and its pods stay for their logs until the job's parent is deleted. A role Job that fails
+    fails the job and the others are deleted. Replicas that stay unschedulable longer than
+    ``unschedulable_timeout`` remove the whole job (its parent) with the reason in words. Stop
+    deletes the parent. Every ending releases the job's GPUs in the ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import calendar
+import json
+import logging
+import time
+import uuid
+
+from kubernetes_asyncio.client.rest import ApiException
+from kubespawner.clients import load_config, shared_client
+from kubespawner.reflector import MultiNamespaceResourceReflector
+from kubespawner.slugs import safe_slug
+from sqlalchemy import select
+from traitlets import Dict, Float, Unicode
+from traitlets.config import LoggingConfigurable
+
+from gpulab.spawner.kube import APPLY, FIELD_MANAGER, GPUQuotaMirror, api_message, effective_max_gpus
+from gpulab.spawner.kubeobjects import POD_SECURITY_LEVELS, make_user_namespace, parse_quota_refusal
+from gpulab.spawner.profiles import GPU_MODEL_LABEL, GPU_RESOURCE
+
+from .jobs import ACTIVE, FINAL, JobError, _job_view
+from .jobspec import ROLES, JobSpec
+from .kubejobs_objects import (
+    CONTAINER,
+    INDEX_LABEL,
+    JOB_LABEL,
+    ROLE_LABEL,
+    SELECTOR,
+    make_training_job_objects,
+    role_job_name,
+)
+from .ledger import JobRow, Ledger, ReplicaRow, Request
+
+log = logging.getLogger("gpulab.jobs.kube")
+
+_LABELS = dict(kv.split("=") for kv in SELECTOR.split(","))
+SOURCE_MOUNT = "/gpulab/job-source"
+
+
+class _JobReflector(MultiNamespaceResourceReflector):
+    kind = "jobs"
+    api_group_name = "BatchV1Api"
+    list_method_name = "list_job_for_all_namespaces"
+
+
+class _PodReflector(MultiNamespaceResourceReflector):
+    kind = "pods"
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def fit_replicas(*, sizes: list[int], capacities: list[int]) -> bool:
+    """Whether replicas of ``sizes`` GPUs fit on nodes of ``capacities`` (first fit, largest
+    first: good enough to refuse what can never run)."""
+    free = sorted(capacities, reverse=True)
+    for size in sorted(sizes, reverse=True):
+        for i, f in enumerate(free):
+            if f >= size:
+                free[i] -= size
+                break
+        else:
+            return False
+    return True
+
+
+def _condition(obj: dict, kind: str) -> dict | None:
+    for c in obj.get("status", {}).get("conditions") or []:
+        if c.get("type") == kind and c.get("status") == "True":
+            return c
+    return None
+
+
+def job_finished(job: dict) -> str | None:
+    """``"Complete"``, ``"Failed"`` or None for a batch/v1 Job object."""
+    for kind in ("Complete", "Failed"):
+        if _condition(job, kind):
+            return kind
+    return None
+
+
+def pod_words(pod: dict, *, gpus: int, model: str | None) -> tuple[str, str, int | None]:
+    """(replica state, reason in words, exit code) of one replica's pod."""
+    status = pod.get("status", {})
+    phase = status.get("phase", "Pending")
+    cs = (status.get("containerStatuses") or [{}])[0]
+    state = cs.get("state") or {}
+    if pod["metadata"].get("deletionTimestamp"):
+        return "Stopped", "being removed", None
+    if phase in ("Succeeded", "Failed"):
+        term = state.get("terminated") or {}
+        code = term.get("exitCode")
+        if phase == "Succeeded":
+            return "Succeeded", "exited 0", code if code is not None else 0
+        why = term.get("reason") or status.get("reason") or ""
+        if why == "OOMKilled":
+            return "Failed", "killed: out of memory (OOM); ask for more memory", code
+        if why == "DeadlineExceeded":
+            return "Failed", "stopped after max_runtime", code
+        words = {1: "the program raised an error (exit 1)", 2: "bad job configuration (exit 2)",
+                 75: "lost its cluster (a ps or peer went away)"}.get(code, f"exited {code}")
+        return "Failed", words, code
+    if phase == "Running":
+        return "Running", "", None
+    waiting = (state.get("waiting") or {})
+    reason = waiting.get("reason", "")
+    if reason in ("ErrImagePull", "ImagePullBackOff", "InvalidImageName"):
+        return "Starting", f"the image {cs.get('image', '')} cannot be pulled ({reason})", None
+    sched = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"),
+                 None)
+    if sched and sched.get("status") == "False" and sched.get("reason") == "Unschedulable":
+        return "Starting", unschedulable_words(sched.get("message", ""), gpus=gpus,
+                                               model=model), None
+    if reason:
+        return "Starting", f"waiting ({reason})", None
+    return "Starting", "starting", None
+
+
+def unschedulable_words(message: str, *, gpus: int, model: str | None) -> str:
+    of_model = f" of model {model}" if model else ""
+    plural = "s" if gpus != 1 else ""
+    if gpus and f"Insufficient {GPU_RESOURCE}" in message:
+        return f"cannot be scheduled: no node has {gpus} free GPU{plural}{of_model}"
+    if gpus and ("node affinity/selector" in message or "untolerated taint" in message):
+        return f"cannot be scheduled: no node has GPUs{of_model}"
+    if "Insufficient cpu" in message or "Insufficient memory" in message:
+        return "cannot be scheduled: no node has enough free CPU or memory"
+    return f"cannot be scheduled: {message}" if message else "cannot be scheduled yet"
+
+
+def _unschedulable_since(pod: dict) -> float | None:
+    for c in pod.get("status", {}).get("conditions") or []:
+        if (c.get("type") == "PodScheduled" and c.get("status") == "False"
+                and c.get("reason") == "Unschedulable"):
+            return _ts(pod["metadata"].get("creationTimestamp"))
+    return None
+
+
+def _ts(value: str | None) -> float | None:
+    if not value:
+        return None
+    return float(calendar.timegm(time.strptime(value, "%Y-%m-%dT%H:%M:%SZ")))
+
+
+class KubeJobBackend(LoggingConfigurable):
+    """Training jobs on Kubernetes: pods of Indexed Jobs in each user's namespace.
+
+    Use it in the gpulab service with the hub's ServiceAccount bound by
+    ``helm-values/rbac.yaml``; its namespace and shared-storage settings must match
+    `gpulab.spawner.kube.KubeGPUSpawner`'s so that a user's notebook and jobs share a
+    namespace, a quota and their folders.
+    """
+
+    name = "kubernetes"
+
+    image = Unicode("gpulab/singleuser:latest", help="""
+        Container image of the replicas when the spec names none (a spec may name one of
+        ``c.GPUJobs.allowed_images``). Example: ``c.KubeJobBackend.image = "gpulab/singleuser:1"``
+        """).tag(config=True)
+    namespace_template = Unicode("gpulab-{username}", help="""
+        The user's namespace; ``{username}`` is KubeSpawner's safe slug of the user name. Must
+        equal ``c.KubeGPUSpawner.user_namespace_template`` (default ``gpulab-{username}``).
+        """).tag(config=True)
+    gpu_model = Unicode(None, allow_none=True, help="""
+        GPU model (node label ``nvidia.com/gpu.product``) of the replicas that have GPUs; None
+        (default): any GPU node. Example: ``c.KubeJobBackend.gpu_model = "NVIDIA-H100"``
+        """).tag(config=True)
+    pod_security_level = Unicode("baseline", help="""
+        Pod Security level of user namespaces the backend creates (as KubeGPUSpawner's
+        ``pod_security_level``; default ``baseline``).""").tag(config=True)
+    shared_volume = Dict(None, allow_none=True, help="""
+        The shared ReadWriteMany storage as a pod volume source (as KubeGPUSpawner's); None
+        (default): none (then ``source`` specs work and ``script`` paths are inside the
+        image). Example: ``c.KubeJobBackend.shared_volume = {"nfs": {"server": "nfs", "path": "/gpulab"}}``
+        """).tag(config=True)
+    shared_mount_path = Unicode("/gpulab/shared", help="""
+        Where the shared storage appears in replicas (default ``/gpulab/shared``).""").tag(
+        config=True)
+    user_subpath_template = Unicode("users/{username}", help="""
+        The user's folder on the shared storage (default ``users/{username}``); jobs run in
+        ``<folder>/jobs/<job>``.""").tag(config=True)
+    datasets_subpath = Unicode("datasets", help="""
+        The read-only datasets folder on the shared storage (default ``datasets``; empty:
+        none).""").tag(config=True)
+    unschedulable_timeout = Float(300.0, help="""
+        Seconds a replica may stay unschedulable before the whole job is removed with the
+        reason (default 300), so that a half-started job never holds GPUs.""").tag(config=True)
+    reconcile_interval = Float(1.0, help="""
+        Seconds between passes of the reconciler over the shared watches' caches (default 1;
+        no API request unless something must be done).""").tag(config=True)
+    node_cache_seconds = Float(30.0, help="""
+        Seconds a list of the nodes (GPU capacity) is reused (default 30).""").tag(config=True)
+    gpu_quota_sync_interval = Float(30.0, help="""
+        Seconds between syncs of the namespaces' GPU ResourceQuotas with the ledger
+        (default 30; as KubeGPUSpawner's).""").tag(config=True)
+    request_timeout = Float(30.0, help="Seconds an API request may take (default 30).").tag(
+        config=True)
+
+    def __init__(self, ledger: Ledger, **kwargs):
+        super().__init__(**kwargs)
+        self.ledger = ledger
+        self._ready_ns: set[str] = set()
+        self._creating: set[str] = set()
+        self._nodes: tuple[float, list[dict]] = (0.0, [])
+        self._task: asyncio.Task | None = None
+        self._jobs_r: _JobReflector | None = None
+        self._pods_r: _PodReflector | None = None
+        self._started = asyncio.Lock()
+        self._deleted: set[tuple[str, str]] = set()
+        self.api_requests = 0  # requests made outside the shared watches (bench/k8s_jobs.py)
+
+    # -- clients and watches -------------------------------------------------------------
+
+    @property
+    def core(self):
+        load_config()
+        return shared_client("CoreV1Api")
+
+    @property
+    def batch(self):
+        load_config()
+        return shared_client("BatchV1Api")
+
+    async def start_watches(self) -> None:
+        """Start the two shared watches (once) and wait for their first lists."""
+        async with self._started:
+            if self._jobs_r is None:
+                load_config()
+                jobs = _JobReflector(labels=_LABELS, parent=self)
+                pods = _PodReflector(labels=_LABELS, parent=self)
+                await jobs.start()
+                await pods.start()
+                self._jobs_r, self._pods_r = jobs, pods
+
+    def ensure_supervisor(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        await self.start_watches()
+        while True:
+            try:
+                await self.reconcile()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("Kubernetes job reconciler failed; retrying")
+            await asyncio.sleep(self.reconcile_interval)
+
+    async def shutdown(self) -> None:
+        """Stop watching; the jobs keep running (a restarted service picks them up)."""
+        if self._task:
+            self._task.cancel()
+        for r in (self._jobs_r, self._pods_r):
+            if r is not None:
+                await r.stop()
+        self._jobs_r = self._pods_r = None
+
+    # -- names ---------------------------------------------------------------------------
+
+    def _expand(self, template: str, user: str) -> str:
+        return template.format(username=safe_slug(user, max_length=48))
+
+    def namespace_of(self, user: str) -> str:
+        return self._expand(self.namespace_template, user)
+
+    def user_label(self, user: str) -> str:
+        return safe_slug(user, max_length=48)
+
+    # -- queries -------------------------------------------------------------------------
+
+    def _load(self, s, job_id: str):
+        job = s.get(JobRow, job_id)
+        reps = s.scalars(select(ReplicaRow).where(ReplicaRow.job_id == job_id)).all()
+        return job, reps
+
+    def _view(self, job, reps) -> dict:
+        view = _job_view(job, reps)
+        view["progress"] = None
+        view["namespace"] = self.namespace_of(job.user)
+        return view
+
+    def list(self, user: str | None = None) -> list[dict]:
+        with self.ledger.Session() as s:
+            q = select(JobRow).where(JobRow.backend == self.name).order_by(JobRow.created_at.desc())
+            if user is not None:
+                q = q.where(JobRow.user == user)
+            return [self._view(j, self._load(s, j.id)[1]) for j in s.scalars(q)]
+
+    def get(self, user: str, name: str) -> dict | None:
+        with self.ledger.Session() as s:
+            job = s.scalar(select(JobRow).where(JobRow.user == user, JobRow.name == name,
+                                                JobRow.backend == self.name))
+            return self._view(job, self._load(s, job.id)[1]) if job else None
+
+    def _pods_of(self, namespace: str, job: str) -> list[dict]:
+        pods = self._pods_r.resources.values() if self._pods_r else []
+        return [p for p in pods if p["metadata"]["namespace"] == namespace
+                and p["metadata"].get("labels", {}).get(JOB_LABEL) == job]
+
+    def _replica_pods(self, namespace: str, job: str) -> dict[tuple[str, int], list[dict]]:
+        """The pods of each replica, oldest first."""
+        out: dict[tuple[str, int], list[dict]] = {}
+        for p in self._pods_of(namespace, job):
+            labels = p["metadata"].get("labels", {})
+            try:
+                key = (labels[ROLE_LABEL], int(labels[INDEX_LABEL]))
+            except (KeyError, ValueError):
+                continue
+            out.setdefault(key, []).append(p)
+        for pods in out.values():
+            pods.sort(key=lambda p: (p["metadata"].get("creationTimestamp") or "",
+                                     p["metadata"]["name"]))
+        return out
+
+    async def read_log(self, user: str, name: str, replica: str, offset: int = 0,
+                       limit: int = 1 << 20) -> tuple[bytes, int, bool]:
+        """(up to ``limit`` bytes of the replica's current pod's log from ``offset``, the
+        bytes known so far, job finished), through the pod log API."""
+        job = self.get(user, name)
+        if job is None:
+            raise JobError(f"You have no job named '{name}'.", 404)
+        names = [r["name"] for r in job["replicas"]]
+        if replica not in names:
+            raise JobError(f"Job '{name}' has no replica '{replica}'; it has "
+                           f"{', '.join(sorted(names))}.", 404, "replica")
+        role, index = replica.rsplit("-", 1)
+        ns = self.namespace_of(user)
+        pods = self._replica_pods(ns, name).get((role, int(index)))
+        done = job["state"] in FINAL
+        if not pods:
+            return b"", 0, done
+        try:
+            self.api_requests += 1
+            resp = await self.core.read_namespaced_pod_log(
+                pods[-1]["metadata"]["name"], ns, container=CONTAINER,
+                limit_bytes=offset + limit, _preload_content=False,
+                _request_timeout=self.request_timeout)
+            data = await resp.read()
+        except ApiException as e:
+            if e.status in (400, 404):  # not started yet, or gone
+                return b"", offset, done
+            raise JobError(f"The log of {replica} cannot be read: {api_message(e)}", 502,
+                           "replica") from e
+        return data[offset:], len(data), done
+
+    # -- submit --------------------------------------------------------------------------
+
+    async def _node_capacities(self) -> list[dict]:
+        fetched, nodes = self._nodes
+        if time.monotonic() - fetched > self.node_cache_seconds:
+            self.api_requests += 1
+            resp = await self.core.list_node(_preload_content=False,
+                                             _request_timeout=self.request_timeout)
+            nodes = json.loads(await resp.read())["items"]
+            self._nodes = (time.monotonic(), nodes)
+        return nodes
+
+    async def check_capacity(self, spec: JobSpec) -> None:
+        """Refuse a job that the schedulable GPU nodes of the model could never hold whole."""
+        sizes = [spec.gpus_of(r) for r in ROLES for _ in range(spec.count(r)) if spec.gpus_of(r)]
+        if not sizes:
+            return
+        caps = []
+        for n in await self._node_capacities():
+            if n.get("spec", {}).get("unschedulable"):
+                continue
+            labels = n["metadata"].get("labels", {})
+            if self.gpu_model and labels.get(GPU_MODEL_LABEL) != self.gpu_model:
+                continue
+            try:
+                gpus = int(n.get("status", {}).get("allocatable", {}).get(GPU_RESOURCE, 0))
+            except ValueError:
+                gpus = 0
+            if gpus:
+                caps.append(gpus)
+        if not fit_replicas(sizes=sizes, capacities=caps):
+            of_model = f" of model {self.gpu_model}" if self.gpu_model else ""
+            have = ", ".join(str(c) for c in sorted(caps, reverse=True)) or "none"
+            raise JobError(
+                f"resources: the cluster cannot hold this job at once: {len(sizes)} replicas "
+                f"with {', '.join(str(s) for s in sizes)} GPUs{of_model}, and its schedulable "
+                f"nodes{of_model} have {have} GPUs.", 409, "resources")
+
+    async def _ensure_namespace(self, user: str, groups: tuple[str, ...]) -> str:
+        ns = self.namespace_of(user)
+        if ns in self._ready_ns:
+            return ns
+        if self.pod_security_level not in POD_SECURITY_LEVELS:
+            raise JobError(f"pod_security_level {self.pod_security_level!r} is not one of "
+                           f"{', '.join(POD_SECURITY_LEVELS)}.", 500)
+        label = self.user_label(user)
+        body = make_user_namespace(name=ns, user_label=label, pod_security=self.pod_security_level)
+        self.api_requests += 1
+        await self.core.patch_namespace(ns, body, field_manager=FIELD_MANAGER, force=True,
+                                        _content_type=APPLY, _request_timeout=self.request_timeout)
+        mirror = GPUQuotaMirror.for_loop(self.ledger, self.core, self.gpu_quota_sync_interval, log)
+        mirror.register(ns, user, groups, label)
+        want = effective_max_gpus(self.ledger.quotas(), user, groups)
+        if mirror.applied.get(ns, "unknown") != want:
+            self.api_requests += 1
+            await mirror.apply(ns, want)
+        self._ready_ns.add(ns)
+        return ns
+
+    async def submit(self, user: str, groups: tuple[str, ...], spec: JobSpec) -> dict:
+        with self.ledger.Session() as s:
+            if s.scalar(select(JobRow.id).where(JobRow.user == user, JobRow.name == spec.name)):
+                raise JobError(f"name: you already have a job named '{spec.name}' (jobs are "
+                               "kept as history); choose another name.", 409, "name")
+        await self.check_capacity(spec)
+        allocation = self.ledger.admit(Request(user=user, kind="job", holder=spec.name,
+                                               gpus=spec.total_gpus, groups=groups))
+        ns = self.namespace_of(user)
+        user_dir = f"{self.shared_mount_path.rstrip('/')}/{self._expand(self.user_subpath_template, user)}"
+        job_dir = f"{user_dir}/jobs/{spec.name}"
+        job_id = uuid.uuid4().hex
+        self._creating.add(job_id)
+        try:
+            now = time.time()
+            try:
+                with self.ledger.Session.begin() as s:
+                    s.add(JobRow(id=job_id, user=user, name=spec.name, backend=self.name,
+                                 spec=spec.model_dump_json(), state="Admitted",
+                                 reason=f"{spec.total_gpus} GPU(s) admitted",
+                                 allocation_id=allocation.id, job_dir=job_dir, created_at=now))
+                    s.flush()
+                    for role, index in spec.replica_names():
+                        s.add(ReplicaRow(job_id=job_id, role=role, index=index, state="Pending",
+                                         reason="waiting for its pod", devices="[]"))
+            except Exception as e:
+                self.ledger.release(allocation.id, "job not recorded")
+                raise JobError(f"name: you already have a job named '{spec.name}'.", 409,
+                               "name") from e
+            try:
+                await self._create_objects(user, groups, spec, ns, user_dir, job_dir)
+            except Exception as e:
+                message = self._refusal_words(e)
+                log.warning("Job %s/%s could not be created: %s", ns, spec.name, message)
+                await self._delete_parent(ns, spec.name)
+                self._finish(job_id, "Failed", f"could not be created: {message}")
+                raise JobError(f"The job could not be created: {message}",
+                               409 if isinstance(e, ApiException) and e.status == 403 else 502
+                               ) from e
+        finally:
+            self._creating.discard(job_id)
+        log.info("Job %s/%s created (%d GPUs)", ns, spec.name, spec.total_gpus)
+        self.ensure_supervisor()
+        return self.get(user, spec.name)
+
+    @staticmethod
+    def _refusal_words(e: Exception) -> str:
+        if not isinstance(e, ApiException):
+            return str(e)
+        msg = api_message(e)
+        q = parse_quota_refusal(msg)
+        if q:
+            return (f"the namespace's GPU quota allows {q['limited']} GPUs, {q['used']} are in "
+                    f"use and the job asks for {q['requested']}")
+        if e.status == 403:
+            return f"not allowed by the cluster: {msg}"
+        return msg
+
+    async def _create_objects(self, user, groups, spec: JobSpec, ns, user_dir, job_dir) -> None:
+        await self._ensure_namespace(user, groups)
+        if spec.source is not None:
+            program = f"{SOURCE_MOUNT}/source.py"
+        elif self.shared_volume:
+            program = f"{user_dir}/{spec.script}"
+        else:
+            program = spec.script
+        common = dict(spec=spec, namespace=ns, user_label=self.user_label(user),
+                      image=spec.image or self.image, program=program, job_dir=job_dir,
+                      user_dir=user_dir, gpu_model=self.gpu_model,
+                      shared_volume=self.shared_volume, shared_mount=self.shared_mount_path,
+                      user_subpath=self._expand(self.user_subpath_template, user),
+                      datasets_subpath=self.datasets_subpath or None)
+        service = make_training_job_objects(**common)[0]
+        self.api_requests += 1
+        created = await self.core.create_namespaced_service(
+            ns, service, _request_timeout=self.request_timeout)
+        uid = created.metadata.uid
+        objects = make_training_job_objects(**common, parent_uid=uid)[1:]
+        if spec.source is not None:
+            cm = {"apiVersion": "v1", "kind": "ConfigMap",
+                  "metadata": {"name": f"{spec.name}-source", "namespace": ns,
+                               "labels": service["metadata"]["labels"],
+                               "ownerReferences": objects[0]["metadata"]["ownerReferences"]},
+                  "data": {"source.py": spec.source}}
+            self.api_requests += 1
+            await self.core.create_namespaced_config_map(ns, cm,
+                                                         _request_timeout=self.request_timeout)
+            for job in objects:
+                pod = job["spec"]["template"]["spec"]
+                pod.setdefault("volumes", []).append(
+                    {"name": "source", "configMap": {"name": f"{spec.name}-source"}})
+                pod["containers"][0].setdefault("volumeMounts", []).append(
+                    {"name": "source", "mountPath": SOURCE_MOUNT, "readOnly": True})
+        for job in objects:
+            self.api_requests += 1
+            await self.batch.create_namespaced_job(ns, job, _request_timeout=self.request_timeout)
+
+    # -- stop and deletion ---------------------------------------------------------------
+
+    async def _delete(self, method, name: str, ns: str) -> None:
+        try:
+            self.api_requests += 1
+            await method(name, ns, propagation_policy="Background",
+                         _request_timeout=self.request_timeout)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+    async def _delete_parent(self, ns: str, name: str) -> None:
+        """Delete the job's parent Service: garbage collection removes everything else."""
+        await self._delete(self.core.delete_namespaced_service, name, ns)
+
+    async def stop(self, user: str, name: str, actor: str | None = None) -> dict:
+        job = self.get(user, name)
+        if job is None:
+            raise JobError(f"No job '{name}'.", 404)
+        if job["state"] in FINAL:
+            return job
+        await self._delete_parent(self.namespace_of(user), name)
+        self._finish(job["id"], "Stopped", "stopped by " + (actor or user))
+        return self.get(user, name)
+
+    def _finish(self, job_id: str, state: str, reason: str) -> None:
+        with self.ledger.Session.begin() as s:
+            job, reps = self._load(s, job_id)
+            if job is None or job.state in FINAL:
+                return
+            job.state, job.reason, job.finished_at = state, reason, time.time()
+            for r in reps:
+                if r.state in ("Pending", "Starting", "Running"):
+                    r.state, r.reason = "Stopped", "stopped with the job"
+            alloc = job.allocation_id
+        if alloc:
+            self.ledger.release(alloc, f"job {state.lower()}")
+        log.info("Job %s: %s (%s)", job_id, state, reason)
+
+    # -- reconciling -----------------------------------------------------------------------
+
+    async def reconcile(self) -> None:
+        """One pass over the active jobs, from the shared watches' caches."""
+        if self._jobs_r is None:
+            return
+        with self.ledger.Session() as s:
+            active = s.scalars(select(JobRow.id).where(JobRow.state.in_(ACTIVE),
+                                                       JobRow.backend == self.name)).all()
+        for job_id in active:
+            if job_id not in self._creating:
+                await self._reconcile_job(job_id)
+
+    async def _reconcile_job(self, job_id: str) -> None:
+        with self.ledger.Session() as s:
+            job, reps = self._load(s, job_id)
+            spec = JobSpec.model_validate_json(job.spec)
+            user, name, created = job.user, job.name, job.created_at
+        ns = self.namespace_of(user)
+        jobs = {role: self._jobs_r.resources.get(f"{ns}/{role_job_name(name, role)}")
+                for role in ROLES if spec.count(role)}
+        pods = self._replica_pods(ns, name)
+        if not any(jobs.values()):
+            if time.time() - created > 30:  # the watch has long seen what submit created
+                self._finish(job_id, "Failed", "lost: its Kubernetes objects are gone")
+            return
+        now = time.time()
+        outcome: tuple[str, str] | None = None
+        delete_roles: list[str] = []
+        delete_all = False
+        # replicas
+        states: dict[tuple[str, int], tuple[str, str, int | None, int]] = {}
+        for role, index in spec.replica_names():
+            mine = pods.get((role, index), [])
+            restarts = sum(1 for p in mine if p.get("status", {}).get("phase") == "Failed")
+            if not mine:
+                states[(role, index)] = ("Pending", "waiting for its pod", None, restarts)
+                continue
+            st, why, code = pod_words(mine[-1], gpus=spec.gpus_of(role), model=self.gpu_model)
+            if st == "Failed" and len(mine) and jobs.get(role) and not job_finished(jobs[role]):
+                st, why = "Starting", f"restarting after: {why}"
+            states[(role, index)] = (st, why, code, restarts)
+            since = _unschedulable_since(mine[-1])
+            if (since is not None and st == "Starting" and why.startswith("cannot be scheduled")
+                    and now - max(since, created) > self.unschedulable_timeout):
+                outcome = ("Failed", f"{role}-{index} {why} within {self.unschedulable_timeout:g} "
+                           "s; the whole job was removed")
+                delete_all = True
+        lead = "chief" if spec.strategy == "parameter-server" else "worker"
+        if outcome is None:
+            for role, obj in jobs.items():
+                if obj is not None and job_finished(obj) == "Failed":
+                    c = _condition(obj, "Failed")
+                    if c.get("reason") == "DeadlineExceeded":
+                        outcome = ("Failed", f"stopped after max_runtime ({spec.max_runtime} s)")
+                    else:
+                        failed = [f"{r}-{i}: {v[1].removeprefix('restarting after: ')}"
+                                  for (r, i), v in states.items()
+                                  if r == role and (v[0] == "Failed" or "after:" in v[1])]
+                        outcome = ("Failed", f"the {role} replicas failed and the "
+                                   f"{spec.retries} retries are used up"
+                                   + (f" ({failed[-1]})" if failed else ""))
+                    break
+        if outcome is None and jobs.get(lead) is not None and job_finished(jobs[lead]) == "Complete":
+            outcome = ("Succeeded", "the chief finished" if lead == "chief"
+                       else "all workers finished")
+        if outcome is not None:
+            if delete_all:
+                await self._delete_parent(ns, name)
+            else:
+                for role, obj in jobs.items():
+                    if obj is not None and not job_finished(obj):
+                        delete_roles.append(role)
+                        await self._delete(self.batch.delete_namespaced_job,
+                                           role_job_name(name, role), ns)
+        with self.ledger.Session.begin() as s:
+            job, reps = self._load(s, job_id)
+            if job.state in FINAL:
+                return
+            for r in reps:
+                st, why, code, restarts = states[(r.role, r.index)]
+                if outcome is not None and r.role in delete_roles and st != "Succeeded":
+                    st, why = "Stopped", f"removed: the job {outcome[0].lower()}"
+                r.state, r.reason, r.exit_code, r.restarts = st, why, code, restarts
+            if outcome is None:
+                running = all(v[0] in ("Running", "Succeeded") for v in states.values())
+                if running:
+                    job.state = "Running"
+                    job.reason = "all replicas running"
+                    job.started_at = job.started_at or now
+                elif any(v[0] != "Pending" for v in states.values()):
+                    job.state = "Starting"
+                    waiting = [f"{r}-{i}: {v[1]}" for (r, i), v in sorted(states.items())
+                               if v[0] not in ("Running", "Succeeded")]
+                    job.reason = "; ".join(waiting[:3])
+        if outcome is not None:
+            self._finish(job_id, *outcome)
+
+    # -- recovery after a restart of the service -------------------------------------------
+
+    def recover(self) -> None:
+        """Close the job allocations of no active job; active jobs are picked up by the
+        reconciler from the shared watches (and marked lost if their objects are gone)."""
+        with self.ledger.Session() as s:
+            keep = set(s.scalars(select(JobRow.allocation_id).where(JobRow.state.in_(ACTIVE))))
+        self.ledger.close_orphans("job", keep, "job gone at service start-up")

@@ -1,0 +1,369 @@
+"""KubeJobBackend against a real control plane, as the hub's ServiceAccount bound by exactly
+helm-values/rbac.yaml, with a real quota ledger (SQLite).
+
+This module runs its own control plane: kwok's default Stages (tests/cluster/stages/default.yaml)
+complete every Job pod at once, so here they are used without their ``pod-job-done`` stage and
+with stages/job-exits.yaml, by which a test ends a replica when it annotates its pod
+(``gpulab.test/exit``: ``0``, ``1`` or ``oom``).
+"""
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes_asyncio.config import kube_config
+from kubespawner.clients import load_config
+from traitlets.config import Config
+
+from gpulab.hub.jobs import JobError
+from gpulab.hub.jobspec import JobLimits, SpecError, parse_spec
+from gpulab.hub.kubejobs import KubeJobBackend
+from gpulab.hub.kubejobs_objects import make_tfjob
+from gpulab.hub.ledger import Ledger, QuotaExceeded, Request
+from gpulab.hub.policy import Quota
+from gpulab.spawner.kube import GPUQuotaMirror
+
+from .conftest import _build
+from .controlplane import DEFAULT_STAGES, HERE, ControlPlane
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+RBAC = ROOT / "helm-values" / "rbac.yaml"
+TFJOB_CRD = ROOT.parent / "shared" / "reference" / "kubeflow" / "kubeflow.org_tfjobs.yaml"
+HUB_NAMESPACE = "gpulab-hub-test"
+SHARED = {"nfs": {"server": "nfs.invalid", "path": "/gpulab"}}
+LABELS = "app.kubernetes.io/managed-by=gpulab,app.kubernetes.io/component=training-job"
+
+
+@pytest.fixture(scope="module")
+def cp(request, tmp_path_factory):
+    """A control plane of its own whose Job pods end only when a test says so."""
+    _build(request.config)
+    stages = [d for d in yaml.safe_load_all(DEFAULT_STAGES.read_text())
+              if d and d["metadata"]["name"] != "pod-job-done"]
+    stages += [d for d in yaml.safe_load_all((HERE / "stages" / "job-exits.yaml").read_text()) if d]
+    path = tmp_path_factory.mktemp("stages") / "stages.yaml"
+    path.write_text(yaml.safe_dump_all(stages))
+    plane = ControlPlane(kwok_stages=[path])
+    plane.start()
+    yield plane
+    plane.stop()
+
+
+@pytest.fixture(scope="module")
+def hub_kubeconfig(cp):
+    """A kubeconfig of ServiceAccount hub, bound by helm-values/rbac.yaml and nothing else."""
+    cp.create_namespace(HUB_NAMESPACE)
+    docs = list(yaml.safe_load_all(RBAC.read_text()))
+    for d in docs:
+        for s in d.get("subjects", []):
+            s["namespace"] = HUB_NAMESPACE
+    cp.apply(*docs)
+    return cp.service_account_kubeconfig(HUB_NAMESPACE, "hub")
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    led = Ledger(f"sqlite:///{tmp_path / 'gpulab.sqlite'}", pool="kubernetes")
+    led.migrate()
+    return led
+
+
+@pytest.fixture
+async def backend(hub_kubeconfig, ledger, monkeypatch):
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", hub_kubeconfig)
+    load_config.cache_clear()
+    c = Config()
+    c.KubeJobBackend.gpu_model = "NVIDIA-H100"
+    c.KubeJobBackend.shared_volume = SHARED
+    c.KubeJobBackend.reconcile_interval = 0.2
+    c.KubeJobBackend.unschedulable_timeout = 4
+    c.KubeJobBackend.node_cache_seconds = 0
+    b = KubeJobBackend(ledger, config=c)
+    b.ensure_supervisor()
+    await b.start_watches()
+    yield b
+    for job in b.list():
+        if job["state"] not in ("Succeeded", "Failed", "Stopped"):
+            await b.stop(job["user"], job["name"])
+    await b.shutdown()
+    for mirror in list(GPUQuotaMirror._instances.values()):
+        if mirror._task is not None:
+            mirror._task.cancel()
+    GPUQuotaMirror._instances.clear()
+
+
+def user():
+    return f"u{uuid.uuid4().hex[:6]}"
+
+
+def get(cp, path):
+    status, body = cp.api("GET", path)
+    return body if status == 200 else None
+
+
+def items(cp, ns, what, selector=LABELS):
+    group = {"jobs": "/apis/batch/v1", "pods": "/api/v1", "services": "/api/v1",
+             "configmaps": "/api/v1"}[what]
+    body = get(cp, f"{group}/namespaces/{ns}/{what}?labelSelector={selector}")
+    return body["items"] if body else []
+
+
+def names(objs):
+    return sorted(o["metadata"]["name"] for o in objs)
+
+
+async def eventually(check, timeout=30, what="a condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.2)
+
+
+def running_pods(cp, ns, job):
+    pods = items(cp, ns, "pods", f"gpulab.io/job={job}")
+    return [p for p in pods if p["status"].get("phase") == "Running"
+            and not p["metadata"].get("deletionTimestamp")]
+
+
+def pod_of(cp, ns, job, role, index):
+    pods = [p for p in running_pods(cp, ns, job)
+            if p["metadata"]["labels"]["gpulab.io/role"] == role
+            and p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"] == str(index)]
+    return pods[0] if pods else None
+
+
+def end_pod(cp, pod, code):
+    m = pod["metadata"]
+    cp.api("PATCH", f"/api/v1/namespaces/{m['namespace']}/pods/{m['name']}",
+           {"metadata": {"annotations": {"gpulab.test/exit": str(code)}}},
+           content_type="application/merge-patch+json", expect=(200,))
+
+
+def ps_spec(name, **kw):
+    return parse_spec({"name": name, "strategy": "parameter-server",
+                       "replicas": {"chief": 1, "ps": 1, "worker": 2},
+                       "resources": {"worker": {"gpus": 2}}, "source": "print('hi')", **kw})
+
+
+def mw_spec(name, workers=2, gpus=1, **kw):
+    return parse_spec({"name": name, "strategy": "multi-worker-mirrored",
+                       "replicas": {"worker": workers}, "resources": {"worker": {"gpus": gpus}},
+                       "script": "train.py", **kw})
+
+
+async def test_submit_creates_the_objects_runs_on_h100_and_chief_completion_succeeds(
+        cp, backend, ledger):
+    u = user()
+    ledger.set_quota("user", u, Quota(max_gpus=8), actor="admin")
+    before = backend.api_requests
+    job = await backend.submit(u, (), ps_spec("digits"))
+    ns = job["namespace"]
+    assert ns == f"gpulab-{u}" and job["state"] == "Admitted" and job["gpus"] == 4
+    # roles (3) + Service + ConfigMap (source) + the user's namespace and its quota (the
+    # first job of a user) + the nodes (listed every time here: node_cache_seconds = 0)
+    assert backend.api_requests - before == 3 + 5
+
+    # exactly the expected objects, all owned by the Service
+    svc = items(cp, ns, "services")
+    assert names(svc) == ["digits"] and svc[0]["spec"]["clusterIP"] == "None"
+    jobs = items(cp, ns, "jobs")
+    assert names(jobs) == ["digits-chief", "digits-ps", "digits-worker"]
+    assert names(items(cp, ns, "configmaps")) == ["digits-source"]
+    for j in jobs:
+        assert [o["uid"] for o in j["metadata"]["ownerReferences"]] == [svc[0]["metadata"]["uid"]]
+        assert j["spec"]["completionMode"] == "Indexed"
+    worker = next(j for j in jobs if j["metadata"]["name"] == "digits-worker")
+    env = {e["name"]: e.get("value") for e in worker["spec"]["template"]["spec"]["containers"][0]["env"]}
+    tf_config = json.loads(env["TF_CONFIG"].replace("$(GPULAB_TASK_INDEX)", "1"))
+    assert tf_config == {
+        "cluster": {"chief": [f"digits-chief-0.digits.{ns}.svc:2222"],
+                    "ps": [f"digits-ps-0.digits.{ns}.svc:2222"],
+                    "worker": [f"digits-worker-0.digits.{ns}.svc:2222",
+                               f"digits-worker-1.digits.{ns}.svc:2222"]},
+        "task": {"type": "worker", "index": 1}}
+
+    # the scheduler places GPU replicas on H100 nodes, kwok runs them; hosts match TF_CONFIG
+    await eventually(lambda: len(running_pods(cp, ns, "digits")) == 4, what="4 running pods")
+    for p in running_pods(cp, ns, "digits"):
+        labels = p["metadata"]["labels"]
+        host = f"{labels['gpulab.io/role']}-{labels['batch.kubernetes.io/job-completion-index']}"
+        assert p["spec"]["hostname"] == f"digits-{host}" and p["spec"]["subdomain"] == "digits"
+        if labels["gpulab.io/role"] == "worker":
+            assert p["spec"]["nodeName"].startswith("gpu-h100-")
+        else:
+            assert p["spec"]["nodeName"] == "cpu-0"
+    view = await eventually(lambda: (lambda v: v if v["state"] == "Running" else None)(
+        backend.get(u, "digits")), what="the job Running")
+    assert {r["name"]: r["state"] for r in view["replicas"]} == {
+        "chief-0": "Running", "ps-0": "Running", "worker-0": "Running", "worker-1": "Running"}
+
+    # the chief finishes: the job succeeds, ps and workers are removed, the GPUs released
+    end_pod(cp, pod_of(cp, ns, "digits", "chief", 0), 0)
+    view = await eventually(lambda: (lambda v: v if v["state"] == "Succeeded" else None)(
+        backend.get(u, "digits")), what="the job Succeeded")
+    assert view["reason"] == "the chief finished"
+    await eventually(lambda: names(items(cp, ns, "jobs")) == ["digits-chief"],
+                     what="ps and worker Jobs deleted")
+    await eventually(lambda: {p["metadata"]["labels"]["gpulab.io/role"]
+                              for p in items(cp, ns, "pods", "gpulab.io/job=digits")} == {"chief"},
+                     what="ps and worker pods gone")
+    assert ledger.open_allocations(user=u) == []
+
+
+async def test_a_failed_worker_is_retried_and_all_workers_finishing_succeeds(cp, backend, ledger):
+    u = user()
+    ledger.set_quota("user", u, Quota(max_gpus=8), actor="admin")
+    job = await backend.submit(u, (), mw_spec("mw", retries=2))
+    ns = job["namespace"]
+    await eventually(lambda: len(running_pods(cp, ns, "mw")) == 2, what="2 running workers")
+    end_pod(cp, pod_of(cp, ns, "mw", "worker", 1), 1)
+    view = await eventually(lambda: (lambda v: v if v["replicas"][1]["restarts"] == 1 else None)(
+        backend.get(u, "mw")), what="worker-1 failed once")
+    assert view["state"] in ("Starting", "Running")
+    # the Job controller makes a new pod for index 1 (after its back-off of about 10 s)
+    await eventually(lambda: len(running_pods(cp, ns, "mw")) == 2, timeout=45,
+                     what="worker-1 replaced")
+    view = await eventually(lambda: (lambda v: v if v["state"] == "Running" else None)(
+        backend.get(u, "mw")), what="the job Running again")
+    assert view["replicas"][1]["restarts"] == 1
+    for p in running_pods(cp, ns, "mw"):
+        end_pod(cp, p, 0)
+    view = await eventually(lambda: (lambda v: v if v["state"] == "Succeeded" else None)(
+        backend.get(u, "mw")), what="the job Succeeded")
+    assert view["reason"] == "all workers finished"
+    assert ledger.open_allocations(user=u) == []
+
+
+async def test_out_of_retries_fails_the_job_with_the_reason(cp, backend, ledger):
+    u = user()
+    ledger.set_quota("user", u, Quota(max_gpus=8), actor="admin")
+    job = await backend.submit(u, (), mw_spec("oom", workers=1, retries=0))
+    ns = job["namespace"]
+    await eventually(lambda: running_pods(cp, ns, "oom"), what="a running worker")
+    end_pod(cp, pod_of(cp, ns, "oom", "worker", 0), "oom")
+    view = await eventually(lambda: (lambda v: v if v["state"] == "Failed" else None)(
+        backend.get(u, "oom")), what="the job Failed")
+    assert "retries are used up" in view["reason"] and "out of memory" in view["reason"]
+    assert ledger.open_allocations(user=u) == []
+
+
+async def test_stop_removes_every_object(cp, backend, ledger):
+    u = user()
+    ledger.set_quota("user", u, Quota(max_gpus=8), actor="admin")
+    job = await backend.submit(u, (), ps_spec("stopme"))
+    ns = job["namespace"]
+    await eventually(lambda: len(running_pods(cp, ns, "stopme")) == 4, what="4 running pods")
+    view = await backend.stop(u, "stopme", actor="admin")
+    assert view["state"] == "Stopped" and view["reason"] == "stopped by admin"
+    assert ledger.open_allocations(user=u) == []
+    for what in ("services", "jobs", "configmaps", "pods"):  # garbage collection
+        await eventually(lambda: items(cp, ns, what) == [], what=f"no {what} left")
+
+
+async def test_a_notebook_and_a_job_share_one_quota(cp, backend, ledger):
+    u = user()
+    ledger.set_quota("user", u, Quota(max_gpus=2), actor="admin")
+    ledger.admit(Request(user=u, kind="notebook", holder="", gpus=1))  # a 1-GPU notebook runs
+    with pytest.raises(QuotaExceeded) as e:
+        await backend.submit(u, (), mw_spec("big", workers=1, gpus=2))
+    assert "2 GPUs" in e.value.message and "1 of your 2 GPUs is in use" in e.value.message
+    ns = backend.namespace_of(u)
+    for what in ("services", "jobs", "configmaps", "pods"):
+        assert items(cp, ns, what, "gpulab.io/job=big") == []
+    assert backend.get(u, "big") is None
+    assert [a.kind for a in ledger.open_allocations(user=u)] == ["notebook"]
+
+
+async def test_capacity_and_unschedulable_replicas(cp, backend, ledger):
+    u = user()
+    ledger.set_quota("user", u, Quota(max_gpus=64), actor="admin")
+    # 4 replicas of 8 H100s can never fit on 3 nodes of 8: refused before the cluster
+    with pytest.raises(JobError) as e:
+        await backend.submit(u, (), mw_spec("huge", workers=4, gpus=8))
+    assert e.value.status == 409 and "cannot hold this job" in e.value.message
+    assert items(cp, backend.namespace_of(u), "jobs") == []
+    # three 8-GPU workers fill the H100 nodes; one more replica cannot be scheduled and its
+    # whole job is removed after the timeout, with the reason in words
+    await backend.submit(u, (), mw_spec("fill", workers=3, gpus=8))
+    ns = backend.namespace_of(u)
+    await eventually(lambda: len(running_pods(cp, ns, "fill")) == 3, what="3 running workers")
+    await backend.submit(u, (), mw_spec("late", workers=2, gpus=4))
+    view = await eventually(lambda: (lambda v: v if v["state"] == "Failed" else None)(
+        backend.get(u, "late")), timeout=30, what="the late job removed")
+    assert re.search(r"worker-\d cannot be scheduled: no node has 4 free GPUs of model "
+                     r"NVIDIA-H100 within 4 s; the whole job was removed", view["reason"]), view
+    for what in ("services", "jobs", "pods"):
+        await eventually(lambda: items(cp, ns, what, "gpulab.io/job=late") == [],
+                         what=f"no {what} of the late job")
+    assert [a.holder for a in ledger.open_allocations(user=u)] == ["fill"]
+
+
+async def test_users_are_kept_apart_and_bad_specs_never_reach_the_cluster(cp, backend, ledger):
+    ann, bob = user(), user()
+    for u in (ann, bob):
+        ledger.set_quota("user", u, Quota(max_gpus=4), actor="admin")
+    await backend.submit(ann, (), mw_spec("mine"))
+    assert backend.get(bob, "mine") is None
+    assert [j["name"] for j in backend.list(bob)] == []
+    with pytest.raises(JobError) as e:
+        await backend.stop(bob, "mine")
+    assert e.value.status == 404
+    with pytest.raises(JobError):
+        await backend.read_log(bob, "mine", "worker-0")
+    assert backend.get(ann, "mine")["state"] != "Stopped"
+    # bob's job of the same name lives in bob's namespace, apart from ann's
+    job = await backend.submit(bob, (), mw_spec("mine"))
+    assert job["namespace"] == f"gpulab-{bob}" != backend.get(ann, "mine")["namespace"]
+    # the spec has no way to name a namespace, privileges, host paths or another image
+    base = {"name": "evil", "strategy": "multi-worker-mirrored", "script": "t.py"}
+    for extra in ({"namespace": f"gpulab-{ann}"}, {"privileged": True},
+                  {"volumes": [{"hostPath": {"path": "/"}}]}, {"image": "evil:latest"},
+                  {"env": {"GPULAB_JOB_DIR": "/"}}):
+        with pytest.raises(SpecError):
+            parse_spec({**base, **extra}, JobLimits(allowed_images=("gpulab/singleuser:1",)))
+    assert items(cp, f"gpulab-{bob}", "jobs", "gpulab.io/job=evil") == []
+    # the hub's own identity cannot make privileged pods in a user namespace either (Pod
+    # Security baseline is enforced on the namespaces the backend prepares)
+    ns = backend.namespace_of(ann)
+    assert get(cp, f"/api/v1/namespaces/{ns}")["metadata"]["labels"][
+        "pod-security.kubernetes.io/enforce"] == "baseline"
+
+
+async def test_exported_tfjobs_are_valid_against_the_kubeflow_crd(cp):
+    crd = yaml.safe_load(TFJOB_CRD.read_text())
+    cp.apply(crd)
+    await eventually(lambda: (lambda c: c and any(
+        x["type"] == "Established" and x["status"] == "True"
+        for x in (c.get("status") or {}).get("conditions") or []))(
+        get(cp, "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/tfjobs.kubeflow.org")),
+        what="the TFJob CRD established")
+    ns = f"t-{uuid.uuid4().hex[:6]}"
+    cp.create_namespace(ns)
+    for spec in (ps_spec("ps-export", max_runtime=600), mw_spec("mw-export", workers=3),
+                 parse_spec({"name": "ev", "strategy": "parameter-server",
+                             "replicas": {"chief": 1, "ps": 2, "worker": 2, "evaluator": 1},
+                             "resources": {"worker": {"gpus": 1, "cpu": 2, "memory": "4Gi"}},
+                             "script": "t.py"})):
+        tfjob = make_tfjob(spec=spec, namespace=ns, user_label="ann", image="img:1",
+                           program="/p/t.py", job_dir="/p/jobs/x", user_dir="/p",
+                           gpu_model="NVIDIA-H100", shared_volume=SHARED, user_subpath="users/ann")
+        status, body = cp.api("POST", f"/apis/kubeflow.org/v1/namespaces/{ns}/tfjobs", tfjob)
+        assert status == 201, body
+        assert "Chief" in body["spec"]["tfReplicaSpecs"] or spec.strategy != "parameter-server"
+    # the schema refuses what the operator would not understand (it does validate)
+    bad = json.loads(json.dumps(tfjob))
+    bad["metadata"]["name"] = "bad"
+    bad["spec"]["tfReplicaSpecs"]["Worker"]["replicas"] = "many"
+    status, body = cp.api("POST", f"/apis/kubeflow.org/v1/namespaces/{ns}/tfjobs", bad)
+    assert status == 422, body
