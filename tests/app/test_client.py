@@ -93,6 +93,11 @@ def test_service_errors_carry_its_message_and_field(hub, users):
         Client(hub_url=hub.url, token="not-a-token").me()
     assert e.value.status in (401, 403) and e.value.message
 
+    # the service's own address (GPULAB_SERVICE_URL), bypassing the proxy, answers the same
+    direct = Client(url=f"http://127.0.0.1:{hub.service_port}/services/gpulab/",
+                    token=users["ann"].token())
+    assert direct.me()["user"] == "ann"
+
     with pytest.raises(GpulabError) as e:
         Client(hub_url="http://127.0.0.1:9", token="t").me()
     assert e.value.status is None and "cannot be reached" in e.value.message
