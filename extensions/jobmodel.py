@@ -312,27 +312,36 @@ def is_final(view: Mapping | None) -> bool:
 
 @dataclass
 class LogTail:
-    """The end of one replica's log, fed piece by piece from ``GET …/logs/<replica>``."""
+    """The end of one replica's log, fed piece by piece from ``GET …/logs/<replica>``.
+
+    Reads go on from `offset`; when the log has grown by more than `max_chars` since (a long
+    log seen for the first time, or a view that fell behind), the next read skips to its last
+    `max_chars` bytes; a log that got shorter (replaced) is read again from its start.
+    """
 
     replica: str
     max_chars: int = 32 * 1024
     offset: int = 0
     text: str = ""
     done: bool = False
-    pieces: int = field(default=0, repr=False)
-
-    def next_offset(self, size_hint: int | None = None) -> int:
-        """Where to read next; on the first read of a long log, near its end."""
-        if self.pieces == 0 and size_hint and size_hint > self.max_chars:
-            return size_hint - self.max_chars
-        return self.offset
 
     def feed(self, piece: Mapping) -> bool:
         """Add a piece (``{text, offset, size, done}``); True if the text changed."""
-        self.pieces += 1
         self.done = bool(piece.get("done"))
-        self.offset = int(piece.get("offset", self.offset))
+        size = int(piece.get("size", 0))
+        offset = int(piece.get("offset", self.offset))
         text = piece.get("text") or ""
+        if size < offset:  # the log was replaced by a shorter one
+            self.offset, changed = 0, bool(self.text)
+            self.text = ""
+            return changed
+        if size - offset > self.max_chars:  # far behind: what was read is older than the tail
+            self.offset = size - self.max_chars
+            if text:
+                self.text = ""
+                return True
+            return False
+        self.offset = offset
         if not text:
             return False
         self.text = (self.text + text)[-self.max_chars:]

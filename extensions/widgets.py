@@ -196,10 +196,14 @@ class JobView(W.VBox):
             view = self.job.status()
         except GpulabError as e:
             self._show_message("error", e.message)
+            if e.status in (401, 403, 404):  # it will not get better by asking again
+                self._stop_event.set()
             return None
         with self._lock:
             self.view = view
             self._render(view)
+        if self.message.value and "gpulab-msg-error" in self.message.value:
+            self._show_message("", "")  # a passing error (the service was away) is over
         self._cb._fire("update", view)
         return view
 
@@ -209,9 +213,7 @@ class JobView(W.VBox):
         if tail is None:
             return
         try:
-            piece = self.job.read_log(tail.replica, tail.next_offset())
-            if tail.pieces == 0 and piece.get("size", 0) > tail.max_chars + piece["offset"]:
-                piece = self.job.read_log(tail.replica, piece["size"] - tail.max_chars)
+            piece = self.job.read_log(tail.replica, tail.offset)
         except GpulabError as e:
             self._show_message("warning", f"Log of {tail.replica}: {e.message}")
             return
@@ -235,16 +237,13 @@ class JobView(W.VBox):
         super().close()
 
     def _watch(self) -> None:
-        ended_reads = 0
         while not self._stop_event.is_set():
             view = self.refresh()
             if self._stop_event.wait(self.interval):
                 return
             self.refresh_log()
-            if jm.is_final(view) or jm.is_final(self.view):
-                ended_reads += 1
-                if ended_reads >= 2:  # one more log read after the end: the last lines
-                    return
+            if jm.is_final(view):  # the log has been read once more after the end: done
+                return
             if self._stop_event.wait(self.interval):
                 return
 

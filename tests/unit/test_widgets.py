@@ -212,12 +212,20 @@ def test_elapsed_progress_and_state_line():
 
 def test_log_tail():
     tail = jm.LogTail("chief-0", max_chars=10)
-    assert tail.next_offset(size_hint=100) == 90  # a long log: start near its end
     assert tail.feed({"text": "abc\n", "offset": 4, "size": 4, "done": False})
-    assert tail.next_offset(size_hint=100) == 4
+    assert tail.offset == 4 and tail.text == "abc\n"
     assert not tail.feed({"text": "", "offset": 4, "size": 4, "done": True}) and tail.done
     tail.feed({"text": "defghij\nklm\n", "offset": 16, "size": 16, "done": True})
     assert tail.text == "fghij\nklm\n" and tail.lines(1) == "klm"
+    # a long log (more than one read): skip to its tail, then read on from there
+    tail = jm.LogTail("chief-0", max_chars=10)
+    assert tail.feed({"text": "x" * 8, "offset": 8, "size": 100, "done": False})
+    assert tail.text == "" and tail.offset == 90
+    assert tail.feed({"text": "0123456789", "offset": 100, "size": 100, "done": False})
+    assert tail.text == "0123456789"
+    # a log replaced by a shorter one is read again from its start
+    assert tail.feed({"text": "", "offset": 100, "size": 3, "done": False})
+    assert tail.offset == 0 and tail.text == ""
 
 
 def test_tensorboard_url(monkeypatch):
@@ -456,8 +464,7 @@ def test_jobview_tensorboard_toggle():
 def test_jobview_watches_live_at_most_once_a_second_and_ends_with_the_job():
     from gpulab.extensions.widgets import JobView
 
-    views = [job_view(state="Starting"), job_view(state="Running"),
-             job_view(state="Succeeded", finished_at=1100.0)]
+    views = [job_view(state="Running"), job_view(state="Succeeded", finished_at=1100.0)]
     client = FakeClient(jobs={"digits": (views, {"chief-0": "done\n"})})
     updates = []
     t0 = time.monotonic()
@@ -465,11 +472,27 @@ def test_jobview_watches_live_at_most_once_a_second_and_ends_with_the_job():
     view.on_update(lambda v: updates.append(v["state"]))
     view._thread.join(timeout=20)
     assert not view._thread.is_alive(), "the watcher stops once the job has ended"
-    assert time.monotonic() - t0 >= 4.5
+    assert time.monotonic() - t0 >= 2.9
     times = [c[0] for c in client.calls]
     assert all(b - a >= 0.95 for a, b in zip(times, times[1:])), times
     assert "data-state='Succeeded'" in view.state.value and "done" in view.log_text.value
     assert updates[-1] == "Succeeded"
+
+
+def test_jobview_stops_watching_a_job_it_may_not_see():
+    from gpulab.extensions.widgets import JobView
+
+    class Missing(FakeClient):
+        def job(self, name):
+            job = super().job(name)
+            job.status = lambda: (_ for _ in ()).throw(
+                GpulabError(f"You have no job named '{name}'.", 404))
+            return job
+
+    view = JobView("nope", Missing())
+    view._thread.join(timeout=5)
+    assert not view._thread.is_alive()
+    assert "You have no job named &#x27;nope&#x27;." in view.message.value
 
 
 def test_jobview_close_ends_the_watcher():
