@@ -173,5 +173,23 @@ def test_client_and_magic_inside_a_notebook_server(hub, users):
         assert "gpulab: job cl-magic submitted" in out
         assert "Succeeded" in out and "from the magic" in out
         assert "Traceback" not in out
+
+        # the launcher submits with the server's token; its JobView follows the job to the end
+        out = ann.run_in_kernel(
+            "import os, json\n"
+            f"os.environ.setdefault('GPULAB_URL', {hub.url!r})\n"
+            "from gpulab.extensions import TrainingLauncher\n"
+            "w = TrainingLauncher(name='cl-widget', strategy='multi-worker-mirrored', "
+            "workers=2, gpus=1, code='print(\"from the launcher\")')\n"
+            "assert not w.launch_button.disabled, w.reason.value\n"
+            "w.launch_button.click()\n"
+            "v = w.job_view\n"
+            "v._thread.join(150)\n"
+            "print(json.dumps({'state': v.view['state'], 'log': v.log_text.value, 'message': "
+            "w.message.value, 'replicas': v.replicas.value.count('data-state=\\'Succeeded')}))\n",
+            timeout=180)
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["state"] == "Succeeded" and "from the launcher" in result["log"], result
+        assert result["replicas"] == 2 and "submitted" in result["message"]
     finally:
         ann.stop_server("")
