@@ -53,6 +53,16 @@ class GpulabHub(JupyterHub):
         self.services = services
 
 
+    async def init_groups(self):
+        # With an identity provider that manages groups (gpulab.hub.oidc), the groups come from
+        # each login; gpulab's own group for the first admin would stop the hub (JupyterHub
+        # refuses load_groups then). The first admin keeps the gpulab-admin role by name.
+        if self.authenticator.manage_groups and self.load_groups:
+            self.log.info("Groups come from the identity provider; not loading %s",
+                          ", ".join(sorted(self.load_groups)))
+            self.load_groups = {}
+        return await super().init_groups()
+
     async def init_spawners(self):
         result = await super().init_spawners()
         # Every server with saved state has now adopted its allocation: any other open
