@@ -32,7 +32,8 @@ POD_IP_ENV = "POD_IP"
 
 
 def gpulab_kube_service(*, ledger_url: str, service_ip: str, service_port: int = SERVICE_PORT,
-                        job_limits: str | None = None, python: str = "python3") -> dict:
+                        job_limits: str | None = None, kube_jobs: str | None = None,
+                        python: str = "python3") -> dict:
     """The gpulab service as a process the hub runs in its own pod.
 
     It listens on the pod's IP (``service_ip``), where the proxy pod reaches it; the hub pod's
@@ -44,6 +45,9 @@ def gpulab_kube_service(*, ledger_url: str, service_ip: str, service_port: int =
     }
     if job_limits is not None:
         env["GPULAB_JOB_LIMITS"] = job_limits
+    if kube_jobs is not None:  # training jobs as Kubernetes Jobs (gpulab.hub.kubejobs)
+        env["GPULAB_JOB_BACKEND"] = "kubernetes"
+        env["GPULAB_KUBE_JOBS"] = kube_jobs
     return {
         "name": SERVICE_NAME,
         "url": f"http://{service_ip}:{service_port}",
@@ -122,9 +126,12 @@ def kubernetes_config(
     # the service checks job specs against the limits set in hub.config.GPUJobs
     from .jobspec import GPUJobs
 
+    from .kubejobs import backend_settings
+
     limits = GPUJobs(config=c).limits_json()
     service = gpulab_kube_service(ledger_url=ledger_url, service_ip=service_ip,
-                                  service_port=service_port, job_limits=limits)
+                                  service_port=service_port, job_limits=limits,
+                                  kube_jobs=backend_settings(c))
     c.JupyterHub.services = _merge_named(list(c.JupyterHub.get("services", [])), [service],
                                          _merge_service)
     roles = gpulab_roles(first_admin or "")

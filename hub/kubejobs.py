@@ -177,6 +177,27 @@ def _ts(value: str | None) -> float | None:
     return float(calendar.timegm(time.strptime(value, "%Y-%m-%dT%H:%M:%SZ")))
 
 
+#: settings a KubeJobBackend takes from KubeGPUSpawner's unless set on KubeJobBackend itself
+SHARED_WITH_SPAWNER = {"namespace_template": "user_namespace_template",
+                       "shared_volume": "shared_volume", "shared_mount_path": "shared_mount_path",
+                       "user_subpath_template": "user_subpath_template",
+                       "datasets_subpath": "datasets_subpath",
+                       "pod_security_level": "pod_security_level"}
+#: the environment variable by which the hub hands these settings to the gpulab service
+SETTINGS_ENV = "GPULAB_KUBE_JOBS"
+
+
+def backend_settings(config) -> str:
+    """The JSON of ``c.KubeJobBackend``'s settings for the gpulab service, those it shares
+    with ``c.KubeGPUSpawner`` filled from there (one namespace, quota and folder per user)."""
+    ours = dict(config.get("KubeJobBackend", {}))
+    spawner = config.get("KubeGPUSpawner", {})
+    for mine, theirs in SHARED_WITH_SPAWNER.items():
+        if mine not in ours and theirs in spawner:
+            ours[mine] = spawner[theirs]
+    return json.dumps(ours, sort_keys=True)
+
+
 class KubeJobBackend(LoggingConfigurable):
     """Training jobs on Kubernetes: pods of Indexed Jobs in each user's namespace.
 
@@ -230,6 +251,16 @@ class KubeJobBackend(LoggingConfigurable):
         (default 30; as KubeGPUSpawner's).""").tag(config=True)
     request_timeout = Float(30.0, help="Seconds an API request may take (default 30).").tag(
         config=True)
+
+    @classmethod
+    def from_settings(cls, ledger: Ledger, raw: str | None) -> KubeJobBackend:
+        """A backend from the JSON of `backend_settings`."""
+        from traitlets.config import Config
+
+        c = Config()
+        for k, v in json.loads(raw or "{}").items():
+            setattr(c.KubeJobBackend, k, v)
+        return cls(ledger, config=c)
 
     def __init__(self, ledger: Ledger, **kwargs):
         super().__init__(**kwargs)

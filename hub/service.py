@@ -13,6 +13,7 @@ Anonymous API requests get 401; tokens without the scopes get 403.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import os
@@ -440,7 +441,8 @@ class JobLogsHandler(JobsBase):
         deadline = time.monotonic() + 20
         while True:
             try:
-                text, size, done = self.backend.read_log(owner, name, replica, offset)
+                got = self.backend.read_log(owner, name, replica, offset)
+                text, size, done = (await got) if inspect.isawaitable(got) else got
             except JobError as e:
                 raise FieldError(e.status, e.field or "name", e.message) from None
             if text or not follow or done or time.monotonic() > deadline:
@@ -547,6 +549,16 @@ def local_backend_from_env(ledger: Ledger):
     return LocalJobBackend(ledger, account)
 
 
+def kube_backend_from_env(ledger: Ledger):
+    """The Kubernetes job backend when the hub asks for it (``GPULAB_JOB_BACKEND=kubernetes``,
+    settings in ``GPULAB_KUBE_JOBS``, see `gpulab.hub.kubejobs.backend_settings`)."""
+    if os.environ.get("GPULAB_JOB_BACKEND") != "kubernetes":
+        return None
+    from .kubejobs import SETTINGS_ENV, KubeJobBackend
+
+    return KubeJobBackend.from_settings(ledger, os.environ.get(SETTINGS_ENV))
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="[%(levelname)1.1s %(asctime)s gpulab-service] %(message)s")
     from urllib.parse import urlparse
@@ -557,7 +569,7 @@ def main() -> None:
     ledger = Ledger(os.environ["GPULAB_LEDGER_URL"], pool=os.environ.get("GPULAB_LEDGER_POOL", "local"))
     ledger.migrate()
     directory = HubDirectory(os.environ["JUPYTERHUB_API_URL"], os.environ["JUPYTERHUB_API_TOKEN"])
-    jobs = local_backend_from_env(ledger)
+    jobs = kube_backend_from_env(ledger) or local_backend_from_env(ledger)
     from .jobspec import limits_from_json
 
     app = make_app(ledger, prefix, hub_prefix, directory, jobs=jobs,

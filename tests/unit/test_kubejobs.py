@@ -1,0 +1,103 @@
+"""The pure parts of KubeJobBackend: capacity fit, replica states in words, settings."""
+
+import json
+
+import pytest
+from traitlets.config import Config
+
+from gpulab.hub.kubeconfig import gpulab_kube_service
+from gpulab.hub.kubejobs import (
+    KubeJobBackend,
+    backend_settings,
+    fit_replicas,
+    job_finished,
+    pod_words,
+    unschedulable_words,
+)
+from gpulab.hub.ledger import Ledger
+
+
+@pytest.mark.parametrize("sizes,capacities,fits", [
+    ([8, 8, 8], [8, 8, 8, 4], True),
+    ([8, 8, 8, 8], [8, 8, 8, 4], False),
+    ([4, 4, 4, 4, 4, 4, 4], [8, 8, 8, 4], True),
+    ([4] * 8, [8, 8, 8, 4], False),
+    ([2, 6, 6, 2], [8, 8], True),
+    ([1], [], False),
+    ([], [], True),
+], ids=["three-full-nodes", "one-too-many", "halves", "halves-too-many", "pairs", "no-nodes",
+        "nothing"])
+def test_fit_replicas(sizes, capacities, fits):
+    assert fit_replicas(sizes=sizes, capacities=capacities) is fits
+
+
+def pod(phase="Pending", terminated=None, waiting=None, conditions=(), deleting=False):
+    cs = {"image": "img:1", "state": {}}
+    if terminated:
+        cs["state"]["terminated"] = terminated
+    if waiting:
+        cs["state"]["waiting"] = {"reason": waiting}
+    meta = {"name": "p"}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"metadata": meta, "status": {"phase": phase, "containerStatuses": [cs],
+                                         "conditions": list(conditions)}}
+
+
+UNSCHED = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+           "message": "0/5 nodes are available: 3 Insufficient nvidia.com/gpu."}
+
+
+@pytest.mark.parametrize("p,expected", [
+    (pod("Running"), ("Running", "", None)),
+    (pod("Succeeded", {"exitCode": 0}), ("Succeeded", "exited 0", 0)),
+    (pod("Failed", {"exitCode": 1, "reason": "Error"}),
+     ("Failed", "the program raised an error (exit 1)", 1)),
+    (pod("Failed", {"exitCode": 75}), ("Failed", "lost its cluster (a ps or peer went away)", 75)),
+    (pod("Failed", {"exitCode": 137, "reason": "OOMKilled"}),
+     ("Failed", "killed: out of memory (OOM); ask for more memory", 137)),
+    (pod(waiting="ImagePullBackOff"),
+     ("Starting", "the image img:1 cannot be pulled (ImagePullBackOff)", None)),
+    (pod(conditions=[UNSCHED]),
+     ("Starting", "cannot be scheduled: no node has 4 free GPUs of model NVIDIA-H100", None)),
+    (pod(waiting="ContainerCreating"), ("Starting", "waiting (ContainerCreating)", None)),
+    (pod("Running", deleting=True), ("Stopped", "being removed", None)),
+], ids=["running", "done", "error", "lost-cluster", "oom", "image", "unschedulable", "creating",
+        "deleting"])
+def test_pod_words(p, expected):
+    assert pod_words(p, gpus=4, model="NVIDIA-H100") == expected
+
+
+def test_unschedulable_words():
+    assert unschedulable_words("0/5 nodes are available: 1 node(s) didn't match Pod's node "
+                               "affinity/selector.", gpus=1, model="NVIDIA-B200") == (
+        "cannot be scheduled: no node has GPUs of model NVIDIA-B200")
+    assert unschedulable_words("0/5 nodes: Insufficient memory", gpus=0, model=None) == (
+        "cannot be scheduled: no node has enough free CPU or memory")
+
+
+def test_job_finished():
+    assert job_finished({"status": {}}) is None
+    assert job_finished({"status": {"conditions": [
+        {"type": "SuccessCriteriaMet", "status": "True"},
+        {"type": "Complete", "status": "True"}]}}) == "Complete"
+    assert job_finished({"status": {"conditions": [
+        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]}}) == "Failed"
+
+
+def test_settings_shared_with_the_spawner_reach_the_service(tmp_path):
+    c = Config()
+    c.KubeGPUSpawner.user_namespace_template = "team-{username}"
+    c.KubeGPUSpawner.shared_volume = {"nfs": {"server": "nfs", "path": "/x"}}
+    c.KubeJobBackend.gpu_model = "NVIDIA-H100"
+    c.KubeJobBackend.shared_mount_path = "/data"
+    raw = backend_settings(c)
+    assert json.loads(raw) == {"gpu_model": "NVIDIA-H100", "namespace_template": "team-{username}",
+                               "shared_mount_path": "/data",
+                               "shared_volume": {"nfs": {"server": "nfs", "path": "/x"}}}
+    env = gpulab_kube_service(ledger_url="sqlite://", service_ip="1.2.3.4", kube_jobs=raw)["environment"]
+    assert env["GPULAB_JOB_BACKEND"] == "kubernetes" and env["GPULAB_KUBE_JOBS"] == raw
+    b = KubeJobBackend.from_settings(Ledger(f"sqlite:///{tmp_path / 'l.sqlite'}"), raw)
+    assert b.namespace_of("Ann.Lee") == f"team-{b.user_label('Ann.Lee')}"  # KubeSpawner's slug
+    assert b.namespace_of("ann") == "team-ann" and b.gpu_model == "NVIDIA-H100"
+    assert b.shared_mount_path == "/data" and b.datasets_subpath == "datasets"
