@@ -37,6 +37,9 @@ import urllib.request
 from typing import Iterator, Mapping
 from urllib.parse import quote, urlencode
 
+from traitlets import Float, Unicode, default, validate
+from traitlets.config import Configurable
+
 DEFAULT_HUB_URL = "http://127.0.0.1:8000"
 SERVICE_PATH = "services/gpulab/"
 API_PATH = "api/v1/"
@@ -94,21 +97,57 @@ def lead_replica(view: Mapping) -> str:
     return "chief-0" if view.get("strategy") == "parameter-server" else "worker-0"
 
 
-class Client:
+class Client(Configurable):
     """The gpulab service's API for one person (the token's owner).
 
     ``Client()`` inside a hub server; ``Client(url=…, token=…)`` elsewhere, where ``url`` is
     the service's base URL (``http://hub:8000/services/gpulab/``) or, with ``hub_url=``, the
-    hub's address. ``timeout`` is seconds per request.
+    hub's address. As traitlets config: ``c.Client.url``, ``c.Client.token``,
+    ``c.Client.timeout``.
     """
 
+    url = Unicode(
+        help="""The gpulab service's base URL, ending in ``/services/gpulab/``.
+
+        Default: from the environment (see `service_url_from_env`): ``$GPULAB_SERVICE_URL``,
+        else ``$GPULAB_URL`` (the hub's address) + ``/services/gpulab/``, else
+        ``$JUPYTERHUB_PUBLIC_HUB_URL`` without ``hub/``, else ``http://127.0.0.1:8000``.
+        Example: ``c.Client.url = "https://lab.example.org/services/gpulab/"``.""",
+    ).tag(config=True)
+
+    token = Unicode(
+        help="""The hub API token sent with every request (never shown or logged).
+
+        Default: ``$GPULAB_TOKEN``, else the server's own ``$JUPYTERHUB_API_TOKEN``.
+        Example: ``c.Client.token = "<token from /hub/token>"``.""",
+    ).tag(config=True)
+
+    timeout = Float(
+        30.0, help="""Seconds to wait for an answer to one request (default 30); following a
+        log waits longer (the service holds such a request up to 20 s).
+        Example: ``c.Client.timeout = 60``.""",
+    ).tag(config=True)
+
+    @default("url")
+    def _url_default(self) -> str:
+        return service_url_from_env()
+
+    @default("token")
+    def _token_default(self) -> str:
+        return token_from_env() or ""
+
+    @validate("url")
+    def _url_slash(self, proposal) -> str:
+        return proposal["value"].rstrip("/") + "/"
+
     def __init__(self, url: str | None = None, token: str | None = None, *,
-                 hub_url: str | None = None, timeout: float = 30.0):
+                 hub_url: str | None = None, timeout: float | None = None, **kwargs):
         if url is None and hub_url is not None:
             url = hub_url.rstrip("/") + "/" + SERVICE_PATH
-        self.url = (url or service_url_from_env()).rstrip("/") + "/"
-        self.token = token if token is not None else token_from_env()
-        self.timeout = timeout
+        for key, value in (("url", url), ("token", token), ("timeout", timeout)):
+            if value is not None:
+                kwargs[key] = value
+        super().__init__(**kwargs)
 
     def __repr__(self) -> str:  # never the token
         return f"Client({self.url!r})"
