@@ -331,6 +331,7 @@ class TrainingLauncher(W.VBox):
     the hub's free GPUs are shown; Launch is disabled, with the reason, while the request
     cannot be admitted.
 
+    Each launched job's `JobView` is added below the form (``job_view`` is the newest).
     Callbacks: ``on_launch(cb)``: ``cb(spec)`` before submitting (return False to cancel);
     ``on_submitted(cb)``: ``cb(job)`` with the submitted `Job`; ``on_error(cb)``:
     ``cb(error)`` with the `GpulabError` of a refusal.
@@ -547,7 +548,7 @@ class TrainingLauncher(W.VBox):
         self.message.value = _message("ok", f"Job {job.name} submitted: {job.view['state']}.")
         if self.show_job:
             self.job_view = JobView(job, self.client)
-            self.output.children = [self.job_view]
+            self.output.children = (*self.output.children, self.job_view)  # newest last
         self._cb._fire("submitted", job)
         self.name.value = jm.unique_name()  # names are used once; ready for the next launch
         self.scan()

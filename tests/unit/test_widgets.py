@@ -328,9 +328,14 @@ def test_launcher_submits_and_reports(capsys):
     assert "gpulab-jobview" in classes(view)
     view.stop_watching()
     assert w.name.value != "digits"  # a fresh name for the next launch
+    # a second launch adds its view below the first
+    second = w.launch()
+    assert second.name != "digits" and len(w.output.children) == 2
+    assert w.output.children[1] is w.job_view and w.job_view.job is second
+    w.job_view.stop_watching()
     # on_launch may cancel
     w.on_launch(lambda spec: False)
-    assert w.launch() is None and len(client.submitted) == 1
+    assert w.launch() is None and len(client.submitted) == 2
 
 
 def test_launcher_shows_a_refusal_as_a_message_not_a_traceback():
