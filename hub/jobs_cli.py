@@ -12,6 +12,7 @@ override the file's fields. The service checks the spec; its message names the b
     gpulab jobs show digits
     gpulab jobs logs digits [chief-0] [-f]
     gpulab jobs stop digits
+    gpulab jobs export --format tfjob spec.yaml --user ann > tfjob.yaml   (no hub needed)
 """
 
 from __future__ import annotations
@@ -33,28 +34,28 @@ def add_jobs_parser(sub) -> None:
 
     s = js.add_parser("submit", help="submit a job (a YAML spec and/or flags)",
                       description="Submit a training job. Flags override the spec file.")
-    s.add_argument("spec", nargs="?", help="YAML or JSON file with the job spec")
-    s.add_argument("--name", help="job name: lower-case letters, digits and '-'")
-    s.add_argument("--strategy", choices=STRATEGIES)
-    s.add_argument("--ps", type=int, help="parameter servers (parameter-server)")
-    s.add_argument("--workers", type=int, help="workers")
-    s.add_argument("--evaluator", action="store_true", help="add an evaluator replica")
-    s.add_argument("--gpus", type=int, help="GPUs of each worker")
-    s.add_argument("--cpu", type=float, help="CPUs of each worker")
-    s.add_argument("--memory", help="memory of each worker, e.g. 8Gi")
-    code = s.add_mutually_exclusive_group()
-    code.add_argument("--script", help="a .py file, relative to your folder on shared storage")
-    code.add_argument("--source-file", help="a local .py file whose text is sent as the code")
-    s.add_argument("--arg", action="append", default=None, dest="args", metavar="ARG",
-                   help="an argument for the program (repeat)")
-    s.add_argument("--env", action="append", default=None, metavar="NAME=VALUE",
-                   help="an environment variable for every replica (repeat)")
-    s.add_argument("--max-runtime", type=int, help="seconds after which the job is stopped")
-    s.add_argument("--retries", type=int, help="restarts of failed replicas (default 2)")
-    s.add_argument("--image", help="container image (Kubernetes; admin-allowed list)")
+    _spec_arguments(s)
     s.add_argument("-f", "--follow", action="store_true",
                    help="then follow the lead replica's log until the job ends")
     common(s)
+
+    e = js.add_parser("export", help="render a job spec for another system (no hub needed)",
+                      description="Print the job as a Kubeflow TFJob (kubeflow.org/v1) for "
+                      "clusters that run the training operator: chief, ps, workers, "
+                      "cleanPodPolicy Running. Code given with --source-file goes in a "
+                      "ConfigMap printed first.")
+    _spec_arguments(e)
+    e.add_argument("--format", choices=("tfjob",), required=True, help="what to render")
+    e.add_argument("--namespace", help="namespace (default gpulab-<user>)")
+    e.add_argument("--user", dest="export_user", metavar="USER",
+                   help="whose job: labels and shared folder (default: $USER)")
+    e.add_argument("--default-image", default="gpulab/singleuser:latest",
+                   help="image when the spec names none (default gpulab/singleuser:latest)")
+    e.add_argument("--gpu-model", help="GPU model node label value, e.g. NVIDIA-H100")
+    e.add_argument("--shared-mount", default="/gpulab/shared",
+                   help="where the shared storage is mounted (default /gpulab/shared)")
+    e.add_argument("--nfs", metavar="SERVER:/PATH",
+                   help="mount the shared storage from this NFS export (default: none)")
 
     ls = js.add_parser("list", help="my jobs (admins: --all or --user)")
     ls.add_argument("--all", action="store_true", help="everyone's jobs (admins)")
@@ -74,8 +75,72 @@ def add_jobs_parser(sub) -> None:
     common(lg)
 
 
+def _spec_arguments(s) -> None:
+    """The arguments that make a job spec (``submit``, ``export``)."""
+    s.add_argument("spec", nargs="?", help="YAML or JSON file with the job spec")
+    s.add_argument("--name", help="job name: lower-case letters, digits and '-'")
+    s.add_argument("--strategy", choices=STRATEGIES)
+    s.add_argument("--ps", type=int, help="parameter servers (parameter-server)")
+    s.add_argument("--workers", type=int, help="workers")
+    s.add_argument("--evaluator", action="store_true", help="add an evaluator replica")
+    s.add_argument("--gpus", type=int, help="GPUs of each worker")
+    s.add_argument("--cpu", type=float, help="CPUs of each worker")
+    s.add_argument("--memory", help="memory of each worker, e.g. 8Gi")
+    code = s.add_mutually_exclusive_group()
+    code.add_argument("--script", help="a .py file, relative to your folder on shared storage")
+    code.add_argument("--source-file", help="a local .py file whose text is sent as the code")
+    s.add_argument("--arg", action="append", default=None, dest="args", metavar="ARG",
+                   help="an argument for the program (repeat)")
+    s.add_argument("--env", action="append", default=None, metavar="NAME=VALUE",
+                   help="an environment variable for every replica (repeat)")
+    s.add_argument("--max-runtime", type=int, help="seconds after which the job is stopped")
+    s.add_argument("--retries", type=int, help="restarts of failed replicas (default 2)")
+    s.add_argument("--image", help="container image (Kubernetes; admin-allowed list)")
+
+
 class UsageError(Exception):
     pass
+
+
+def export_tfjob(args) -> str:
+    """The spec of ``args`` as YAML: a Kubeflow TFJob (after a ConfigMap for ``source``)."""
+    import getpass
+
+    import yaml
+    from kubespawner.slugs import safe_slug
+
+    from .jobspec import JobLimits, SpecError, parse_spec
+    from .kubejobs_objects import (SOURCE_PROGRAM, make_source_configmap, make_tfjob,
+                                   mount_source)
+
+    raw = spec_from_args(args)
+    try:
+        spec = parse_spec(raw, JobLimits(allowed_images=(raw["image"],) if raw.get("image")
+                                         else ()))
+    except SpecError as e:
+        raise UsageError(e.message) from None
+    label = safe_slug(args.export_user or getpass.getuser(), max_length=48)
+    ns = args.namespace or f"gpulab-{label}"
+    root = args.shared_mount.rstrip("/")
+    user_dir = f"{root}/users/{label}"
+    shared = None
+    if args.nfs:
+        server, _, path = args.nfs.partition(":")
+        if not server or not path.startswith("/"):
+            raise UsageError(f"--nfs takes SERVER:/PATH, not {args.nfs!r}")
+        shared = {"nfs": {"server": server, "path": path}}
+    tfjob = make_tfjob(
+        spec=spec, namespace=ns, user_label=label, image=spec.image or args.default_image,
+        program=SOURCE_PROGRAM if spec.source is not None else f"{user_dir}/{spec.script}",
+        job_dir=f"{user_dir}/jobs/{spec.name}", user_dir=user_dir, gpu_model=args.gpu_model,
+        shared_volume=shared, shared_mount=root, user_subpath=f"users/{label}",
+        datasets_subpath="datasets")
+    docs = [tfjob]
+    if spec.source is not None:
+        for replica in tfjob["spec"]["tfReplicaSpecs"].values():
+            mount_source(replica["template"]["spec"], job=spec.name)
+        docs.insert(0, make_source_configmap(spec=spec, namespace=ns, user_label=label))
+    return yaml.safe_dump_all(docs, sort_keys=False)
 
 
 def spec_from_args(args) -> dict:
@@ -181,9 +246,16 @@ def lead_replica(job: dict) -> str:
 
 def cmd_jobs(args) -> int:
     if args.action is None:
-        print("gpulab jobs: choose submit, list, show, logs or stop (see gpulab jobs -h)",
+        print("gpulab jobs: choose submit, list, show, logs, stop or export (see gpulab jobs -h)",
               file=sys.stderr)
         return EXIT_USAGE
+    if args.action == "export":
+        try:
+            sys.stdout.write(export_tfjob(args))
+        except UsageError as e:
+            print(f"gpulab jobs export: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        return 0
     try:
         if args.action == "submit":
             try:

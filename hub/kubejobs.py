@@ -61,7 +61,10 @@ from .kubejobs_objects import (
     JOB_LABEL,
     ROLE_LABEL,
     SELECTOR,
+    SOURCE_PROGRAM,
+    make_source_configmap,
     make_training_job_objects,
+    mount_source,
     role_job_name,
 )
 from .ledger import JobRow, Ledger, ReplicaRow, Request
@@ -69,7 +72,6 @@ from .ledger import JobRow, Ledger, ReplicaRow, Request
 log = logging.getLogger("gpulab.jobs.kube")
 
 _LABELS = dict(kv.split("=") for kv in SELECTOR.split(","))
-SOURCE_MOUNT = "/gpulab/job-source"
 
 
 class _JobReflector(MultiNamespaceResourceReflector):
@@ -530,7 +532,7 @@ class KubeJobBackend(LoggingConfigurable):
     async def _create_objects(self, user, groups, spec: JobSpec, ns, user_dir, job_dir) -> None:
         await self._ensure_namespace(user, groups)
         if spec.source is not None:
-            program = f"{SOURCE_MOUNT}/source.py"
+            program = SOURCE_PROGRAM
         elif self.shared_volume:
             program = f"{user_dir}/{spec.script}"
         else:
@@ -548,20 +550,13 @@ class KubeJobBackend(LoggingConfigurable):
         uid = created.metadata.uid
         objects = make_training_job_objects(**common, parent_uid=uid)[1:]
         if spec.source is not None:
-            cm = {"apiVersion": "v1", "kind": "ConfigMap",
-                  "metadata": {"name": f"{spec.name}-source", "namespace": ns,
-                               "labels": service["metadata"]["labels"],
-                               "ownerReferences": objects[0]["metadata"]["ownerReferences"]},
-                  "data": {"source.py": spec.source}}
+            cm = make_source_configmap(spec=spec, namespace=ns, user_label=self.user_label(user),
+                                       parent_uid=uid)
             self.api_requests += 1
             await self.core.create_namespaced_config_map(ns, cm,
                                                          _request_timeout=self.request_timeout)
             for job in objects:
-                pod = job["spec"]["template"]["spec"]
-                pod.setdefault("volumes", []).append(
-                    {"name": "source", "configMap": {"name": f"{spec.name}-source"}})
-                pod["containers"][0].setdefault("volumeMounts", []).append(
-                    {"name": "source", "mountPath": SOURCE_MOUNT, "readOnly": True})
+                mount_source(job["spec"]["template"]["spec"], job=spec.name)
         for job in objects:
             self.api_requests += 1
             await self.batch.create_namespaced_job(ns, job, _request_timeout=self.request_timeout)

@@ -51,6 +51,9 @@ COMPONENT = {"app.kubernetes.io/component": "training-job"}
 #: the label selector of everything a training job is made of (the backend's shared watches)
 SELECTOR = "app.kubernetes.io/managed-by=gpulab,app.kubernetes.io/component=training-job"
 CONTAINER = "tensorflow"  # the name the Kubeflow training operator expects, too
+#: where a job's code given as text (``source``) appears in its replicas (a ConfigMap)
+SOURCE_MOUNT = "/gpulab/job-source"
+SOURCE_PROGRAM = f"{SOURCE_MOUNT}/source.py"
 TF_PORT = 2222
 INDEX_ENV = "GPULAB_TASK_INDEX"
 _INDEX_FIELD = f"metadata.annotations['{INDEX_LABEL}']"
@@ -273,3 +276,23 @@ def make_tfjob(
         "metadata": {"name": spec.name, "namespace": namespace, "labels": labels},
         "spec": {"runPolicy": run_policy, "tfReplicaSpecs": replica_specs},
     }
+
+
+def make_source_configmap(*, spec: JobSpec, namespace: str, user_label: str,
+                          parent_uid: str | None = None) -> dict:
+    """The ConfigMap ``<job>-source`` holding the code of a spec given as ``source``."""
+    meta: dict[str, Any] = {"name": f"{spec.name}-source", "namespace": namespace,
+                            "labels": job_labels(user_label=user_label, job=spec.name)}
+    if parent_uid:
+        meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Service", "name": spec.name,
+                                    "uid": parent_uid}]
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+            "data": {"source.py": spec.source or ""}}
+
+
+def mount_source(pod: dict, *, job: str) -> dict:
+    """``pod`` (a pod spec) with the job's source ConfigMap mounted at `SOURCE_MOUNT`."""
+    pod.setdefault("volumes", []).append({"name": "source", "configMap": {"name": f"{job}-source"}})
+    pod["containers"][0].setdefault("volumeMounts", []).append(
+        {"name": "source", "mountPath": SOURCE_MOUNT, "readOnly": True})
+    return pod

@@ -20,10 +20,10 @@ from kubernetes_asyncio.config import kube_config
 from kubespawner.clients import load_config
 from traitlets.config import Config
 
+from gpulab.hub.cli import main as cli_main
 from gpulab.hub.jobs import JobError
 from gpulab.hub.jobspec import JobLimits, SpecError, parse_spec
 from gpulab.hub.kubejobs import KubeJobBackend
-from gpulab.hub.kubejobs_objects import make_tfjob
 from gpulab.hub.ledger import Ledger, QuotaExceeded, Request
 from gpulab.hub.policy import Quota
 from gpulab.spawner.kube import GPUQuotaMirror
@@ -340,7 +340,7 @@ async def test_users_are_kept_apart_and_bad_specs_never_reach_the_cluster(cp, ba
         "pod-security.kubernetes.io/enforce"] == "baseline"
 
 
-async def test_exported_tfjobs_are_valid_against_the_kubeflow_crd(cp):
+async def test_exported_tfjobs_are_valid_against_the_kubeflow_crd(cp, tmp_path, capsys):
     crd = yaml.safe_load(TFJOB_CRD.read_text())
     cp.apply(crd)
     await eventually(lambda: (lambda c: c and any(
@@ -350,17 +350,32 @@ async def test_exported_tfjobs_are_valid_against_the_kubeflow_crd(cp):
         what="the TFJob CRD established")
     ns = f"t-{uuid.uuid4().hex[:6]}"
     cp.create_namespace(ns)
-    for spec in (ps_spec("ps-export", max_runtime=600), mw_spec("mw-export", workers=3),
-                 parse_spec({"name": "ev", "strategy": "parameter-server",
-                             "replicas": {"chief": 1, "ps": 2, "worker": 2, "evaluator": 1},
-                             "resources": {"worker": {"gpus": 1, "cpu": 2, "memory": "4Gi"}},
-                             "script": "t.py"})):
-        tfjob = make_tfjob(spec=spec, namespace=ns, user_label="ann", image="img:1",
-                           program="/p/t.py", job_dir="/p/jobs/x", user_dir="/p",
-                           gpu_model="NVIDIA-H100", shared_volume=SHARED, user_subpath="users/ann")
-        status, body = cp.api("POST", f"/apis/kubeflow.org/v1/namespaces/{ns}/tfjobs", tfjob)
-        assert status == 201, body
-        assert "Chief" in body["spec"]["tfReplicaSpecs"] or spec.strategy != "parameter-server"
+    # as a person would: gpulab jobs export --format tfjob ... | kubectl create -f -
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump({
+        "name": "ev", "strategy": "parameter-server",
+        "replicas": {"chief": 1, "ps": 2, "worker": 2, "evaluator": 1},
+        "resources": {"worker": {"gpus": 1, "cpu": 2, "memory": "4Gi"}},
+        "script": "t.py", "max_runtime": 600}))
+    (tmp_path / "t.py").write_text("print('hi')\n")
+    common = ["--namespace", ns, "--user", "ann", "--gpu-model", "NVIDIA-H100",
+              "--nfs", "nfs.invalid:/gpulab"]
+    exports = [[str(spec_file)],
+               ["--name", "mw-export", "--strategy", "multi-worker-mirrored", "--workers", "3",
+                "--gpus", "2", "--source-file", str(tmp_path / "t.py")],
+               ["--name", "ps-export", "--strategy", "parameter-server", "--workers", "2",
+                "--script", "t.py", "--retries", "5"]]
+    for argv in exports:
+        assert cli_main(["jobs", "export", "--format", "tfjob", *argv, *common]) == 0
+        docs = list(yaml.safe_load_all(capsys.readouterr().out))
+        for doc in docs:
+            path = ("/api/v1/namespaces/{}/configmaps" if doc["kind"] == "ConfigMap"
+                    else "/apis/kubeflow.org/v1/namespaces/{}/tfjobs").format(ns)
+            status, body = cp.api("POST", f"{path}?fieldValidation=Strict", doc)
+            assert status == 201, body
+        tfjob = docs[-1]
+    assert sorted(names(get(cp, f"/apis/kubeflow.org/v1/namespaces/{ns}/tfjobs")["items"])) == [
+        "ev", "mw-export", "ps-export"]
     # the schema refuses what the operator would not understand (it does validate)
     bad = json.loads(json.dumps(tfjob))
     bad["metadata"]["name"] = "bad"
