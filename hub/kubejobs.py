@@ -655,6 +655,13 @@ class KubeJobBackend(LoggingConfigurable):
                     c = _condition(obj, "Failed")
                     if c.get("reason") == "DeadlineExceeded":
                         outcome = ("Failed", f"stopped after max_runtime ({spec.max_runtime} s)")
+                    elif c.get("reason") == "PodFailurePolicy":  # not worth a retry
+                        failed = [(f"{r}-{i}", v[1].removeprefix("restarting after: "))
+                                  for (r, i), v in sorted(states.items())
+                                  if r == role and (v[0] == "Failed" or "after:" in v[1])]
+                        who, why = failed[0] if failed else (f"{role}-0", "failed")
+                        outcome = ("Failed", f"{who} failed: {why}; this is not retried "
+                                   f"(see its log: gpulab jobs logs {name} {who})")
                     else:
                         failed = [f"{r}-{i}: {v[1].removeprefix('restarting after: ')}"
                                   for (r, i), v in states.items()

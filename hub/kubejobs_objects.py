@@ -24,7 +24,8 @@ Labels (``kubectl get jobs,pods,svc -l gpulab.io/job=<job>``): ``gpulab.io/user`
 ``kubectl get pods -l gpulab.io/job=digits,gpulab.io/role=worker,batch.kubernetes.io/job-completion-index=1``.
 
 Pods: restart policy ``Never`` (a failed replica is replaced by the Job controller within
-``backoffLimit`` = the spec's ``retries``), ``activeDeadlineSeconds`` = ``max_runtime``, the GPU
+``backoffLimit`` = the spec's ``retries``; `pod_failure_policy` says which failures are not
+retried), ``activeDeadlineSeconds`` = ``max_runtime``, the GPU
 limit, toleration and model node selector on roles with GPUs, the user's shared folders as in
 notebooks (`gpulab.spawner.kubeobjects.server_pod_settings`), no service-account token, no
 privilege escalation, no host paths.
@@ -143,6 +144,21 @@ def _pod_spec(*, spec: JobSpec, role: str, image: str, program: str, job_dir: st
     return pod
 
 
+def pod_failure_policy(*, strategy: str, role: str) -> dict:
+    """When a failed pod is not worth a retry. A pod evicted or preempted (condition
+    ``DisruptionTarget``) does not count against the retries; a bad configuration (the
+    runtime's exit 2) fails the job at once, as does the chief of a parameter-server job
+    failing with its own error (exit 1: the program raised), as in the local backend. Any
+    other failure (a worker's error, a lost cluster, exit 75) is retried while
+    ``backoffLimit`` lasts."""
+    fatal = [1, 2] if (strategy == "parameter-server" and role == "chief") else [2]
+    return {"rules": [
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "In",
+                                              "values": fatal}},
+    ]}
+
+
 def make_training_job_objects(
     *,
     spec: JobSpec,
@@ -207,6 +223,7 @@ def make_training_job_objects(
             "parallelism": n,
             "backoffLimit": spec.retries,
             "podReplacementPolicy": "Failed",
+            "podFailurePolicy": pod_failure_policy(strategy=spec.strategy, role=role),
             "template": {"metadata": {"labels": role_labels}, "spec": pod},
         }
         if spec.max_runtime:

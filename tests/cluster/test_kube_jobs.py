@@ -258,6 +258,22 @@ async def test_out_of_retries_fails_the_job_with_the_reason(cp, backend, ledger)
     assert ledger.open_allocations(user=u) == []
 
 
+async def test_a_chief_failing_with_its_own_error_fails_the_job_at_once(cp, backend, ledger):
+    u = user()
+    ledger.set_quota("user", u, Quota(max_gpus=8), actor="admin")
+    job = await backend.submit(u, (), ps_spec("crash", retries=5))
+    ns = job["namespace"]
+    await eventually(lambda: len(running_pods(cp, ns, "crash")) == 4, what="4 running pods")
+    end_pod(cp, pod_of(cp, ns, "crash", "chief", 0), 1)
+    view = await eventually(lambda: (lambda v: v if v["state"] == "Failed" else None)(
+        backend.get(u, "crash")), what="the job Failed")
+    assert view["reason"] == ("chief-0 failed: the program raised an error (exit 1); this is "
+                              "not retried (see its log: gpulab jobs logs crash chief-0)")
+    await eventually(lambda: names(items(cp, ns, "jobs")) == ["crash-chief"],
+                     what="ps and worker Jobs deleted")
+    assert ledger.open_allocations(user=u) == []
+
+
 async def test_stop_removes_every_object(cp, backend, ledger):
     u = user()
     ledger.set_quota("user", u, Quota(max_gpus=8), actor="admin")

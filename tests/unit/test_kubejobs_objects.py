@@ -86,6 +86,12 @@ def test_worker_job_literal():
         "spec": {
             "completionMode": "Indexed", "completions": 2, "parallelism": 2,
             "backoffLimit": 3, "podReplacementPolicy": "Failed", "activeDeadlineSeconds": 3600,
+            "podFailurePolicy": {"rules": [
+                {"action": "Ignore",
+                 "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                {"action": "FailJob", "onExitCodes": {"containerName": "tensorflow",
+                                                      "operator": "In", "values": [2]}},
+            ]},
             "template": {
                 "metadata": {"labels": labels},
                 "spec": {
@@ -215,3 +221,9 @@ def test_tfjob_literal():
             },
         },
     }
+
+
+def test_a_parameter_server_chief_failing_with_its_own_error_is_not_retried():
+    chief, ps = build()[1:3]
+    assert chief["spec"]["podFailurePolicy"]["rules"][1]["onExitCodes"]["values"] == [1, 2]
+    assert ps["spec"]["podFailurePolicy"]["rules"][1]["onExitCodes"]["values"] == [2]
