@@ -85,6 +85,7 @@ def local_essentials(s: LocalSettings) -> Config:
     c.LocalGPUSpawner.shared_dir = str(d.shared)
     c.LocalGPUSpawner.home_dir_template = str(d.homes_dir / "{username}")
     c.LocalGPUSpawner.server_log_dir = str(d.server_log_dir)
+    c.LocalGPUSpawner.service_url = f"http://127.0.0.1:{s.service_port}/services/{SERVICE_NAME}/"
     if s.isolate_users is not None:
         c.LocalGPUSpawner.isolate_users = s.isolate_users
     if s.user_prefix is not None:

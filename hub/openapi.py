@@ -110,7 +110,12 @@ def openapi_document(prefix: str = "/services/gpulab/") -> dict:
                     "holdings": {"type": "array", "items": HOLDING},
                     "gpus_held": {"type": "integer"},
                     "usage_gpu_hours": {"type": "object"}, "inventory": {"type": "object"},
-                    "admin": {"type": "boolean"}}})}},
+                    "admin": {"type": "boolean"},
+                    "jobs": {"type": ["object", "null"], "description": "the job backend "
+                             "(local or kubernetes) and the images a job may name",
+                             "properties": {"backend": {"type": "string"},
+                                            "images": {"type": "array",
+                                                       "items": {"type": "string"}}}}}})}},
             "/quotas": {"get": {"summary": "All quotas set (admin)", "responses": _resp({
                 "type": "object", "properties": {"quotas": {"type": "array", "items": QUOTA_OUT}}})}},
             "/quotas/default": quota_ops,

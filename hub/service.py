@@ -272,6 +272,9 @@ class MeHandler(APIHandler):
         view = await user_view(self, self.current_user["name"])
         view["inventory"] = inventory_view(self.ledger)
         view["admin"] = self.is_gpulab_admin
+        backend = self.settings.get("jobs")
+        view["jobs"] = None if backend is None else {
+            "backend": backend.name, "images": list(self.settings["job_limits"].allowed_images)}
         self.send(view)
 
 

@@ -67,6 +67,17 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
     def _shared_dir_default(self):
         return os.environ.get("GPULAB_SHARED_DIR", "")
 
+    service_url = Unicode(
+        "",
+        help="""Where notebook servers reach the gpulab service (quotas, training jobs), given
+        to them as ``GPULAB_SERVICE_URL`` for the notebook client and widgets.
+
+        ``gpulab up`` sets it to the service's own loopback address
+        (``http://127.0.0.1:<service-port>/services/gpulab/``); '' (default) leaves the client
+        to find it through the hub's public address.
+        """,
+    ).tag(config=True)
+
     isolate_users = Bool(
         help="""Run each user's server as its own system account (``jupyter-<name>``,
         created on first spawn) and give that account sole access to the user's folder.
@@ -180,6 +191,8 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             env["GPULAB_SHARED_DIR"] = self.shared_dir
             env["GPULAB_USER_DIR"] = str(self.user_folder)
             env["GPULAB_DATASETS_DIR"] = str(Path(self.shared_dir) / "datasets")
+        if self.service_url:
+            env["GPULAB_SERVICE_URL"] = self.service_url
         return env
 
     def gpu_probe(self):

@@ -92,6 +92,7 @@ def holdings(person):
 
 def test_job_runs_on_disjoint_gpus_with_logs_and_history(hub, users):
     ann = users["ann"]
+    assert ann.service("GET", "me").json()["jobs"] == {"backend": "local", "images": []}
     r = ann.service("POST", "jobs", json=mw("hello", gpus=1, args=["--epochs", "3"]))
     assert r.status_code == 201, r.text
     assert r.json()["gpus"] == 2 and r.json()["state"] in ("Running", "Succeeded")
