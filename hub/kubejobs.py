@@ -398,6 +398,7 @@ class KubeJobBackend(LoggingConfigurable):
         done = job["state"] in FINAL
         if not pods:
             return b"", 0, done
+        data = b""
         try:
             self.api_requests += 1
             resp = await self.core.read_namespaced_pod_log(
@@ -405,10 +406,17 @@ class KubeJobBackend(LoggingConfigurable):
                 limit_bytes=offset + limit, _preload_content=False,
                 _request_timeout=self.request_timeout)
             data = await resp.read()
+            if resp.status >= 400:  # not raised with _preload_content=False
+                raise ApiException(status=resp.status, reason=resp.reason)
         except ApiException as e:
             if e.status in (400, 404):  # not started yet, or gone
                 return b"", offset, done
-            raise JobError(f"The log of {replica} cannot be read: {api_message(e)}", 502,
+            try:
+                why = json.loads(data)["message"]
+            except Exception:
+                why = api_message(e)
+            log.warning("Log of %s/%s %s: %s %s", ns, name, replica, e.status, why)
+            raise JobError(f"The log of {replica} cannot be read now ({e.status}).", 502,
                            "replica") from e
         return data[offset:], len(data), done
 

@@ -29,7 +29,7 @@ from gpulab.hub.policy import Quota
 from gpulab.spawner.kube import GPUQuotaMirror
 
 from .conftest import _build
-from .controlplane import DEFAULT_STAGES, HERE, ControlPlane
+from .controlplane import _CA, DEFAULT_STAGES, HERE, ControlPlane, free_port
 
 pytestmark = pytest.mark.cluster
 
@@ -38,6 +38,7 @@ RBAC = ROOT / "helm-values" / "rbac.yaml"
 TFJOB_CRD = ROOT.parent / "shared" / "reference" / "kubeflow" / "kubeflow.org_tfjobs.yaml"
 HUB_NAMESPACE = "gpulab-hub-test"
 SHARED = {"nfs": {"server": "nfs.invalid", "path": "/gpulab"}}
+REPLICA_LOG = "step 1\nGPULAB_PROGRESS {\"step\": 1, \"total\": 10}\nstep 2\n"
 LABELS = "app.kubernetes.io/managed-by=gpulab,app.kubernetes.io/component=training-job"
 
 
@@ -48,9 +49,33 @@ def cp(request, tmp_path_factory):
     stages = [d for d in yaml.safe_load_all(DEFAULT_STAGES.read_text())
               if d and d["metadata"]["name"] != "pod-job-done"]
     stages += [d for d in yaml.safe_load_all((HERE / "stages" / "job-exits.yaml").read_text()) if d]
-    path = tmp_path_factory.mktemp("stages") / "stages.yaml"
+    # kwok also serves the pod log API (as a kubelet would) with a fixed log for every
+    # training replica, so that logs are read through the API server as on a real cluster
+    d = tmp_path_factory.mktemp("kwok")
+    (d / "replica.log").write_text("".join(  # the container runtime's (CRI) log format
+        f"2026-01-01T00:00:0{i}.000000000Z stdout F {line}\n"
+        for i, line in enumerate(REPLICA_LOG.splitlines())))
+    stages.append({"apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "ClusterLogs",
+                   "metadata": {"name": "training-replicas"},
+                   "spec": {"selector": {}, "logs": [{"containers": ["tensorflow"],
+                                                      "logsFile": str(d / "replica.log")}]}})
+    # the API server reaches a node's "kubelet" at its first address (here the node IP only,
+    # 127.0.0.1) and its kubelet port (kwok's server)
+    port = free_port()
+    node_ready = next(d for d in stages if d["metadata"]["name"] == "node-ready")
+    template = node_ready["spec"]["next"]["statusTemplate"]
+    hostname = "- type: Hostname\n  address: {{ .metadata.name | Quote }}\n"
+    assert hostname in template
+    node_ready["spec"]["next"]["statusTemplate"] = template.replace(hostname, "") + (
+        f"daemonEndpoints:\n  kubeletEndpoint:\n    Port: {port}\n")
+    path = d / "stages.yaml"
     path.write_text(yaml.safe_dump_all(stages))
-    plane = ControlPlane(kwok_stages=[path])
+    crt, key = _CA().issue("kwok", server_ips=["127.0.0.1"], client=False, server=True)
+    (d / "kwok.crt").write_bytes(crt)
+    (d / "kwok.key").write_bytes(key)
+    plane = ControlPlane(kwok_stages=[path], kwok_args=[
+        "--node-ip=127.0.0.1", f"--node-port={port}", f"--server-address=127.0.0.1:{port}",
+        f"--tls-cert-file={d / 'kwok.crt'}", f"--tls-private-key-file={d / 'kwok.key'}"])
     plane.start()
     yield plane
     plane.stop()
@@ -207,6 +232,12 @@ async def test_submit_creates_the_objects_runs_on_h100_and_chief_completion_succ
         backend.get(u, "digits")), what="the job Running")
     assert {r["name"]: r["state"] for r in view["replicas"]} == {
         "chief-0": "Running", "ps-0": "Running", "worker-0": "Running", "worker-1": "Running"}
+
+    # logs through the pod log API, from an offset
+    text, size, done = await backend.read_log(u, "digits", "worker-1")
+    assert (text.decode(), size, done) == (REPLICA_LOG, len(REPLICA_LOG), False)
+    text, size, _ = await backend.read_log(u, "digits", "worker-1", offset=7)
+    assert text.decode() == REPLICA_LOG[7:] and size == len(REPLICA_LOG)
 
     # the chief finishes: the job succeeds, ps and workers are removed, the GPUs released
     end_pod(cp, pod_of(cp, ns, "digits", "chief", 0), 0)
