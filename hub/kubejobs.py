@@ -645,13 +645,23 @@ class KubeJobBackend(LoggingConfigurable):
             restarts = sum(1 for p in mine if p.get("status", {}).get("phase") == "Failed")
             if not mine:
                 states[(role, index)] = ("Pending", "waiting for its pod", None, restarts)
+                if (outcome is None and now - created > self.unschedulable_timeout
+                        and jobs.get(role) is not None and not job_finished(jobs[role])):
+                    # the Job controller could not make the pod: the namespace's quota or an
+                    # admission policy refuses it (the reason is in the Job's events)
+                    outcome = ("Failed", f"{role}-{index}: the cluster made no pod within "
+                               f"{self.unschedulable_timeout:g} s (the namespace's GPU quota "
+                               "or a policy refuses it; kubectl describe job "
+                               f"{role_job_name(name, role)} -n {ns}); the whole job was removed")
+                    delete_all = True
                 continue
             st, why, code = pod_words(mine[-1], gpus=spec.gpus_of(role), model=self.gpu_model)
             if st == "Failed" and len(mine) and jobs.get(role) and not job_finished(jobs[role]):
                 st, why = "Starting", f"restarting after: {why}"
             states[(role, index)] = (st, why, code, restarts)
             since = _unschedulable_since(mine[-1])
-            if (since is not None and st == "Starting" and why.startswith("cannot be scheduled")
+            if (outcome is None and since is not None and st == "Starting"
+                    and why.startswith("cannot be scheduled")
                     and now - max(since, created) > self.unschedulable_timeout):
                 outcome = ("Failed", f"{role}-{index} {why} within {self.unschedulable_timeout:g} "
                            "s; the whole job was removed")

@@ -356,6 +356,26 @@ async def test_capacity_and_unschedulable_replicas(cp, backend, ledger):
     assert [a.holder for a in ledger.open_allocations(user=u)] == ["fill"]
 
 
+async def test_a_pod_the_namespace_quota_refuses_removes_the_job(cp, backend, ledger):
+    u = user()
+    ledger.set_quota("user", u, Quota(max_gpus=8), actor="admin")
+    await backend.submit(u, (), mw_spec("first", workers=1, gpus=0))  # prepares the namespace
+    ns = backend.namespace_of(u)
+    # someone shrinks the namespace's ResourceQuota behind the ledger's back
+    cp.api("PATCH", f"/api/v1/namespaces/{ns}/resourcequotas/gpulab-gpus",
+           {"spec": {"hard": {"requests.nvidia.com/gpu": "0"}}},
+           content_type="application/merge-patch+json", expect=(200,))
+    await backend.submit(u, (), mw_spec("refused", workers=1, gpus=1))
+    view = await eventually(lambda: (lambda v: v if v["state"] == "Failed" else None)(
+        backend.get(u, "refused")), timeout=30, what="the refused job removed")
+    assert view["reason"].startswith("worker-0: the cluster made no pod within 4 s (the "
+                                     "namespace's GPU quota or a policy refuses it"), view
+    for what in ("services", "jobs"):
+        await eventually(lambda: items(cp, ns, what, "gpulab.io/job=refused") == [],
+                         what=f"no {what} of the refused job")
+    assert [a.holder for a in ledger.open_allocations(user=u)] == ["first"]
+
+
 async def test_users_are_kept_apart_and_bad_specs_never_reach_the_cluster(cp, backend, ledger):
     ann, bob = user(), user()
     for u in (ann, bob):
