@@ -148,7 +148,52 @@ def _job_view(job: JobRow, replicas: list[ReplicaRow], progress: bool = False) -
     return view
 
 
-class LocalJobBackend:
+class JobBackend:
+    """The job backend interface the service calls (`LocalJobBackend`, and
+    `gpulab.hub.kubejobs.KubeJobBackend`); the job history and its views come from the
+    ledger's job tables, shared here.
+
+    - ``async submit(user, groups, spec) -> view``: admit the job's GPUs whole (or raise the
+      ledger's refusal, or `JobError`), start it;
+    - ``list(user | None)``, ``get(user, name) -> view | None``: from the ledger;
+    - ``read_log(user, name, replica, offset, limit) -> (bytes, size, done)`` (may be async);
+    - ``async stop(user, name, actor) -> view``; ``recover()`` at start-up;
+      ``ensure_supervisor()`` (with a running event loop); ``async shutdown()``.
+    """
+
+    name = ""
+    ledger: Ledger
+
+    def _load(self, s, job_id: str):
+        job = s.get(JobRow, job_id)
+        reps = s.scalars(select(ReplicaRow).where(ReplicaRow.job_id == job_id)).all()
+        return job, reps
+
+    def _view(self, job: JobRow, replicas: list[ReplicaRow], detail: bool = False) -> dict:
+        """A job's view; ``detail``: for one job (``get``), not the list."""
+        return _job_view(job, replicas, progress=detail)
+
+    def list(self, user: str | None = None) -> list[dict]:
+        with self.ledger.Session() as s:
+            q = select(JobRow).where(JobRow.backend == self.name).order_by(JobRow.created_at.desc())
+            if user is not None:
+                q = q.where(JobRow.user == user)
+            return [self._view(j, self._load(s, j.id)[1]) for j in s.scalars(q)]
+
+    def get(self, user: str, name: str) -> dict | None:
+        with self.ledger.Session() as s:
+            job = s.scalar(select(JobRow).where(JobRow.user == user, JobRow.name == name,
+                                                JobRow.backend == self.name))
+            return self._view(job, self._load(s, job.id)[1], detail=True) if job else None
+
+    def _check_new_name(self, user: str, name: str) -> None:
+        with self.ledger.Session() as s:
+            if s.scalar(select(JobRow.id).where(JobRow.user == user, JobRow.name == name)):
+                raise JobError(f"name: you already have a job named '{name}' (jobs are "
+                               "kept as history); choose another name.", 409, "name")
+
+
+class LocalJobBackend(JobBackend):
     name = "local"
 
     def __init__(self, ledger: Ledger, accounts, *, python: str = sys.executable,
@@ -163,23 +208,6 @@ class LocalJobBackend:
         self._lock = asyncio.Lock()
 
     # -- queries -------------------------------------------------------------------------
-
-    def _load(self, s, job_id: str):
-        job = s.get(JobRow, job_id)
-        reps = s.scalars(select(ReplicaRow).where(ReplicaRow.job_id == job_id)).all()
-        return job, reps
-
-    def list(self, user: str | None = None) -> list[dict]:
-        with self.ledger.Session() as s:
-            q = select(JobRow).order_by(JobRow.created_at.desc())
-            if user is not None:
-                q = q.where(JobRow.user == user)
-            return [_job_view(j, self._load(s, j.id)[1]) for j in s.scalars(q)]
-
-    def get(self, user: str, name: str) -> dict | None:
-        with self.ledger.Session() as s:
-            job = s.scalar(select(JobRow).where(JobRow.user == user, JobRow.name == name))
-            return _job_view(job, self._load(s, job.id)[1], progress=True) if job else None
 
     def read_log(self, user: str, name: str, replica: str, offset: int = 0,
                  limit: int = 1 << 20) -> tuple[bytes, int, bool]:
@@ -212,10 +240,7 @@ class LocalJobBackend:
             if not script.is_file():
                 raise JobError(f"script: there is no file {spec.script} in your folder.",
                                field="script")
-        with self.ledger.Session() as s:
-            if s.scalar(select(JobRow.id).where(JobRow.user == user, JobRow.name == spec.name)):
-                raise JobError(f"name: you already have a job named '{spec.name}' (jobs are "
-                               "kept as history); choose another name.", 409, "name")
+        self._check_new_name(user, spec.name)
         async with self._lock:  # the supervisor thread reads the same process table
             self._admit_and_start(user, groups, spec, account, script)
         self.ensure_supervisor()

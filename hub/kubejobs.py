@@ -53,7 +53,7 @@ from gpulab.spawner.kube import APPLY, FIELD_MANAGER, GPUQuotaMirror, api_messag
 from gpulab.spawner.kubeobjects import POD_SECURITY_LEVELS, make_user_namespace, parse_quota_refusal
 from gpulab.spawner.profiles import GPU_MODEL_LABEL, GPU_RESOURCE
 
-from .jobs import ACTIVE, FINAL, JobError, _job_view
+from .jobs import ACTIVE, FINAL, JobBackend, JobError, _job_view
 from .jobspec import ROLES, JobSpec
 from .kubejobs_objects import (
     CONTAINER,
@@ -200,7 +200,7 @@ def backend_settings(config) -> str:
     return json.dumps(ours, sort_keys=True)
 
 
-class KubeJobBackend(LoggingConfigurable):
+class KubeJobBackend(JobBackend, LoggingConfigurable):
     """Training jobs on Kubernetes: pods of Indexed Jobs in each user's namespace.
 
     Use it in the gpulab service with the hub's ServiceAccount bound by
@@ -337,29 +337,11 @@ class KubeJobBackend(LoggingConfigurable):
 
     # -- queries -------------------------------------------------------------------------
 
-    def _load(self, s, job_id: str):
-        job = s.get(JobRow, job_id)
-        reps = s.scalars(select(ReplicaRow).where(ReplicaRow.job_id == job_id)).all()
-        return job, reps
-
-    def _view(self, job, reps) -> dict:
-        view = _job_view(job, reps)
+    def _view(self, job, reps, detail: bool = False) -> dict:
+        view = _job_view(job, reps)  # progress lines are in the pods' logs, not read here
         view["progress"] = None
         view["namespace"] = self.namespace_of(job.user)
         return view
-
-    def list(self, user: str | None = None) -> list[dict]:
-        with self.ledger.Session() as s:
-            q = select(JobRow).where(JobRow.backend == self.name).order_by(JobRow.created_at.desc())
-            if user is not None:
-                q = q.where(JobRow.user == user)
-            return [self._view(j, self._load(s, j.id)[1]) for j in s.scalars(q)]
-
-    def get(self, user: str, name: str) -> dict | None:
-        with self.ledger.Session() as s:
-            job = s.scalar(select(JobRow).where(JobRow.user == user, JobRow.name == name,
-                                                JobRow.backend == self.name))
-            return self._view(job, self._load(s, job.id)[1]) if job else None
 
     def _pods_of(self, namespace: str, job: str) -> list[dict]:
         pods = self._pods_r.resources.values() if self._pods_r else []
@@ -480,10 +462,7 @@ class KubeJobBackend(LoggingConfigurable):
         return ns
 
     async def submit(self, user: str, groups: tuple[str, ...], spec: JobSpec) -> dict:
-        with self.ledger.Session() as s:
-            if s.scalar(select(JobRow.id).where(JobRow.user == user, JobRow.name == spec.name)):
-                raise JobError(f"name: you already have a job named '{spec.name}' (jobs are "
-                               "kept as history); choose another name.", 409, "name")
+        self._check_new_name(user, spec.name)
         await self.check_capacity(spec)
         allocation = self.ledger.admit(Request(user=user, kind="job", holder=spec.name,
                                                gpus=spec.total_gpus, groups=groups))
