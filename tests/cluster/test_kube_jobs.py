@@ -39,6 +39,7 @@ TFJOB_CRD = ROOT.parent / "shared" / "reference" / "kubeflow" / "kubeflow.org_tf
 HUB_NAMESPACE = "gpulab-hub-test"
 SHARED = {"nfs": {"server": "nfs.invalid", "path": "/gpulab"}}
 REPLICA_LOG = "step 1\nGPULAB_PROGRESS {\"step\": 1, \"total\": 10}\nstep 2\n"
+MISSING_IMAGE = "gpulab.test/missing:1"  # stages/job-exits.yaml: its pull fails
 LABELS = "app.kubernetes.io/managed-by=gpulab,app.kubernetes.io/component=training-job"
 
 
@@ -49,6 +50,9 @@ def cp(request, tmp_path_factory):
     stages = [d for d in yaml.safe_load_all(DEFAULT_STAGES.read_text())
               if d and d["metadata"]["name"] != "pod-job-done"]
     stages += [d for d in yaml.safe_load_all((HERE / "stages" / "job-exits.yaml").read_text()) if d]
+    running = next(d for d in stages if d["metadata"]["name"] == "pod-running")
+    running["spec"]["selector"]["matchExpressions"].append(
+        {"key": ".spec.containers.[].image", "operator": "NotIn", "values": [MISSING_IMAGE]})
     # kwok also serves the pod log API (as a kubelet would) with a fixed log for every
     # training replica, so that logs are read through the API server as on a real cluster
     d = tmp_path_factory.mktemp("kwok")
@@ -374,6 +378,19 @@ async def test_a_pod_the_namespace_quota_refuses_removes_the_job(cp, backend, le
         await eventually(lambda: items(cp, ns, what, "gpulab.io/job=refused") == [],
                          what=f"no {what} of the refused job")
     assert [a.holder for a in ledger.open_allocations(user=u)] == ["first"]
+
+
+async def test_an_image_that_cannot_be_pulled_is_said_in_words(cp, backend, ledger):
+    u = user()
+    ledger.set_quota("user", u, Quota(max_gpus=8), actor="admin")
+    spec = parse_spec({"name": "img", "strategy": "multi-worker-mirrored", "script": "t.py",
+                       "image": MISSING_IMAGE}, JobLimits(allowed_images=(MISSING_IMAGE,)))
+    await backend.submit(u, (), spec)
+    view = await eventually(lambda: (lambda v: v if v["state"] == "Starting" else None)(
+        backend.get(u, "img")), what="the job Starting")
+    assert view["replicas"][0]["reason"] == (
+        f"the image {MISSING_IMAGE} cannot be pulled (ErrImagePull)")
+    assert view["reason"] == f"worker-0: the image {MISSING_IMAGE} cannot be pulled (ErrImagePull)"
 
 
 async def test_users_are_kept_apart_and_bad_specs_never_reach_the_cluster(cp, backend, ledger):
