@@ -57,6 +57,11 @@ SOURCE_MOUNT = "/gpulab/job-source"
 SOURCE_PROGRAM = f"{SOURCE_MOUNT}/source.py"
 TF_PORT = 2222
 INDEX_ENV = "GPULAB_TASK_INDEX"
+#: a replica's command (then the program and its arguments): the job folder and its logs/ are
+#: made by the container's own user (not by the container runtime as root, which a shared
+#: NFS volume would refuse or leave unwritable), then the runtime runs in the job folder
+REPLICA_COMMAND = ["sh", "-c", 'mkdir -p "$GPULAB_JOB_DIR/logs" && cd "$GPULAB_JOB_DIR" && '
+                   'exec python -m gpulab.extensions.runtime "$@"', "gpulab-replica"]
 _INDEX_FIELD = f"metadata.annotations['{INDEX_LABEL}']"
 _TFJOB_ROLES = {"chief": "Chief", "ps": "PS", "worker": "Worker", "evaluator": "Evaluator"}
 
@@ -106,7 +111,7 @@ def _resources(spec: JobSpec, role: str) -> dict[str, dict[str, str]]:
     return out
 
 
-def _pod_spec(*, spec: JobSpec, role: str, image: str, program: str, job_dir: str,
+def _pod_spec(*, spec: JobSpec, role: str, image: str, program: str, user_dir: str,
               gpu_model: str | None, shared_volume: Mapping[str, Any] | None, shared_mount: str,
               user_subpath: str, datasets_subpath: str | None, env: list[dict],
               port: int) -> dict:
@@ -118,8 +123,8 @@ def _pod_spec(*, spec: JobSpec, role: str, image: str, program: str, job_dir: st
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": image,
-        "command": ["python", "-m", "gpulab.extensions.runtime", program, *spec.args],
-        "workingDir": job_dir,
+        "command": [*REPLICA_COMMAND, program, *spec.args],
+        "workingDir": user_dir,
         "env": [*env, *({"name": k, "value": v} for k, v in shared["environment"].items()
                         if k not in {e["name"] for e in env}),
                 *({"name": k, "value": v.replace("$(", "$$(")} for k, v in spec.env.items())],
@@ -211,7 +216,7 @@ def make_training_job_objects(
             {"name": "GPULAB_USER_DIR", "value": user_dir},
             {"name": "PYTHONUNBUFFERED", "value": "1"},
         ]
-        pod = _pod_spec(spec=spec, role=role, image=image, program=program, job_dir=job_dir,
+        pod = _pod_spec(spec=spec, role=role, image=image, program=program, user_dir=user_dir,
                         gpu_model=gpu_model, shared_volume=shared_volume,
                         shared_mount=shared_mount, user_subpath=user_subpath,
                         datasets_subpath=datasets_subpath, env=env, port=port)
@@ -271,7 +276,7 @@ def make_tfjob(
             {"name": "GPULAB_USER_DIR", "value": user_dir},
             {"name": "PYTHONUNBUFFERED", "value": "1"},
         ]
-        pod = _pod_spec(spec=spec, role=role, image=image, program=program, job_dir=job_dir,
+        pod = _pod_spec(spec=spec, role=role, image=image, program=program, user_dir=user_dir,
                         gpu_model=gpu_model, shared_volume=shared_volume,
                         shared_mount=shared_mount, user_subpath=user_subpath,
                         datasets_subpath=datasets_subpath, env=env, port=port)

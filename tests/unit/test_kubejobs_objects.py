@@ -4,7 +4,7 @@ import json
 import re
 
 from gpulab.hub.jobspec import parse_spec
-from gpulab.hub.kubejobs_objects import make_tfjob, make_training_job_objects
+from gpulab.hub.kubejobs_objects import REPLICA_COMMAND, make_tfjob, make_training_job_objects
 
 PS_SPEC = {
     "name": "digits", "strategy": "parameter-server",
@@ -101,9 +101,11 @@ def test_worker_job_literal():
                     "containers": [{
                         "name": "tensorflow",
                         "image": "gpulab/singleuser:1",
-                        "command": ["python", "-m", "gpulab.extensions.runtime",
+                        "command": ["sh", "-c", 'mkdir -p "$GPULAB_JOB_DIR/logs" && '
+                                    'cd "$GPULAB_JOB_DIR" && exec python -m '
+                                    'gpulab.extensions.runtime "$@"', "gpulab-replica",
                                     "/gpulab/shared/users/ann/train.py", "--epochs", "3"],
-                        "workingDir": "/gpulab/shared/users/ann/jobs/digits",
+                        "workingDir": "/gpulab/shared/users/ann",
                         "env": env_of("worker", tf_config),
                         "ports": [{"name": "tf", "containerPort": 2222}],
                         "resources": {"requests": {"cpu": "4", "memory": "8Gi"},
@@ -192,8 +194,8 @@ def test_tfjob_literal():
             "automountServiceAccountToken": False, "enableServiceLinks": False,
             "containers": [{
                 "name": "tensorflow", "image": "img:1",
-                "command": ["python", "-m", "gpulab.extensions.runtime", "/p/train.py"],
-                "workingDir": "/p/jobs/digits",
+                "command": [*REPLICA_COMMAND, "/p/train.py"],
+                "workingDir": "/p",
                 "env": [{"name": "GPULAB_STRATEGY", "value": "parameter-server"},
                         {"name": "GPULAB_JOB_NAME", "value": "digits"},
                         {"name": "GPULAB_JOB_DIR", "value": "/p/jobs/digits"},
@@ -227,3 +229,16 @@ def test_a_parameter_server_chief_failing_with_its_own_error_is_not_retried():
     chief, ps = build()[1:3]
     assert chief["spec"]["podFailurePolicy"]["rules"][1]["onExitCodes"]["values"] == [1, 2]
     assert ps["spec"]["podFailurePolicy"]["rules"][1]["onExitCodes"]["values"] == [2]
+
+
+def test_the_replica_command_makes_the_job_folder_and_runs_there(tmp_path):
+    """The shell part of the command, run for real (the runtime itself replaced by echo)."""
+    import os
+    import subprocess
+
+    script = REPLICA_COMMAND[2].replace("exec python -m gpulab.extensions.runtime", "echo $PWD")
+    job_dir = tmp_path / "users" / "ann" / "jobs" / "digits"
+    out = subprocess.run(["sh", "-c", script, "gpulab-replica", "/p/train.py", "--x", "a b"],
+                         env={**os.environ, "GPULAB_JOB_DIR": str(job_dir)}, cwd=tmp_path,
+                         capture_output=True, text=True, check=True).stdout
+    assert out == f"{job_dir} /p/train.py --x a b\n" and (job_dir / "logs").is_dir()
