@@ -309,6 +309,29 @@ async def test_a_chief_failing_with_its_own_error_fails_the_job_at_once(cp, back
     assert ledger.open_allocations(user=u) == []
 
 
+async def test_a_restarted_service_picks_its_running_jobs_up(cp, backend, ledger):
+    u = user()
+    ledger.set_quota("user", u, Quota(max_gpus=8), actor="admin")
+    job = await backend.submit(u, (), mw_spec("survivor", workers=2))
+    ns = job["namespace"]
+    await eventually(lambda: (lambda v: v if v["state"] == "Running" else None)(
+        backend.get(u, "survivor")), what="the job Running")
+    await backend.shutdown()  # the service goes away; the job runs on
+    again = KubeJobBackend(ledger, config=backend.config)
+    again.recover()
+    assert [a.holder for a in ledger.open_allocations(user=u)] == ["survivor"]
+    again.ensure_supervisor()
+    try:
+        for p in running_pods(cp, ns, "survivor"):
+            end_pod(cp, p, 0)
+        view = await eventually(lambda: (lambda v: v if v["state"] == "Succeeded" else None)(
+            again.get(u, "survivor")), what="the job Succeeded")
+        assert view["reason"] == "all workers finished"
+        assert ledger.open_allocations(user=u) == []
+    finally:
+        await again.shutdown()
+
+
 async def test_stop_removes_every_object(cp, backend, ledger):
     u = user()
     ledger.set_quota("user", u, Quota(max_gpus=8), actor="admin")
