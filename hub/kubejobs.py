@@ -23,13 +23,28 @@ Watching
 
 Lifecycle
     A failed replica is replaced by the Job controller while ``backoffLimit`` (the spec's
-    ``retries``) lasts; ``activeDeadlineSeconds`` is ``max_runtime``. A parameter-server job
+    ``retries``) lasts, except what the pod failure policy (`pod_failure_policy
+    <gpulab.hub.kubejobs_objects.pod_failure_policy>`) fails at once: a bad configuration,
+    a parameter-server chief's own error. Unlike the local backend, a failed multi-worker
+    replica is replaced alone; its peers, having lost it, exit with the runtime's lost-cluster
+    code and are replaced in turn (resuming from the last checkpoint).
+    ``activeDeadlineSeconds`` is ``max_runtime``. A parameter-server job
     succeeds when its chief's Job completes; a multi-worker job when its worker Job completes.
     Its other role Jobs are then deleted (their pods by garbage collection), the finished Job
     and its pods stay for their logs until the job's parent is deleted. A role Job that fails
     fails the job and the others are deleted. Replicas that stay unschedulable longer than
-    ``unschedulable_timeout`` remove the whole job (its parent) with the reason in words. Stop
+    ``unschedulable_timeout`` (or whose pods the cluster never makes: a namespace quota or a
+    policy refusing them) remove the whole job (its parent) with the reason in words. Stop
     deletes the parent. Every ending releases the job's GPUs in the ledger.
+
+Logs
+    ``read_log`` reads the replica's newest pod's log through the pod log API (what the
+    container wrote to stdout and stderr). A job's progress line is not read from there (it
+    would take a request per status read): the view's ``progress`` is None.
+
+After a restart of the service, `recover` closes the allocations of jobs that no longer run;
+the reconciler picks the running jobs up from the watches (a job whose objects are gone is
+marked Failed, lost).
 """
 
 from __future__ import annotations
