@@ -19,7 +19,9 @@ mkdir -p "$GPULAB_HOME"
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
 spec="$repo"; [ -n "${GPULAB_EXTRAS:-}" ] && spec="$repo[$GPULAB_EXTRAS]"
-"$venv/bin/python" -m pip install -q "$spec"
+# gpulab's direct dependencies at the versions the images install (images/pin.py writes them)
+"$venv/bin/python" -m pip install -q "$spec" \
+  -c "$repo/images/requirements.txt" -c "$repo/images/requirements-tf.txt"
 # Always reinstall gpulab itself (the source changes; the version number does not).
 "$venv/bin/python" -m pip install -q --no-deps --force-reinstall "$repo"
 chp_version=5.3.0
