@@ -31,7 +31,11 @@ def values():
 def test_spawner_settings_are_traits(values):
     config = values["hub"]["config"]
     assert config["JupyterHub"]["spawner_class"] == "gpulab.spawner.kube.KubeGPUSpawner"
-    for cls, section in ((KubeGPUSpawner, "KubeGPUSpawner"), (GPULedger, "GPULedger")):
+    from gpulab.hub.jobspec import GPUJobs
+    from gpulab.hub.kubejobs import KubeJobBackend
+
+    for cls, section in ((KubeGPUSpawner, "KubeGPUSpawner"), (GPULedger, "GPULedger"),
+                         (GPUJobs, "GPUJobs"), (KubeJobBackend, "KubeJobBackend")):
         traits = cls.class_traits(config=True)
         unknown = sorted(set(config[section]) - set(traits))
         assert not unknown, f"{section}: {unknown} are not settings"
@@ -202,6 +206,15 @@ def test_extra_config_adds_the_gpulab_service_and_its_roles(hub_config, values):
     limits = json.loads(env["GPULAB_JOB_LIMITS"])
     assert limits["allowed_images"] == values["hub"]["config"]["GPUJobs"]["allowed_images"]
     assert gpulab["oauth_client_allowed_scopes"] == [ADMIN_SCOPE]
+    # training jobs: the Kubernetes backend, in the notebook image, in the spawner's namespaces
+    assert env["GPULAB_JOB_BACKEND"] == "kubernetes"
+    kube_jobs = json.loads(env["GPULAB_KUBE_JOBS"])
+    spawner = values["hub"]["config"]["KubeGPUSpawner"]
+    assert kube_jobs["image"] == values["singleuser"]["image"]["name"] + ":" + \
+        values["singleuser"]["image"]["tag"]
+    assert kube_jobs["image"] in limits["allowed_images"]
+    assert kube_jobs["namespace_template"] == spawner["user_namespace_template"]
+    assert kube_jobs["shared_volume"] == spawner["shared_volume"]
     # every key is a field of JupyterHub's Service, with a valid value (as init_services checks)
     fields = Service.class_traits()
     for key, value in gpulab.items():
