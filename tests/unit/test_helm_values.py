@@ -11,6 +11,7 @@ import pytest
 import yaml
 from jupyterhub.services.service import Service
 from kubespawner import KubeSpawner
+from traitlets import HasTraits
 from traitlets.config import Config
 
 from gpulab.hub.config import ADMIN_GROUP
@@ -34,13 +35,14 @@ def test_spawner_settings_are_traits(values):
     from gpulab.hub.jobspec import GPUJobs
     from gpulab.hub.kubejobs import KubeJobBackend
 
+    obj = HasTraits()  # container traits validate against some instance
     for cls, section in ((KubeGPUSpawner, "KubeGPUSpawner"), (GPULedger, "GPULedger"),
                          (GPUJobs, "GPUJobs"), (KubeJobBackend, "KubeJobBackend")):
         traits = cls.class_traits(config=True)
         unknown = sorted(set(config[section]) - set(traits))
         assert not unknown, f"{section}: {unknown} are not settings"
         for name, value in config[section].items():
-            traits[name].validate(None, value)  # TraitError when the value is malformed
+            traits[name].validate(obj, value)  # TraitError when the value is malformed
 
 
 def test_profiles_parse_and_home_storage_is_the_spawners(values):
