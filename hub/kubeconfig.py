@@ -10,7 +10,8 @@ with ``c`` and ``get_config`` in scope. ``helm-values/values.yaml`` has one such
 
 `kubernetes_config` then adds what the local builder (`gpulab.hub.config`) gives ``gpulab up``:
 KubeGPUSpawner, the quota ledger on PostgreSQL, the gpulab service (run by the hub, in the hub
-pod) with its roles and scope, the hub's "GPUs" link and the first admin. Services and
+pod) with its roles and scope, the hub's "GPUs" link, the first admin, and the service's
+address for notebook servers (``GPULAB_SERVICE_URL``). Services and
 roles the operator put in ``hub.services`` / ``hub.loadRoles`` under the same names are kept:
 service keys the operator set win, and role members and scopes are joined.
 """
@@ -142,4 +143,19 @@ def kubernetes_config(
     if first_admin:
         admins = set(c.Authenticator.get("admin_users", set()))
         c.Authenticator.admin_users = admins | {first_admin}
+    # notebook servers (the gpulab client and widgets) reach the service through the hub's
+    # Service, whose extra port 8002 leads to the service in the hub pod (values.yaml:
+    # hub.service.extraPorts); not through the proxy, whose public side may be HTTPS only
+    env = dict(c.KubeSpawner.get("environment", {}))
+    env.setdefault("GPULAB_SERVICE_URL", service_url_for_servers(service_port))
+    c.KubeSpawner.environment = env
     return c
+
+
+def service_url_for_servers(service_port: int = SERVICE_PORT, environ=None) -> str:
+    """``http://hub.<namespace>.svc.cluster.local:<port>/services/gpulab/``: the gpulab
+    service as pods in other namespaces reach it (``$POD_NAMESPACE`` is the chart's namespace,
+    set in the hub pod by the chart)."""
+    environ = os.environ if environ is None else environ
+    namespace = environ.get("POD_NAMESPACE", "default")
+    return f"http://hub.{namespace}.svc.cluster.local:{service_port}/services/{SERVICE_NAME}/"

@@ -176,7 +176,8 @@ LEDGER = "postgresql+psycopg://gpulab:pw@postgres.gpulab.svc.cluster.local:5432/
 
 @pytest.fixture(scope="module")
 def hub_config(chart_values):
-    return run_chart_config(chart_values, {"GPULAB_LEDGER_URL": LEDGER, "POD_IP": "10.1.2.3"})
+    return run_chart_config(chart_values, {"GPULAB_LEDGER_URL": LEDGER, "POD_IP": "10.1.2.3",
+                                           "POD_NAMESPACE": "gpulab"})
 
 
 def test_extra_config_makes_the_kube_spawner_and_the_ledger(hub_config, values):
@@ -208,6 +209,11 @@ def test_extra_config_adds_the_gpulab_service_and_its_roles(hub_config, values):
     limits = json.loads(env["GPULAB_JOB_LIMITS"])
     assert limits["allowed_images"] == values["hub"]["config"]["GPUJobs"]["allowed_images"]
     assert gpulab["oauth_client_allowed_scopes"] == [ADMIN_SCOPE]
+    # notebook servers find the service through the hub's Service and its extra port
+    url = c.KubeSpawner.environment["GPULAB_SERVICE_URL"]
+    assert url == f"http://hub.gpulab.svc.cluster.local:{SERVICE_PORT}/services/gpulab/"
+    assert {"name": "gpulab", "port": SERVICE_PORT, "targetPort": SERVICE_PORT} in \
+        values["hub"]["service"]["extraPorts"]
     # training jobs: the Kubernetes backend, in the notebook image, in the spawner's namespaces
     assert env["GPULAB_JOB_BACKEND"] == "kubernetes"
     kube_jobs = json.loads(env["GPULAB_KUBE_JOBS"])
