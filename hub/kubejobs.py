@@ -551,17 +551,23 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
             ns, service, _request_timeout=self.request_timeout)
         uid = created.metadata.uid
         objects = make_training_job_objects(**common, parent_uid=uid)[1:]
+        creating = []
         if spec.source is not None:
             cm = make_source_configmap(spec=spec, namespace=ns, user_label=self.user_label(user),
                                        parent_uid=uid)
-            self.api_requests += 1
-            await self.core.create_namespaced_config_map(ns, cm,
-                                                         _request_timeout=self.request_timeout)
+            creating.append(self.core.create_namespaced_config_map(
+                ns, cm, _request_timeout=self.request_timeout))
             for job in objects:
                 mount_source(job["spec"]["template"]["spec"], job=spec.name)
-        for job in objects:
-            self.api_requests += 1
-            await self.batch.create_namespaced_job(ns, job, _request_timeout=self.request_timeout)
+        creating += [self.batch.create_namespaced_job(ns, job, _request_timeout=self.request_timeout)
+                     for job in objects]
+        # all at once: the owner exists, and a pod waits for its ConfigMap by itself. If one
+        # fails, submit deletes the parent and garbage collection the rest.
+        self.api_requests += len(creating)
+        results = await asyncio.gather(*creating, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
 
     # -- stop and deletion ---------------------------------------------------------------
 
