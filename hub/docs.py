@@ -74,6 +74,8 @@ def _cli_section() -> str:
 def config_reference() -> str:
     from gpulab.hub.auth import GpulabAuthenticator
     from gpulab.hub.jobspec import GPUJobs
+    from gpulab.hub.kubejobs import KubeJobBackend
+    from gpulab.spawner.kube import KubeGPUSpawner
     from gpulab.spawner import GPUInventory, GPULedger, LocalGPUSpawner
 
     parts = [
@@ -86,5 +88,7 @@ def config_reference() -> str:
         _trait_section(GPULedger),
         _trait_section(GpulabAuthenticator),
         _trait_section(GPUJobs),
+        _trait_section(KubeGPUSpawner),
+        _trait_section(KubeJobBackend),
     ]
     return "\n".join(parts).rstrip() + "\n"

@@ -23,7 +23,9 @@ def apply_strict(cp, objects: list[dict], *, dry_run: bool = False) -> str:
     text = yaml.safe_dump_all(objects)
     args = ["apply", "--server-side", "--validate=strict", "--field-manager=gpulab-test", "-f", "-"]
     if dry_run:
-        args.append("--dry-run=server")
+        # other tests on the same control plane apply the same objects with their own
+        # field manager; a dry run validates without taking their fields over
+        args += ["--dry-run=server", "--force-conflicts"]
     return cp.kubectl(*args, input=text).stdout
 
 
