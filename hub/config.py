@@ -105,7 +105,7 @@ def local_essentials(s: LocalSettings) -> Config:
                 "command": [
                     sys.executable,
                     "-m",
-                    "jupyterhub_idle_culler",
+                    "gpulab.hub.culler",  # jupyterhub-idle-culler, ending with the hub
                     f"--timeout={s.idle_timeout}",
                     f"--cull-every={every}",
                 ],

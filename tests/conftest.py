@@ -33,11 +33,30 @@ def workdir():
     shutil.rmtree(d, ignore_errors=True)
 
 
+def end_jobs_of(data_dir: Path) -> None:
+    """Kill the training replicas started under `data_dir` (jobs outlive `gpulab up` by
+    design, so a test's hub leaves a job that a failed test did not finish)."""
+    import psutil
+
+    procs = []
+    for p in psutil.process_iter(["environ"]):
+        job_dir = (p.info["environ"] or {}).get("GPULAB_JOB_DIR", "")
+        if job_dir.startswith(str(data_dir) + os.sep):
+            procs.append(p)
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
 @pytest.fixture(scope="module")
 def hub(workdir, prefix):
     h = Hub(workdir / "data", "--simulated-gpus", "4", "--user-prefix", prefix).start()
     yield h
     h.stop()
+    end_jobs_of(h.data_dir)
 
 
 @pytest.fixture(scope="module")

@@ -47,3 +47,22 @@ def test_idle_server_is_culled_and_its_gpus_come_back(users, hub):
     assert "idle-culler" in culler_log
     assert bob.start_server("", {"profile": "gpu-2"}).status_code in (201, 202)
     bob.stop_server()
+
+
+def test_the_culler_and_the_service_end_when_the_hub_is_killed(hub):
+    import signal
+
+    import psutil
+
+    hub_proc = psutil.Process(hub.proc.pid)
+    managed = [p for p in hub_proc.children()
+               if any(m in " ".join(p.cmdline()) for m in ("gpulab.hub.culler",
+                                                             "gpulab.hub.service"))]
+    assert len(managed) == 2, [p.cmdline() for p in hub_proc.children()]
+    hub.proc.send_signal(signal.SIGKILL)
+    hub.proc.wait(10)
+    _, alive = psutil.wait_procs(managed, timeout=15)
+    assert not alive, [p.cmdline() for p in alive]
+    # the proxy outlives its hub by design (a new `gpulab up` adopts it): end it here
+    proxy = int((hub.data_dir / "proxy.pid").read_text())
+    psutil.Process(proxy).terminate()
