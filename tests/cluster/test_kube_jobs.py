@@ -35,7 +35,7 @@ pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 RBAC = ROOT / "helm-values" / "rbac.yaml"
-TFJOB_CRD = ROOT.parent / "shared" / "reference" / "kubeflow" / "kubeflow.org_tfjobs.yaml"
+TFJOB_CRD = ROOT / "tests" / "reference" / "kubeflow" / "kubeflow.org_tfjobs.yaml"
 HUB_NAMESPACE = "gpulab-hub-test"
 SHARED = {"nfs": {"server": "nfs.invalid", "path": "/gpulab"}}
 REPLICA_LOG = "step 1\nGPULAB_PROGRESS {\"step\": 1, \"total\": 10}\nstep 2\n"

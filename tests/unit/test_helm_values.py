@@ -69,7 +69,8 @@ def test_rbac_binds_the_hub_service_account_to_the_cluster_role():
 
 # -- the values as the chart sees them: its schema, and its jupyterhub_config.py
 
-Z2JH = Path(__file__).resolve().parents[3] / "shared" / "reference" / "z2jh"
+# the chart's files, copied unchanged from ../shared/reference/ (see tests/reference/README.md)
+Z2JH = Path(__file__).resolve().parents[1] / "reference" / "z2jh"
 MANIFESTS = ("rbac.yaml", "shared-volume-nfs.yaml", "networkpolicy-jobs.yaml")
 
 
