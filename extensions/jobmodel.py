@@ -15,7 +15,7 @@ import re
 import secrets
 import textwrap
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 from urllib.parse import quote

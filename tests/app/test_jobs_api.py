@@ -332,7 +332,7 @@ def test_cli_submit_follow_list_show_logs_stop(hub, users, workdir):
 
     spec = workdir / "spec.yaml"
     spec.write_text("name: cli-two\nstrategy: multi-worker-mirrored\nreplicas: {worker: 1}\n"
-                    f"source: |\n" + "".join(f"  {line}\n" for line in SLEEPER.splitlines()))
+                    "source: |\n" + "".join(f"  {line}\n" for line in SLEEPER.splitlines()))
     r = gl("submit", str(spec), "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["name"] == "cli-two"

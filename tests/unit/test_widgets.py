@@ -7,7 +7,6 @@ tested in tests/app/test_client.py.
 """
 
 import sys
-import threading
 import time
 
 import comm
