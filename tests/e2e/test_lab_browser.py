@@ -6,6 +6,7 @@ import re
 import pytest
 
 from tests.conftest import PASSWORD
+from tests.e2e.notebook import run_cell, wait_for_kernel
 
 pytestmark = pytest.mark.e2e
 
@@ -27,12 +28,7 @@ def test_spawn_form_to_jupyterlab_with_widgets(page, hub, users):
 
     page.wait_for_url(re.compile(r".*/user/ann/lab.*"), timeout=90_000)
     page.locator(".jp-LauncherCard[data-category='Notebook']").first.click(timeout=60_000)
-    # a person waits for the kernel to be ready before running a cell (a cold kernel start
-    # takes a while on a loaded machine)
-    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(
-        timeout=120_000)
-    cell = page.locator(".jp-Notebook .jp-Cell .cm-content").first
-    cell.click()
+    wait_for_kernel(page)
     code = (
         "import os, ipywidgets as w\n"
         "s = w.IntSlider(value=3, description='gpus')\n"
@@ -41,13 +37,7 @@ def test_spawn_form_to_jupyterlab_with_widgets(page, hub, users):
         "s.observe(lambda ch: setattr(l, 'value', f\"moved to {ch['new']}\"), 'value')\n"
         "w.VBox([s, l])"
     )
-    page.keyboard.type(code)
-    # what the editor holds is what was typed (no lost or auto-inserted characters)
-    typed = page.evaluate(
-        "() => Array.from(document.querySelector('.jp-Notebook .jp-Cell .cm-content')"
-        ".querySelectorAll('.cm-line')).map(l => l.textContent).join('\\n')")
-    assert typed == code, typed
-    page.keyboard.press("Shift+Enter")
+    run_cell(page, code, 0)
     slider = page.locator(".jp-OutputArea .widget-slider").first
     error = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
     page.locator(".jp-OutputArea .widget-slider, "

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import PASSWORD
+from tests.e2e.notebook import run, run_cell, type_into, wait_for_kernel
 
 pytestmark = [pytest.mark.e2e, pytest.mark.tf]
 
@@ -33,30 +34,6 @@ def login(page, hub, name):
     page.fill("input[name=username]", name)
     page.fill("input[name=password]", PASSWORD)
     page.click("input[type=submit], button[type=submit]")
-
-
-def run_cell(page, code: str, index: int):
-    """Type `code` (flat lines) into the notebook's cell `index` and run it; wait until the
-    kernel took it (its prompt gets a number). Run it once more if a just-started kernel
-    dropped the request, as a person would."""
-    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
-    cell.locator(".cm-content").click()
-    page.keyboard.type(code)
-    for attempt in range(2):
-        cell.locator(".cm-content").click()
-        page.keyboard.press("Control+Enter")
-        prompt = cell.locator(".jp-InputPrompt").filter(has_text=re.compile(r"\[[0-9*]+\]"))
-        try:
-            prompt.wait_for(timeout=30_000)
-            break
-        except Exception:
-            if attempt:
-                raise
-    # move on to a fresh cell below for the next one
-    if page.locator(".jp-Notebook .jp-Cell").count() == index + 1:
-        page.keyboard.press("Escape")
-        page.keyboard.press("b")
-    return cell
 
 
 def state_of(view):
@@ -84,9 +61,7 @@ def test_train_from_a_notebook_watch_it_and_see_tensorboard(page, hub, users):
     shot(page, "launcher.png")
 
     page.locator(".jp-LauncherCard[data-category='Notebook']").first.click(timeout=60_000)
-    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(
-        timeout=120_000)
-    page.locator(".jp-StatusBar-Widget", has_text="Idle").first.wait_for(timeout=120_000)
+    wait_for_kernel(page)
     out = run_cell(page, "from gpulab.extensions import TrainingLauncher\n"
                          "TrainingLauncher(name='digits-nb', ps=1, workers=2, gpus=1)", 0)
     launcher = out.locator(".gpulab-launcher")
@@ -159,9 +134,8 @@ def test_train_from_a_notebook_watch_it_and_see_tensorboard(page, hub, users):
     cells.last.locator(".cm-content").click()
     page.keyboard.press("Escape")
     page.keyboard.press("b")  # a new cell below
-    page.keyboard.press("Enter")
-    page.keyboard.type("from gpulab.extensions import JobsList\nJobsList()")
-    page.keyboard.press("Shift+Enter")
+    type_into(page, cells.last, "from gpulab.extensions import JobsList\nJobsList()")
+    run(page, cells.last)
     rows = page.locator(".gpulab-jobslist .gpulab-job-row")
     rows.filter(has_text="digits-nb").first.wait_for(timeout=120_000)
     assert rows.filter(has_text="sleeper").count() >= 1
