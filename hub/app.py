@@ -39,15 +39,22 @@ class GpulabHub(JupyterHub):
                 essentials.JupyterHub.get("load_roles", []), file_roles
             )
             self.update_config(essentials)
-        # the service checks job specs against the limits set in the operator's file
+        # the service checks job specs against the limits set in the operator's file, and
+        # reconciles notebook allocations as often as it says
         from .jobspec import GPUJobs
         from .service import SERVICE_NAME
 
+        from gpulab.spawner.mixin import GPULedger
+
+        from .service import RECONCILE_ENV
+
         limits = GPUJobs(config=self.config).limits_json()
+        reconcile = str(GPULedger(config=self.config).reconcile_interval)
         services = []
         for service in self.services:
             if service.get("name") == SERVICE_NAME:
-                env = {**service.get("environment", {}), "GPULAB_JOB_LIMITS": limits}
+                env = {**service.get("environment", {}), "GPULAB_JOB_LIMITS": limits,
+                       RECONCILE_ENV: reconcile}
                 service = {**service, "environment": env}
             services.append(service)
         self.services = services

@@ -23,7 +23,7 @@ from pathlib import Path
 from traitlets.config import Config
 
 from .config import gpulab_roles
-from .service import ADMIN_SCOPE, SERVICE_NAME
+from .service import ADMIN_SCOPE, RECONCILE_ENV, SERVICE_NAME
 
 SPAWNER_CLASS = "gpulab.spawner.kube.KubeGPUSpawner"
 #: the port of the gpulab service in the hub pod (the proxy reaches it at the pod's IP)
@@ -34,6 +34,7 @@ POD_IP_ENV = "POD_IP"
 
 def gpulab_kube_service(*, ledger_url: str, service_ip: str, service_port: int = SERVICE_PORT,
                         job_limits: str | None = None, kube_jobs: str | None = None,
+                        reconcile_interval: float | None = None,
                         python: str = "python3") -> dict:
     """The gpulab service as a process the hub runs in its own pod.
 
@@ -46,6 +47,8 @@ def gpulab_kube_service(*, ledger_url: str, service_ip: str, service_port: int =
     }
     if job_limits is not None:
         env["GPULAB_JOB_LIMITS"] = job_limits
+    if reconcile_interval is not None:
+        env[RECONCILE_ENV] = str(reconcile_interval)
     if kube_jobs is not None:  # training jobs as Kubernetes Jobs (gpulab.hub.kubejobs)
         env["GPULAB_JOB_BACKEND"] = "kubernetes"
         env["GPULAB_KUBE_JOBS"] = kube_jobs
@@ -129,10 +132,13 @@ def kubernetes_config(
 
     from .kubejobs import backend_settings
 
+    from gpulab.spawner.mixin import GPULedger
+
     limits = GPUJobs(config=c).limits_json()
     service = gpulab_kube_service(ledger_url=ledger_url, service_ip=service_ip,
                                   service_port=service_port, job_limits=limits,
-                                  kube_jobs=backend_settings(c))
+                                  kube_jobs=backend_settings(c),
+                                  reconcile_interval=GPULedger(config=c).reconcile_interval)
     c.JupyterHub.services = _merge_named(list(c.JupyterHub.get("services", [])), [service],
                                          _merge_service)
     roles = gpulab_roles(first_admin or "")

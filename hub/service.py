@@ -26,7 +26,7 @@ from jupyterhub.services.auth import HubOAuth, HubOAuthCallbackHandler, HubOAuth
 from jupyterhub.utils import url_path_join
 from tornado import web
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
-from tornado.ioloop import IOLoop
+from tornado.ioloop import IOLoop, PeriodicCallback
 
 from .ledger import AdmissionRefused, Ledger
 from .policy import QuotaError, parse_quota
@@ -59,21 +59,36 @@ class HubDirectory:
         resp = await AsyncHTTPClient().fetch(req)
         return json.loads(resp.body)
 
+    async def _all_users(self) -> list[dict]:
+        """Every user model the hub lists, page by page (active servers only)."""
+        models, offset = [], 0
+        while True:
+            page = await self._get(f"/users?offset={offset}&limit=200&include_stopped_servers=0")
+            items = page["items"] if isinstance(page, dict) else page
+            models.extend(items)
+            if not isinstance(page, dict) or not page.get("_pagination", {}).get("next"):
+                return models
+            offset = page["_pagination"]["next"]["offset"]
+
     async def users(self) -> list[dict]:
         async with self._lock:
             if self._cache and time.monotonic() - self._cache[0] < self.ttl:
                 return self._cache[1]
-            users, offset = [], 0
-            while True:
-                page = await self._get(f"/users?offset={offset}&limit=200&include_stopped_servers=0")
-                items = page["items"] if isinstance(page, dict) else page
-                users.extend({"name": u["name"], "groups": sorted(u.get("groups", [])),
-                              "admin": bool(u.get("admin"))} for u in items)
-                if not isinstance(page, dict) or not page.get("_pagination", {}).get("next"):
-                    break
-                offset = page["_pagination"]["next"]["offset"]
+            users = [{"name": u["name"], "groups": sorted(u.get("groups", [])),
+                      "admin": bool(u.get("admin"))} for u in await self._all_users()]
             self._cache = (time.monotonic(), users)
             return users
+
+    async def active_servers(self) -> set[tuple[str, str]] | None:
+        """``(user, server)`` of every server the hub has running or starting or stopping
+        (``"default"`` for a user's default server, as the ledger names it), or None when the
+        hub does not show servers to this service's token (no ``read:servers``)."""
+        active = set()
+        for u in await self._all_users():
+            if "servers" not in u:
+                return None
+            active.update((u["name"], name or "default") for name in u["servers"])
+        return active
 
     async def groups_of(self, name: str) -> list[str]:
         for u in await self.users():
@@ -528,6 +543,69 @@ def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirecto
     )
 
 
+RECONCILE_ENV = "GPULAB_RECONCILE_SECONDS"
+
+
+async def close_orphaned_notebooks(ledger: Ledger, directory: HubDirectory,
+                                   grace: float) -> list | None:
+    """Close the open notebook allocations whose server the hub no longer has.
+
+    A hub that stops or crashes in the middle of a spawn (a ``helm upgrade`` while a GPU image
+    is being pulled, the hub pod evicted) never learns that the server it was starting is gone,
+    so the GPUs admitted for it would stay held for ever. The hub's own list of servers is the
+    truth: an allocation whose ``(user, server)`` the hub does not list as running, starting or
+    stopping is closed. An allocation younger than ``grace`` seconds is left alone (it may
+    belong to a spawn that began after the hub's list was read). Returns the closed
+    allocations, or None when the hub's list could not be read (then nothing is closed).
+    """
+    try:
+        active = await directory.active_servers()
+    except Exception as e:  # the hub restarting: try again next time
+        log.warning("Could not list the hub's servers (%s); no notebook allocation closed", e)
+        return None
+    if active is None:
+        log.warning("The hub does not show servers to the gpulab service (no read:servers "
+                    "scope); notebook allocations of vanished servers are not closed")
+        return None
+    now = time.time()
+    closed = []
+    for a in ledger.open_allocations(kind="notebook"):
+        if (a.user, a.holder) in active or now - a.started_at < grace:
+            continue
+        done = ledger.release(a.id, "server gone: the hub no longer has it")
+        if done is not None:
+            log.warning("Closed the allocation of %s's server '%s' (%d GPUs): the hub no "
+                        "longer has that server", a.user, a.holder, a.gpus)
+            closed.append(done)
+    return closed
+
+
+def start_notebook_reconciler(ledger: Ledger, directory: HubDirectory,
+                              interval: float) -> PeriodicCallback | None:
+    """Run `close_orphaned_notebooks` every ``interval`` seconds (0: never); the grace for
+    young allocations is the interval, at least 30 s."""
+    if interval <= 0:
+        return None
+    grace = max(30.0, interval)
+    busy = False
+
+    async def tick():
+        nonlocal busy
+        if busy:
+            return
+        busy = True
+        try:
+            await close_orphaned_notebooks(ledger, directory, grace)
+        except Exception:
+            log.exception("Notebook allocation reconciler failed; retrying")
+        finally:
+            busy = False
+
+    pc = PeriodicCallback(tick, interval * 1000)
+    pc.start()
+    return pc
+
+
 def local_backend_from_env(ledger: Ledger):
     """The local job backend, from what `gpulab up` passes in the environment."""
     shared = os.environ.get("GPULAB_SHARED_DIR")
@@ -580,6 +658,7 @@ def main() -> None:
     if jobs is not None:
         jobs.recover()
         IOLoop.current().add_callback(jobs.ensure_supervisor)
+    start_notebook_reconciler(ledger, directory, float(os.environ.get(RECONCILE_ENV) or 60))
     app.listen(url.port, url.hostname)
     # The hub manages this process; if the hub dies (kill -9), go too, so that the next
     # `gpulab up` finds the port free and starts a fresh service.
@@ -589,8 +668,6 @@ def main() -> None:
         if os.getppid() != hub_pid:
             log.warning("The hub (pid %s) is gone; the gpulab service stops.", hub_pid)
             IOLoop.current().stop()
-
-    from tornado.ioloop import PeriodicCallback
 
     PeriodicCallback(exit_if_orphaned, 500).start()
     log.info("gpulab service at %s%s (ledger %s)", url.geturl(), prefix, ledger.engine.url.render_as_string(hide_password=True))

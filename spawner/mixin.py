@@ -19,7 +19,7 @@ from pathlib import Path
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from tornado import web
 
-from traitlets import Unicode
+from traitlets import Float, Unicode
 from traitlets.config import SingletonConfigurable
 
 from gpulab.hub.ledger import AdmissionRefused, Allocation, DeviceInfo, Ledger, Request
@@ -69,6 +69,14 @@ class GPULedger(SingletonConfigurable):
         "local",
         help="""Name of this hub's GPU pool in the ledger (``local`` for the embedded
         deployment, ``kubernetes`` for a cluster).""",
+    ).tag(config=True)
+
+    reconcile_interval = Float(
+        60.0,
+        help="""Seconds between two passes of the gpulab service over the open notebook
+        allocations, closing those whose server the hub no longer has (a hub stopped in the
+        middle of a spawn); 0 turns it off. Allocations younger than this (at least 30 s) are
+        left alone.""",
     ).tag(config=True)
 
     _ledger: Ledger | None = None

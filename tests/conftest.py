@@ -53,7 +53,13 @@ def end_jobs_of(data_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def hub(workdir, prefix):
-    h = Hub(workdir / "data", "--simulated-gpus", "4", "--user-prefix", prefix).start()
+    data = workdir / "data"
+    data.mkdir(mode=0o700)
+    # the operator's settings file: the service looks for vanished servers every 2 s (60 s by
+    # default) so that tests/app/test_service_api.py sees it happen
+    (data / "gpulab_config.py").write_text("c.GPULedger.reconcile_interval = 2\n")
+    (data / "gpulab_config.py").chmod(0o600)
+    h = Hub(data, "--simulated-gpus", "4", "--user-prefix", prefix).start()
     yield h
     h.stop()
     end_jobs_of(h.data_dir)

@@ -2,9 +2,12 @@
 through the API reaching the next spawn, and bad input refused with the field named."""
 
 import json
+import time
 
 import requests
 import pytest
+
+from gpulab.hub.ledger import Ledger, Request
 
 pytestmark = pytest.mark.app
 
@@ -71,6 +74,34 @@ def test_people_see_only_their_own(users, hub):
         assert set(usage["users"]) <= {"bob"} and usage["groups"] == {}
     finally:
         ann.stop_server("seen")
+
+
+def test_gpus_of_a_server_the_hub_lost_come_back(users, hub):
+    """A hub stopped in the middle of a spawn leaves an allocation whose server it no longer
+    has: the service closes it (after the grace for young ones); live servers keep theirs."""
+    ann, bob = users["ann"], users["bob"]
+    ledger = Ledger(f"sqlite:///{hub.data_dir / 'gpulab.sqlite'}", pool="local")
+    assert ann.start_server("live", {"profile": "gpu-1"}).status_code in (201, 202)
+    ann.wait_ready("live")
+    try:
+        # bob's spawn began two minutes ago and the hub never recorded it (crash mid-spawn)
+        lost = ledger.admit(Request(user="bob", kind="notebook", holder="default", gpus=1),
+                           now=time.time() - 120)
+        # and one of a spawn that is just beginning: within the grace, it is kept
+        young = ledger.admit(Request(user="bob", kind="notebook", holder="other", gpus=1))
+        assert [h["name"] for h in bob.service("GET", "me").json()["holdings"]] == [
+            "default", "other"]
+        deadline = time.time() + 30
+        while time.time() < deadline and ledger.get(lost.id).open:
+            time.sleep(0.5)
+        closed = ledger.get(lost.id)
+        assert not closed.open and "hub no longer has it" in closed.end_reason
+        assert ledger.get(young.id).open
+        assert [h["name"] for h in bob.service("GET", "me").json()["holdings"]] == ["other"]
+        assert [h["name"] for h in ann.service("GET", "me").json()["holdings"]] == ["live"]
+        ledger.release(young.id, "test over")
+    finally:
+        ann.stop_server("live")
 
 
 def test_quota_set_by_admin_reaches_the_next_spawn(users, admin, hub):

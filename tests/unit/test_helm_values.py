@@ -209,6 +209,8 @@ def test_extra_config_adds_the_gpulab_service_and_its_roles(hub_config, values):
     assert "GPULAB_SHARED_DIR" not in env  # no local job backend in the hub pod
     limits = json.loads(env["GPULAB_JOB_LIMITS"])
     assert limits["allowed_images"] == values["hub"]["config"]["GPUJobs"]["allowed_images"]
+    # the service closes the GPU allocations of servers the (stock) hub lost, every minute
+    assert env["GPULAB_RECONCILE_SECONDS"] == "60.0"
     assert gpulab["oauth_client_allowed_scopes"] == [ADMIN_SCOPE]
     # notebook servers find the service through the hub's Service and its extra port
     url = c.KubeSpawner.environment["GPULAB_SERVICE_URL"]
