@@ -111,7 +111,12 @@ def read_progress(job: JobRow, replica: str, tail: int = 64 * 1024) -> dict | No
         lines = safefs.read_tail(*_in_job(job.job_dir, "logs", f"{replica}.log"), tail)
     except OSError:
         return None
-    for line in reversed(lines.decode(errors="replace").splitlines()):
+    return last_progress(lines)
+
+
+def last_progress(log_text: bytes) -> dict | None:
+    """The last well-formed progress line (``GPULAB_PROGRESS {"step": …}``) of a log."""
+    for line in reversed(log_text.decode(errors="replace").splitlines()):
         if line.startswith(PROGRESS_PREFIX):
             try:
                 value = json.loads(line[len(PROGRESS_PREFIX):])
@@ -156,6 +161,7 @@ class JobBackend:
     - ``async submit(user, groups, spec) -> view``: admit the job's GPUs whole (or raise the
       ledger's refusal, or `JobError`), start it;
     - ``list(user | None)``, ``get(user, name) -> view | None``: from the ledger;
+      ``async detail(user, name)``: the view of one job someone is looking at;
     - ``read_log(user, name, replica, offset, limit) -> (bytes, size, done)`` (may be async);
     - ``async stop(user, name, actor) -> view``; ``recover()`` at start-up;
       ``ensure_supervisor()`` (with a running event loop); ``async shutdown()``.
@@ -185,6 +191,11 @@ class JobBackend:
             job = s.scalar(select(JobRow).where(JobRow.user == user, JobRow.name == name,
                                                 JobRow.backend == self.name))
             return self._view(job, self._load(s, job.id)[1], detail=True) if job else None
+
+    async def detail(self, user: str, name: str) -> dict | None:
+        """One job's view for someone looking at it (``GET jobs/<name>``): `get`, plus what
+        only such a look is worth fetching (a backend may override it)."""
+        return self.get(user, name)
 
     def _check_new_name(self, user: str, name: str) -> None:
         with self.ledger.Session() as s:

@@ -39,8 +39,10 @@ Lifecycle
 
 Logs
     ``read_log`` reads the replica's newest pod's log through the pod log API (what the
-    container wrote to stdout and stderr). A job's progress line is not read from there (it
-    would take a request per status read): the view's ``progress`` is None.
+    container wrote to stdout and stderr). A job's progress (its lead replica's last
+    ``GPULAB_PROGRESS`` line) is read from there only when someone looks at that one job
+    (``detail``, ``GET jobs/<name>``), at most once per ``progress_cache_seconds``; lists and
+    the reconciler never read logs, so watching costs the same however many jobs run.
 
 After a restart of the service, `recover` closes the allocations of jobs that no longer run;
 the reconciler picks the running jobs up from the watches (a job whose objects are gone is
@@ -68,7 +70,7 @@ from gpulab.spawner.kube import APPLY, FIELD_MANAGER, GPUQuotaMirror, api_messag
 from gpulab.spawner.kubeobjects import POD_SECURITY_LEVELS, make_user_namespace, parse_quota_refusal
 from gpulab.spawner.profiles import GPU_MODEL_LABEL, GPU_RESOURCE
 
-from .jobs import ACTIVE, FINAL, JobBackend, JobError, _job_view
+from .jobs import ACTIVE, FINAL, JobBackend, JobError, _job_view, _lead_replica, last_progress
 from .jobspec import ROLES, JobSpec
 from .kubejobs_objects import (
     CONTAINER,
@@ -87,6 +89,8 @@ from .ledger import JobRow, Ledger, ReplicaRow, Request
 log = logging.getLogger("gpulab.jobs.kube")
 
 _LABELS = dict(kv.split("=") for kv in SELECTOR.split(","))
+#: how much of the lead replica's log end a progress read fetches
+PROGRESS_TAIL_LINES = 200
 
 
 class _JobReflector(MultiNamespaceResourceReflector):
@@ -268,6 +272,10 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         (default 30; as KubeGPUSpawner's).""").tag(config=True)
     request_timeout = Float(30.0, help="Seconds an API request may take (default 30).").tag(
         config=True)
+    progress_cache_seconds = Float(5.0, help="""
+        Seconds a job's progress, read from its lead replica's log when someone looks at the
+        job, is reused (default 5): one log request per watched job and period, none for jobs
+        nobody watches.""").tag(config=True)
 
     @classmethod
     def from_settings(cls, ledger: Ledger, raw: str | None) -> KubeJobBackend:
@@ -291,6 +299,7 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         self._started = asyncio.Lock()
         self._deleted: set[tuple[str, str]] = set()
         self.api_requests = 0  # requests made outside the shared watches (bench/k8s_jobs.py)
+        self._progress: dict[str, tuple[float, dict | None]] = {}  # job id -> (read at, value)
 
     # -- clients and watches -------------------------------------------------------------
 
@@ -353,10 +362,44 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
     # -- queries -------------------------------------------------------------------------
 
     def _view(self, job, reps, detail: bool = False) -> dict:
-        view = _job_view(job, reps)  # progress lines are in the pods' logs, not read here
+        view = _job_view(job, reps)  # progress: only in `detail` (it costs a log request)
         view["progress"] = None
         view["namespace"] = self.namespace_of(job.user)
         return view
+
+    async def detail(self, user: str, name: str) -> dict | None:
+        """`get`, with the job's progress from its lead replica's log (cached)."""
+        view = self.get(user, name)
+        if view is None:
+            return None
+        view["progress"] = await self._read_progress(view)
+        return view
+
+    async def _read_progress(self, view: dict) -> dict | None:
+        cached = self._progress.get(view["id"])
+        if cached and (view["state"] in FINAL
+                       or time.monotonic() - cached[0] < self.progress_cache_seconds):
+            return cached[1]
+        lead = _lead_replica(view["spec"])
+        role, index = lead.rsplit("-", 1)
+        ns = view["namespace"]
+        pods = self._replica_pods(ns, view["name"]).get((role, int(index)))
+        value = cached[1] if cached else None
+        if pods and pods[-1].get("status", {}).get("phase") in ("Running", "Succeeded",
+                                                                 "Failed"):
+            try:
+                self.api_requests += 1
+                resp = await self.core.read_namespaced_pod_log(
+                    pods[-1]["metadata"]["name"], ns, container=CONTAINER,
+                    tail_lines=PROGRESS_TAIL_LINES, _preload_content=False,
+                    _request_timeout=self.request_timeout)
+                data = await resp.read()
+                if resp.status < 400:
+                    value = last_progress(data) or value
+            except Exception as e:  # progress is a nicety: never fail a status read for it
+                log.info("Progress of %s/%s not read: %s", ns, view["name"], e)
+        self._progress[view["id"]] = (time.monotonic(), value)
+        return value
 
     def _pods_of(self, namespace: str, job: str) -> list[dict]:
         pods = self._pods_r.resources.values() if self._pods_r else []

@@ -437,7 +437,10 @@ class JobsHandler(JobsBase):
 
 class JobHandler(JobsBase):
     async def get(self, name):
-        self.send(self.job_or_404(name))
+        job = await self.backend.detail(self.owner(), name)
+        if job is None:
+            raise web.HTTPError(404, f"You have no job named '{name}'.")
+        self.send(job)
 
 
 class JobStopHandler(JobsBase):

@@ -243,6 +243,15 @@ async def test_submit_creates_the_objects_runs_on_h100_and_chief_completion_succ
     text, size, _ = await backend.read_log(u, "digits", "worker-1", offset=7)
     assert text.decode() == REPLICA_LOG[7:] and size == len(REPLICA_LOG)
 
+    # progress comes from the chief's log, read only when someone looks at this job (the
+    # lists and the reconciler read no log), then reused for progress_cache_seconds
+    assert view["progress"] is None
+    before = backend.api_requests
+    assert (await backend.detail(u, "digits"))["progress"] == {"step": 1, "total": 10}
+    assert (await backend.detail(u, "digits"))["progress"] == {"step": 1, "total": 10}
+    assert backend.api_requests - before == 1
+    assert await backend.detail(user(), "digits") is None
+
     # the chief finishes: the job succeeds, ps and workers are removed, the GPUs released
     end_pod(cp, pod_of(cp, ns, "digits", "chief", 0), 0)
     view = await eventually(lambda: (lambda v: v if v["state"] == "Succeeded" else None)(
@@ -254,6 +263,8 @@ async def test_submit_creates_the_objects_runs_on_h100_and_chief_completion_succ
                               for p in items(cp, ns, "pods", "gpulab.io/job=digits")} == {"chief"},
                      what="ps and worker pods gone")
     assert ledger.open_allocations(user=u) == []
+    # the finished job keeps its last progress
+    assert (await backend.detail(u, "digits"))["progress"] == {"step": 1, "total": 10}
 
 
 async def test_a_failed_worker_is_retried_and_all_workers_finishing_succeeds(cp, backend, ledger):
