@@ -19,6 +19,15 @@ def _merge_named(first: list, second: list) -> list:
     return list(first) + [entry for entry in second if entry.get("name") not in names]
 
 
+def _merge_services(ours: list, theirs: list) -> list:
+    """gpulab's services, each with the environment the operator's entry of the same name
+    adds (gpulab's own variables win), then the operator's other services."""
+    extra = {entry.get("name"): entry.get("environment", {}) for entry in theirs}
+    merged = [{**entry, "environment": {**extra[entry["name"]], **entry.get("environment", {})}}
+              if extra.get(entry.get("name")) else entry for entry in ours]
+    return _merge_named(merged, theirs)
+
+
 class GpulabHub(JupyterHub):
     """JupyterHub whose command-line settings (from `gpulab up`) win over the config file."""
 
@@ -31,8 +40,9 @@ class GpulabHub(JupyterHub):
         file_roles = list(hub.get("load_roles", []))
         if self.gpulab_essentials is not None:
             essentials = Config(self.gpulab_essentials)
-            # the operator's services and roles are kept beside gpulab's own
-            essentials.JupyterHub.services = _merge_named(
+            # the operator's services and roles are kept beside gpulab's own (and variables
+            # the operator gives gpulab's service are added to its environment)
+            essentials.JupyterHub.services = _merge_services(
                 essentials.JupyterHub.get("services", []), file_services
             )
             essentials.JupyterHub.load_roles = _merge_named(

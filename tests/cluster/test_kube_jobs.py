@@ -27,6 +27,7 @@ from gpulab.hub.kubejobs import KubeJobBackend
 from gpulab.hub.ledger import Ledger, QuotaExceeded, Request
 from gpulab.hub.policy import Quota
 from gpulab.spawner.kube import GPUQuotaMirror
+from tests.app.hubctl import Hub
 
 from .conftest import _build
 from .controlplane import _CA, DEFAULT_STAGES, HERE, ControlPlane, free_port
@@ -500,3 +501,68 @@ async def test_exported_tfjobs_are_valid_against_the_kubeflow_crd(cp, tmp_path, 
     bad["spec"]["tfReplicaSpecs"]["Worker"]["replicas"] = "many"
     status, body = cp.api("POST", f"/apis/kubeflow.org/v1/namespaces/{ns}/tfjobs", bad)
     assert status == 422, body
+
+
+# -- the jobs API over HTTP, with this backend ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hub(workdir, prefix, cp, hub_kubeconfig):
+    """`gpulab up` whose gpulab service runs training jobs on this control plane (the
+    service's backend chosen as on Kubernetes, by its environment; the operator's settings
+    file adds those variables), so that users call the jobs API through the hub as they do
+    in a z2jh deployment. Its ledger is the local hub's (4 simulated GPUs)."""
+    settings = {"gpu_model": "NVIDIA-H100", "shared_volume": SHARED, "reconcile_interval": 0.2}
+    env = {"GPULAB_JOB_BACKEND": "kubernetes", "GPULAB_KUBE_JOBS": json.dumps(settings),
+           "KUBECONFIG": str(hub_kubeconfig)}
+    data = workdir / "data"
+    data.mkdir(mode=0o700)
+    (data / "gpulab_config.py").write_text(
+        f"c.JupyterHub.services = [{{'name': 'gpulab', 'environment': {env!r}}}]\n")
+    (data / "gpulab_config.py").chmod(0o600)
+    h = Hub(data, "--simulated-gpus", "4", "--user-prefix", prefix).start()
+    yield h
+    h.stop()
+
+
+async def test_over_http_users_cannot_see_stop_or_read_each_others_jobs(cp, hub, users, admin):
+    ann, bob = users["ann"], users["bob"]
+    spec = {"name": "apart", "strategy": "multi-worker-mirrored", "replicas": {"worker": 1},
+            "resources": {"worker": {"gpus": 1}}, "source": "print('hi')"}
+    r = ann.service("POST", "jobs", json=spec)
+    assert r.status_code == 201, r.text
+    job = r.json()
+    ns = job["namespace"]
+    assert job["backend"] == "kubernetes" and ns == "gpulab-ann"
+    await eventually(lambda: len(running_pods(cp, ns, "apart")) == 1, what="ann's replica")
+
+    # bob sees nothing of it, and can neither stop it nor read its log
+    assert bob.service("GET", "jobs").json()["jobs"] == []
+    for method, path in (("GET", "jobs/apart"), ("POST", "jobs/apart/stop"),
+                         ("GET", "jobs/apart/logs/worker-0")):
+        r = bob.service(method, path)
+        assert r.status_code == 404 and "ann" not in r.text, (method, path, r.text)
+        r = bob.service(method, path + "?user=ann")
+        assert r.status_code == 403, (method, path, r.text)
+    assert bob.service("GET", "jobs?user=ann").status_code == 403
+    # nor make one in ann's namespace, privileged, or with host paths: refused before the cluster
+    for extra, field in (({"namespace": "gpulab-ann"}, "namespace"), ({"privileged": True}, "privileged"),
+                         ({"volumes": [{"hostPath": {"path": "/"}}]}, "volumes")):
+        r = bob.service("POST", "jobs", json={**spec, "name": "evil", **extra})
+        assert r.status_code == 400 and r.json()["field"] == field, r.text
+    assert items(cp, "gpulab-ann", "jobs", "gpulab.io/job=evil") == []
+    assert get(cp, "/api/v1/namespaces/gpulab-bob") is None  # nothing was made for bob
+
+    # ann sees it whole: state, progress and log from the pod log API; an admin may look too
+    view = await eventually(lambda: (lambda v: v if v["state"] == "Running" else None)(
+        ann.service("GET", "jobs/apart").json()), what="Running through the API")
+    assert view["progress"] == {"step": 1, "total": 10}
+    assert ann.service("GET", "jobs/apart/logs/worker-0").json()["text"] == REPLICA_LOG
+    assert admin.service("GET", "jobs/apart?user=ann").json()["id"] == job["id"]
+    # and stops it: every object goes
+    r = ann.service("POST", "jobs/apart/stop")
+    assert r.status_code == 200 and r.json()["state"] == "Stopped", r.text
+    await eventually(lambda: not items(cp, ns, "jobs", "gpulab.io/job=apart")
+                     and not items(cp, ns, "services", "gpulab.io/job=apart"),
+                     what="ann's job's objects deleted")
+    assert ann.service("GET", "me").json()["holdings"] == []
