@@ -234,6 +234,24 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
     def _storage_capacity_default(self):
         return "10Gi"
 
+    @default("options_form")
+    def _gpu_options_form_default(self):
+        # rendered at every visit of the spawn page (KubeSpawner's own renders a static
+        # profile_list once), so that the quota and holdings shown are those of now
+        if not self.profile_list:
+            return ""
+        return self._render_gpu_options_form
+
+    async def _render_gpu_options_form(self, spawner) -> str:
+        """KubeSpawner's profile form (``profile_form_template`` and its template paths still
+        apply), below the user's GPU quota and what they hold now."""
+        profiles = self.profile_list
+        if callable(profiles):
+            profiles = await _maybe_await(profiles(spawner))
+        else:
+            profiles = self._sorted_dict_values(profiles)
+        return self.render_quota_summary() + self._render_options_form(profiles)
+
     @default("apply_user_options")
     def _apply_user_options_default(self):
         # user_options are validated and applied in load_user_options(), as KubeSpawner does

@@ -243,6 +243,18 @@ class GPUSpawnerMixin:
     def render_gpu_form(self) -> str:
         return _templates.get_template("spawn_form.html").render(**self.gpu_form_context())
 
+    def render_quota_summary(self) -> str:
+        """The user's quota and what they hold now, as a paragraph above a spawn form. Braces
+        are written as entities: JupyterHub renders an options form as a template again."""
+        ledger = self.gpu_ledger
+        mine = [a for a in ledger.open_allocations(user=self.user.name) if a.gpus]
+        quota, source = ledger.effective(self.user.name, self.user_groups)
+        html = _templates.get_template("quota_summary.html").render(
+            quota=quota.describe() if quota else "", quota_source=source,
+            held=sum(a.gpus for a in mine),
+            mine=[(_describe(a), a.gpus, list(a.devices)) for a in mine])
+        return html.replace("{", "&#123;").replace("}", "&#125;")
+
     # -- admission -------------------------------------------------------------------------
 
     @property

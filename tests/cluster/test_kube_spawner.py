@@ -3,12 +3,14 @@ helm-values/rbac.yaml (not as cluster admin), with a real quota ledger (SQLite).
 
 import asyncio
 import copy
+import html
 import re
 import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
+import jinja2
 import pytest
 import yaml
 from jupyterhub.objects import Hub
@@ -16,6 +18,7 @@ from kubernetes_asyncio.config import kube_config
 from kubespawner.clients import load_config
 from traitlets.config import Config
 
+from gpulab.hub.ledger import Request
 from gpulab.hub.policy import Quota
 from gpulab.spawner.kube import GPUQuotaMirror, KubeGPUSpawner
 from gpulab.spawner.mixin import GPULedger, SpawnRefused, hub_ledger
@@ -356,6 +359,33 @@ def test_the_hub_token_is_not_cluster_admin(control_plane, hub_kubeconfig):
     r = control_plane.kubectl("auth", "can-i", "create", "pods", "-n", "gpulab-anyone",
                               kubeconfig=hub_kubeconfig, check=False)
     assert r.stdout.strip() == "yes", r.stdout + r.stderr
+
+
+def form_text(form: str) -> str:
+    """What a person reads on the spawn page: the form as JupyterHub renders it (it is a
+    template to JupyterHub too), without tags."""
+    rendered = jinja2.Environment().from_string(form).render()
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", rendered)).split())
+
+
+async def test_spawn_form_shows_quota_and_holdings_of_now(make_spawner, ledger):
+    _, led = ledger
+    s = make_spawner()
+    led.set_quota("user", s.user.name, Quota(max_gpus=3), actor="admin")
+    form = await s.get_options_form()
+    assert "Your GPU quota: 3 GPUs at once; 0 in use now." in form_text(form)
+    # KubeSpawner's own profile form follows
+    assert 'value="h100-2"' in form and "2 H100" in form_text(form)
+    # what the user holds now (a job, and a server whose name looks like a template)
+    job = led.admit(Request(user=s.user.name, kind="job", holder="digits", gpus=2))
+    odd = led.admit(Request(user=s.user.name, kind="notebook", holder="x{{ 7*7 }}", gpus=1))
+    try:
+        text = form_text(await s.get_options_form())
+        assert ("Your GPU quota: 3 GPUs at once; 3 in use now: job 'digits' (2), "
+                "server 'x{{ 7*7 }}' (1).") in text, text
+    finally:
+        led.release(job.id)
+        led.release(odd.id)
 
 
 async def test_spawn_form_takes_one_known_profile(make_spawner):
