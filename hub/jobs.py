@@ -55,6 +55,8 @@ import psutil
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
+from gpulab.spawner.cgroups import local_cgroups, memory_bytes
+
 from . import safefs
 from .jobspec import ROLES, JobSpec
 from .ledger import JobRow, Ledger, ReplicaRow, Request
@@ -361,8 +363,12 @@ class LocalJobBackend(JobBackend):
             *_in_job(job.job_dir, "logs", f"{r.role}-{r.index}.log"),
             os.O_WRONLY | os.O_CREAT | os.O_APPEND, owner=owner), "ab", buffering=0)
 
+        group = self._limits_group(job.id, spec, r.role, r.index)
+
         def preexec():
             os.setsid()  # one process group per replica: stop reaches the whole tree
+            if group is not None:
+                group.join()  # its CPU and memory limits, before dropping to the user
             if account.uid is not None:
                 os.setgid(account.gid)
                 os.initgroups(pwd.getpwuid(account.uid).pw_name, account.gid)
@@ -376,6 +382,39 @@ class LocalJobBackend(JobBackend):
             )
         finally:
             logfile.close()
+
+    # -- CPU and memory limits (control groups, as for notebook servers) ------------------
+
+    @staticmethod
+    def _unit(job_id: str, role: str, index: int) -> str:
+        return f"job-{job_id}-{role}-{index}"
+
+    def _limits_group(self, job_id: str, spec: JobSpec, role: str, index: int):
+        """A fresh control group with the role's ``cpu`` / ``memory``, or None (no limits, or
+        none enforceable here: `gpulab.spawner.cgroups.local_cgroups` logs why once)."""
+        res = spec.resources.get(role)
+        if res is None or (res.cpu is None and res.memory is None):
+            return None
+        cgroups, _ = local_cgroups()
+        if cgroups is None:
+            return None
+        unit = self._unit(job_id, role, index)
+        cgroups.find(unit).remove(kill=True)  # a restarted replica starts with a clean count
+        return cgroups.make(unit, memory=memory_bytes(res.memory), cpus=res.cpu)
+
+    def _oom_killed(self, job_id: str, role: str, index: int) -> bool:
+        cgroups, _ = local_cgroups()
+        return cgroups is not None and cgroups.find(self._unit(job_id, role, index)).oom_kills() > 0
+
+    def _remove_limits_groups(self, job_id: str, spec: JobSpec) -> None:
+        if not any(r.cpu is not None or r.memory is not None for r in spec.resources.values()):
+            return
+        cgroups, _ = local_cgroups()
+        if cgroups is None:
+            return
+        for role in ROLES:
+            for index in range(spec.count(role)):
+                cgroups.find(self._unit(job_id, role, index)).remove(kill=True)
 
     # -- supervision ---------------------------------------------------------------------
 
@@ -438,6 +477,9 @@ class LocalJobBackend(JobBackend):
                 r.exit_code = code
                 r.state = "Succeeded" if code == 0 else "Failed"
                 r.reason = _exit_words(code)
+                if code == -signal.SIGKILL and self._oom_killed(job_id, r.role, r.index):
+                    r.reason = (f"killed: out of memory (the {r.role} role's memory limit is "
+                                f"{spec.resources[r.role].memory})")
                 log.info("Job %s/%s replica %s-%s exited %s", job.user, job.name, r.role,
                          r.index, code)
             used = sum(r.restarts for r in reps)
@@ -472,8 +514,9 @@ class LocalJobBackend(JobBackend):
                     if can_retry:
                         restart = {(r.role, r.index) for r in workers}
                     else:
-                        outcome = ("Failed", f"{failed} failed ({_exit_words(next(r.exit_code for r in workers if r.state == 'Failed'))}) "
-                                   f"and the {spec.retries} retries are used up")
+                        why = next(r.reason for r in workers if r.state == "Failed")
+                        outcome = ("Failed", f"{failed} failed ({why}) and the {spec.retries} "
+                                   "retries are used up")
             started = job.started_at or job.created_at
             if outcome is None and spec.max_runtime and time.time() > started + spec.max_runtime:
                 outcome = ("Failed", f"stopped after max_runtime ({spec.max_runtime} s)")
@@ -501,6 +544,8 @@ class LocalJobBackend(JobBackend):
                 if r.state == "Running":
                     r.state, r.reason = "Stopped", "stopped with the job"
             alloc = job.allocation_id
+            spec = JobSpec.model_validate_json(job.spec)
+        self._remove_limits_groups(job_id, spec)
         if alloc:
             self.ledger.release(alloc, f"job {state.lower()}")
         log.info("Job %s: %s (%s)", job_id, state, reason)

@@ -18,6 +18,7 @@ from .accounts import (
     safe_name,
     system_username,
 )
+from .cgroups import Group, local_cgroups
 from .mixin import GPUSpawnerMixin, SpawnRefused, pid_alive
 from .profiles import GPUProfile
 
@@ -30,8 +31,9 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
 
     As root, each hub user's server runs as its own system account (``jupyter-<name>``);
     otherwise every server runs as the hub's account and users are not isolated.
-    CPU and memory limits of a profile are passed to the server (``CPU_LIMIT``,
-    ``MEM_LIMIT``) but not enforced by this spawner.
+    CPU and memory limits of a profile (``cpu_limit``, ``mem_limit``) are passed to the server
+    (``CPU_LIMIT``, ``MEM_LIMIT``) and, as root, enforced with a control group per server
+    (`gpulab.spawner.cgroups`), which also ends whatever the server left running when it stops.
     """
 
     profile_list = Union(
@@ -115,6 +117,15 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         """,
     ).tag(config=True)
 
+    enforce_limits = Bool(
+        True,
+        help="""Enforce a profile's ``cpu_limit`` and ``mem_limit`` with a Linux control group
+        per server (cgroup v2 or v1; needs root). Where that is impossible the limits are only
+        passed to the server as ``CPU_LIMIT`` / ``MEM_LIMIT`` and the hub log says why.
+        Example: ``c.LocalGPUSpawner.enforce_limits = False``
+        """,
+    ).tag(config=True)
+
     @default("cmd")
     def _cmd_default(self):
         # The hub's own interpreter: the same installation serves every account.
@@ -156,14 +167,58 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
     # -- LocalProcessSpawner hooks ------------------------------------------------------
 
     def make_preexec_fn(self, name):
+        group = self._limits_group
         if self.isolate_users:
-            return set_user_setuid(self.system_user)
-        home = self.home_dir
+            then = set_user_setuid(self.system_user)
+        else:
+            home = self.home_dir
+
+            def then():
+                os.chdir(home)
 
         def preexec():
-            os.chdir(home)
+            if group is not None:
+                group.join()  # as root still, before the server becomes its user
+            then()
 
         return preexec
+
+    # -- CPU and memory limits ----------------------------------------------------------
+
+    _limits_group: Group | None = None
+
+    @property
+    def cgroup_unit(self) -> str:
+        server = safe_name(self.name) if self.name else "default"
+        return f"server-{safe_name(self.user.name)}-{server}"
+
+    def _make_limits_group(self) -> Group | None:
+        """The server's control group with its profile's limits; None when it has none or
+        they cannot be enforced here (logged)."""
+        if not self.enforce_limits or (not self.mem_limit and not self.cpu_limit):
+            return None
+        cgroups, why = local_cgroups()
+        if cgroups is None:
+            self.log.warning("Limits of %s (cpu %s, memory %s) not enforced: %s",
+                             self._log_name, self.cpu_limit, self.mem_limit, why)
+            return None
+        return cgroups.make(self.cgroup_unit, memory=self.mem_limit or None,
+                            cpus=self.cpu_limit or None)
+
+    def _remove_limits_group(self) -> None:
+        """End what is left in the server's group and remove it (after a hub restart too)."""
+        self._limits_group = None
+        if not self.enforce_limits:
+            return
+        cgroups, _ = local_cgroups()
+        if cgroups is not None:
+            cgroups.find(self.cgroup_unit).remove(kill=True)
+
+    async def stop(self, now=False):
+        try:
+            await super().stop(now=now)
+        finally:
+            await asyncio.to_thread(self._remove_limits_group)
 
     def user_env(self, env):
         if self.isolate_users:
@@ -231,6 +286,11 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
                 await asyncio.to_thread(self._prepare_account)
             except AccountError as e:
                 raise SpawnRefused(500, f"Your server could not be prepared: {e}") from e
+            try:
+                self._limits_group = await asyncio.to_thread(self._make_limits_group)
+            except OSError as e:
+                raise SpawnRefused(500, "The CPU and memory limits of your server could not be "
+                                   f"set up: {e.strerror or e}. Tell the hub's admin.") from e
             log_file = None
             if self.server_log_dir:
                 os.makedirs(self.server_log_dir, mode=0o700, exist_ok=True)
@@ -246,6 +306,8 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
                     log_file.close()
         except BaseException:
             self.release_gpus()
+            if self._limits_group is not None:
+                await asyncio.to_thread(self._remove_limits_group)
             raise
         if self.gpu_claim_id:
             self.set_gpu_probe()

@@ -17,6 +17,8 @@ import psutil
 import pytest
 import requests
 
+from gpulab.spawner.cgroups import Cgroups
+
 from tests.app.hubctl import GPULAB
 
 pytestmark = pytest.mark.app
@@ -408,3 +410,27 @@ def test_job_limits_come_from_the_operators_config(workdir, prefix):
         assert admin.service("GET", "jobs").json()["jobs"] == []
     finally:
         hub.stop()
+
+
+def test_a_replica_over_its_memory_limit_is_killed_and_the_job_says_so(hub, users):
+    """A role's cpu/memory are enforced with a control group per replica (as root)."""
+    ann = users["ann"]
+    source = ("print(open('/proc/self/cgroup').read(), flush=True)\n"
+              "b = bytearray(4 * 2**30)\n"
+              "print('survived', flush=True)\n")
+    spec = mw("hungry", workers=1, source=source, retries=0)
+    spec["resources"]["worker"].update({"memory": "2Gi", "cpu": 1})
+    r = ann.service("POST", "jobs", json=spec)
+    assert r.status_code == 201, r.text
+    job = wait_state(ann, "hungry", {"Failed", "Succeeded"})
+    worker = job["replicas"][0]
+    assert worker["exit_code"] == -9, worker
+    assert worker["reason"] == "killed: out of memory (the worker role's memory limit is 2Gi)"
+    assert job["reason"] == ("worker-0 failed (killed: out of memory (the worker role's memory "
+                             "limit is 2Gi)) and the 0 retries are used up")
+    text = ann.service("GET", "jobs/hungry/logs/worker-0").json()["text"]
+    assert f"/gpulab/job-{job['id']}-worker-0" in text and "survived" not in text
+    # the replica's group went with the job
+    cgroups, why = Cgroups.detect()
+    assert cgroups is not None, why
+    assert not any(d.exists() for d in cgroups.find(f"job-{job['id']}-worker-0").dirs.values())
