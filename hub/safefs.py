@@ -6,11 +6,15 @@ with a symbolic link (to ``/etc/shadow``, to another user's folder); a root proc
 followed it would write, chown or read someone else's file. So every path below a user's
 folder is walked one component at a time with ``openat(..., O_NOFOLLOW)``: a link anywhere
 on the way is refused (`UnsafePath`), and there is no window between a check and the use.
+Files are opened non-blocking and checked with ``fstat`` before use: a FIFO, socket or device
+node planted in place of a log is refused at once instead of hanging the service. These are
+blocking calls (a slow disk): call them from a thread, never on an event loop.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
 from collections.abc import Sequence
@@ -65,10 +69,15 @@ def open_file(root: Path, rel: str | Sequence[str], flags: int, *,
     dfd = open_dir(root, folders)
     try:
         try:
-            fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dfd)
+            # O_NONBLOCK: a FIFO planted by the user must not hang the open (a reader waits
+            # for a writer forever); sockets and FIFOs without a peer fail with ENXIO
+            fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+                         | os.O_NOCTTY, mode, dir_fd=dfd)
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise UnsafePath(e.errno, f"{name} is a link") from None
+            if e.errno == errno.ENXIO:
+                raise UnsafePath(e.errno, f"{name} is not a plain file") from None
             raise
     finally:
         os.close(dfd)
@@ -76,6 +85,9 @@ def open_file(root: Path, rel: str | Sequence[str], flags: int, *,
     if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
         os.close(fd)
         raise UnsafePath(errno.EPERM, f"{name} is not a plain file")
+    # a plain file: blocking mode again (it changes nothing for files, but the fd may be
+    # handed to a child process as its output)
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     if owner is not None and flags & os.O_CREAT:
         os.fchown(fd, *owner)
     return fd
