@@ -240,6 +240,10 @@ class Ledger:
         self.pool = pool
         self.engine = make_engine(url, echo=echo)
         self.Session = sessionmaker(self.engine, expire_on_commit=False)
+        #: sessions that only read: on SQLite they take no write lock (a deferred ``BEGIN``
+        #: reads a WAL snapshot), so a reader never waits for an admission nor holds one up
+        self.Reader = sessionmaker(self.engine.execution_options(gpulab_read_only=True),
+                                   expire_on_commit=False)
 
     # -- schema --------------------------------------------------------------------------
 
@@ -275,7 +279,7 @@ class Ledger:
                 s.delete(gone)
 
     def devices(self) -> list[DeviceInfo]:
-        with self.Session() as s:
+        with self.Reader() as s:
             rows = s.scalars(select(Device).where(Device.pool == self.pool).order_by(Device.index))
             return [DeviceInfo(r.index, r.uuid, r.model, r.memory_mib, bool(r.simulated))
                     for r in rows]
@@ -283,12 +287,12 @@ class Ledger:
     # -- quotas --------------------------------------------------------------------------
 
     def quotas(self) -> list[dict]:
-        with self.Session() as s:
+        with self.Reader() as s:
             rows = s.scalars(select(QuotaRow).order_by(QuotaRow.scope, QuotaRow.name))
             return [_quota_dict(r) for r in rows]
 
     def quota_of(self, scope: str, name: str = "") -> Quota | None:
-        with self.Session() as s:
+        with self.Reader() as s:
             row = s.scalar(select(QuotaRow).where(QuotaRow.scope == scope, QuotaRow.name == name))
             return row.quota() if row else None
 
@@ -321,7 +325,7 @@ class Ledger:
             return True
 
     def audit(self, limit: int = 100) -> list[dict]:
-        with self.Session() as s:
+        with self.Reader() as s:
             rows = s.scalars(select(AuditRow).order_by(AuditRow.id.desc()).limit(limit))
             return [
                 {"at": r.at, "actor": r.actor, "scope": r.scope, "name": r.name,
@@ -333,7 +337,7 @@ class Ledger:
     def effective(self, user: str, groups: Iterable[str], s: Session | None = None):
         """``(quota or None, source)`` for `user` in `groups`."""
         groups = set(groups)
-        own = s or self.Session()
+        own = s or self.Reader()
         try:
             rows = own.scalars(select(QuotaRow).where(or_(
                 QuotaRow.scope == "default",
@@ -415,12 +419,12 @@ class Ledger:
         return Allocation.of(row)
 
     def get(self, alloc_id: str) -> Allocation | None:
-        with self.Session() as s:
+        with self.Reader() as s:
             row = s.get(AllocationRow, alloc_id)
             return Allocation.of(row) if row else None
 
     def open_allocations(self, user: str | None = None, kind: str | None = None) -> list[Allocation]:
-        with self.Session() as s:
+        with self.Reader() as s:
             q = select(AllocationRow).where(AllocationRow.pool == self.pool,
                                             AllocationRow.ended_at.is_(None))
             if user is not None:
@@ -446,7 +450,7 @@ class Ledger:
     def usage(self, since: float, until: float | None = None, user: str | None = None) -> dict[str, float]:
         """GPU-hours per user between `since` and `until` (open allocations count to now)."""
         until = time.time() if until is None else until
-        with self.Session() as s:
+        with self.Reader() as s:
             return dict(self._gpu_hours(s, since, until, user=user))
 
     def _gpu_hours(self, s: Session, since: float, until: float, user: str | None = None):
@@ -530,8 +534,12 @@ def make_engine(url: str, echo: bool = False) -> Engine:
 
         @event.listens_for(engine, "begin")
         def _sqlite_begin(conn):
-            # writers take the database lock at BEGIN: admission reads and writes atomically
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            # writers take the database lock at BEGIN: admission reads and writes atomically;
+            # `Ledger.Reader` sessions read a snapshot without it
+            if conn.get_execution_options().get("gpulab_read_only"):
+                conn.exec_driver_sql("BEGIN")
+            else:
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
     return create_engine(url, echo=echo, pool_pre_ping=True, pool_size=10, max_overflow=20)

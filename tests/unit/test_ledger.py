@@ -115,3 +115,34 @@ def test_orphans_are_closed(ledger):
     closed = ledger.close_orphans("notebook", {keep.id}, "test")
     assert [c.id for c in closed] == [gone.id]
     assert ledger.get(job.id).open and ledger.get(keep.id).open
+
+
+def test_readers_take_no_write_lock(ledger):
+    """A read (a user's ``GET me``, a job list) never waits for a writer holding the lock,
+    and never holds one up: on SQLite readers begin a deferred transaction."""
+    import threading
+    import time
+
+    from sqlalchemy import text
+
+    ledger.admit(Request(user="ann", kind="notebook", holder="default", gpus=1))
+    holding, done = threading.Event(), threading.Event()
+
+    def writer():
+        with ledger.Session.begin() as s:  # BEGIN IMMEDIATE: the write lock
+            s.execute(text("select 1"))
+            holding.set()
+            done.wait(10)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        assert holding.wait(10)
+        started = time.monotonic()
+        assert [a.user for a in ledger.open_allocations()] == ["ann"]
+        assert ledger.quotas() == [] and ledger.usage(0)["ann"] >= 0
+        assert ledger.effective("ann", ["g"]) == (None, "none")
+        assert time.monotonic() - started < 1
+    finally:
+        done.set()
+        t.join()
