@@ -1,20 +1,33 @@
-"""CPU and memory limits for local notebook servers and training replicas (Linux control groups).
+"""Control groups for local notebook servers and training replicas: limits, GPUs, clean stop.
 
-In local mode a profile's ``cpu_limit`` / ``mem_limit`` and a job role's ``cpu`` / ``memory`` are
-enforced by putting the process in a control group of its own, made by gpulab:
+Every server and every replica runs in a control group of its own, made by gpulab, limits or
+not, so that (1) a profile's ``cpu_limit`` / ``mem_limit`` and a job role's ``cpu`` /
+``memory`` are enforced by the kernel, (2) the process may open only the NVIDIA device nodes of
+the GPUs it was given (a device allow-list: ``CUDA_VISIBLE_DEVICES`` alone is advice, not a
+boundary), and (3) stop ends everything the process started, ``setsid`` grandchildren too.
 
 - **cgroup v2** (the unified hierarchy, ``/sys/fs/cgroup/cgroup.controllers`` lists ``cpu`` and
   ``memory``): groups ``/sys/fs/cgroup/gpulab/<unit>`` with ``memory.max``, ``memory.swap.max``
   = 0 and ``cpu.max``. ``gpulab`` sits at the top of the hierarchy because a group that holds
-  processes (the hub's own) may not hand controllers down to child groups.
-- **cgroup v1** (``memory`` and ``cpu`` hierarchies): groups ``<hierarchy>/<the hub's group>/
-  gpulab/<unit>`` with ``memory.limit_in_bytes`` (and ``memory.memsw.limit_in_bytes`` where swap
-  is accounted) and ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, nested under the hub's own
-  group so that whatever already limits the hub keeps limiting what it starts.
+  processes (the hub's own) may not hand controllers down to child groups. Stop writes
+  ``cgroup.kill``. The v2 hierarchy has no device files: the kernel asks a
+  ``BPF_PROG_TYPE_CGROUP_DEVICE`` program instead, which gpulab does not attach (yet), so on v2
+  GPUs are **not** enforced (`Cgroups.devices_why` says so; ``gpulab up`` warns where real GPUs
+  exist).
+- **cgroup v1** (``memory`` and ``cpu`` hierarchies, and ``devices`` and ``freezer`` where
+  mounted): groups ``<hierarchy>/<the hub's group>/gpulab/<unit>`` with
+  ``memory.limit_in_bytes`` (and ``memory.memsw.limit_in_bytes`` where swap is accounted),
+  ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, and ``devices.deny`` entries for every NVIDIA
+  GPU device node (major 195) except the group's own GPUs; ``nvidiactl`` (195:255) and
+  ``nvidia-uvm`` (a major of its own) stay usable. Groups are nested under the hub's own group
+  so that whatever already limits the hub keeps limiting what it starts. Stop freezes the
+  group (``freezer.state``), kills every process in it and thaws it: nothing can fork its way
+  out between reading the list and the kill.
 
 The child process joins its group in ``preexec_fn`` (as root, before it drops to the user's
-account), so everything it starts is inside too. Making groups needs root and a writable
-hierarchy: without them limits are not enforced, and `detect` says why (the hub logs it once).
+account), so everything it starts is inside too, and an ordinary account can never move a
+process out (the hierarchy's files belong to root). Making groups needs root and a writable
+hierarchy: without them nothing here is enforced, and `detect` says why (the hub logs it once).
 A process killed by the memory limit is told apart by `Group.oom_kills`.
 """
 
@@ -26,6 +39,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +47,15 @@ log = logging.getLogger("gpulab.cgroups")
 
 #: the CPU bandwidth period written with a CPU limit (microseconds; the kernel's default)
 CPU_PERIOD_US = 100_000
+#: the character-device major of NVIDIA's GPU nodes (/dev/nvidia<minor>, /dev/nvidiactl)
+NVIDIA_MAJOR = 195
+#: /dev/nvidiactl, which every CUDA process opens: always allowed
+NVIDIA_CTL_MINOR = 255
+#: the minors denied to a group with a GPU list (all but nvidiactl; 254 is nvidia-modeset,
+#: display only, which compute never needs)
+NVIDIA_GPU_MINORS = range(0, NVIDIA_CTL_MINOR)
 _UNIT = re.compile(r"[^A-Za-z0-9_.-]+")
+_V1_OPTIONAL = ("devices", "freezer")
 
 _MEMORY_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
                  "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
@@ -51,17 +73,32 @@ def memory_bytes(value: str | int | float | None) -> int | None:
     return int(float(m.group(1)) * _MEMORY_UNITS[m.group(2) or ""])
 
 
+def device_denials(allowed_minors: Iterable[int]) -> list[str]:
+    """The v1 ``devices.deny`` lines that leave a group only the GPUs of `allowed_minors`.
+
+    A v1 group inherits "everything allowed" from gpulab's parent group; there, writing an
+    allow entry only removes an identical deny entry, so the other GPUs are denied one by one
+    rather than with ``c 195:* rwm`` and exceptions.
+    """
+    keep = set(allowed_minors)
+    return [f"c {NVIDIA_MAJOR}:{m} rwm" for m in NVIDIA_GPU_MINORS if m not in keep]
+
+
 @dataclass
 class Group:
     """One unit's control group (one folder per hierarchy under v1, one under v2)."""
 
     unit: str
     version: int
-    dirs: dict[str, Path] = field(default_factory=dict)  # controller ("memory", "cpu") -> folder
+    # controller ("memory", "cpu", v1 also "devices", "freezer") -> folder
+    dirs: dict[str, Path] = field(default_factory=dict)
 
     @property
     def procs_files(self) -> list[Path]:
         return [d / "cgroup.procs" for d in dict.fromkeys(self.dirs.values())]
+
+    def exists(self) -> bool:
+        return any(d.is_dir() for d in self.dirs.values())
 
     def join(self, pid: int | None = None) -> None:
         """Move ``pid`` (default: this process) into the group. Safe in ``preexec_fn``."""
@@ -94,18 +131,54 @@ class Group:
             pass
         return 0
 
+    def kill(self) -> None:
+        """SIGKILL every process in the group, without a window for a fork to escape:
+        ``cgroup.kill`` on v2; on v1 freeze, kill, thaw (or, without a freezer hierarchy,
+        kill what is listed, which `remove` repeats until the group is empty)."""
+        if self.version == 2:
+            d = next(iter(self.dirs.values()), None)
+            if d is not None and (d / "cgroup.kill").exists():
+                try:
+                    _write(d / "cgroup.kill", "1")
+                    return
+                except FileNotFoundError:
+                    return
+            self._signal_all()
+            return
+        freezer = self.dirs.get("freezer")
+        if freezer is None or not freezer.is_dir():
+            self._signal_all()
+            return
+        state = freezer / "freezer.state"
+        try:
+            _write(state, "FROZEN")
+            deadline = time.monotonic() + 1.0
+            # FREEZING until every task stopped (one in uninterruptible sleep may hold it)
+            while state.read_text().strip() != "FROZEN" and time.monotonic() < deadline:
+                time.sleep(0.005)
+            self._signal_all()  # a frozen task dies as soon as it thaws
+        except FileNotFoundError:
+            return
+        finally:
+            try:
+                _write(state, "THAWED")
+            except OSError:
+                pass
+
+    def _signal_all(self) -> None:
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def remove(self, kill: bool = True, timeout: float = 5.0) -> bool:
-        """Remove the group, first killing what is left in it (``kill``); False if it
-        could not be removed (processes still there)."""
+        """Remove the group, first killing everything in it (``kill``); False if it could
+        not be removed within `timeout` seconds (processes still there)."""
         deadline = time.monotonic() + timeout
         while True:
-            left = self.pids()
-            if left and kill:
-                for pid in left:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+            if kill and self.pids():
+                self.kill()
             ok = True
             for d in dict.fromkeys(self.dirs.values()):
                 try:
@@ -126,8 +199,15 @@ class Group:
                         pass
                 return True
             if time.monotonic() > deadline:
+                log.warning("Control group %s still holds processes %s", self.unit, self.pids())
                 return False
-            time.sleep(0.05)
+            time.sleep(0.02)
+
+
+def _gpu_minor(index: int) -> int:
+    from .inventory import gpu_minor
+
+    return gpu_minor(index)
 
 
 @dataclass
@@ -136,6 +216,23 @@ class Cgroups:
 
     version: int
     bases: dict[str, Path]  # controller -> the folder holding gpulab's groups
+    #: a GPU's index -> the minor number of its /dev/nvidia<minor> node
+    gpu_minor: Callable[[int], int] = field(default=_gpu_minor, repr=False)
+
+    @property
+    def devices_enforced(self) -> bool:
+        """Whether `make(gpus=...)` restricts device nodes in the kernel here."""
+        return self.version == 1 and "devices" in self.bases
+
+    @property
+    def devices_why(self) -> str:
+        """Why GPU device nodes are not restricted here ('' when they are)."""
+        if self.devices_enforced:
+            return ""
+        if self.version == 2:
+            return ("cgroup v2 restricts devices only through a BPF device program, which "
+                    "gpulab does not attach: any local process may open any GPU")
+        return "there is no cgroup v1 devices hierarchy: any local process may open any GPU"
 
     @classmethod
     def detect(cls, fs_root: str | Path = "/sys/fs/cgroup",
@@ -163,14 +260,16 @@ class Cgroups:
                     for c in parts[1].split(","):
                         paths[c] = parts[2]
             bases = {}
-            for c in ("memory", "cpu"):
+            for c in ("memory", "cpu") + _V1_OPTIONAL:
                 mount = fs_root / c
                 if c not in paths or not (mount / "cgroup.procs").exists():
+                    if c in _V1_OPTIONAL:
+                        continue
                     return None, f"no cgroup v1 {c} hierarchy at {mount}"
                 bases[c] = mount / paths[c].lstrip("/") / "gpulab"
             found = cls(1, bases)
         try:  # a probe: gpulab can make (and remove) its groups here
-            found.make("gpulab-probe").remove(kill=False, timeout=0)
+            found.make(f"gpulab-probe-{os.getpid()}", gpus=[]).remove(kill=False, timeout=0)
         except OSError as e:
             return None, f"cannot make control groups under {found.bases['memory']}: {e.strerror or e}"
         return found, ""
@@ -188,44 +287,68 @@ class Cgroups:
         name = _UNIT.sub("-", unit).strip("-.") or "unit"
         return Group(name, self.version, {c: base / name for c, base in self.bases.items()})
 
-    def make(self, unit: str, *, memory: int | None = None, cpus: float | None = None) -> Group:
-        """A fresh group for ``unit`` with the limits (None: not limited)."""
+    def make(self, unit: str, *, memory: int | None = None, cpus: float | None = None,
+             gpus: Iterable[int] | None = None) -> Group:
+        """A fresh group for ``unit`` with the limits (None: not limited).
+
+        ``gpus``: None leaves devices alone; a list of GPU indexes (possibly empty) lets the
+        group open only those GPUs' device nodes (where `devices_enforced`; elsewhere nothing
+        is restricted and `devices_why` says so). The group must not exist yet
+        (`FileExistsError`): a unit's limits are written once, when it is made, and never
+        onto a group someone else is using. Remove a unit's stale group first.
+        """
         group = self.find(unit)
+        made: list[Path] = []
         for attempt in range(3):  # another unit's removal may take gpulab's folder meanwhile
             try:
                 self._ensure_bases()
                 for d in dict.fromkeys(group.dirs.values()):
-                    d.mkdir(exist_ok=True)
+                    if d not in made:
+                        d.mkdir()
+                        made.append(d)
                 break
+            except FileExistsError:
+                for d in made:
+                    d.rmdir()
+                raise
             except FileNotFoundError:
                 if attempt == 2:
+                    for d in made:
+                        d.rmdir()
                     raise
         try:
-            if self.version == 2:
-                d = group.dirs["memory"]
-                _write(d / "memory.max", "max" if memory is None else str(memory))
-                if (d / "memory.swap.max").exists():
-                    _write(d / "memory.swap.max", "max" if memory is None else "0")
-                _write(d / "cpu.max", "max" if cpus is None
-                       else f"{max(1000, int(cpus * CPU_PERIOD_US))} {CPU_PERIOD_US}")
-            else:
-                d = group.dirs["memory"]
-                limit = "-1" if memory is None else str(memory)
-                swap = d / "memory.memsw.limit_in_bytes"
-                # memsw may never be below the memory limit: raise it first, lower it last
-                if swap.exists():
-                    _write(swap, "-1")
-                _write(d / "memory.limit_in_bytes", limit)
-                if swap.exists() and memory is not None:
-                    _write(swap, limit)
-                d = group.dirs["cpu"]
-                _write(d / "cpu.cfs_period_us", str(CPU_PERIOD_US))
-                _write(d / "cpu.cfs_quota_us", "-1" if cpus is None
-                       else str(max(1000, int(cpus * CPU_PERIOD_US))))
+            self._set_limits(group, memory, cpus)
+            if gpus is not None and self.devices_enforced:
+                d = group.dirs["devices"]
+                for line in device_denials(self.gpu_minor(i) for i in gpus):
+                    _write(d / "devices.deny", line)
         except OSError:
             group.remove(kill=False, timeout=0)
             raise
         return group
+
+    def _set_limits(self, group: Group, memory: int | None, cpus: float | None) -> None:
+        if self.version == 2:
+            d = group.dirs["memory"]
+            _write(d / "memory.max", "max" if memory is None else str(memory))
+            if (d / "memory.swap.max").exists():
+                _write(d / "memory.swap.max", "max" if memory is None else "0")
+            _write(d / "cpu.max", "max" if cpus is None
+                   else f"{max(1000, int(cpus * CPU_PERIOD_US))} {CPU_PERIOD_US}")
+            return
+        d = group.dirs["memory"]
+        limit = "-1" if memory is None else str(memory)
+        swap = d / "memory.memsw.limit_in_bytes"
+        # memsw may never be below the memory limit: raise it first, lower it last
+        if swap.exists():
+            _write(swap, "-1")
+        _write(d / "memory.limit_in_bytes", limit)
+        if swap.exists() and memory is not None:
+            _write(swap, limit)
+        d = group.dirs["cpu"]
+        _write(d / "cpu.cfs_period_us", str(CPU_PERIOD_US))
+        _write(d / "cpu.cfs_quota_us", "-1" if cpus is None
+               else str(max(1000, int(cpus * CPU_PERIOD_US))))
 
 
 def _write(path: Path, value: str) -> None:
@@ -248,9 +371,13 @@ def local_cgroups() -> tuple[Cgroups | None, str]:
     global _detected
     if _detected is None:
         _detected = Cgroups.detect()
-        if _detected[0] is None:
-            log.warning("CPU and memory limits are not enforced: %s", _detected[1])
+        found, why = _detected
+        if found is None:
+            log.warning("Control groups are not used (no CPU, memory or GPU device limits, "
+                        "stop cannot end everything a server started): %s", why)
         else:
-            log.info("CPU and memory limits enforced with cgroup v%d under %s",
-                     _detected[0].version, ", ".join(sorted({str(b) for b in _detected[0].bases.values()})))
+            log.info("Control groups v%d under %s", found.version,
+                     ", ".join(sorted({str(b) for b in found.bases.values()})))
+            if not found.devices_enforced:
+                log.warning("GPU device nodes are not restricted: %s", found.devices_why)
     return _detected

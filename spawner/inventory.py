@@ -24,6 +24,13 @@ class GPU:
     model: str
     memory_mib: int
     simulated: bool
+    #: the minor number of its device node ``/dev/nvidia<minor>`` (major 195), which the
+    #: kernel's device allow-list of a server or replica names; simulated GPUs use the index
+    minor: int = -1
+
+    def __post_init__(self):
+        if self.minor < 0:
+            object.__setattr__(self, "minor", self.index)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -71,6 +78,10 @@ def discover_gpus(nvml) -> list[GPU]:
             name = nvml.nvmlDeviceGetName(handle)
             uuid = nvml.nvmlDeviceGetUUID(handle)
             mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+            try:
+                minor = int(nvml.nvmlDeviceGetMinorNumber(handle))
+            except Exception:  # not every NVML build has it: the driver's own record
+                minor = _proc_minor(uuid.decode() if isinstance(uuid, bytes) else uuid)
             gpus.append(
                 GPU(
                     index=i,
@@ -78,6 +89,7 @@ def discover_gpus(nvml) -> list[GPU]:
                     model=normalize_model(name.decode() if isinstance(name, bytes) else name),
                     memory_mib=int(mem.total) // (1024 * 1024),
                     simulated=False,
+                    minor=i if minor is None else minor,
                 )
             )
         return gpus
@@ -86,6 +98,23 @@ def discover_gpus(nvml) -> list[GPU]:
             nvml.nvmlShutdown()
         except Exception:
             pass
+
+
+def _proc_minor(uuid: str, root: str = "/proc/driver/nvidia/gpus") -> int | None:
+    """The "Device Minor" the NVIDIA driver lists for the GPU `uuid`, or None."""
+    import glob
+
+    for info in glob.glob(f"{root}/*/information"):
+        try:
+            fields = dict(
+                (k.strip(), v.strip())
+                for k, _, v in (line.partition(":") for line in open(info).read().splitlines())
+            )
+        except OSError:
+            continue
+        if fields.get("GPU UUID") == uuid and fields.get("Device Minor", "").isdigit():
+            return int(fields["Device Minor"])
+    return None
 
 
 def simulated_gpus(count: int, model: str = SIMULATED_MODEL, memory_mib: int = 0) -> list[GPU]:
@@ -97,6 +126,7 @@ def simulated_gpus(count: int, model: str = SIMULATED_MODEL, memory_mib: int = 0
             model=normalize_model(model),
             memory_mib=memory_mib,
             simulated=True,
+            minor=i,
         )
         for i in range(count)
     ]
@@ -186,3 +216,10 @@ class GPUInventory(SingletonConfigurable):
 def gpus_json(gpus) -> str:
     """The ``GPULAB_GPUS`` value: a JSON list of index, uuid, model, memory_mib, simulated."""
     return json.dumps([g.to_dict() for g in gpus])
+
+
+def gpu_minor(index: int) -> int:
+    """The device-node minor of this machine's GPU `index` (the hub-wide `GPUInventory`;
+    the index itself for simulated GPUs and for an index it does not know)."""
+    gpu = GPUInventory.instance().by_index(index)
+    return index if gpu is None else gpu.minor

@@ -5,11 +5,15 @@ tests/app/test_jobs_api.py on this machine's hierarchy (cgroup v1 here). A cgrou
 with cpu and memory cannot be mounted here, so the v2 layout is checked against a folder that
 stands in for /sys/fs/cgroup (with the control files the kernel would show)."""
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from gpulab.spawner.cgroups import CPU_PERIOD_US, Cgroups, memory_bytes
+from gpulab.spawner.cgroups import CPU_PERIOD_US, Cgroups, device_denials, memory_bytes
 
 
 @pytest.mark.parametrize("text,value", [
@@ -85,4 +89,105 @@ def test_this_machine_is_detected():
     docstring): detection finds it and leaves nothing behind."""
     cgroups, why = Cgroups.detect()
     assert cgroups is not None, why
-    assert not any((b / "gpulab-probe").exists() for b in cgroups.bases.values())
+    assert not any(b.exists() and any(p.name.startswith("gpulab-probe") for p in b.iterdir())
+                   for b in cgroups.bases.values())
+
+
+def fake_v1(root: Path) -> Cgroups:
+    bases = {}
+    for c in ("memory", "cpu", "devices", "freezer"):
+        (root / c / "gpulab").mkdir(parents=True)
+        bases[c] = root / c / "gpulab"
+    return Cgroups(1, bases, gpu_minor=lambda index: {0: 0, 1: 3, 2: 1}[index])
+
+
+def test_v1_gpus_deny_every_other_nvidia_gpu_node(tmp_path):
+    """``gpus=[...]`` names GPU indexes; the group may open only those GPUs' nodes (by their
+    minor numbers), and nvidiactl (195:255) stays usable."""
+    cgroups = fake_v1(tmp_path)
+    assert cgroups.devices_enforced and cgroups.devices_why == ""
+    group = cgroups.make("server-u1", gpus=[1])
+    assert set(group.dirs) == {"memory", "cpu", "devices", "freezer"}
+    # a plain file stands in for devices.deny: each write replaces it, so check the writes
+    assert (group.dirs["devices"] / "devices.deny").read_text() == "c 195:254 rwm"
+    lines = device_denials([3])
+    assert "c 195:3 rwm" not in lines and "c 195:255 rwm" not in lines
+    assert "c 195:0 rwm" in lines and "c 195:1 rwm" in lines and len(lines) == 254
+    assert len(device_denials([])) == 255
+    # no list: devices are left alone
+    other = cgroups.make("server-u2")
+    assert not (other.dirs["devices"] / "devices.deny").exists()
+
+
+def test_a_unit_group_is_made_once(tmp_path):
+    """make never writes limits onto a group that exists (someone else's, or a stale one)."""
+    cgroups = fake_v1(tmp_path)
+    cgroups.make("server-u1", memory=100)
+    with pytest.raises(FileExistsError):
+        cgroups.make("server-u1", memory=200)
+    d = tmp_path / "memory" / "gpulab" / "server-u1"
+    assert (d / "memory.limit_in_bytes").read_text() == "100"
+
+
+def test_v2_devices_are_said_to_be_unenforced(tmp_path):
+    root = fake_v2(tmp_path / "cg")
+    cgroups = Cgroups(2, {"cpu": root / "gpulab", "memory": root / "gpulab"})
+    assert not cgroups.devices_enforced
+    assert "BPF" in cgroups.devices_why
+    cgroups.make("server-u1", gpus=[0])  # accepted, not restricted
+
+
+def test_remove_kills_a_setsid_grandchild_that_forks(tmp_path):
+    """On this machine's real hierarchy: a group's whole tree ends on remove, also a daemon
+    that left the session and keeps forking."""
+    cgroups, why = Cgroups.detect()
+    assert cgroups is not None, why
+    group = cgroups.make(f"test-kill-{os.getpid()}", gpus=[0])
+    marker = tmp_path / "alive"
+    script = (
+        "import os, sys, time\n"
+        "if os.fork(): sys.exit(0)\n"
+        "os.setsid()\n"
+        "while True:\n"
+        "    if os.fork() == 0:\n"
+        "        time.sleep(0.01); os._exit(0)\n"
+        f"    open({str(marker)!r}, 'w').write(str(time.time()))\n"
+        "    time.sleep(0.005)\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", script], preexec_fn=group.join)
+    p.wait()
+    try:
+        deadline = time.time() + 10
+        while not marker.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert group.pids(), "the daemon is in the group"
+    finally:
+        assert group.remove(kill=True)
+    assert not group.exists()
+    stamp = marker.read_text()
+    time.sleep(0.3)
+    assert marker.read_text() == stamp, "nothing of the daemon runs any more"
+
+
+def test_device_allow_list_is_enforced_by_this_kernel(tmp_path):
+    """With stand-in nodes 195:0 and 195:1 (no NVIDIA driver here): the group's own GPU opens
+    as far as the driver (ENXIO), the other is refused by the cgroup (EPERM)."""
+    cgroups, why = Cgroups.detect()
+    assert cgroups is not None, why
+    assert cgroups.devices_enforced, cgroups.devices_why
+    for m in (0, 1):
+        os.mknod(tmp_path / f"nvidia{m}", 0o666 | 0o020000, os.makedev(195, m))
+    group = cgroups.make(f"test-dev-{os.getpid()}", gpus=[1])  # simulated: minor = index
+    try:
+        probe = ("import errno, os, sys\n"
+                 "for m in (0, 1):\n"
+                 "    try:\n"
+                 f"        os.close(os.open({str(tmp_path)!r} + f'/nvidia{{m}}', os.O_RDWR))\n"
+                 "        print(m, 'opened')\n"
+                 "    except OSError as e:\n"
+                 "        print(m, errno.errorcode[e.errno])\n")
+        out = subprocess.run([sys.executable, "-c", probe], preexec_fn=group.join,
+                             capture_output=True, text=True, check=True).stdout
+    finally:
+        group.remove(kill=True)
+    assert out.split("\n")[:2] == ["0 EPERM", "1 ENXIO"], out
