@@ -38,7 +38,7 @@ import socket
 import stat
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 CLONE_NEWNS = 0x00020000
@@ -99,7 +99,7 @@ def umount(target: str | os.PathLike, flags: int = MNT_DETACH) -> None:
 
 # -- private /tmp ------------------------------------------------------------------------
 
-def private_tmp(source_dir: str | os.PathLike) -> None:
+def private_tmp(source_dir: str | os.PathLike, keep: Iterable[str | os.PathLike] = ()) -> None:
     """Give this process a mount namespace of its own whose ``/tmp`` is ``source_dir``.
 
     Call it in ``preexec_fn`` as root, before dropping privileges (the namespace and the
@@ -107,10 +107,47 @@ def private_tmp(source_dir: str | os.PathLike) -> None:
     made a slave first, so the bind mount never propagates back to the machine, while mounts
     and unmounts made outside later still reach the process. ``source_dir`` must be a folder
     the person cannot replace by a link (`make_private_dir` makes one).
+
+    ``keep``: folders the process still needs at their usual path though they lie below
+    ``/tmp`` (a data folder made with ``mktemp -d``, as the tests do): each is bound back in
+    place inside the private ``/tmp``, the way there made by root without following links.
+    Folders not below ``/tmp`` are left alone (they stay visible anyway).
     """
     unshare(CLONE_NEWNS)
     mount(None, "/", None, MS_REC | MS_SLAVE)
-    mount(source_dir, "/tmp", None, MS_BIND)
+    kept = []
+    try:
+        for path in keep:
+            parts = _below_tmp(path)
+            if parts:  # opened in the new namespace, before /tmp is covered
+                kept.append((parts, os.open(path, _DIR)))
+        mount(source_dir, "/tmp", None, MS_BIND)
+        for parts, fd in kept:
+            target = os.open("/tmp", _DIR)
+            try:
+                for name in parts:
+                    try:
+                        os.mkdir(name, 0o755, dir_fd=target)
+                    except FileExistsError:
+                        pass
+                    nxt = os.open(name, _DIR, dir_fd=target)  # a link there: ELOOP/ENOTDIR
+                    os.close(target)
+                    target = nxt
+                mount(f"/proc/self/fd/{fd}", f"/proc/self/fd/{target}", None, MS_BIND | MS_REC)
+            finally:
+                os.close(target)
+    finally:
+        for _, fd in kept:
+            os.close(fd)
+
+
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _below_tmp(path: str | os.PathLike) -> list[str]:
+    """The components of ``path`` below ``/tmp`` ([] if it is not below it)."""
+    parts = Path(os.path.abspath(path)).parts
+    return list(parts[2:]) if parts[:2] == ("/", "tmp") else []
 
 
 def make_private_dir(parent: str | os.PathLike, name: str,
