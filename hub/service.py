@@ -514,6 +514,8 @@ def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirecto
 
     api = url_path_join(prefix, "api/v1")
     name = r"([^/]+)"
+    if jobs is not None:  # the bounds a backend applies as it admits (replicas per person…)
+        jobs.limits = job_limits or DEFAULT_LIMITS
     return web.Application(
         [
             (prefix, UserPage),
@@ -622,11 +624,13 @@ def local_backend_from_env(ledger: Ledger):
     prefix = os.environ.get("GPULAB_USER_PREFIX", "jupyter-")
 
     def account(user: str) -> UserAccount:
+        # the spawner's mapping and checks (gpulab.spawner.accounts): an account or folder
+        # made for another hub user is never used (AccountConflict)
         folder = Path(shared) / "users" / safe_name(user)
         if not isolate:
             prepare_user_folder(folder, None)
             return UserAccount(user, folder)
-        entry = ensure_account(system_username(prefix, user), f"gpulab user {user}")
+        entry = ensure_account(system_username(prefix, user), user)
         prepare_user_folder(folder, entry)
         return UserAccount(user, folder, entry.pw_uid, entry.pw_gid, entry.pw_dir)
 
