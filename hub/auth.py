@@ -4,16 +4,26 @@
 change) with one addition: on start it makes sure the first admin's account exists, with the
 password that `gpulab up` generated and stored (0600) in the data folder. Nobody else gets in
 until an admin approves their sign-up at ``/hub/authorize``.
+
+Hardened against guessing and flooding: an account is locked for `seconds_before_next_try`
+after `allowed_failed_logins` wrong passwords in a row (NativeAuthenticator's lockout, on by
+default here), sign-ups are limited to `signup_limit_per_hour` across the hub, and password
+hashes are checked in a thread (bcrypt takes a quarter of a second: on the hub's event loop a
+stream of wrong passwords would stall everyone else's requests).
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections import deque
 from pathlib import Path
 
 import bcrypt
 from nativeauthenticator import NativeAuthenticator
 from nativeauthenticator.orm import UserInfo
-from traitlets import Bool, Unicode
+from tornado import web
+from traitlets import Bool, Integer, Unicode
 
 
 class GpulabAuthenticator(NativeAuthenticator):
@@ -36,9 +46,72 @@ class GpulabAuthenticator(NativeAuthenticator):
         help="Let people ask for an account at /hub/signup (an admin approves it).",
     ).tag(config=True)
 
+    allowed_failed_logins = Integer(
+        5,
+        help="""Wrong passwords in a row after which an account is locked for
+        ``seconds_before_next_try`` seconds (default 5; 0 turns the lockout off).
+        Example: ``c.GpulabAuthenticator.allowed_failed_logins = 10``
+        """,
+    ).tag(config=True)
+
+    seconds_before_next_try = Integer(
+        300,
+        help="""How long (seconds) a locked account refuses every login, the right password
+        included (default 300). Example: ``c.GpulabAuthenticator.seconds_before_next_try = 900``
+        """,
+    ).tag(config=True)
+
+    signup_limit_per_hour = Integer(
+        20,
+        help="""At most this many sign-ups per hour across the hub (default 20; 0: no
+        limit); past it /hub/signup refuses new accounts until the hour has passed, so nobody
+        can flood the admin's approval list. Example:
+        ``c.GpulabAuthenticator.signup_limit_per_hour = 100``
+        """,
+    ).tag(config=True)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.ensure_bootstrap_admin()
+
+    async def authenticate(self, handler, data):
+        username = self.normalize_username(data["username"])
+        user = self.get_user(username)
+        if not user:
+            return None
+        if self.allowed_failed_logins and self.is_blocked(username):
+            self.log.warning("Login of %s refused: locked after %d wrong passwords", username,
+                             self.allowed_failed_logins)
+            return None
+        hashed = user.password
+        valid = await asyncio.to_thread(bcrypt.checkpw, data["password"].encode(), hashed)
+        checks = [user.is_authorized, valid]
+        if user.has_2fa:
+            checks.append(user.is_valid_token(data.get("2fa")))
+        if all(checks):
+            self.successful_login(username)
+            return username
+        self.add_login_attempt(username)
+        return None
+
+    _signups: deque
+
+    def create_user(self, username, password, **kwargs):
+        if self.signup_limit_per_hour:
+            recent = self.__dict__.setdefault("_signups", deque())
+            now = time.monotonic()
+            while recent and recent[0] < now - 3600:
+                recent.popleft()
+            if len(recent) >= self.signup_limit_per_hour:
+                self.log.warning("Sign-up of %r refused: %d sign-ups in the last hour",
+                                 username, len(recent))
+                raise web.HTTPError(429, "Too many accounts were requested in the last hour; "
+                                    "please try again later or ask the hub's admin.")
+            user = super().create_user(username, password, **kwargs)
+            if user is not None:
+                recent.append(now)
+            return user
+        return super().create_user(username, password, **kwargs)
 
     def ensure_bootstrap_admin(self) -> None:
         if not (self.bootstrap_admin and self.bootstrap_password_file):
