@@ -6,14 +6,38 @@ releases the GPUs when the job ends in any way.
 
 Local backend
 -------------
-Each replica is ``python -m gpulab.extensions.runtime <script> <args>`` on a free loopback
-port, in a process group of its own, with ``TF_CONFIG`` naming every replica's address and
+Each replica is ``python -m gpulab.extensions.runtime <script> <args>`` on a loopback port,
+in a process group of its own, with ``TF_CONFIG`` naming every replica's address and
 ``CUDA_VISIBLE_DEVICES`` its share of the job's GPUs. As root with isolation on, replicas run
 as the user's own system account (the same one as their notebook server). The job folder is
 ``<shared>/users/<user>/jobs/<job>/``: ``source.py`` (when the spec gave code text),
 ``logs/<role>-<index>.log`` (and ``logs/<role>-<index>.exit``, the exit code the runtime
 writes as it ends), and what the program writes through the runtime's helpers (TensorBoard
 summaries under ``tensorboard/``, checkpoints under ``checkpoints/``).
+
+The sandbox (as root; `gpulab.spawner.sandbox`, `gpulab.spawner.cgroups`), set up in each
+replica between ``fork`` and ``exec`` while it is still root, then it drops to the account:
+
+- **one network namespace per job** holding only loopback, made when the job starts
+  (``/run/gpulab/netns/<job id>``) and joined by every replica: the replicas reach each other
+  on 127.0.0.1, and nothing outside the job reaches their TensorFlow servers, which run any
+  graph they are sent (they have no authentication). Replicas cannot reach the machine's own
+  loopback services (the hub, the gpulab service) or the network either: they need none.
+- **a private /tmp per job** (a mount namespace per replica; all replicas of the job bind the
+  same folder, owned by the person, mode 0700, under root's 0700 ``tmp_root``), removed with
+  the job.
+- **a control group per replica**, limits or not: the role's ``cpu`` / ``memory`` or the
+  operator's defaults (``c.GPUJobs.default_cpu`` / ``default_memory``), the device allow-list
+  of its GPUs, and stop kills the whole group (``setsid`` grandchildren too).
+- **the working directory** (the job folder) entered after dropping privileges, through a
+  descriptor opened without following links (never ``Popen(cwd=...)``, which runs as root).
+- **an environment built from an allow-list** (`replica_env`): never a copy of the service's,
+  which holds the service's own hub token.
+
+Admission also bounds a person's active replicas across their jobs
+(``c.GPUJobs.max_replicas_per_user``), GPU-less jobs included. A submit that fails after
+admission undoes everything in one place (`LocalJobBackend._undo`): processes, sandbox, rows,
+GPUs; nothing stays "Admitted".
 
 Supervision (every half second, over this process's own children):
 
@@ -52,13 +76,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 
+from gpulab.spawner import sandbox
 from gpulab.spawner.cgroups import local_cgroups, memory_bytes
 
 from . import safefs
-from .jobspec import ROLES, JobSpec
+from .jobspec import DEFAULT_LIMITS, ROLES, JobLimits, JobSpec
 from .ledger import JobRow, Ledger, ReplicaRow, Request
 
 log = logging.getLogger("gpulab.jobs")
@@ -71,6 +96,12 @@ EXIT_UNKNOWN = -1000
 PROGRESS_PREFIX = "GPULAB_PROGRESS "
 ACTIVE = ("Admitted", "Starting", "Running")
 FINAL = ("Succeeded", "Failed", "Stopped")
+#: variables a replica takes from the service's environment (nothing else is copied: the
+#: service's own hub token and settings must never reach a person's program)
+ENV_ALLOW = ("PATH", "LANG", "LANGUAGE", "TZ")
+ENV_ALLOW_PREFIXES = ("LC_",)
+#: the private /tmp folders of running jobs (root's, mode 0700; one folder per job)
+TMP_ROOT = Path("/var/lib/gpulab/tmp")
 
 
 class JobError(Exception):
@@ -129,6 +160,38 @@ def last_progress(log_text: bytes) -> dict | None:
     return None
 
 
+def replica_env(base: dict[str, str], *, spec: JobSpec, job_name: str, job_dir: str,
+                user_dir: str, role: str, index: int, cluster: dict, devices: list[int],
+                account: tuple[str, str] | None = None) -> dict[str, str]:
+    """A replica's whole environment, built from an allow-list (no I/O).
+
+    From `base` (the service's environment) only `ENV_ALLOW` / `ENV_ALLOW_PREFIXES`; then the
+    spec's own ``env`` (which `JobSpec` keeps off gpulab's names); then gpulab's variables.
+    `account`: (user name, home) of the system account the replica runs as, if any.
+    """
+    env = {k: v for k, v in base.items() if k in ENV_ALLOW or k.startswith(ENV_ALLOW_PREFIXES)}
+    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    env.update(spec.env)
+    visible = ",".join(str(d) for d in devices)
+    env.update({
+        "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": role, "index": index}}),
+        "GPULAB_STRATEGY": spec.strategy,
+        "GPULAB_JOB_NAME": job_name,
+        "GPULAB_JOB_DIR": job_dir,
+        "GPULAB_USER_DIR": user_dir,
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": visible,
+        "NVIDIA_VISIBLE_DEVICES": visible or "void",
+        "PYTHONUNBUFFERED": "1",
+    })
+    if account is not None:
+        name, home = account
+        env.update({"USER": name, "LOGNAME": name, "HOME": home})
+    elif "HOME" in base:
+        env["HOME"] = base["HOME"]
+    return env
+
+
 def _lead_replica(spec: dict) -> str:
     """The replica whose progress is the job's: the chief, or worker 0 without one."""
     return "chief-0" if spec["strategy"] == "parameter-server" else "worker-0"
@@ -171,6 +234,8 @@ class JobBackend:
 
     name = ""
     ledger: Ledger
+    #: the operator's job limits (``c.GPUJobs``), set by the service (`make_app`)
+    limits: JobLimits = DEFAULT_LIMITS
 
     def _load(self, s, job_id: str):
         job = s.get(JobRow, job_id)
@@ -205,17 +270,41 @@ class JobBackend:
                 raise JobError(f"name: you already have a job named '{name}' (jobs are "
                                "kept as history); choose another name.", 409, "name")
 
+    def _check_replica_bound(self, user: str, spec: JobSpec) -> None:
+        """Refuse a job that would take `user`'s active replicas (all backends, all their
+        jobs) over ``max_replicas_per_user``. Call it where admissions are serialized."""
+        bound = self.limits.max_replicas_per_user
+        if not bound:
+            return
+        with self.ledger.Session() as s:
+            specs = s.scalars(select(JobRow.spec).where(JobRow.user == user,
+                                                        JobRow.state.in_(ACTIVE))).all()
+        active = sum(JobSpec.model_validate_json(x).replica_count for x in specs)
+        if active + spec.replica_count > bound:
+            raise JobError(f"replicas: at most {bound} replicas of your jobs may run at once; "
+                           f"{active} are active now and this job has {spec.replica_count}. "
+                           "Wait for a job to finish, stop one, or ask for fewer replicas.",
+                           409, "replicas")
+
 
 class LocalJobBackend(JobBackend):
     name = "local"
 
     def __init__(self, ledger: Ledger, accounts, *, python: str = sys.executable,
-                 poll_interval: float = 0.5, stop_grace: float = 10.0):
+                 poll_interval: float = 0.5, stop_grace: float = 10.0,
+                 limits: JobLimits | None = None, sandboxed: bool | None = None,
+                 tmp_root: Path = TMP_ROOT, netns_root: Path = sandbox.NETNS_DIR):
         self.ledger = ledger
         self.accounts = accounts  # callable: user name -> UserAccount
         self.python = python
         self.poll_interval = poll_interval
         self.stop_grace = stop_grace
+        if limits is not None:
+            self.limits = limits
+        # namespaces need root: as root every job gets them (or does not start)
+        self.sandboxed = os.geteuid() == 0 if sandboxed is None else sandboxed
+        self.tmp_root = Path(tmp_root)
+        self.netns_root = Path(netns_root)
         self._procs: dict[tuple[str, str, int], psutil.Popen | psutil.Process] = {}
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
@@ -255,7 +344,9 @@ class LocalJobBackend(JobBackend):
                                field="script")
         self._check_new_name(user, spec.name)
         async with self._lock:  # the supervisor thread reads the same process table
-            self._admit_and_start(user, groups, spec, account, script)
+            # admissions are serialized here: the per-person replica bound cannot be raced
+            self._check_replica_bound(user, spec)
+            await asyncio.to_thread(self._admit_and_start, user, groups, spec, account, script)
         self.ensure_supervisor()
         return self.get(user, spec.name)
 
@@ -280,22 +371,39 @@ class LocalJobBackend(JobBackend):
                     mine, devices = devices[:n], devices[n:]
                     s.add(ReplicaRow(job_id=job_id, role=role, index=index, port=free_port(),
                                      devices=json.dumps(mine)))
+            self._make_sandbox(job_id, account)
             self._start_all(job_id, script)
         except BaseException as e:
-            self.ledger.release(allocation.id, "job failed to start")
-            self._kill_job_processes(job_id)
+            self._undo(job_id, allocation.id, spec)
             if isinstance(e, JobError):
                 raise
             if isinstance(e, safefs.UnsafePath):
-                raise JobError(f"name: jobs/{spec.name} in your folder is a link or not a "
-                               f"folder ({e.strerror}); gpulab does not follow links there. "
-                               "Remove it, or choose another name.", 409, "name") from None
+                raise JobError(f"name: jobs/{spec.name} in your folder holds a link or "
+                               f"something that is not a folder or plain file ({e.strerror}); "
+                               "gpulab does not follow links there. Remove it, or choose "
+                               "another name.", 409, "name") from None
             if isinstance(e, IntegrityError):  # a concurrent submit took the name first
                 raise JobError(f"name: you already have a job named '{spec.name}'; choose "
                                "another name.", 409, "name") from None
             log.exception("Job %s/%s failed to start", user, spec.name)
-            self._finish(job_id, "Failed", f"could not start: {e}")
             raise JobError(f"The job could not be started: {e}", 500) from e
+
+    def _undo(self, job_id: str, allocation_id: str, spec: JobSpec) -> None:
+        """Everything a submit did after admission, undone (the one place for it): its
+        processes and their groups, its sandbox, its rows and its GPUs. The job folder stays
+        (it is the person's, and may have been there before)."""
+        try:
+            self._kill_job_processes(job_id)
+            self._remove_groups(job_id, spec)
+            self._remove_sandbox(job_id)
+            with self.ledger.Session.begin() as s:
+                s.execute(delete(ReplicaRow).where(ReplicaRow.job_id == job_id))
+                s.execute(delete(JobRow).where(JobRow.id == job_id))
+        except Exception:
+            log.exception("Undoing job %s failed; it is marked failed instead", job_id)
+            self._finish(job_id, "Failed", "could not start")
+        finally:
+            self.ledger.release(allocation_id, "job failed to start")
 
     def _prepare_dir(self, account: UserAccount, spec: JobSpec) -> None:
         """The job's folder in the user's own folder, owned by them (never through a link)."""
@@ -341,80 +449,123 @@ class LocalJobBackend(JobBackend):
             job.reason = "all replicas started"
 
     def _spawn(self, job, spec, r, cluster, program, account):
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("JUPYTERHUB_", "GPULAB_LEDGER", "TF_", "CUDA_"))}
-        env.update(spec.env)
-        devices = ",".join(str(d) for d in json.loads(r.devices))
-        env.update({
-            "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": r.role, "index": r.index}}),
-            "GPULAB_STRATEGY": spec.strategy,
-            "GPULAB_JOB_NAME": job.name,
-            "GPULAB_JOB_DIR": job.job_dir,
-            "GPULAB_USER_DIR": str(account.folder),
-            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-            "CUDA_VISIBLE_DEVICES": devices,
-            "NVIDIA_VISIBLE_DEVICES": devices or "void",
-            "PYTHONUNBUFFERED": "1",
-        })
-        if account.home:
-            env["HOME"] = account.home
+        devices = json.loads(r.devices)
+        env = replica_env(
+            dict(os.environ), spec=spec, job_name=job.name, job_dir=job.job_dir,
+            user_dir=str(account.folder), role=r.role, index=r.index, cluster=cluster,
+            devices=devices,
+            account=(pwd.getpwuid(account.uid).pw_name, account.home or "/")
+            if account.uid is not None else None)
         owner = (account.uid, account.gid) if account.uid is not None else None
         logfile = os.fdopen(safefs.open_file(
             *_in_job(job.job_dir, "logs", f"{r.role}-{r.index}.log"),
             os.O_WRONLY | os.O_CREAT | os.O_APPEND, owner=owner), "ab", buffering=0)
+        folder, job_path = _in_job(job.job_dir)
+        group = self._replica_group(job.id, spec, r.role, r.index, devices)
+        netns = sandbox.open_netns(job.id, self.netns_root) if self.sandboxed else None
+        tmp = self.tmp_root / job.id
+        user_name = pwd.getpwuid(account.uid).pw_name if account.uid is not None else None
 
-        group = self._limits_group(job.id, spec, r.role, r.index)
-
-        def preexec():
-            os.setsid()  # one process group per replica: stop reaches the whole tree
-            if group is not None:
-                group.join()  # its CPU and memory limits, before dropping to the user
-            if account.uid is not None:
-                os.setgid(account.gid)
-                os.initgroups(pwd.getpwuid(account.uid).pw_name, account.gid)
-                os.setuid(account.uid)
+        def preexec():  # in the child, as root; a failure is written to the replica's log
+            try:
+                os.setsid()  # one process group per replica
+                if group is not None:
+                    group.join()  # limits, GPU devices, and stop reaches all it starts
+                if netns is not None:
+                    sandbox.join_netns(netns)  # the job's loopback-only network
+                    sandbox.private_tmp(tmp, keep=[folder])  # the job's own /tmp
+                if account.uid is not None:
+                    os.setgid(account.gid)
+                    os.initgroups(user_name, account.gid)
+                    os.setuid(account.uid)
+                # as the person: the job folder, never through a link
+                sandbox.enter_dir(folder, job_path)
+            except BaseException as e:
+                os.write(2, f"gpulab: the replica could not be started: {e}\n".encode())
+                raise
 
         try:
-            return psutil.Popen(
-                [self.python, "-m", "gpulab.extensions.runtime", str(program), *spec.args],
-                env=env, cwd=job.job_dir, stdout=logfile, stderr=subprocess.STDOUT,
-                stdin=open(os.devnull), preexec_fn=preexec, close_fds=True,
-            )
+            with open(os.devnull) as devnull:
+                return psutil.Popen(
+                    [self.python, "-m", "gpulab.extensions.runtime", str(program), *spec.args],
+                    env=env, stdout=logfile, stderr=subprocess.STDOUT, stdin=devnull,
+                    preexec_fn=preexec, close_fds=True,
+                )
+        except subprocess.SubprocessError as e:  # the reason is in the log
+            raise JobError(f"{r.role}-{r.index} could not be started: "
+                           f"{self._start_error(job.job_dir, r) or e}", 500) from e
         finally:
             logfile.close()
+            if netns is not None:
+                os.close(netns)
 
-    # -- CPU and memory limits (control groups, as for notebook servers) ------------------
+    @staticmethod
+    def _start_error(job_dir: str, r) -> str:
+        """The reason a replica's ``preexec`` wrote to its log, if any."""
+        try:
+            tail = safefs.read_tail(*_in_job(job_dir, "logs", f"{r.role}-{r.index}.log"), 2048)
+        except OSError:
+            return ""
+        for line in reversed(tail.decode(errors="replace").splitlines()):
+            if line.startswith("gpulab: "):
+                return line.removeprefix("gpulab: ")
+        return ""
+
+    # -- the job's sandbox: network namespace and private /tmp ------------------------------
+
+    def _make_sandbox(self, job_id: str, account: UserAccount) -> None:
+        if not self.sandboxed:
+            return
+        owner = (account.uid, account.gid) if account.uid is not None else None
+        try:
+            sandbox.make_netns(job_id, self.netns_root)
+            sandbox.make_private_dir(self.tmp_root, job_id, owner)
+        except OSError as e:
+            raise JobError("The job could not be started: its sandbox could not be made "
+                           f"({e}). Ask the operator: gpulab runs jobs as root with network "
+                           "and mount namespaces.", 500) from e
+
+    def _remove_sandbox(self, job_id: str) -> None:
+        if not self.sandboxed:
+            return
+        try:
+            sandbox.remove_netns(job_id, self.netns_root)
+        except OSError:
+            log.exception("Could not remove the network namespace of job %s", job_id)
+        sandbox.remove_private_dir(self.tmp_root, job_id)
+
+    # -- control groups: one per replica (limits, GPU devices, clean stop) -----------------
 
     @staticmethod
     def _unit(job_id: str, role: str, index: int) -> str:
         return f"job-{job_id}-{role}-{index}"
 
-    def _limits_group(self, job_id: str, spec: JobSpec, role: str, index: int):
-        """A fresh control group with the role's ``cpu`` / ``memory``, or None (no limits, or
-        none enforceable here: `gpulab.spawner.cgroups.local_cgroups` logs why once)."""
-        res = spec.resources.get(role)
-        if res is None or (res.cpu is None and res.memory is None):
-            return None
+    def _replica_group(self, job_id: str, spec: JobSpec, role: str, index: int,
+                       devices: list[int]):
+        """A fresh control group for one replica, limits or not: the role's ``cpu`` /
+        ``memory`` or the operator's defaults, and only its own GPUs' device nodes. None
+        where groups cannot be made here (`gpulab.spawner.cgroups.local_cgroups` logs why)."""
         cgroups, _ = local_cgroups()
         if cgroups is None:
             return None
+        res = spec.resources.get(role)
         unit = self._unit(job_id, role, index)
-        cgroups.find(unit).remove(kill=True)  # a restarted replica starts with a clean count
-        return cgroups.make(unit, memory=memory_bytes(res.memory), cpus=res.cpu)
+        cgroups.find(unit).remove(kill=True)  # a restarted replica starts in a clean group
+        return cgroups.make(unit, memory=memory_bytes(self.limits.memory_of(res)),
+                            cpus=self.limits.cpu_of(res), gpus=devices)
 
     def _oom_killed(self, job_id: str, role: str, index: int) -> bool:
         cgroups, _ = local_cgroups()
         return cgroups is not None and cgroups.find(self._unit(job_id, role, index)).oom_kills() > 0
 
-    def _remove_limits_groups(self, job_id: str, spec: JobSpec) -> None:
-        if not any(r.cpu is not None or r.memory is not None for r in spec.resources.values()):
-            return
+    def _kill_group(self, job_id: str, role: str, index: int) -> None:
         cgroups, _ = local_cgroups()
-        if cgroups is None:
-            return
-        for role in ROLES:
-            for index in range(spec.count(role)):
-                cgroups.find(self._unit(job_id, role, index)).remove(kill=True)
+        if cgroups is not None:
+            cgroups.find(self._unit(job_id, role, index)).remove(kill=True)
+
+    def _remove_groups(self, job_id: str, spec: JobSpec) -> None:
+        for role, index in spec.replica_names():
+            self._kill_group(job_id, role, index)
 
     # -- supervision ---------------------------------------------------------------------
 
@@ -478,8 +629,12 @@ class LocalJobBackend(JobBackend):
                 r.state = "Succeeded" if code == 0 else "Failed"
                 r.reason = _exit_words(code)
                 if code == -signal.SIGKILL and self._oom_killed(job_id, r.role, r.index):
-                    r.reason = (f"killed: out of memory (the {r.role} role's memory limit is "
-                                f"{spec.resources[r.role].memory})")
+                    res = spec.resources.get(r.role)
+                    whose = (f"the {r.role} role's memory limit"
+                             if res is not None and res.memory is not None
+                             else "the default memory limit of replicas")
+                    r.reason = (f"killed: out of memory ({whose} is "
+                                f"{self.limits.memory_of(res)})")
                 log.info("Job %s/%s replica %s-%s exited %s", job.user, job.name, r.role,
                          r.index, code)
             used = sum(r.restarts for r in reps)
@@ -545,7 +700,8 @@ class LocalJobBackend(JobBackend):
                     r.state, r.reason = "Stopped", "stopped with the job"
             alloc = job.allocation_id
             spec = JobSpec.model_validate_json(job.spec)
-        self._remove_limits_groups(job_id, spec)
+        self._remove_groups(job_id, spec)
+        self._remove_sandbox(job_id)
         if alloc:
             self.ledger.release(alloc, f"job {state.lower()}")
         log.info("Job %s: %s (%s)", job_id, state, reason)
@@ -574,11 +730,13 @@ class LocalJobBackend(JobBackend):
                 continue
             except Exception:
                 break
-        if pgid is not None:  # anything the replica left in its group
+        if pgid is not None:  # anything the replica left in its process group
             try:
                 os.killpg(pgid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        # and in its control group: what left the process group (setsid) cannot leave that
+        self._kill_group(*key)
 
     def _kill_job_processes(self, job_id: str) -> None:
         for key in [k for k in self._procs if k[0] == job_id]:
@@ -627,11 +785,32 @@ class LocalJobBackend(JobBackend):
             else:
                 self._procs.update(live)
                 log.info("Re-adopted job %s with %d running replicas", name, len(live))
+        self._clean_sandboxes()
         # allocations of jobs that no longer run (e.g. the service died between admission
         # and writing the job) are closed: nothing leaks
         with self.ledger.Session() as s:
             keep = set(s.scalars(select(JobRow.allocation_id).where(JobRow.state.in_(ACTIVE))))
         self.ledger.close_orphans("job", keep, "job gone at service start-up")
+
+    def _clean_sandboxes(self) -> None:
+        """Remove the namespaces and /tmp folders left by this ledger's jobs that no longer
+        run (the service died as one ended). Those of other deployments on the machine, whose
+        ids this ledger does not know, are left alone."""
+        if not self.sandboxed:
+            return
+        try:
+            tmps = os.listdir(self.tmp_root)
+        except FileNotFoundError:
+            tmps = []
+        names = set(sandbox.netns_names(self.netns_root)) | set(tmps)
+        if not names:
+            return
+        with self.ledger.Session() as s:
+            ended = s.scalars(select(JobRow.id).where(JobRow.id.in_(names),
+                                                      JobRow.state.not_in(ACTIVE))).all()
+        for job_id in ended:
+            log.info("Removing the sandbox left by job %s", job_id)
+            self._remove_sandbox(job_id)
 
     async def shutdown(self) -> None:
         """Leave replicas running (a restarted service re-adopts them)."""

@@ -11,6 +11,11 @@ names the field:
 - the code is either ``script`` (a path inside the user's own folder, no ``..``) or
   ``source`` (code text, stored in the job folder), never both;
 - ``env`` cannot set what gpulab sets (``TF_CONFIG``, ``CUDA_VISIBLE_DEVICES``, ``GPULAB_*``…).
+
+`GPUJobs` holds the operator's limits (``c.GPUJobs.*``), carried to the gpulab service as JSON
+(`GPUJobs.limits_json`, `limits_from_json`): the spec limits checked here, and the bounds a
+backend applies as it admits a job (``default_cpu`` / ``default_memory`` for replicas whose
+role names none, ``max_replicas_per_user``: see `gpulab.hub.jobs`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
 from typing import Literal
 
-from traitlets import Int, List, Unicode
+from traitlets import Float, Int, List, TraitError, Unicode, validate
 from traitlets.config import Configurable
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -46,6 +51,22 @@ class JobLimits:
     max_env: int = 64
     max_retries: int = 10
     allowed_images: tuple[str, ...] = field(default_factory=tuple)
+    # bounds applied at admission (local backend), not checks on one spec:
+    default_cpu: float = 2.0  # CPUs of a replica whose role sets no ``cpu``; 0: unlimited
+    default_memory: str = "8Gi"  # memory of a replica whose role sets none; "": unlimited
+    max_replicas_per_user: int = 32  # replicas of one person's active jobs together; 0: no bound
+
+    def cpu_of(self, res: Resources | None) -> float | None:
+        """The CPU limit of a replica whose role asks for `res` (None: not limited)."""
+        if res is not None and res.cpu is not None:
+            return res.cpu
+        return self.default_cpu or None
+
+    def memory_of(self, res: Resources | None) -> str | None:
+        """The memory limit (``8Gi``) of a replica whose role asks for `res` (None: none)."""
+        if res is not None and res.memory is not None:
+            return res.memory
+        return self.default_memory or None
 
 
 DEFAULT_LIMITS = JobLimits()
@@ -167,6 +188,10 @@ class JobSpec(Strict):
     def total_gpus(self) -> int:
         return sum(self.count(r) * self.gpus_of(r) for r in ROLES)
 
+    @property
+    def replica_count(self) -> int:
+        return sum(self.count(r) for r in ROLES)
+
     def replica_names(self) -> list[tuple[str, int]]:
         return [(role, i) for role in ROLES for i in range(self.count(role))]
 
@@ -239,12 +264,39 @@ class GPUJobs(Configurable):
         Container images a job may name (Kubernetes backend); default none: jobs run in
         the deployment's image. Example: ``c.GPUJobs.allowed_images = ["gpulab/singleuser:1"]``
         """).tag(config=True)
+    default_cpu = Float(DEFAULT_LIMITS.default_cpu, help="""
+        CPUs a training replica may use when its role sets no ``cpu`` (local backend,
+        enforced with a control group as root; default 2.0; 0 leaves such replicas
+        unlimited). GPU-less jobs pass every GPU quota, so this is what bounds them.
+        Example: ``c.GPUJobs.default_cpu = 4``
+        """).tag(config=True)
+    default_memory = Unicode(DEFAULT_LIMITS.default_memory, help="""
+        Memory a training replica may use when its role sets no ``memory`` (local backend,
+        enforced with a control group as root; a replica over it is killed and the job says
+        so): a size such as ``8Gi`` or ``512Mi`` (default ``8Gi``; ``""`` leaves such
+        replicas unlimited). Example: ``c.GPUJobs.default_memory = "16Gi"``
+        """).tag(config=True)
+    max_replicas_per_user = Int(DEFAULT_LIMITS.max_replicas_per_user, help="""
+        Most replicas one person's active jobs may have together (admitted, starting or
+        running; default 32; 0: no bound). A job that would go over it is refused whole
+        (HTTP 409, field ``replicas``), GPU-less or not.
+        Example: ``c.GPUJobs.max_replicas_per_user = 16``
+        """).tag(config=True)
+
+    @validate("default_memory")
+    def _valid_memory(self, proposal):
+        value = proposal["value"]
+        if value and not re.fullmatch(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?", value):
+            raise TraitError(f"GPUJobs.default_memory: {value!r} is not a size such as 8Gi")
+        return value
 
     def limits(self) -> JobLimits:
         return JobLimits(max_replicas=self.max_replicas,
                          max_gpus_per_replica=self.max_gpus_per_replica,
                          max_source_bytes=self.max_source_bytes, max_runtime=self.max_runtime,
-                         max_retries=self.max_retries, allowed_images=tuple(self.allowed_images))
+                         max_retries=self.max_retries, allowed_images=tuple(self.allowed_images),
+                         default_cpu=self.default_cpu, default_memory=self.default_memory,
+                         max_replicas_per_user=self.max_replicas_per_user)
 
     def limits_json(self) -> str:
         return json.dumps(asdict(self.limits()))

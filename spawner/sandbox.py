@@ -127,12 +127,15 @@ def private_tmp(source_dir: str | os.PathLike, keep: Iterable[str | os.PathLike]
             try:
                 for name in parts:
                     try:
-                        os.mkdir(name, 0o755, dir_fd=target)
+                        os.mkdir(name, 0o711, dir_fd=target)
+                        made = True
                     except FileExistsError:
-                        pass
+                        made = False
                     nxt = os.open(name, _DIR, dir_fd=target)  # a link there: ELOOP/ENOTDIR
                     os.close(target)
                     target = nxt
+                    if made:  # passable by the person whatever this process's umask
+                        os.fchmod(target, 0o711)
                 mount(f"/proc/self/fd/{fd}", f"/proc/self/fd/{target}", None, MS_BIND | MS_REC)
             finally:
                 os.close(target)
