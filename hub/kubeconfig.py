@@ -22,24 +22,32 @@ import os
 from pathlib import Path
 from traitlets.config import Config
 
+from gpulab.spawner.kubeobjects import GPULAB_SERVICE_PORT
+
 from .config import gpulab_roles
 from .service import ADMIN_SCOPE, RECONCILE_ENV, SERVICE_NAME
 
 SPAWNER_CLASS = "gpulab.spawner.kube.KubeGPUSpawner"
-#: the port of the gpulab service in the hub pod (the proxy reaches it at the pod's IP)
-SERVICE_PORT = 8002
+#: the port of the gpulab service in the hub pod (the proxy reaches it at the pod's IP; the
+#: user namespaces' NetworkPolicies let user pods reach it)
+SERVICE_PORT = GPULAB_SERVICE_PORT
 LEDGER_URL_ENV = "GPULAB_LEDGER_URL"
 POD_IP_ENV = "POD_IP"
+POD_NAMESPACE_ENV = "POD_NAMESPACE"
 
 
 def gpulab_kube_service(*, ledger_url: str, service_ip: str, service_port: int = SERVICE_PORT,
                         job_limits: str | None = None, kube_jobs: str | None = None,
                         reconcile_interval: float | None = None,
+                        hub_namespace: str | None = None,
                         python: str = "python3") -> dict:
     """The gpulab service as a process the hub runs in its own pod.
 
     It listens on the pod's IP (``service_ip``), where the proxy pod reaches it; the hub pod's
     NetworkPolicy must let the proxy in on ``service_port`` (helm-values/values.yaml does).
+    ``hub_namespace`` (the release namespace) reaches the job backend as ``$POD_NAMESPACE``
+    (a service gets only the environment given here), for the user namespaces'
+    NetworkPolicies.
     """
     env = {
         LEDGER_URL_ENV: ledger_url,
@@ -49,6 +57,8 @@ def gpulab_kube_service(*, ledger_url: str, service_ip: str, service_port: int =
         env["GPULAB_JOB_LIMITS"] = job_limits
     if reconcile_interval is not None:
         env[RECONCILE_ENV] = str(reconcile_interval)
+    if hub_namespace:
+        env[POD_NAMESPACE_ENV] = hub_namespace
     if kube_jobs is not None:  # training jobs as Kubernetes Jobs (gpulab.hub.kubejobs)
         env["GPULAB_JOB_BACKEND"] = "kubernetes"
         env["GPULAB_KUBE_JOBS"] = kube_jobs
@@ -138,7 +148,8 @@ def kubernetes_config(
     service = gpulab_kube_service(ledger_url=ledger_url, service_ip=service_ip,
                                   service_port=service_port, job_limits=limits,
                                   kube_jobs=backend_settings(c),
-                                  reconcile_interval=GPULedger(config=c).reconcile_interval)
+                                  reconcile_interval=GPULedger(config=c).reconcile_interval,
+                                  hub_namespace=os.environ.get(POD_NAMESPACE_ENV))
     c.JupyterHub.services = _merge_named(list(c.JupyterHub.get("services", [])), [service],
                                          _merge_service)
     roles = gpulab_roles(first_admin or "")
@@ -163,5 +174,5 @@ def service_url_for_servers(service_port: int = SERVICE_PORT, environ=None) -> s
     service as pods in other namespaces reach it (``$POD_NAMESPACE`` is the chart's namespace,
     set in the hub pod by the chart)."""
     environ = os.environ if environ is None else environ
-    namespace = environ.get("POD_NAMESPACE", "default")
+    namespace = environ.get(POD_NAMESPACE_ENV, "default")
     return f"http://hub.{namespace}.svc.cluster.local:{service_port}/services/{SERVICE_NAME}/"

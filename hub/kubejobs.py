@@ -9,11 +9,13 @@ Submit
     checks that the schedulable nodes of the GPU model can hold every replica at once (node
     allocatable, first fit), admits the job's GPUs whole through the ledger (the same quota as
     notebooks), makes sure the user's namespace and its GPU ResourceQuota exist (as
-    `gpulab.spawner.kube.KubeGPUSpawner` does; once per namespace per process), then creates
-    the objects of `gpulab.hub.kubejobs_objects.make_training_job_objects`: the parent
-    headless Service, a ConfigMap with the code when the spec gave ``source``, and one Indexed
-    Job per role, each owned by the Service. API requests per submit: roles + 1 (+1 with
-    ``source``, +2 for a namespace this process has not prepared yet).
+    `gpulab.spawner.kube.KubeGPUSpawner` does, with the namespace's NetworkPolicies; once per
+    namespace per process), then creates the objects of
+    `gpulab.hub.kubejobs_objects.make_training_job_objects`: the parent headless Service, the
+    job's NetworkPolicy (its replicas reach each other and nothing else reaches them), a
+    ConfigMap with the code when the spec gave ``source``, and one Indexed Job per role, each
+    owned by the Service. API requests per submit: roles + 2 (+1 with ``source``, +4 for a
+    namespace this process has not prepared yet).
 
 Watching
     One shared watch over the Jobs and one over the Pods labelled as gpulab training jobs in
@@ -63,11 +65,26 @@ from kubespawner.clients import load_config, shared_client
 from kubespawner.reflector import MultiNamespaceResourceReflector
 from kubespawner.slugs import safe_slug
 from sqlalchemy import select
-from traitlets import Dict, Float, Unicode
+from traitlets import Dict, Float, List, Unicode, default
 from traitlets.config import LoggingConfigurable
 
-from gpulab.spawner.kube import APPLY, FIELD_MANAGER, GPUQuotaMirror, api_message, effective_max_gpus
-from gpulab.spawner.kubeobjects import POD_SECURITY_LEVELS, make_user_namespace, parse_quota_refusal
+from gpulab.spawner.kube import (
+    ALLOWED_EGRESS_HELP,
+    APPLY,
+    FIELD_MANAGER,
+    HUB_NAMESPACE_HELP,
+    GPUQuotaMirror,
+    api_message,
+    apply_network_policies,
+    effective_max_gpus,
+    hub_namespace_default,
+)
+from gpulab.spawner.kubeobjects import (
+    POD_SECURITY_LEVELS,
+    make_user_namespace,
+    make_user_network_policies,
+    parse_quota_refusal,
+)
 from gpulab.spawner.profiles import GPU_MODEL_LABEL, GPU_RESOURCE
 
 from .jobs import ACTIVE, FINAL, JobBackend, JobError, _job_view, _lead_replica, last_progress
@@ -79,6 +96,7 @@ from .kubejobs_objects import (
     ROLE_LABEL,
     SELECTOR,
     SOURCE_PROGRAM,
+    make_job_network_policy,
     make_source_configmap,
     make_training_job_objects,
     mount_source,
@@ -203,7 +221,8 @@ SHARED_WITH_SPAWNER = {"namespace_template": "user_namespace_template",
                        "shared_volume": "shared_volume", "shared_mount_path": "shared_mount_path",
                        "user_subpath_template": "user_subpath_template",
                        "datasets_subpath": "datasets_subpath",
-                       "pod_security_level": "pod_security_level"}
+                       "pod_security_level": "pod_security_level",
+                       "hub_namespace": "hub_namespace", "allowed_egress": "allowed_egress"}
 #: the environment variable by which the hub hands these settings to the gpulab service
 SETTINGS_ENV = "GPULAB_KUBE_JOBS"
 
@@ -259,6 +278,17 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
     datasets_subpath = Unicode("datasets", help="""
         The read-only datasets folder on the shared storage (default ``datasets``; empty:
         none).""").tag(config=True)
+    hub_namespace = Unicode(help=HUB_NAMESPACE_HELP + """
+        (KubeJobBackend: taken from ``c.KubeGPUSpawner.hub_namespace`` unless set here.)""").tag(
+        config=True)
+
+    @default("hub_namespace")
+    def _hub_namespace_default(self):
+        return hub_namespace_default()
+
+    allowed_egress = List(Dict(), help=ALLOWED_EGRESS_HELP + """
+        (KubeJobBackend: taken from ``c.KubeGPUSpawner.allowed_egress`` unless set here.)""").tag(
+        config=True)
     unschedulable_timeout = Float(300.0, help="""
         Seconds a replica may stay unschedulable before the whole job is removed with the
         reason (default 300), so that a half-started job never holds GPUs.""").tag(config=True)
@@ -312,6 +342,11 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
     def batch(self):
         load_config()
         return shared_client("BatchV1Api")
+
+    @property
+    def networking(self):
+        load_config()
+        return shared_client("NetworkingV1Api")
 
     async def start_watches(self) -> None:
         """Start the two shared watches (once) and wait for their first lists."""
@@ -507,9 +542,19 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
                            f"{', '.join(POD_SECURITY_LEVELS)}.", 500)
         label = self.user_label(user)
         body = make_user_namespace(name=ns, user_label=label, pod_security=self.pod_security_level)
+        try:
+            policies = make_user_network_policies(
+                namespace=ns, user_label=label, hub_namespace=self.hub_namespace,
+                allowed_egress=self.allowed_egress)
+        except ValueError as e:
+            raise JobError(f"The cluster's network settings are wrong: {e}", 500) from e
         self.api_requests += 1
         await self.core.patch_namespace(ns, body, field_manager=FIELD_MANAGER, force=True,
                                         _content_type=APPLY, _request_timeout=self.request_timeout)
+        # before the namespace's first replica: nothing outside the job reaches it
+        self.api_requests += len(policies)
+        self.api_requests += await asyncio.wait_for(apply_network_policies(policies),
+                                                    self.request_timeout)
         mirror = GPUQuotaMirror.for_loop(self.ledger, self.core, self.gpu_quota_sync_interval, log)
         mirror.register(ns, user, groups, label)
         want = effective_max_gpus(self.ledger.quotas(), user, groups)
@@ -594,7 +639,10 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
             ns, service, _request_timeout=self.request_timeout)
         uid = created.metadata.uid
         objects = make_training_job_objects(**common, parent_uid=uid)[1:]
-        creating = []
+        policy = make_job_network_policy(job=spec.name, namespace=ns,
+                                         user_label=self.user_label(user), parent_uid=uid)
+        creating = [self.networking.create_namespaced_network_policy(
+            ns, policy, _request_timeout=self.request_timeout)]
         if spec.source is not None:
             cm = make_source_configmap(spec=spec, namespace=ns, user_label=self.user_label(user),
                                        parent_uid=uid)
@@ -604,7 +652,9 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
                 mount_source(job["spec"]["template"]["spec"], job=spec.name)
         creating += [self.batch.create_namespaced_job(ns, job, _request_timeout=self.request_timeout)
                      for job in objects]
-        # all at once: the owner exists, and a pod waits for its ConfigMap by itself. If one
+        # all at once: the owner exists, and a pod waits for its ConfigMap by itself; a
+        # replica started before its job's NetworkPolicy is refused by its peers until then
+        # (the namespace's policy refuses every ingress), never open to others. If one
         # fails, submit deletes the parent and garbage collection the rest.
         self.api_requests += len(creating)
         results = await asyncio.gather(*creating, return_exceptions=True)

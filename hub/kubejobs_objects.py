@@ -15,8 +15,14 @@
 ``GPULAB_TASK_INDEX`` from the pod's completion-index annotation (a ``fieldRef``) and
 ``TF_CONFIG`` as JSON whose task index is ``$(GPULAB_TASK_INDEX)``, which the kubelet expands
 (Kubernetes' dependent environment variables). The runtime reads a plain ``TF_CONFIG`` as
-always. A ``$(`` in the person's own ``env`` values is escaped (``$$(``) so that it stays as
-written.
+always. Everything the person wrote that reaches the container's ``command`` (the program
+path, ``args``) or ``env`` values is escaped (`escape_expansion`: every ``$`` doubled), so
+that the kubelet's ``$(VAR)`` expansion hands the replica exactly what was written.
+
+`make_job_network_policy` is the job's NetworkPolicy: its replicas accept connections from,
+and open them to, the replicas of the same job only (beside the user namespace's own
+policies, `gpulab.spawner.kubeobjects.make_user_network_policies`, which refuse every other
+ingress). A TF server runs any graph it is sent, so nothing but its own job may reach it.
 
 Labels (``kubectl get jobs,pods,svc -l gpulab.io/job=<job>``): ``gpulab.io/user``,
 ``gpulab.io/job``, ``gpulab.io/role`` (Jobs and pods), and on pods Kubernetes' own
@@ -40,7 +46,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from gpulab.spawner.kubeobjects import MANAGED_BY, USER_LABEL, server_pod_settings
+from gpulab.spawner.kubeobjects import MANAGED_BY, USER_LABEL, escape_expansion, server_pod_settings
 from gpulab.spawner.profiles import GPU_MODEL_LABEL, GPU_RESOURCE
 
 from .jobspec import ROLES, JobSpec
@@ -123,11 +129,12 @@ def _pod_spec(*, spec: JobSpec, role: str, image: str, program: str, user_dir: s
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": image,
-        "command": [*REPLICA_COMMAND, program, *spec.args],
+        "command": [*REPLICA_COMMAND, escape_expansion(program),
+                    *(escape_expansion(a) for a in spec.args)],
         "workingDir": user_dir,
         "env": [*env, *({"name": k, "value": v} for k, v in shared["environment"].items()
                         if k not in {e["name"] for e in env}),
-                *({"name": k, "value": v.replace("$(", "$$(")} for k, v in spec.env.items())],
+                *({"name": k, "value": escape_expansion(v)} for k, v in spec.env.items())],
         "ports": [{"name": "tf", "containerPort": port}],
         "resources": _resources(spec, role),
         "securityContext": {"allowPrivilegeEscalation": False, "privileged": False},
@@ -240,6 +247,40 @@ def make_training_job_objects(
         objects.append({"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
                         "spec": job_spec})
     return objects
+
+
+def job_network_policy_name(job: str) -> str:
+    """``<job>-replicas``: never the name of a namespace policy (`USER_PODS_POLICY
+    <gpulab.spawner.kubeobjects.USER_PODS_POLICY>` and `SERVERS_POLICY
+    <gpulab.spawner.kubeobjects.SERVERS_POLICY>` do not end so) nor of another job's."""
+    return f"{job}-replicas"
+
+
+def make_job_network_policy(*, job: str, namespace: str, user_label: str,
+                            parent_uid: str | None = None) -> dict:
+    """The NetworkPolicy of one training job: its replicas (pods labelled with the user and
+    the job) accept connections only from replicas of the same job and open them only to
+    those (any port: gRPC, and NCCL's own ports between GPU workers). With ``parent_uid``
+    (the job's Service) it goes with the job."""
+    def replicas() -> dict:
+        return {"matchLabels": {USER_LABEL: user_label, JOB_LABEL: job}}
+
+    meta: dict[str, Any] = {"name": job_network_policy_name(job), "namespace": namespace,
+                            "labels": job_labels(user_label=user_label, job=job)}
+    if parent_uid:
+        meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Service", "name": job,
+                                    "uid": parent_uid}]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": meta,
+        "spec": {
+            "podSelector": replicas(),
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [{"from": [{"podSelector": replicas()}]}],
+            "egress": [{"to": [{"podSelector": replicas()}]}],
+        },
+    }
 
 
 def make_tfjob(

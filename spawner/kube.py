@@ -5,6 +5,9 @@ It is KubeSpawner configured through its own traits and hooks, plus `GPUSpawnerM
 - each user gets a namespace (``enable_user_namespaces``) labelled for Pod Security
   ``baseline`` enforcement, with a ResourceQuota on ``requests.nvidia.com/gpu`` that mirrors the
   user's effective gpulab quota (`GPUQuotaMirror` keeps it current when an admin edits quotas);
+- the namespace's NetworkPolicies are applied at every spawn (server-side apply, so a policy
+  deleted or edited by hand is put back): only the hub and the proxy reach the server, and the
+  user's pods reach only DNS, the hub, the gpulab service and the operator's ``allowed_egress``;
 - the GPUs come from the chosen profile of ``profile_list`` (``extra_resource_limits``,
   ``node_selector``; override keys are KubeSpawner trait names), plus the GPU toleration;
 - the shared ReadWriteMany volume is mounted as the user's own sub-path read-write and the
@@ -23,11 +26,13 @@ import asyncio
 import copy
 import json
 import logging
+import os
 from typing import Any
 
 from kubernetes_asyncio.client.rest import ApiException
 from kubespawner import KubeSpawner
-from traitlets import Dict, Float, Unicode, default
+from kubespawner.clients import shared_client
+from traitlets import Dict, Float, List, Unicode, default
 
 from gpulab.hub.ledger import Ledger
 from gpulab.hub.policy import Holding, Quota, effective_quota, refusal
@@ -39,6 +44,7 @@ from .kubeobjects import (
     free_gpus_by_node,
     make_gpu_quota,
     make_user_namespace,
+    make_user_network_policies,
     parse_quota_refusal,
     server_pod_settings,
 )
@@ -47,6 +53,43 @@ from .profiles import GPUProfile, ProfileError, default_profile_list, parse_prof
 
 APPLY = "application/apply-patch+yaml"
 FIELD_MANAGER = "gpulab-hub"
+#: where a pod finds its own namespace (the hub's, when the hub runs in the cluster)
+SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def hub_namespace_default() -> str:
+    """The hub's namespace: ``$POD_NAMESPACE`` (z2jh sets it in the hub pod), else the
+    namespace of the pod's ServiceAccount, else ``default``."""
+    if os.environ.get("POD_NAMESPACE"):
+        return os.environ["POD_NAMESPACE"]
+    try:
+        with open(SA_NAMESPACE_FILE) as f:
+            return f.read().strip() or "default"
+    except OSError:
+        return "default"
+
+
+HUB_NAMESPACE_HELP = """The namespace of the hub and proxy pods (the z2jh release namespace).
+        The NetworkPolicies of the user namespaces let the pods labelled ``component: hub`` or
+        ``component: proxy`` there reach notebook servers, and user pods reach the hub pod's
+        API (8081) and gpulab service (8002). Default: ``$POD_NAMESPACE`` (set by the chart in
+        the hub pod), else the hub's ServiceAccount namespace, else ``default``.
+        Example: ``c.KubeGPUSpawner.hub_namespace = "gpulab"``"""
+
+ALLOWED_EGRESS_HELP = """Where else the pods of user namespaces (notebook servers and
+        training replicas) may connect, as NetworkPolicy egress rules (``to`` and/or
+        ``ports``; default ``[]``: only the cluster DNS, the hub and the gpulab service). The
+        shared storage needs no rule when the kubelet mounts it (NFS, CephFS volumes); a
+        server reached from inside the pods does. Example: an NFS server, and the internet
+        without the cloud metadata address::
+
+            c.KubeGPUSpawner.allowed_egress = [
+                {"to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}],
+                 "ports": [{"protocol": "TCP", "port": 2049}]},
+                {"to": [{"ipBlock": {"cidr": "0.0.0.0/0",
+                                     "except": ["169.254.169.254/32", "10.0.0.0/8"]}}]},
+            ]
+        """
 
 #: traits the spawner sets for each start (from the profile and its own settings)
 _MANAGED_TRAITS = ("tolerations", "volumes", "volume_mounts", "environment")
@@ -71,6 +114,32 @@ def effective_max_gpus(quota_rows: list[dict], user: str, groups: tuple[str, ...
     by_group = {r["name"]: q(r) for r in quota_rows if r["scope"] == "group" and r["name"] in groups}
     quota, _ = effective_quota(default_q, by_group, mine)
     return None if quota is None else quota.max_gpus
+
+
+async def apply_network_policies(policies: list[dict]) -> int:
+    """Make each of ``policies`` exactly so; returns how many had to be replaced.
+
+    Server-side apply (one request each) makes a missing policy and takes back gpulab's fields;
+    but it leaves alone what another field manager added (an extra rule, a label in a
+    selector), so a policy whose stored ``spec`` still differs is then replaced whole.
+    """
+    api = shared_client("NetworkingV1Api")
+
+    async def one(policy: dict) -> int:
+        name, namespace = policy["metadata"]["name"], policy["metadata"]["namespace"]
+        stored = await api.patch_namespaced_network_policy(
+            name, namespace, policy, field_manager=FIELD_MANAGER, force=True,
+            _content_type=APPLY)
+        stored = api.api_client.sanitize_for_serialization(stored)
+        if stored.get("spec") == policy["spec"]:
+            return 0
+        body = copy.deepcopy(policy)
+        body["metadata"]["resourceVersion"] = stored["metadata"]["resourceVersion"]
+        await api.replace_namespaced_network_policy(name, namespace, body,
+                                                    field_manager=FIELD_MANAGER)
+        return 1
+
+    return sum(await asyncio.gather(*(one(p) for p in policies)))
 
 
 class GPUQuotaMirror:
@@ -212,6 +281,14 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         ``/home/jovyan``, the Jupyter Docker Stacks' home).""",
     ).tag(config=True)
 
+    hub_namespace = Unicode(help=HUB_NAMESPACE_HELP).tag(config=True)
+
+    @default("hub_namespace")
+    def _hub_namespace_default(self):
+        return hub_namespace_default()
+
+    allowed_egress = List(Dict(), help=ALLOWED_EGRESS_HELP).tag(config=True)
+
     gpu_quota_sync_interval = Float(
         3.0,
         help="""Seconds between two comparisons of the ledger's quotas with the users'
@@ -338,17 +415,27 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
                                        self.log)
 
     async def _ensure_namespace(self):
-        """Create or update the user's namespace (Pod Security labels), then its quota."""
+        """Create or update the user's namespace (Pod Security labels), then its
+        NetworkPolicies and quota."""
         if self.pod_security_level not in POD_SECURITY_LEVELS:
             raise SpawnRefused(500, f"pod_security_level {self.pod_security_level!r} is not "
                                f"one of {', '.join(POD_SECURITY_LEVELS)}.")
         ns = make_user_namespace(name=self.namespace, user_label=self.user_label,
                                  pod_security=self.pod_security_level)
+        try:
+            policies = make_user_network_policies(
+                namespace=self.namespace, user_label=self.user_label,
+                hub_namespace=self.hub_namespace, server_port=self.port,
+                server_component=self.component_label, allowed_egress=self.allowed_egress)
+        except ValueError as e:
+            raise SpawnRefused(500, f"The server's network settings are wrong: {e}") from e
         await asyncio.wait_for(
             self.api.patch_namespace(self.namespace, ns, field_manager=FIELD_MANAGER,
                                      force=True, _content_type=APPLY),
             self.k8s_api_request_timeout,
         )
+        # before any pod of the namespace exists, and at every spawn (put back if edited)
+        await asyncio.wait_for(apply_network_policies(policies), self.k8s_api_request_timeout)
         mirror = self.quota_mirror
         mirror.register(self.namespace, self.user.name, self.user_groups, self.user_label)
         want = effective_max_gpus(self.gpu_ledger.quotas(), self.user.name, self.user_groups)
@@ -476,4 +563,5 @@ async def _maybe_await(value):
     return value
 
 
-__all__ = ["GPUQuotaMirror", "KubeGPUSpawner", "effective_max_gpus"]
+__all__ = ["GPUQuotaMirror", "KubeGPUSpawner", "apply_network_policies", "effective_max_gpus",
+           "hub_namespace_default"]

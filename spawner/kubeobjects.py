@@ -6,6 +6,10 @@ JSON the API server receives), so the tests compare them with literal dicts
 
 - `make_user_namespace`: a user's namespace, labelled for Pod Security admission.
 - `make_gpu_quota`: the ResourceQuota on ``requests.nvidia.com/gpu`` that mirrors a user's quota.
+- `make_user_network_policies`: the NetworkPolicies of a user namespace (nothing reaches a
+  user's pods but the hub and the proxy, and their own job's replicas; they reach DNS, the hub,
+  the gpulab service and what the operator allows).
+- `escape_expansion`: user text as the kubelet must pass it on (no ``$(VAR)`` expansion).
 - `server_pod_settings`: the KubeSpawner trait values that add the GPU toleration, the home
   volume, the shared
   storage (the user's own sub-path read-write, the datasets read-only) and its environment.
@@ -30,6 +34,35 @@ QUOTA_RESOURCE = f"requests.{GPU_RESOURCE}"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "gpulab"}
 USER_LABEL = "gpulab.io/user"
 POD_SECURITY_LEVELS = ("privileged", "baseline", "restricted")
+
+#: NetworkPolicy of every pod of a user namespace: no ingress; egress to DNS, the hub, the
+#: gpulab service and the operator's ``allowed_egress``
+USER_PODS_POLICY = "gpulab-user-pods"
+#: NetworkPolicy of the notebook servers: ingress from the hub and the proxy, on the server port
+SERVERS_POLICY = "gpulab-servers"
+#: the label z2jh gives its pods (``component: hub`` / ``proxy``), KubeSpawner its servers
+COMPONENT_LABEL = "component"
+#: the hub pod's ports that user pods may reach: the hub API and the gpulab service (z2jh's
+#: hub Service 8081; ``hub.service.extraPorts`` 8002 in helm-values/values.yaml)
+HUB_API_PORT = 8081
+GPULAB_SERVICE_PORT = 8002
+#: the cluster DNS (kube-dns / CoreDNS in kube-system, as z2jh's own policies name it)
+DNS_PEER = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+    "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+}
+DNS_PORTS = [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]
+
+
+def escape_expansion(text: str) -> str:
+    """``text`` as it must be written in a container's ``command``, ``args`` or ``env`` value
+    so that the kubelet, which expands ``$(VAR)`` there, hands the process exactly ``text``.
+
+    The kubelet turns ``$$`` into ``$`` and ``$(NAME)`` into the variable's value, so every
+    ``$`` is doubled (doubling only ``$(`` is not enough: ``$$(X)`` would become ``$$$(X)``,
+    which the kubelet reads as ``$`` and then the value of ``X``).
+    """
+    return text.replace("$", "$$")
 
 
 def make_user_namespace(*, name: str, user_label: str, pod_security: str = "baseline") -> dict:
@@ -69,6 +102,75 @@ def make_gpu_quota(*, namespace: str, max_gpus: int, user_label: str, name: str 
         },
         "spec": {"hard": {QUOTA_RESOURCE: str(max_gpus)}},
     }
+
+
+def _hub_namespace_selector(hub_namespace: str) -> dict:
+    return {"matchLabels": {"kubernetes.io/metadata.name": hub_namespace}}
+
+
+def make_user_network_policies(
+    *,
+    namespace: str,
+    user_label: str,
+    hub_namespace: str,
+    server_port: int = 8888,
+    server_component: str = "singleuser-server",
+    allowed_egress: Iterable[Mapping[str, Any]] = (),
+) -> list[dict]:
+    """The NetworkPolicies gpulab keeps in each user namespace: ``[user pods, servers]``.
+
+    - `USER_PODS_POLICY` selects every pod of the namespace (servers, training replicas,
+      anything else): no ingress at all, unless another policy below allows it; egress only
+      to the cluster DNS (port 53), to the hub pod (``component: hub`` in ``hub_namespace``)
+      on the hub API and gpulab service ports, and to ``allowed_egress`` (NetworkPolicy
+      egress rules of the operator, e.g. an NFS server reached from inside pods, a package
+      mirror, or the internet without the cloud metadata address).
+    - `SERVERS_POLICY` lets the hub and the proxy (``component`` ``hub`` or ``proxy`` in
+      ``hub_namespace``) reach the notebook servers (KubeSpawner's ``component:
+      <server_component>`` pods) on ``server_port``, and nobody else.
+
+    A training job's replicas reach each other through the job's own policy
+    (`gpulab.hub.kubejobs_objects.make_job_network_policy`). NetworkPolicies add up: a pod
+    accepts what any policy selecting it allows, so these two never open replicas to others.
+    """
+    rules = [dict(rule) for rule in allowed_egress]
+    for rule in rules:
+        if not rule or set(rule) - {"to", "ports"}:
+            raise ValueError("allowed_egress: each rule is a NetworkPolicy egress rule with "
+                             f"'to' and/or 'ports', got {rule!r}")
+    labels = {**MANAGED_BY, USER_LABEL: user_label}
+    hub_ns = _hub_namespace_selector(hub_namespace)
+    egress: list[dict] = [
+        {"to": [copy.deepcopy(DNS_PEER)], "ports": copy.deepcopy(DNS_PORTS)},
+        {"to": [{"namespaceSelector": hub_ns,
+                 "podSelector": {"matchLabels": {COMPONENT_LABEL: "hub"}}}],
+         "ports": [{"protocol": "TCP", "port": HUB_API_PORT},
+                   {"protocol": "TCP", "port": GPULAB_SERVICE_PORT}]},
+        *copy.deepcopy(rules),
+    ]
+    user_pods = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": USER_PODS_POLICY, "namespace": namespace, "labels": dict(labels)},
+        "spec": {"podSelector": {}, "policyTypes": ["Ingress", "Egress"], "egress": egress},
+    }
+    servers = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": SERVERS_POLICY, "namespace": namespace, "labels": dict(labels)},
+        "spec": {
+            "podSelector": {"matchLabels": {COMPONENT_LABEL: server_component}},
+            "policyTypes": ["Ingress"],
+            "ingress": [{
+                "from": [{"namespaceSelector": _hub_namespace_selector(hub_namespace),
+                          "podSelector": {"matchExpressions": [{
+                              "key": COMPONENT_LABEL, "operator": "In",
+                              "values": ["hub", "proxy"]}]}}],
+                "ports": [{"protocol": "TCP", "port": server_port}],
+            }],
+        },
+    }
+    return [user_pods, servers]
 
 
 def _with(value: list | dict, key: str, item: dict) -> list | dict:

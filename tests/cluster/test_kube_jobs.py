@@ -29,13 +29,13 @@ from gpulab.hub.policy import Quota
 from gpulab.spawner.kube import GPUQuotaMirror
 from tests.app.hubctl import Hub
 
+from . import hubrbac
 from .conftest import _build
 from .controlplane import _CA, DEFAULT_STAGES, HERE, ControlPlane, free_port
 
 pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
-RBAC = ROOT / "helm-values" / "rbac.yaml"
 TFJOB_CRD = ROOT / "tests" / "reference" / "kubeflow" / "kubeflow.org_tfjobs.yaml"
 HUB_NAMESPACE = "gpulab-hub-test"
 SHARED = {"nfs": {"server": "nfs.invalid", "path": "/gpulab"}}
@@ -88,14 +88,9 @@ def cp(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hub_kubeconfig(cp):
-    """A kubeconfig of ServiceAccount hub, bound by helm-values/rbac.yaml and nothing else."""
-    cp.create_namespace(HUB_NAMESPACE)
-    docs = list(yaml.safe_load_all(RBAC.read_text()))
-    for d in docs:
-        for s in d.get("subjects", []):
-            s["namespace"] = HUB_NAMESPACE
-    cp.apply(*docs)
-    return cp.service_account_kubeconfig(HUB_NAMESPACE, "hub")
+    """A kubeconfig of ServiceAccount hub, bound by helm-values/rbac.yaml and nothing else
+    (its admission policy too: the hub writes only in namespaces gpulab owns)."""
+    return hubrbac.hub_kubeconfig(cp, HUB_NAMESPACE)
 
 
 @pytest.fixture
@@ -140,7 +135,7 @@ def get(cp, path):
 
 def items(cp, ns, what, selector=LABELS):
     group = {"jobs": "/apis/batch/v1", "pods": "/api/v1", "services": "/api/v1",
-             "configmaps": "/api/v1"}[what]
+             "configmaps": "/api/v1", "networkpolicies": "/apis/networking.k8s.io/v1"}[what]
     body = get(cp, f"{group}/namespaces/{ns}/{what}?labelSelector={selector}")
     return body["items"] if body else []
 
@@ -200,9 +195,10 @@ async def test_submit_creates_the_objects_runs_on_h100_and_chief_completion_succ
     job = await backend.submit(u, (), ps_spec("digits"))
     ns = job["namespace"]
     assert ns == f"gpulab-{u}" and job["state"] == "Admitted" and job["gpus"] == 4
-    # roles (3) + Service + ConfigMap (source) + the user's namespace and its quota (the
-    # first job of a user) + the nodes (listed every time here: node_cache_seconds = 0)
-    assert backend.api_requests - before == 3 + 5
+    # roles (3) + Service + NetworkPolicy + ConfigMap (source) + the user's namespace, its two
+    # NetworkPolicies and its quota (the first job of a user) + the nodes (listed every time
+    # here: node_cache_seconds = 0)
+    assert backend.api_requests - before == 3 + 8
 
     # exactly the expected objects, all owned by the Service
     svc = items(cp, ns, "services")
@@ -210,6 +206,17 @@ async def test_submit_creates_the_objects_runs_on_h100_and_chief_completion_succ
     jobs = items(cp, ns, "jobs")
     assert names(jobs) == ["digits-chief", "digits-ps", "digits-worker"]
     assert names(items(cp, ns, "configmaps")) == ["digits-source"]
+    # the job's NetworkPolicy (its replicas reach each other, nothing else reaches them), and
+    # the namespace's own, made before the namespace's first replica
+    [policy] = items(cp, ns, "networkpolicies")
+    assert policy["metadata"]["name"] == "digits-replicas"
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == svc[0]["metadata"]["uid"]
+    replicas = {"matchLabels": {"gpulab.io/user": u, "gpulab.io/job": "digits"}}
+    assert policy["spec"] == {"podSelector": replicas, "policyTypes": ["Ingress", "Egress"],
+                              "ingress": [{"from": [{"podSelector": replicas}]}],
+                              "egress": [{"to": [{"podSelector": replicas}]}]}
+    assert names(items(cp, ns, "networkpolicies", "app.kubernetes.io/managed-by=gpulab")) == [
+        "digits-replicas", "gpulab-servers", "gpulab-user-pods"]
     for j in jobs:
         assert [o["uid"] for o in j["metadata"]["ownerReferences"]] == [svc[0]["metadata"]["uid"]]
         assert j["spec"]["completionMode"] == "Indexed"
@@ -353,7 +360,7 @@ async def test_stop_removes_every_object(cp, backend, ledger):
     view = await backend.stop(u, "stopme", actor="admin")
     assert view["state"] == "Stopped" and view["reason"] == "stopped by admin"
     assert ledger.open_allocations(user=u) == []
-    for what in ("services", "jobs", "configmaps", "pods"):  # garbage collection
+    for what in ("services", "jobs", "configmaps", "networkpolicies", "pods"):  # garbage collection
         await eventually(lambda: items(cp, ns, what) == [], what=f"no {what} left")
 
 
@@ -409,7 +416,7 @@ async def test_a_pod_the_namespace_quota_refuses_removes_the_job(cp, backend, le
         backend.get(u, "refused")), timeout=30, what="the refused job removed")
     assert view["reason"].startswith("worker-0: the cluster made no pod within 4 s (the "
                                      "namespace's GPU quota or a policy refuses it"), view
-    for what in ("services", "jobs"):
+    for what in ("services", "jobs", "networkpolicies"):
         await eventually(lambda: items(cp, ns, what, "gpulab.io/job=refused") == [],
                          what=f"no {what} of the refused job")
     assert [a.holder for a in ledger.open_allocations(user=u)] == ["first"]

@@ -7,12 +7,10 @@ import html
 import re
 import time
 import uuid
-from pathlib import Path
 from types import SimpleNamespace
 
 import jinja2
 import pytest
-import yaml
 from jupyterhub.objects import Hub
 from kubernetes_asyncio.config import kube_config
 from kubespawner.clients import load_config
@@ -21,13 +19,14 @@ from traitlets.config import Config
 from gpulab.hub.ledger import Request
 from gpulab.hub.policy import Quota
 from gpulab.spawner.kube import GPUQuotaMirror, KubeGPUSpawner
+from gpulab.spawner.kubeobjects import make_user_network_policies
 from gpulab.spawner.mixin import GPULedger, SpawnRefused, hub_ledger
 
+from . import hubrbac
 from .controlplane import GPU_TOLERATION
 
 pytestmark = pytest.mark.cluster
 
-RBAC = Path(__file__).resolve().parents[2] / "helm-values" / "rbac.yaml"
 HUB_NAMESPACE = "gpulab-hub-test"
 SHARED = {"nfs": {"server": "nfs.invalid", "path": "/gpulab"}}
 
@@ -54,17 +53,10 @@ PROFILES = [
 
 
 @pytest.fixture(scope="module")
-def hub_kubeconfig(control_plane, tmp_path_factory):
-    """A kubeconfig of ServiceAccount hub, bound by helm-values/rbac.yaml and nothing else."""
-    cp = control_plane
-    cp.create_namespace(HUB_NAMESPACE)
-    docs = list(yaml.safe_load_all(RBAC.read_text()))
-    for d in docs:
-        for s in d.get("subjects", []):
-            s["namespace"] = HUB_NAMESPACE
-    cp.apply(*docs)
-    path = cp.service_account_kubeconfig(HUB_NAMESPACE, "hub")
-    yield path
+def hub_kubeconfig(control_plane):
+    """A kubeconfig of ServiceAccount hub, bound by helm-values/rbac.yaml and nothing else
+    (its admission policy too: the hub writes only in namespaces gpulab owns)."""
+    return hubrbac.hub_kubeconfig(control_plane, HUB_NAMESPACE)
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +216,51 @@ async def test_spawn_makes_the_pod_binds_it_to_h100_and_stop_frees_the_quota(
     s.clear_state()
 
 
+NFS_EGRESS = [{"to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}],
+               "ports": [{"protocol": "TCP", "port": 2049}]}]
+
+
+def policies_of(cp, ns) -> dict[str, dict]:
+    body = get(cp, f"/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies")
+    return {p["metadata"]["name"]: p for p in body["items"]}
+
+
+async def test_spawn_makes_and_keeps_the_namespaces_network_policies(control_plane, make_spawner):
+    cp = control_plane
+    s = make_spawner(storage_pvc_ensure=False, hub_namespace=HUB_NAMESPACE,
+                     allowed_egress=NFS_EGRESS)
+    s.user_options = {"profile": "cpu"}
+    await asyncio.wait_for(s.start(), 60)
+    ns = s.namespace
+    want = {p["metadata"]["name"]: p for p in make_user_network_policies(
+        namespace=ns, user_label=s.user_label, hub_namespace=HUB_NAMESPACE,
+        allowed_egress=NFS_EGRESS)}
+    stored = policies_of(cp, ns)
+    assert sorted(stored) == ["gpulab-servers", "gpulab-user-pods"]
+    for name, policy in want.items():
+        assert stored[name]["spec"] == policy["spec"], name
+        assert stored[name]["metadata"]["labels"] == policy["metadata"]["labels"]
+    # the server pod is what the servers' policy selects (KubeSpawner's component label)
+    labels = get(cp, f"/api/v1/namespaces/{ns}/pods/{s.pod_name}")["metadata"]["labels"]
+    assert labels["component"] == "singleuser-server"
+    await s.stop()
+    s.clear_state()
+
+    # someone deletes one policy and opens the other to everything: the next spawn puts
+    # them back as gpulab wants them, before the pod exists
+    base = f"/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies"
+    cp.api("DELETE", f"{base}/gpulab-servers", expect=(200,))
+    cp.api("PATCH", f"{base}/gpulab-user-pods", {"spec": {"egress": [{}], "ingress": [{}]}},
+           content_type="application/merge-patch+json", expect=(200,))
+    assert policies_of(cp, ns)["gpulab-user-pods"]["spec"]["ingress"] == [{}]
+    await asyncio.wait_for(s.start(), 60)
+    stored = policies_of(cp, ns)
+    for name, policy in want.items():
+        assert stored[name]["spec"] == policy["spec"], name
+    await s.stop()
+    s.clear_state()
+
+
 async def test_user_options_cannot_change_the_pod(make_spawner):
     s = make_spawner()
     s.user_options = {"profile": "cpu", "volume_mounts": [{"name": "gpulab-shared",
@@ -240,8 +277,11 @@ async def test_api_server_refuses_a_pod_over_the_quota_with_the_quota_message(
     _, led = ledger
     s = make_spawner()
     led.set_quota("user", s.user.name, Quota(max_gpus=2), actor="admin")
-    # a pod the ledger knows nothing of already holds one GPU in the user's namespace
-    cp.create_namespace(s.namespace)
+    # a pod the ledger knows nothing of already holds one GPU in the user's namespace (made
+    # by an admin for gpulab: labelled as gpulab's, else the hub could not use it)
+    cp.create_namespace(s.namespace, labels={
+        "app.kubernetes.io/managed-by": "gpulab", "gpulab.io/user": s.user_label,
+        "pod-security.kubernetes.io/enforce": "baseline"})
     outside = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "outside"},
                "spec": {"tolerations": [GPU_TOLERATION], "containers": [{
                    "name": "main", "image": "registry.invalid/x:1",

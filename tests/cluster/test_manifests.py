@@ -1,12 +1,16 @@
-"""The manifests beside the helm values (helm-values/*.yaml) against the real API server: every
-field known to Kubernetes' schemas (server-side apply with strict field validation), objects
-created, and the shared volume's claim bound to its NFS volume by the controller manager."""
+"""The manifests beside the helm values (helm-values/*.yaml), and the NetworkPolicies gpulab
+makes, against the real API server: every field known to Kubernetes' schemas (server-side apply
+with strict field validation; the admission policy's CEL compiles), objects created, and the
+shared volume's claim bound to its NFS volume by the controller manager."""
 
 import uuid
 from pathlib import Path
 
 import pytest
 import yaml
+
+from gpulab.hub.kubejobs_objects import make_job_network_policy
+from gpulab.spawner.kubeobjects import make_user_network_policies
 
 from .controlplane import KubectlError, wait_until
 
@@ -29,9 +33,13 @@ def apply_strict(cp, objects: list[dict], *, dry_run: bool = False) -> str:
     return cp.kubectl(*args, input=text).stdout
 
 
+def values_egress() -> list[dict]:
+    values = yaml.safe_load((HELM / "values.yaml").read_text())
+    return values["hub"]["config"]["KubeGPUSpawner"]["allowed_egress"]
+
+
 def test_strict_validation_refuses_a_misspelt_field(control_plane, namespace):
-    [policy] = docs("networkpolicy-jobs.yaml")
-    policy["metadata"]["namespace"] = namespace
+    policy = make_job_network_policy(job="j", namespace=namespace, user_label="ann")
     policy["spec"]["podSelectr"] = policy["spec"].pop("podSelector")
     with pytest.raises(KubectlError) as e:
         apply_strict(control_plane, [policy], dry_run=True)
@@ -41,6 +49,13 @@ def test_strict_validation_refuses_a_misspelt_field(control_plane, namespace):
 def test_rbac_validates(control_plane):
     out = apply_strict(control_plane, docs("rbac.yaml"), dry_run=True)
     assert "clusterrole.rbac.authorization.k8s.io/gpulab-hub" in out
+    # the API server compiles the policy's CEL when it is made: a typo is refused
+    assert "validatingadmissionpolicy.admissionregistration.k8s.io/gpulab-hub-owned-namespaces" in out
+    policy = docs("rbac.yaml")[2]
+    policy["spec"]["validations"][0]["expression"] += " && variables.nope"
+    with pytest.raises(KubectlError) as e:
+        apply_strict(control_plane, [policy], dry_run=True)
+    assert "nope" in e.value.stderr
 
 
 def test_shared_volume_claim_binds_to_the_nfs_volume(control_plane, namespace):
@@ -64,23 +79,20 @@ def test_shared_volume_claim_binds_to_the_nfs_volume(control_plane, namespace):
         cp.api("DELETE", f"/api/v1/persistentvolumes/{name}")
 
 
-def test_job_network_policy_applies_in_a_user_namespace(control_plane, namespace):
+def test_gpulabs_network_policies_apply_in_a_user_namespace(control_plane, namespace):
+    """What the spawner and the job backend apply, with the values' allowed_egress, is valid
+    to the API server and stored as built (so that comparing it with the built spec says
+    whether someone changed it)."""
     cp = control_plane
-    [policy] = docs("networkpolicy-jobs.yaml")
-    assert policy["metadata"]["namespace"] == "gpulab-ann"  # the example user namespace
-    policy["metadata"]["namespace"] = namespace
-    apply_strict(cp, [policy])
-    _, stored = cp.api("GET", f"/apis/networking.k8s.io/v1/namespaces/{namespace}"
-                       "/networkpolicies/gpulab-job-replicas", expect=(200,))
-    spec = stored["spec"]
-    replicas = {"matchExpressions": [{"key": "gpulab.io/job", "operator": "Exists"}]}
-    assert spec["podSelector"] == replicas
-    assert sorted(spec["policyTypes"]) == ["Egress", "Ingress"]
-    # in: only from replicas (a podSelector alone means this namespace)
-    assert spec["ingress"] == [{"from": [{"podSelector": replicas}]}]
-    # out: to replicas, and to the cluster DNS on port 53 only
-    to_replicas, dns = spec["egress"]
-    assert to_replicas == {"to": [{"podSelector": replicas}]}
-    assert dns["to"][0]["namespaceSelector"]["matchLabels"] == {
-        "kubernetes.io/metadata.name": "kube-system"}
-    assert sorted((p["protocol"], p["port"]) for p in dns["ports"]) == [("TCP", 53), ("UDP", 53)]
+    policies = make_user_network_policies(namespace=namespace, user_label="ann",
+                                          hub_namespace="gpulab", allowed_egress=values_egress())
+    policies.append(make_job_network_policy(job="digits", namespace=namespace, user_label="ann"))
+    apply_strict(cp, policies)
+    for policy in policies:
+        _, stored = cp.api("GET", f"/apis/networking.k8s.io/v1/namespaces/{namespace}"
+                           f"/networkpolicies/{policy['metadata']['name']}", expect=(200,))
+        assert stored["spec"] == policy["spec"]
+    user_pods = policies[0]["spec"]
+    assert user_pods["podSelector"] == {} and "ingress" not in user_pods  # nothing comes in
+    internet = user_pods["egress"][-1]["to"][0]["ipBlock"]
+    assert internet["cidr"] == "0.0.0.0/0" and "169.254.169.254/32" in internet["except"]

@@ -54,7 +54,7 @@ def test_profiles_parse_and_home_storage_is_the_spawners(values):
 
 
 def test_rbac_binds_the_hub_service_account_to_the_cluster_role():
-    role, binding = yaml.safe_load_all((HELM / "rbac.yaml").read_text())
+    role, binding, policy, policy_binding = yaml.safe_load_all((HELM / "rbac.yaml").read_text())
     assert role["kind"] == "ClusterRole" and binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "hub", "namespace": "gpulab"}]
     granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"]
@@ -62,16 +62,46 @@ def test_rbac_binds_the_hub_service_account_to_the_cluster_role():
     for needed in [("", "namespaces", "patch"), ("", "resourcequotas", "patch"),
                    ("", "pods", "watch"), ("", "pods", "create"), ("", "events", "watch"),
                    ("", "nodes", "list"), ("", "persistentvolumeclaims", "create"),
-                   ("batch", "jobs", "create")]:
+                   ("batch", "jobs", "create"), ("networking.k8s.io", "networkpolicies", "patch"),
+                   ("networking.k8s.io", "networkpolicies", "create"),
+                   ("networking.k8s.io", "networkpolicies", "update")]:
         assert needed in granted, needed
     assert not [x for x in granted if x[1] == "secrets" or x[2] == "*"]  # least privilege
+    assert not [x for x in granted if x[0] == "admissionregistration.k8s.io"]  # cannot lift it
+
+
+def test_the_hubs_writes_are_limited_by_an_admission_policy():
+    _, binding, policy, policy_binding = yaml.safe_load_all((HELM / "rbac.yaml").read_text())
+    assert policy["apiVersion"] == policy_binding["apiVersion"] == "admissionregistration.k8s.io/v1"
+    assert (policy["kind"], policy_binding["kind"]) == (
+        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+    assert policy_binding["spec"] == {"policyName": policy["metadata"]["name"],
+                                      "validationActions": ["Deny"]}
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"  # an error in the policy refuses, never lets through
+    # every write of any resource, by the hub's ServiceAccount (the binding's subject) only
+    [rule] = spec["matchConstraints"]["resourceRules"]
+    assert rule == {"apiGroups": ["*"], "apiVersions": ["*"],
+                    "operations": ["CREATE", "UPDATE", "DELETE", "CONNECT"],
+                    "resources": ["*", "*/*"]}
+    subject = binding["subjects"][0]
+    [who] = spec["matchConditions"]
+    assert who["expression"] == (f'request.userInfo.username == "system:serviceaccount:'
+                                 f'{subject["namespace"]}:{subject["name"]}"')
+    # only "may I?" reviews are left out (they change nothing)
+    [excluded] = spec["matchConstraints"]["excludeResourceRules"]
+    assert excluded["apiGroups"] == ["authorization.k8s.io", "authentication.k8s.io"]
+    text = json.dumps(spec)
+    for label in ("app.kubernetes.io/managed-by", "gpulab.io/user",
+                  "pod-security.kubernetes.io/enforce"):
+        assert label in text
 
 
 # -- the values as the chart sees them: its schema, and its jupyterhub_config.py
 
 # the chart's files, copied unchanged from ../shared/reference/ (see tests/reference/README.md)
 Z2JH = Path(__file__).resolve().parents[1] / "reference" / "z2jh"
-MANIFESTS = ("rbac.yaml", "shared-volume-nfs.yaml", "networkpolicy-jobs.yaml")
+MANIFESTS = ("rbac.yaml", "shared-volume-nfs.yaml")
 
 
 def helm_merge(defaults, overrides):
@@ -189,6 +219,13 @@ def test_extra_config_makes_the_kube_spawner_and_the_ledger(hub_config, values):
     assert (ledger_conf.db_url, ledger_conf.pool) == (LEDGER, "kubernetes")
     assert issubclass(KubeGPUSpawner, KubeSpawner)  # c.KubeSpawner (singleuser.*) applies too
     assert dict(c.KubeGPUSpawner) == values["hub"]["config"]["KubeGPUSpawner"]
+    # the values' egress rules make valid policies (a rule that is not one fails here)
+    from gpulab.spawner.kubeobjects import make_user_network_policies
+
+    rules = values["hub"]["config"]["KubeGPUSpawner"]["allowed_egress"]
+    user_pods = make_user_network_policies(namespace="gpulab-ann", user_label="ann",
+                                           hub_namespace="gpulab", allowed_egress=rules)[0]
+    assert "169.254.169.254/32" in json.dumps(user_pods["spec"]["egress"])
     assert c.Authenticator.admin_users == {values["custom"]["gpulab"]["firstAdmin"]}
     # z2jh's hub NetworkPolicy lets the proxy in on the port the service listens on
     ports = [p["port"] for rule in values["hub"]["networkPolicy"]["ingress"]
@@ -226,6 +263,8 @@ def test_extra_config_adds_the_gpulab_service_and_its_roles(hub_config, values):
     assert kube_jobs["image"] in limits["allowed_images"]
     assert kube_jobs["namespace_template"] == spawner["user_namespace_template"]
     assert kube_jobs["shared_volume"] == spawner["shared_volume"]
+    assert kube_jobs["allowed_egress"] == spawner["allowed_egress"]
+    assert env["POD_NAMESPACE"] == "gpulab"  # the hub's namespace, for the NetworkPolicies
     # every key is a field of JupyterHub's Service, with a valid value (as init_services checks)
     fields = Service.class_traits()
     for key, value in gpulab.items():

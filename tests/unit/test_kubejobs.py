@@ -101,3 +101,22 @@ def test_settings_shared_with_the_spawner_reach_the_service(tmp_path):
     assert b.namespace_of("Ann.Lee") == f"team-{b.user_label('Ann.Lee')}"  # KubeSpawner's slug
     assert b.namespace_of("ann") == "team-ann" and b.gpu_model == "NVIDIA-H100"
     assert b.shared_mount_path == "/data" and b.datasets_subpath == "datasets"
+
+
+def test_network_settings_are_the_spawners_and_the_hub_namespace_reaches_the_service(
+        tmp_path, monkeypatch):
+    nfs = [{"to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}], "ports": [{"protocol": "TCP", "port": 2049}]}]
+    c = Config()
+    c.KubeGPUSpawner.allowed_egress = nfs
+    raw = backend_settings(c)
+    assert json.loads(raw) == {"allowed_egress": nfs}
+    # the service gets only the environment it is given: the hub's namespace goes with it
+    env = gpulab_kube_service(ledger_url="sqlite://", service_ip="1.2.3.4", kube_jobs=raw,
+                              hub_namespace="jhub")["environment"]
+    monkeypatch.setenv("POD_NAMESPACE", env["POD_NAMESPACE"])
+    b = KubeJobBackend.from_settings(Ledger(f"sqlite:///{tmp_path / 'l.sqlite'}"), raw)
+    assert b.allowed_egress == nfs and b.hub_namespace == "jhub"
+    monkeypatch.delenv("POD_NAMESPACE")
+    monkeypatch.setattr("gpulab.spawner.kube.SA_NAMESPACE_FILE", str(tmp_path / "no-such-file"))
+    assert KubeJobBackend.from_settings(Ledger(f"sqlite:///{tmp_path / 'm.sqlite'}"),
+                                        raw).hub_namespace == "default"

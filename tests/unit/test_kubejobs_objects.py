@@ -4,7 +4,13 @@ import json
 import re
 
 from gpulab.hub.jobspec import parse_spec
-from gpulab.hub.kubejobs_objects import REPLICA_COMMAND, make_tfjob, make_training_job_objects
+from gpulab.hub.kubejobs_objects import (
+    REPLICA_COMMAND,
+    make_job_network_policy,
+    make_tfjob,
+    make_training_job_objects,
+)
+from tests.cluster.kubelet import expand as kubelet_expand
 
 PS_SPEC = {
     "name": "digits", "strategy": "parameter-server",
@@ -242,3 +248,43 @@ def test_the_replica_command_makes_the_job_folder_and_runs_there(tmp_path):
                          env={**os.environ, "GPULAB_JOB_DIR": str(job_dir)}, cwd=tmp_path,
                          capture_output=True, text=True, check=True).stdout
     assert out == f"{job_dir} /p/train.py --x a b\n" and (job_dir / "logs").is_dir()
+
+
+def test_job_network_policy_literal():
+    replicas = {"matchLabels": {"gpulab.io/user": "ann", "gpulab.io/job": "digits"}}
+    assert make_job_network_policy(job="digits", namespace=NS, user_label="ann",
+                                   parent_uid="uid-1") == {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": "digits-replicas", "namespace": NS, "labels": LABELS,
+                     "ownerReferences": [{"apiVersion": "v1", "kind": "Service",
+                                          "name": "digits", "uid": "uid-1"}]},
+        "spec": {"podSelector": replicas, "policyTypes": ["Ingress", "Egress"],
+                 "ingress": [{"from": [{"podSelector": replicas}]}],
+                 "egress": [{"to": [{"podSelector": replicas}]}]},
+    }
+    # it selects exactly the pods of the job's role Jobs
+    for job in build()[1:]:
+        labels = job["spec"]["template"]["metadata"]["labels"]
+        assert replicas["matchLabels"].items() <= labels.items()
+
+
+def test_user_text_reaches_the_replica_unexpanded():
+    """args, the program path and env values are escaped: after the kubelet's $(VAR)
+    expansion the runtime gets exactly what the person wrote (here: not the TF_CONFIG)."""
+    args = ["--out=$(TF_CONFIG)", "$$(GPULAB_JOB_DIR)", "price$", "$(x"]
+    spec = {**PS_SPEC, "args": args, "env": {"MODE": "$$(HOME)"}}
+    program = "/u/my$(GPULAB_TASK_INDEX).py"  # a script path the person chose
+    job = build(spec, program=program)[3]
+    tfjob = make_tfjob(spec=parse_spec(spec), namespace=NS, user_label="ann", image="i",
+                       program=program, job_dir="/j", user_dir="/u")
+    for pod in (job["spec"]["template"]["spec"],
+                tfjob["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]):
+        (c,) = pod["containers"]
+        assert c["command"][len(REPLICA_COMMAND):] == [
+            "/u/my$$(GPULAB_TASK_INDEX).py", "--out=$$(TF_CONFIG)", "$$$$(GPULAB_JOB_DIR)",
+            "price$$", "$$(x"]
+        env = {e["name"]: e.get("value", "") for e in c["env"]}
+        env["GPULAB_TASK_INDEX"] = "1"
+        assert [kubelet_expand(a, env) for a in c["command"]] == [*REPLICA_COMMAND, program, *args]
+        assert kubelet_expand(env["MODE"], env) == "$$(HOME)"

@@ -3,14 +3,19 @@
 import pytest
 
 from gpulab.spawner.kube import effective_max_gpus
+from gpulab.hub.kubejobs_objects import make_job_network_policy
 from gpulab.spawner.kubeobjects import (
+    escape_expansion,
     explain_unschedulable,
     free_gpus_by_node,
     make_gpu_quota,
     make_user_namespace,
+    make_user_network_policies,
     parse_quota_refusal,
     server_pod_settings,
 )
+from tests.cluster.kubelet import expand
+from tests.cluster.netpol import Endpoint, allowed
 
 
 def test_user_namespace_enforces_pod_security_baseline():
@@ -202,3 +207,150 @@ ROWS = [
 )
 def test_effective_max_gpus(rows, user, groups, expected):
     assert effective_max_gpus(rows, user, groups) == expected
+
+
+# -- NetworkPolicies of a user namespace
+
+MANAGED = {"app.kubernetes.io/managed-by": "gpulab", "gpulab.io/user": "ann"}
+HUB_NS = {"matchLabels": {"kubernetes.io/metadata.name": "gpulab"}}
+
+
+def test_user_network_policies_literal():
+    assert make_user_network_policies(namespace="gpulab-ann", user_label="ann",
+                                      hub_namespace="gpulab") == [
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": "gpulab-user-pods", "namespace": "gpulab-ann", "labels": MANAGED},
+            "spec": {
+                "podSelector": {},
+                "policyTypes": ["Ingress", "Egress"],
+                "egress": [
+                    {"to": [{"namespaceSelector": {"matchLabels": {
+                                 "kubernetes.io/metadata.name": "kube-system"}},
+                             "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}],
+                     "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]},
+                    {"to": [{"namespaceSelector": HUB_NS,
+                             "podSelector": {"matchLabels": {"component": "hub"}}}],
+                     "ports": [{"protocol": "TCP", "port": 8081}, {"protocol": "TCP", "port": 8002}]},
+                ],
+            },
+        },
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": "gpulab-servers", "namespace": "gpulab-ann", "labels": MANAGED},
+            "spec": {
+                "podSelector": {"matchLabels": {"component": "singleuser-server"}},
+                "policyTypes": ["Ingress"],
+                "ingress": [{
+                    "from": [{"namespaceSelector": HUB_NS, "podSelector": {"matchExpressions": [
+                        {"key": "component", "operator": "In", "values": ["hub", "proxy"]}]}}],
+                    "ports": [{"protocol": "TCP", "port": 8888}],
+                }],
+            },
+        },
+    ]
+
+
+def test_allowed_egress_is_added_to_every_user_pod():
+    nfs = {"to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}], "ports": [{"protocol": "TCP", "port": 2049}]}
+    pods, servers = make_user_network_policies(namespace="n", user_label="ann", hub_namespace="hub",
+                                               server_port=9999, server_component="nb",
+                                               allowed_egress=[nfs])
+    assert pods["spec"]["egress"][2:] == [nfs]
+    assert servers["spec"]["podSelector"] == {"matchLabels": {"component": "nb"}}
+    assert servers["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 9999}]
+
+
+@pytest.mark.parametrize("bad", [{}, {"from": []}, {"to": [], "podSelector": {}}],
+                         ids=["empty", "ingress-rule", "extra-key"])
+def test_allowed_egress_takes_egress_rules_only(bad):
+    with pytest.raises(ValueError, match="allowed_egress"):
+        make_user_network_policies(namespace="n", user_label="ann", hub_namespace="hub",
+                                   allowed_egress=[bad])
+
+
+INTERNET = {"to": [{"ipBlock": {"cidr": "0.0.0.0/0",
+                                "except": ["169.254.169.254/32", "10.0.0.0/8"]}}]}
+HUB = Endpoint.pod("gpulab", component="hub")
+PROXY = Endpoint.pod("gpulab", component="proxy")
+SCHEDULER = Endpoint.pod("gpulab", component="user-scheduler")
+DNS = Endpoint.pod("kube-system", **{"k8s-app": "kube-dns"})
+METADATA = Endpoint.address("169.254.169.254")
+USER_NS = {"app.kubernetes.io/managed-by": "gpulab"}
+
+
+def server(user):
+    return Endpoint.pod(f"gpulab-{user}", USER_NS, component="singleuser-server",
+                        **{"gpulab.io/user": user})
+
+
+def replica(user, job, role="worker"):
+    return Endpoint.pod(f"gpulab-{user}", USER_NS, **{
+        "app.kubernetes.io/managed-by": "gpulab", "app.kubernetes.io/component": "training-job",
+        "gpulab.io/user": user, "gpulab.io/job": job, "gpulab.io/role": role})
+
+
+@pytest.fixture(scope="module")
+def policies():
+    out = []
+    for user, egress in (("vic", [INTERNET]), ("eve", [])):
+        out += make_user_network_policies(namespace=f"gpulab-{user}", user_label=user,
+                                           hub_namespace="gpulab", allowed_egress=egress)
+        for job in ("a", "b"):
+            out.append(make_job_network_policy(job=job, namespace=f"gpulab-{user}",
+                                               user_label=user))
+    return out
+
+
+@pytest.mark.parametrize("src, dst, port, protocol, ok", [
+    (PROXY, server("vic"), 8888, "TCP", True),
+    (HUB, server("vic"), 8888, "TCP", True),
+    (PROXY, server("vic"), 2222, "TCP", False),
+    (SCHEDULER, server("vic"), 8888, "TCP", False),
+    (server("eve"), server("vic"), 8888, "TCP", False),
+    (replica("eve", "a"), server("vic"), 8888, "TCP", False),
+    (server("eve"), replica("vic", "a"), 2222, "TCP", False),
+    (replica("eve", "a"), replica("vic", "a"), 2222, "TCP", False),
+    (HUB, replica("vic", "a"), 2222, "TCP", False),
+    (server("vic"), replica("vic", "a"), 2222, "TCP", False),
+    (replica("vic", "b"), replica("vic", "a"), 2222, "TCP", False),
+    (replica("vic", "a", "chief"), replica("vic", "a"), 2222, "TCP", True),
+    (replica("vic", "a"), replica("vic", "a", "ps"), 40000, "TCP", True),  # NCCL, any port
+    (server("vic"), HUB, 8081, "TCP", True),
+    (server("vic"), HUB, 8002, "TCP", True),
+    (replica("vic", "a"), HUB, 8081, "TCP", True),
+    (server("vic"), PROXY, 8001, "TCP", False),  # the proxy's API
+    (server("vic"), SCHEDULER, 10251, "TCP", False),
+    (server("vic"), DNS, 53, "UDP", True),
+    (replica("eve", "a"), DNS, 53, "TCP", True),
+    (server("eve"), Endpoint.address("1.1.1.1"), 443, "TCP", False),
+    (server("vic"), Endpoint.address("1.1.1.1"), 443, "TCP", True),  # vic's operator allows it
+    (server("vic"), METADATA, 80, "TCP", False),
+    (replica("vic", "a"), METADATA, 80, "TCP", False),
+    (server("eve"), METADATA, 80, "TCP", False),
+], ids=lambda x: None if not isinstance(x, Endpoint) else (
+    x.ip or f"{x.namespace}:{x.labels.get('component') or x.labels.get('k8s-app') or x.labels.get('gpulab.io/role')}"
+    f"{':' + x.labels['gpulab.io/job'] if 'gpulab.io/job' in x.labels else ''}"))
+def test_who_reaches_whom(policies, src, dst, port, protocol, ok):
+    assert allowed(policies, src, dst, port, protocol) is ok
+
+
+# -- the kubelet's $(VAR) expansion
+
+
+@pytest.mark.parametrize("text", [
+    "plain", "$(HOME)", "$$(HOME)", "$$$(HOME)", "a$(SECRET)b", "$", "$$", "x$", "$(", "$(HOME",
+    "cost $5", "$()", "ünï$(HOME)çødé",
+])
+def test_escaped_text_reaches_the_process_as_written(text):
+    env = {"HOME": "/root", "SECRET": "s3cret"}
+    assert expand(escape_expansion(text), env) == text
+    assert "s3cret" not in expand(escape_expansion(text), env)
+
+
+def test_escape_expansion_literal():
+    assert escape_expansion("a$(B)$$c$") == "a$$(B)$$$$c$$"
+    # the old way (only "$(" doubled) is not enough: "$$(HOME)" reached the process expanded
+    assert expand("$$(HOME)".replace("$(", "$$("), {"HOME": "/root"}) == "$/root"
