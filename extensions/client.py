@@ -22,6 +22,12 @@ The hub's internal API address (``JUPYTERHUB_API_URL``) is not used: the hub doe
 ``/services/``, only the proxy does. The token is ``GPULAB_TOKEN``, else the server's own
 ``JUPYTERHUB_API_TOKEN`` (its ``server`` role may call the gpulab service).
 
+Over ``https`` the service's certificate is verified before the token is sent (`ssl_context`):
+inside a hub server with the hub's internal TLS, against the CA bundle the hub gave the server
+(``JUPYTERHUB_SSL_CLIENT_CA``: the hub's own CAs, never the CA of users' servers), and the
+server's certificate is shown as the client's; elsewhere against the system's CAs. Whoever
+listens on the service's port without the hub's certificate gets a refused handshake, no token.
+
 Every error answer of the service (``{"status", "message", "field"?}``) becomes a
 `GpulabError` whose message is the service's own. Standard library only (no tornado, no
 ipywidgets): this module also runs where a job's code runs.
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -81,6 +88,17 @@ def service_url_from_env(env: Mapping[str, str] | None = None) -> str:
     return (hub or DEFAULT_HUB_URL).rstrip("/") + "/" + SERVICE_PATH
 
 
+def ssl_context(ca_file: str = "", client_cert: str = "", client_key: str = "") -> ssl.SSLContext:
+    """TLS for calls to the service: its certificate and host name always verified, against
+    `ca_file` ('' : the system's CAs); with `client_cert` and `client_key`, shown as ours."""
+    ctx = ssl.create_default_context(cafile=ca_file or None)
+    ctx.check_hostname = True
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    if client_cert and client_key:
+        ctx.load_cert_chain(client_cert, client_key)
+    return ctx
+
+
 def token_from_env(env: Mapping[str, str] | None = None) -> str | None:
     env = os.environ if env is None else env
     return env.get("GPULAB_TOKEN") or env.get("JUPYTERHUB_API_TOKEN") or None
@@ -128,9 +146,43 @@ class Client(Configurable):
         Example: ``c.Client.timeout = 60``.""",
     ).tag(config=True)
 
+    ca_file = Unicode(
+        help="""CA bundle that must have signed the service's certificate (``https`` URLs).
+
+        Default: ``$GPULAB_SERVICE_CA``, else ``$JUPYTERHUB_SSL_CLIENT_CA`` (inside a hub
+        server with internal TLS: the hub's own CAs, which signed the service's certificate),
+        else '' for the system's CAs (a hub with a public certificate).
+        Example: ``c.Client.ca_file = "/etc/ssl/certs/lab-ca.pem"``.""",
+    ).tag(config=True)
+
+    client_cert = Unicode(
+        help="""Certificate shown to the service (it asks one of the hub's internal clients).
+
+        Default: the server's own, ``$JUPYTERHUB_SSL_CERTFILE`` (with
+        ``$JUPYTERHUB_SSL_KEYFILE`` as `client_key`); '' shows none.
+        Example: ``c.Client.client_cert = "/path/to/user.crt"``.""",
+    ).tag(config=True)
+
+    client_key = Unicode(
+        help="""Key of `client_cert`. Default: ``$JUPYTERHUB_SSL_KEYFILE``.
+        Example: ``c.Client.client_key = "/path/to/user.key"``.""",
+    ).tag(config=True)
+
     @default("url")
     def _url_default(self) -> str:
         return service_url_from_env()
+
+    @default("ca_file")
+    def _ca_file_default(self) -> str:
+        return os.environ.get("GPULAB_SERVICE_CA") or os.environ.get("JUPYTERHUB_SSL_CLIENT_CA", "")
+
+    @default("client_cert")
+    def _client_cert_default(self) -> str:
+        return os.environ.get("JUPYTERHUB_SSL_CERTFILE", "")
+
+    @default("client_key")
+    def _client_key_default(self) -> str:
+        return os.environ.get("JUPYTERHUB_SSL_KEYFILE", "")
 
     @default("token")
     def _token_default(self) -> str:
@@ -154,6 +206,10 @@ class Client(Configurable):
 
     # -- HTTP ----------------------------------------------------------------------------
 
+    def tls_context(self) -> ssl.SSLContext:
+        """How an ``https`` service is verified (`ca_file`) and we are shown (`client_cert`)."""
+        return ssl_context(self.ca_file, self.client_cert, self.client_key)
+
     def request(self, method: str, path: str, body=None, params: Mapping | None = None,
                 timeout: float | None = None):
         """One API call (``path`` below ``api/v1/``); the decoded JSON answer."""
@@ -169,7 +225,9 @@ class Client(Configurable):
             "Authorization": f"token {self.token}", "Content-Type": "application/json",
             "Accept": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+            context = self.tls_context() if url.startswith("https:") else None
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout,
+                                        context=context) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             raise _api_error(e) from None

@@ -7,7 +7,10 @@ does). Two things:
   with the ``jupyter_serverproxy_servers`` entry point): ``<server prefix>tensorboard/``
   starts it on first use over the person's training runs (``$GPULAB_USER_DIR/jobs``, where
   every job writes ``<job>/tensorboard/``) and JupyterLab's launcher has a TensorBoard card.
-  It is behind the hub's login like everything in the server: only its owner reaches it.
+  TensorBoard serves no TCP port at all (on a shared machine a loopback port is open to every
+  account, and TensorBoard has no login): it listens on a Unix socket in a fresh 0700 folder
+  of the server's own account (jupyter-server-proxy's ``unix_socket``, `serve_tensorboard`),
+  so the only way in is through the person's own server, behind the hub's login.
 - ``TENSORBOARD_PROXY_URL`` is set from ``JUPYTERHUB_SERVICE_PREFIX`` (``<prefix>proxy/%PORT%/``)
   for the kernels this server starts, so TensorBoard's own ``%tensorboard`` magic shows its
   iframe through the same proxy instead of an unreachable ``localhost`` port.
@@ -42,19 +45,68 @@ def tensorboard_proxy_url(env=None) -> str | None:
 
 
 def tensorboard_server() -> dict:
-    """The jupyter-server-proxy entry for TensorBoard (``jupyter_serverproxy_servers``)."""
+    """The jupyter-server-proxy entry for TensorBoard (``jupyter_serverproxy_servers``).
+
+    ``unix_socket: True``: jupyter-server-proxy makes a new folder with ``mkdtemp`` (mode 0700,
+    the server's account) and connects to ``<folder>/socket``, where `serve_tensorboard`
+    listens; no other account can enter the folder, let alone connect.
+    """
     icon = Path(__file__).with_name("static") / "tensorboard.svg"
 
-    def command(port):
-        return [sys.executable, "-m", "tensorboard.main", "--logdir", runs_dir(),
-                "--host", "127.0.0.1", "--port", str(port), "--reload_interval", "5"]
+    def command(unix_socket):
+        return [sys.executable, "-m", "gpulab.extensions.serverext", "--unix-socket",
+                unix_socket, "--logdir", runs_dir(), "--reload_interval", "5"]
 
     return {
         "command": command,
+        "unix_socket": True,
         "timeout": 90,  # TensorBoard takes a while to start on a busy machine
         "new_browser_tab": False,
         "launcher_entry": {"title": "TensorBoard", "icon_path": str(icon)},
     }
+
+
+def unix_socket_server_class(path: str, key: int = 0):
+    """A TensorBoard server class (``TensorBoard(server_class=...)``) serving TensorBoard's
+    WSGI application on the Unix socket `path` instead of a TCP port. TensorBoard records a
+    "port" for its notebook magic: `key` stands in for it (`socket_for_key`)."""
+    from tensorboard import program
+    from werkzeug import serving
+
+    class UnixSocketServer(serving.ThreadedWSGIServer, program.TensorBoardServer):
+        daemon_threads = True
+
+        def __init__(self, wsgi_app, flags):
+            serving.ThreadedWSGIServer.__init__(self, "unix://" + path, 0, wsgi_app)
+
+        def get_url(self):
+            return f"http://localhost:{key}/"
+
+        def print_serving_message(self):
+            print(f"TensorBoard {program.version.VERSION} at unix://{path}", file=sys.stderr,
+                  flush=True)
+
+    return UnixSocketServer
+
+
+def serve_tensorboard(argv: list[str] | None = None) -> int:
+    """``python -m gpulab.extensions.serverext --unix-socket PATH <tensorboard flags>``:
+    TensorBoard on a Unix socket (its other flags as TensorBoard's own; ``--host`` and
+    ``--port`` are refused, there is no TCP port)."""
+    import argparse
+
+    from tensorboard import default, program
+
+    parser = argparse.ArgumentParser(prog="gpulab-tensorboard")
+    parser.add_argument("--unix-socket", required=True)
+    args, rest = parser.parse_known_args(argv)
+    if any(a.split("=")[0] in ("--host", "--port", "--bind_all") for a in rest):
+        parser.error("TensorBoard here listens on a Unix socket only (no --host/--port)")
+    os.umask(0o077)  # the socket file itself is the account's alone too
+    tb = program.TensorBoard(plugins=default.get_plugins(),
+                             server_class=unix_socket_server_class(args.unix_socket))
+    tb.configure(argv=["tensorboard", *rest])
+    return tb.main()
 
 
 def _jupyter_server_extension_points():
@@ -67,3 +119,7 @@ def _load_jupyter_server_extension(serverapp) -> None:
         os.environ["TENSORBOARD_PROXY_URL"] = url  # kernels inherit the server's environment
     serverapp.log.info("gpulab: TensorBoard at %s%s/ over %s", serverapp.base_url,
                        TENSORBOARD_PATH, os.environ.get("GPULAB_USER_DIR", "(no GPULAB_USER_DIR)"))
+
+
+if __name__ == "__main__":
+    sys.exit(serve_tensorboard())

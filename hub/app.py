@@ -28,10 +28,64 @@ def _merge_services(ours: list, theirs: list) -> list:
     return _merge_named(merged, theirs)
 
 
+#: the gpulab service's own certificate (in ``internal_certs_location``), signed by the hub's CA
+SERVICE_CERT_NAME = "gpulab-service"
+#: where the gpulab service finds it (`gpulab.hub.service.ssl_from_env`)
+SERVICE_SSL_ENV = ("GPULAB_SSL_KEYFILE", "GPULAB_SSL_CERTFILE", "GPULAB_SSL_CLIENT_CA",
+                   "GPULAB_SSL_HUB_CA")
+
+
+def service_certificate(store_dir: str, trust_bundles: dict, log=None) -> dict:
+    """The gpulab service's key and certificate, made once and signed by the hub's CA.
+
+    JupyterHub gives a managed service a certificate of the *notebooks* CA, the CA that also
+    signs every notebook server's certificate, whose key its user can read: a client that
+    trusted that CA could not tell the gpulab service from any user's server. The hub's own
+    CA signs only the hub's certificate and this one, and both key files stay in the hub's
+    private folder; notebook servers trust it already (their ``JUPYTERHUB_SSL_CLIENT_CA``
+    bundle holds it, to check the hub's calls), so the notebook client verifies the service
+    with the bundle its server was given, and nobody else can pass for it.
+
+    Returns the environment the service reads: key, certificate, the bundle of every internal
+    CA (who may connect: hub, proxy, servers), and the hub's CA (to verify the hub's API).
+    """
+    from certipy import Certipy, CertNotFoundError
+
+    certipy = Certipy(store_dir=store_dir)
+    try:
+        record = certipy.store.get_record(SERVICE_CERT_NAME)
+    except CertNotFoundError:
+        names = ["IP:127.0.0.1", "DNS:localhost"]
+        if log:
+            log.info("Creating the gpulab service's certificate (hub CA): %s", ";".join(names))
+        record = certipy.create_signed_pair(SERVICE_CERT_NAME, "hub-ca", alt_names=names)
+    hub_ca = certipy.store.get_record("hub-ca")["files"]["cert"]
+    return dict(zip(SERVICE_SSL_ENV, (record["files"]["key"], record["files"]["cert"],
+                                      trust_bundles["hub-ca"], hub_ca)))
+
+
 class GpulabHub(JupyterHub):
     """JupyterHub whose command-line settings (from `gpulab up`) win over the config file."""
 
     gpulab_essentials: Config | None = None
+
+    def init_internal_ssl(self):
+        if self.internal_ssl:
+            # the CAs' keys and the hub's own live here: only the hub's account may enter
+            os.makedirs(self.internal_certs_location, mode=0o700, exist_ok=True)
+            os.chmod(self.internal_certs_location, 0o700)
+        super().init_internal_ssl()
+        if not self.internal_ssl:
+            return
+        from .service import SERVICE_NAME
+
+        ssl_env = service_certificate(self.internal_certs_location,
+                                      self.internal_trust_bundles, self.log)
+        self.services = [
+            {**service, "environment": {**service.get("environment", {}), **ssl_env}}
+            if service.get("name") == SERVICE_NAME else service
+            for service in self.services
+        ]
 
     def load_config_file(self, *args, **kwargs):
         super().load_config_file(*args, **kwargs)

@@ -2,8 +2,11 @@
 
 They talk to ``<hub-url>/services/gpulab/api/v1/`` with a hub API token: ``--token``, else
 ``$GPULAB_TOKEN``, else ``$JUPYTERHUB_API_TOKEN`` (set inside notebook servers). Make a token
-on the hub's Token page (``/hub/token``). ``--url`` (or ``$GPULAB_URL``) is the hub's address,
-``http://127.0.0.1:8000`` by default.
+on the hub's Token page (``/hub/token``). ``--url`` is the hub's address; without it the
+service is found as the notebook client finds it (`gpulab.extensions.client.service_url_from_env`:
+inside a notebook server ``$GPULAB_SERVICE_URL``, the service itself; else ``$GPULAB_URL``,
+else ``http://127.0.0.1:8000``). Over ``https`` the service's certificate is verified as the
+notebook client does (`gpulab.extensions.client.ssl_context`) before the token is sent.
 """
 
 from __future__ import annotations
@@ -67,17 +70,21 @@ def fail_api(e: APIError) -> int:
 
 
 def _call(args, method: str, path: str, body=None):
-    url = (args.url or os.environ.get("GPULAB_URL") or "http://127.0.0.1:8000").rstrip("/")
+    from gpulab.extensions.client import SERVICE_PATH, Client, service_url_from_env
+
+    base = (args.url.rstrip("/") + "/" + SERVICE_PATH) if args.url else service_url_from_env()
+    url = base.rstrip("/")
     token = args.token or os.environ.get("GPULAB_TOKEN") or os.environ.get("JUPYTERHUB_API_TOKEN")
     if not token:
         raise APIError(0, "No token: pass --token, or set GPULAB_TOKEN (make one on the hub's "
                        "Token page, /hub/token).")
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(f"{url}/services/gpulab/api/v1/{path}", data=data, method=method,
+    req = urllib.request.Request(f"{base}api/v1/{path}", data=data, method=method,
                                  headers={"Authorization": f"token {token}",
                                           "Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
+        context = Client(url=base, token=token).tls_context() if base.startswith("https:") else None
+        with urllib.request.urlopen(req, timeout=30, context=context) as resp:
             raw = resp.read()
             return json.loads(raw) if raw else None
     except urllib.error.HTTPError as e:

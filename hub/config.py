@@ -37,6 +37,29 @@ class LocalSettings:
     simulated_gpus: int | None = None
     isolate_users: bool | None = None
     user_prefix: str | None = None
+    #: the loopback address notebook servers listen on. The hub, the proxy's API and the
+    #: gpulab service listen on 127.0.0.1; servers' certificates name only this address, so
+    #: that no server's certificate (which its user can read) is valid for theirs
+    server_ip: str = "127.0.0.2"
+
+
+#: the folder below the data folder where the hub keeps its internal CAs and certificates
+INTERNAL_SSL_DIR = "internal-ssl"
+
+
+def internal_certs_dir(d: DataDir) -> Path:
+    return d.path / INTERNAL_SSL_DIR
+
+
+def server_alt_names(spawner) -> list[str]:
+    """The names in a notebook server's certificate: only the address it listens on.
+
+    JupyterHub's default adds ``IP:127.0.0.1`` and ``DNS:localhost``, the addresses of the hub,
+    the proxy's API and the gpulab service; as every server's key is readable by its own
+    user, such a certificate would let any user stand in for those (the proxy trusts the
+    servers' CA). ``c.LocalGPUSpawner.ssl_alt_names_include_local`` is False with this.
+    """
+    return [f"IP:{spawner.ip}"]
 
 
 def culler_interval(idle_timeout: int) -> int:
@@ -70,11 +93,16 @@ def local_essentials(s: LocalSettings) -> Config:
     d = s.data
     c = Config()
     c.JupyterHub.bind_url = f"http://{s.ip}:{s.port}"
-    c.JupyterHub.hub_bind_url = f"http://127.0.0.1:{s.hub_port}"
+    # Internal traffic is mutual TLS (JupyterHub's internal_ssl): the hub, the proxy, the
+    # services and every server present certificates of the hub's own CAs and verify each
+    # other's, so whoever binds one of their loopback ports after it died gets no token.
+    c.JupyterHub.internal_ssl = True
+    c.JupyterHub.internal_certs_location = str(internal_certs_dir(d))
+    c.JupyterHub.hub_bind_url = f"https://127.0.0.1:{s.hub_port}"
     c.JupyterHub.db_url = f"sqlite:///{d.db_file}"
     c.JupyterHub.cookie_secret_file = str(d.cookie_secret_file)
     c.JupyterHub.pid_file = str(d.hub_pid_file)
-    c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{s.proxy_api_port}"
+    c.ConfigurableHTTPProxy.api_url = f"https://127.0.0.1:{s.proxy_api_port}"
     c.ConfigurableHTTPProxy.auth_token = d.proxy_token()
     c.ConfigurableHTTPProxy.command = [s.chp_command]
     c.ConfigurableHTTPProxy.pid_file = str(d.proxy_pid_file)
@@ -85,7 +113,12 @@ def local_essentials(s: LocalSettings) -> Config:
     c.LocalGPUSpawner.shared_dir = str(d.shared)
     c.LocalGPUSpawner.home_dir_template = str(d.homes_dir / "{username}")
     c.LocalGPUSpawner.server_log_dir = str(d.server_log_dir)
-    c.LocalGPUSpawner.service_url = f"http://127.0.0.1:{s.service_port}/services/{SERVICE_NAME}/"
+    # servers reach the service directly, over TLS, verifying its certificate (signed by the
+    # hub's CA, which their own CA bundle holds; see gpulab.hub.app.GpulabHub.init_internal_ssl)
+    c.LocalGPUSpawner.service_url = f"https://127.0.0.1:{s.service_port}/services/{SERVICE_NAME}/"
+    c.LocalGPUSpawner.ip = s.server_ip
+    c.LocalGPUSpawner.ssl_alt_names = server_alt_names
+    c.LocalGPUSpawner.ssl_alt_names_include_local = False
     if s.isolate_users is not None:
         c.LocalGPUSpawner.isolate_users = s.isolate_users
     if s.user_prefix is not None:
@@ -108,6 +141,9 @@ def local_essentials(s: LocalSettings) -> Config:
                     "gpulab.hub.culler",  # jupyterhub-idle-culler, ending with the hub
                     f"--timeout={s.idle_timeout}",
                     f"--cull-every={every}",
+                    # over mutual TLS with the hub's own certificate, verifying the hub
+                    "--ssl-enabled",
+                    f"--internal-certs-location={internal_certs_dir(d)}",
                 ],
             }
         )
@@ -122,7 +158,7 @@ def gpulab_service(s: LocalSettings) -> list[dict]:
     return [
         {
             "name": SERVICE_NAME,
-            "url": f"http://127.0.0.1:{s.service_port}",
+            "url": f"https://127.0.0.1:{s.service_port}",
             "command": [sys.executable, "-m", "gpulab.hub.service"],
             "environment": {
                 "GPULAB_LEDGER_URL": s.data.ledger_url,

@@ -17,6 +17,7 @@ import inspect
 import json
 import logging
 import os
+import ssl
 import time
 from pathlib import Path
 from urllib.parse import quote
@@ -509,7 +510,10 @@ class AdminPage(PageHandler):
 
 
 def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirectory,
-             on_quota_change=None, jobs=None, job_limits=None) -> web.Application:
+             on_quota_change=None, jobs=None, job_limits=None,
+             tls: "ServiceTLS | None" = None) -> web.Application:
+    """The service's tornado application; with `tls`, its calls to the hub (token checks)
+    go over mutual TLS with the service's own certificate, verifying the hub's."""
     from .jobspec import DEFAULT_LIMITS
 
     api = url_path_join(prefix, "api/v1")
@@ -538,7 +542,8 @@ def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirecto
         directory=directory,
         service_prefix=prefix,
         hub_prefix=hub_prefix,
-        hub_auth=HubOAuth(cache_max_age=5, access_scopes={ACCESS_SCOPE}),
+        hub_auth=HubOAuth(cache_max_age=5, access_scopes={ACCESS_SCOPE},
+                          **(tls.hub_auth_kwargs() if tls else {})),
         cookie_secret=os.urandom(32),
         xsrf_cookies=False,  # HubOAuth checks xsrf on cookie-authenticated requests itself
         default_handler_class=NotFoundHandler,
@@ -549,6 +554,53 @@ def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirecto
 
 
 RECONCILE_ENV = "GPULAB_RECONCILE_SECONDS"
+
+
+class ServiceTLS:
+    """The service's side of the hub's internal TLS, from what the hub gives it.
+
+    ``GPULAB_SSL_KEYFILE`` / ``GPULAB_SSL_CERTFILE``: the service's own key and certificate,
+    signed by the hub's CA (`gpulab.hub.app.service_certificate`), served to every client and
+    shown to the hub as a client certificate; ``GPULAB_SSL_CLIENT_CA``: the bundle of the hub's
+    internal CAs, the only clients accepted (the hub, the proxy, notebook servers' kernels with
+    their server's certificate); ``GPULAB_SSL_HUB_CA``: the hub's CA alone, the only one that
+    may answer for the hub's API. Without them (the service run without ``internal_ssl``) the
+    service speaks plain HTTP as before.
+    """
+
+    def __init__(self, keyfile: str, certfile: str, client_ca: str, hub_ca: str):
+        self.keyfile, self.certfile, self.client_ca, self.hub_ca = keyfile, certfile, client_ca, hub_ca
+
+    @classmethod
+    def from_env(cls, env=None) -> "ServiceTLS | None":
+        env = os.environ if env is None else env
+        names = ("GPULAB_SSL_KEYFILE", "GPULAB_SSL_CERTFILE", "GPULAB_SSL_CLIENT_CA",
+                 "GPULAB_SSL_HUB_CA")
+        values = [env.get(n, "") for n in names]
+        if not any(values):
+            return None
+        missing = [n for n, v in zip(names, values) if not v]
+        if missing:
+            raise RuntimeError("Incomplete TLS settings for the gpulab service: "
+                               + ", ".join(missing) + " not set")
+        return cls(*values)
+
+    def server_context(self):
+        """TLS for the service's port: its certificate, and a client certificate of one of
+        the hub's CAs required from every client."""
+        from jupyterhub.utils import make_ssl_context
+
+        return make_ssl_context(self.keyfile, self.certfile, cafile=self.client_ca,
+                                purpose=ssl.Purpose.CLIENT_AUTH)
+
+    def hub_auth_kwargs(self) -> dict:
+        return {"keyfile": self.keyfile, "certfile": self.certfile, "client_ca": self.hub_ca}
+
+    def configure_http_client(self) -> None:
+        """Every call of this process to the hub (users, groups, servers) verifies the hub."""
+        AsyncHTTPClient.configure(None, defaults={
+            "ca_certs": self.hub_ca, "client_key": self.keyfile, "client_cert": self.certfile,
+            "validate_cert": True})
 
 
 async def close_orphaned_notebooks(ledger: Ledger, directory: HubDirectory,
@@ -656,17 +708,21 @@ def main() -> None:
     hub_prefix = os.environ.get("JUPYTERHUB_BASE_URL", "/") + "hub/"
     ledger = Ledger(os.environ["GPULAB_LEDGER_URL"], pool=os.environ.get("GPULAB_LEDGER_POOL", "local"))
     ledger.migrate()
+    tls = ServiceTLS.from_env()
+    if tls is not None:
+        tls.configure_http_client()
     directory = HubDirectory(os.environ["JUPYTERHUB_API_URL"], os.environ["JUPYTERHUB_API_TOKEN"])
     jobs = kube_backend_from_env(ledger) or local_backend_from_env(ledger)
     from .jobspec import limits_from_json
 
     app = make_app(ledger, prefix, hub_prefix, directory, jobs=jobs,
-                   job_limits=limits_from_json(os.environ.get("GPULAB_JOB_LIMITS")))
+                   job_limits=limits_from_json(os.environ.get("GPULAB_JOB_LIMITS")), tls=tls)
     if jobs is not None:
         jobs.recover()
         IOLoop.current().add_callback(jobs.ensure_supervisor)
     start_notebook_reconciler(ledger, directory, float(os.environ.get(RECONCILE_ENV) or 60))
-    app.listen(url.port, url.hostname)
+    app.listen(url.port, url.hostname,
+               ssl_options=tls.server_context() if tls is not None else None)
     # The hub manages this process; if the hub dies (kill -9), go too, so that the next
     # `gpulab up` finds the port free and starts a fresh service.
     hub_pid = os.getppid()

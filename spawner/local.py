@@ -250,6 +250,50 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             env["GPULAB_SERVICE_URL"] = self.service_url
         return env
 
+    async def move_certs(self, paths):
+        """Hand the server's TLS key, certificate and CA bundle (internal_ssl) to its account.
+
+        LocalProcessSpawner looks the account up by the hub user's name and moves the files
+        into that account's home as root, following whatever links the user left there. Here
+        the account is `system_user` (made first if this is its first spawn), and the files
+        are written by root, without following links, into
+        ``<data>/server-certs/<user>.<server>/``: a folder of root's that only the account's
+        group may read (0750, files 0640), so nobody else can read the key and the user
+        cannot swap anything in. Without isolation the group is the hub account's.
+        """
+        import shutil
+
+        try:
+            await asyncio.to_thread(self._prepare_account)
+        except AccountError as e:
+            raise SpawnRefused(500, f"Your server could not be prepared: {e}") from e
+        gid = pwd.getpwnam(self.system_user).pw_gid
+        base = Path(self.internal_certs_location).absolute().with_name("server-certs")
+        folder = base / f"{safe_name(self.user.name)}.{safe_name(self.name) if self.name else 'default'}"
+
+        def install() -> dict:
+            base.mkdir(mode=0o711, exist_ok=True)
+            os.chmod(base, 0o711)
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(mode=0o700)
+            out = {}
+            for key, mode in (("keyfile", 0o640), ("certfile", 0o644), ("cafile", 0o644)):
+                src = Path(paths[key])
+                dst = folder / src.name
+                fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(src.read_bytes())
+                    os.fchown(f.fileno(), os.geteuid(), gid)
+                    os.fchmod(f.fileno(), mode)
+                out[key] = str(dst)
+            os.chown(folder, os.geteuid(), gid)
+            os.chmod(folder, 0o750)
+            for key in ("keyfile", "certfile"):  # the hub keeps no copy of a server's key
+                Path(paths[key]).unlink(missing_ok=True)
+            return out
+
+        return await asyncio.to_thread(install)
+
     def gpu_probe(self):
         return lambda: pid_alive(self.pid)
 

@@ -94,9 +94,23 @@ def test_service_errors_carry_its_message_and_field(hub, users):
     assert e.value.status in (401, 403) and e.value.message
 
     # the service's own address (GPULAB_SERVICE_URL), bypassing the proxy, answers the same
-    direct = Client(url=f"http://127.0.0.1:{hub.service_port}/services/gpulab/",
-                    token=users["ann"].token())
+    # over the hub's internal TLS: the service's certificate is verified against the hub's CA
+    # and a client certificate of one of the hub's CAs is required (here the hub's own)
+    certs = hub.data_dir / "internal-ssl"
+    direct_url = f"https://127.0.0.1:{hub.service_port}/services/gpulab/"
+    direct = Client(url=direct_url, token=users["ann"].token(),
+                    ca_file=str(certs / "hub-ca" / "hub-ca.crt"),
+                    client_cert=str(certs / "hub-internal" / "hub-internal.crt"),
+                    client_key=str(certs / "hub-internal" / "hub-internal.key"))
     assert direct.me()["user"] == "ann"
+    # ...not in plain HTTP, nor without a client certificate, nor trusting the system's CAs
+    for bad in (Client(url=direct_url.replace("https:", "http:"), token="t"),
+                Client(url=direct_url, token="t", ca_file=direct.ca_file, client_cert=""),
+                Client(url=direct_url, token="t", ca_file="", client_cert=direct.client_cert,
+                       client_key=direct.client_key)):
+        with pytest.raises(GpulabError) as e:
+            bad.me()
+        assert e.value.status is None and "cannot be reached" in e.value.message, e.value
 
     with pytest.raises(GpulabError) as e:
         Client(hub_url="http://127.0.0.1:9", token="t").me()
@@ -157,8 +171,12 @@ def test_client_and_magic_inside_a_notebook_server(hub, users):
             "from gpulab.extensions import Client\n"
             "gl = Client()\n"
             "print(json.dumps({'user': gl.me()['user'], 'token': os.environ['JUPYTERHUB_API_TOKEN'] "
-            "== gl.token}))\n", timeout=60)
-        assert json.loads(out.strip().splitlines()[-1]) == {"user": "ann", "token": True}
+            "== gl.token, 'url': gl.url, 'ca': gl.ca_file == os.environ['JUPYTERHUB_SSL_CLIENT_CA']}))\n",
+            timeout=60)
+        # straight to the service over TLS, verified with the CA bundle the hub gave the server
+        assert json.loads(out.strip().splitlines()[-1]) == {
+            "user": "ann", "token": True, "ca": True,
+            "url": f"https://127.0.0.1:{hub.service_port}/services/gpulab/"}
 
         out = ann.run_in_kernel(
             "import os\n"
