@@ -685,7 +685,16 @@ class LocalJobBackend(JobBackend):
         elif restart:
             for k in restart:  # MWMS restarts all workers: stop the survivors first
                 self._kill((job_id, *k), grace=2)
-            self._start_all(job_id, None, only=restart)
+            try:
+                self._start_all(job_id, None, only=restart)
+            except Exception as e:  # e.g. the job folder was swapped for a link meanwhile
+                log.warning("Job %s: a restart failed: %s", job_id, e)
+                why = (f"its folder holds a link or something that is not a folder or plain "
+                       f"file ({e.strerror})" if isinstance(e, safefs.UnsafePath)
+                       else getattr(e, "message", None) or str(e))
+                self._kill_job_processes(job_id)
+                self._finish(job_id, "Failed", f"could not restart "
+                             f"{', '.join(f'{a}-{b}' for a, b in sorted(restart))}: {why}")
 
     def _finish(self, job_id: str, state: str, reason: str) -> None:
         if not job_id:

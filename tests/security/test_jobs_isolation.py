@@ -1,0 +1,380 @@
+"""Attacks on local training jobs, made by eve against vic (issue 12 items 1, 6, 8, 9, 11, 12
+for jobs, and issue 13 item 3).
+
+vic runs one multi-worker job for the whole module (`vic_job`): its two workers reach each
+other's TensorFlow servers through the addresses in ``TF_CONFIG``, worker 0 writes
+``/tmp/my_working_dir/secret`` (as TensorFlow's tutorials do) and starts a ``setsid sleep``
+grandchild, worker 1 reads the secret back (one /tmp per job). eve runs one job of her own
+(`eve_job`) that prints its environment and makes ``/tmp/my_working_dir`` itself. Every test
+attacks as eve (her shell, ``eve.sh``, or her jobs) and checks that vic's job is untouched; the
+last one stops vic's job and checks that nothing of it is left.
+
+The programs are plain Python (the runtime still makes the job's strategy, so each replica
+starts TensorFlow once: that is what proves TensorFlow's own servers work in the sandbox).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpulab.hub.jobs import ENV_ALLOW, ENV_ALLOW_PREFIXES, TMP_ROOT
+from gpulab.spawner import sandbox
+from gpulab.spawner.cgroups import Cgroups
+
+from tests.app.hubctl import Hub
+from tests.conftest import end_jobs_of
+
+pytestmark = pytest.mark.security
+
+#: this module's hub bounds each person's active replicas to this many (c.GPUJobs)
+BOUND = 4
+
+VIC = r"""
+import json, os, socket, subprocess, sys, time
+cfg = json.loads(os.environ["TF_CONFIG"])
+me = cfg["task"]["index"]
+peer = cfg["cluster"]["worker"][1 - me]
+host, port = peer.rsplit(":", 1)
+for _ in range(300):
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+        break
+    except OSError:
+        time.sleep(0.2)
+else:
+    sys.exit(f"cannot reach {peer}")
+print("reached", peer, flush=True)
+if me == 0:
+    os.makedirs("/tmp/my_working_dir", exist_ok=True)
+    with open("/tmp/my_working_dir/secret", "w") as f:
+        f.write("vic-secret-42")
+    child = subprocess.Popen(["setsid", "sleep", "1000"])
+    with open("grandchild", "w") as f:
+        f.write(str(child.pid))
+else:
+    while not os.path.exists("/tmp/my_working_dir/secret"):
+        time.sleep(0.1)
+    print("shared tmp:", open("/tmp/my_working_dir/secret").read(), flush=True)
+with open(f"ready-{me}", "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(900)
+"""
+
+EVE = r"""
+import json, os, time
+print("ENV " + json.dumps(dict(os.environ)), flush=True)
+print("vic's secret visible:", os.path.exists("/tmp/my_working_dir/secret"), flush=True)
+os.makedirs("/tmp/my_working_dir")
+with open("/tmp/my_working_dir/mine", "w") as f:
+    f.write("eve")
+print("made /tmp/my_working_dir", flush=True)
+with open("ready-0", "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(900)
+"""
+
+
+def mw(name, workers, source, gpus=0, **extra):
+    return {"name": name, "strategy": "multi-worker-mirrored", "replicas": {"worker": workers},
+            "resources": {"worker": {"gpus": gpus}}, "source": source, **extra}
+
+
+def wait_state(person, name, states, timeout=180):
+    deadline = time.time() + timeout
+    while True:
+        job = person.service("GET", f"jobs/{name}").json()
+        if job["state"] in states or time.time() > deadline:
+            assert job["state"] in states, job
+            return job
+        time.sleep(0.3)
+
+
+def wait_files(folder: Path, names: list[str], timeout=240) -> list[int]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            values = [(folder / n).read_text() for n in names]
+            if all(values):
+                return [int(v) for v in values]
+        except FileNotFoundError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{names} did not appear in {folder}")
+
+
+def log_of(person, job: str, replica: str) -> str:
+    return person.service("GET", f"jobs/{job}/logs/{replica}").json()["text"]
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, float]]:
+    """Every file below `folder` with its size and modification time."""
+    return {str(p.relative_to(folder)): (p.lstat().st_size, p.lstat().st_mtime)
+            for p in sorted(folder.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def hub(workdir, prefix):
+    """This module's own `gpulab up` (root, 4 simulated GPUs), with a small replica bound."""
+    data = workdir / "data"
+    data.mkdir(mode=0o700)
+    config = data / "gpulab_config.py"
+    config.write_text(f"c.GPUJobs.max_replicas_per_user = {BOUND}\n")
+    config.chmod(0o600)
+    h = Hub(data, "--simulated-gpus", "4", "--user-prefix", prefix).start()
+    yield h
+    h.stop()
+    end_jobs_of(h.data_dir)
+
+
+@pytest.fixture(scope="module")
+def vic_job(hub, vic):
+    """vic's running two-worker job: (its view, its folder, worker pids, grandchild pid)."""
+    r = vic.service("POST", "jobs", json=mw("vic-train", 2, VIC))
+    assert r.status_code == 201, r.text
+    job = r.json()
+    folder = Path(job["job_dir"])
+    pids = wait_files(folder, ["ready-0", "ready-1"])
+    grandchild = wait_files(folder, ["grandchild"])[0]
+    return job, folder, pids, grandchild
+
+
+@pytest.fixture(scope="module")
+def eve_job(hub, eve, vic_job):
+    """eve's running one-worker job, started after vic's wrote its secret: (view, pid)."""
+    r = eve.service("POST", "jobs", json=mw("eve-probe", 1, EVE))
+    assert r.status_code == 201, r.text
+    job = r.json()
+    pid = wait_files(Path(job["job_dir"]), ["ready-0"])[0]
+    return job, pid
+
+
+def assert_vic_untouched(vic, vic_job):
+    job, folder, pids, grandchild = vic_job
+    view = vic.service("GET", "jobs/vic-train").json()
+    assert view["state"] == "Running", view
+    assert [x["state"] for x in view["replicas"]] == ["Running", "Running"], view
+    for pid in pids:
+        assert psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    assert (TMP_ROOT / job["id"] / "my_working_dir" / "secret").read_text() == "vic-secret-42"
+
+
+def host_addresses() -> list[str]:
+    """The machine's own IPv4 addresses (loopback and the others)."""
+    out = ["127.0.0.1"]
+    for addrs in psutil.net_if_addrs().values():
+        out += [a.address for a in addrs if a.family.name == "AF_INET"
+                and a.address not in out]
+    return out
+
+
+PROBE = r"""
+import json, socket, sys
+out = {}
+for host, port in json.loads(sys.argv[1]):
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+        out[f"{host}:{port}"] = "connected"
+    except OSError as e:
+        out[f"{host}:{port}"] = type(e).__name__
+print(json.dumps(out))
+"""
+
+
+def test_nothing_outside_a_job_reaches_its_tensorflow_servers(vic, eve, vic_job):
+    """Item 1: vic's replicas serve TF gRPC only inside the job's loopback-only network."""
+    job, folder, pids, _ = vic_job
+    ports = [int(a.rsplit(":", 1)[1])
+             for a in json.loads(psutil.Process(pids[0]).environ()["TF_CONFIG"])
+             ["cluster"]["worker"]]
+    # vic's workers reached each other at their TF_CONFIG addresses
+    for i in (0, 1):
+        assert "reached 127.0.0.1:" in log_of(vic, "vic-train", f"worker-{i}")
+    # each replica is in the job's network namespace, not the machine's
+    netns = sandbox.NETNS_DIR / job["id"]
+    job_net = os.stat(netns).st_ino
+    for pid in pids:
+        assert os.stat(f"/proc/{pid}/ns/net").st_ino == job_net
+    assert os.stat("/proc/self/ns/net").st_ino != job_net
+    # the servers do listen, inside the job's namespace
+    targets = json.dumps([["127.0.0.1", p] for p in ports])
+    inside = subprocess.run(["nsenter", f"--net={netns}", "python3", "-c", PROBE, targets],
+                            capture_output=True, text=True, timeout=30)
+    assert inside.returncode == 0, inside.stderr
+    assert set(json.loads(inside.stdout).values()) == {"connected"}, inside.stdout
+    # eve, from her terminal: on loopback and on every address of the machine, nothing
+    targets = json.dumps([[h, p] for h in host_addresses() for p in ports])
+    r = eve.sh(f"python3 -c '{PROBE}' '{targets}'", check=True)
+    outside = json.loads(r.stdout)
+    assert "connected" not in outside.values(), outside
+    assert len(outside) == 2 * len(host_addresses())
+    assert_vic_untouched(vic, vic_job)
+
+
+def _service_environ(hub) -> dict[str, str]:
+    for p in psutil.process_iter(["cmdline", "environ"]):
+        env = p.info["environ"] or {}
+        if ("gpulab.hub.service" in (p.info["cmdline"] or [])
+                and str(hub.data_dir) in env.get("GPULAB_LEDGER_URL", "")):
+            return env
+    raise LookupError("no gpulab service process")
+
+
+def test_a_replica_environment_holds_no_secret_of_the_service(hub, vic, eve, vic_job, eve_job):
+    """Item 6: eve's job prints its environment: nothing of the service's own."""
+    text = log_of(eve, "eve-probe", "worker-0")
+    line = next(x for x in text.splitlines() if x.startswith("ENV "))
+    env = json.loads(line[4:])
+    service = _service_environ(hub)
+    assert service.get("JUPYTERHUB_API_TOKEN"), "the service should have a hub token"
+    for name in ("JPY_API_TOKEN", "JUPYTERHUB_API_TOKEN", "JUPYTERHUB_API_URL",
+                 "GPULAB_LEDGER_URL", "GPULAB_JOB_LIMITS"):
+        assert name not in env, name
+    assert not [k for k in env if k.startswith(("JUPYTERHUB_", "JPY_"))], sorted(env)
+    # no value of the service's environment off the allow-list reaches the job, and no
+    # secret of the service appears anywhere in it
+    allowed = {k for k in service if k in ENV_ALLOW or k.startswith(ENV_ALLOW_PREFIXES)}
+    values = set(env.values())
+    leaked = {k for k, v in service.items()
+              if k not in allowed and k not in ("HOME", "USER") and len(v) >= 4 and v in values}
+    assert not leaked, sorted(leaked)
+    secrets = {k: v for k, v in service.items()
+               if re.search("TOKEN|SECRET|PASSWORD|KEY|CERT|LEDGER_URL", k) and len(v) >= 12}
+    assert "JUPYTERHUB_API_TOKEN" in secrets
+    assert not [k for k, v in secrets.items() if v in line], sorted(secrets)
+    # and it is eve's own account, with her own home
+    assert env["USER"] == eve.account.pw_name and env["HOME"] == eve.account.pw_dir
+    assert_vic_untouched(vic, vic_job)
+
+
+def test_every_job_has_a_private_tmp(vic, eve, vic_job, eve_job):
+    """Item 11: vic's /tmp/my_working_dir is neither seen by nor in the way of eve."""
+    job, *_ = vic_job
+    # all of vic's replicas share one /tmp
+    assert "shared tmp: vic-secret-42" in log_of(vic, "vic-train", "worker-1")
+    # eve's job does not see vic's folder, and makes the same path itself
+    text = log_of(eve, "eve-probe", "worker-0")
+    assert "vic's secret visible: False" in text, text[-2000:]
+    assert "made /tmp/my_working_dir" in text, text[-2000:]
+    # eve's terminal sees neither, and cannot look into the jobs' /tmp folders
+    r = eve.sh("cat /tmp/my_working_dir/secret; ls /tmp/my_working_dir; "
+               f"ls {TMP_ROOT}; ls {TMP_ROOT / job['id']}")
+    assert "vic-secret" not in r.stdout and r.returncode != 0, (r.stdout, r.stderr)
+    assert "Permission denied" in r.stderr, r.stderr
+    assert not Path("/tmp/my_working_dir/secret").exists()
+    st = os.stat(TMP_ROOT)
+    assert st.st_uid == 0 and st.st_mode & 0o077 == 0
+    st = os.stat(TMP_ROOT / job["id"])
+    assert st.st_uid == vic.account.pw_uid and st.st_mode & 0o077 == 0
+    assert_vic_untouched(vic, vic_job)
+
+
+def _group_of(job_id: str, replica: str):
+    cgroups, why = Cgroups.detect()
+    assert cgroups is not None, f"control groups are needed for this test: {why}"
+    return cgroups, cgroups.find(f"job-{job_id}-{replica}")
+
+
+def test_gpu_less_replicas_are_bounded(hub, vic, eve, vic_job, eve_job):
+    """Item 12: a 0-GPU replica has default CPU and memory limits, and eve's replicas are
+    bounded across her jobs (refused whole, nothing left behind)."""
+    job, pid = eve_job
+    cgroups, group = _group_of(job["id"], "worker-0")
+    assert pid in group.pids()
+    mem, cpu = group.dirs["memory"], group.dirs["cpu"]
+    if cgroups.version == 1:
+        assert int((mem / "memory.limit_in_bytes").read_text()) == 8 * 2**30
+        assert int((cpu / "cpu.cfs_quota_us").read_text()) == 2 * 100_000
+    else:
+        assert int((mem / "memory.max").read_text()) == 8 * 2**30
+        assert (cpu / "cpu.max").read_text().split()[0] == "200000"
+    # eve holds 1 replica; BOUND more would go over the bound
+    r = eve.service("POST", "jobs", json=mw("swarm", BOUND, EVE))
+    assert r.status_code == 409, r.text
+    body = r.json()
+    assert body["field"] == "replicas", body
+    assert f"at most {BOUND} replicas" in body["message"] and "1 are active" in body["message"]
+    assert eve.service("GET", "jobs/swarm").status_code == 404
+    assert not (Path(job["job_dir"]).parent / "swarm").exists()
+    assert [j["name"] for j in eve.service("GET", "jobs").json()["jobs"]] == ["eve-probe"]
+    # vic's replicas count for vic, not for eve
+    assert_vic_untouched(vic, vic_job)
+
+
+def test_a_replica_never_works_in_a_folder_swapped_for_a_link(hub, vic, eve, vic_job):
+    """Item 9: eve's replica swaps its own job folder for a link to vic's job folder and
+    fails, so that it is restarted there: the restart never enters vic's folder."""
+    _, vic_folder, _, _ = vic_job
+    before = snapshot(vic_folder)
+    swap = (
+        "import os, sys\n"
+        "here = os.getcwd()\n"
+        "if os.path.exists('pwned'):\n"
+        "    sys.exit(0)\n"
+        "open(os.path.join(os.getcwd(), 'pwned'), 'w').write(here)\n"
+        f"os.rename(here, here + '.moved')\n"
+        f"os.symlink({str(vic_folder)!r}, here)\n"
+        "sys.exit(1)\n"
+    )
+    r = eve.service("POST", "jobs", json=mw("hop", 1, swap, retries=2))
+    assert r.status_code == 201, r.text
+    job = wait_state(eve, "hop", {"Failed", "Succeeded"}, timeout=240)
+    assert job["state"] == "Failed" and "link" in job["reason"], job
+    assert snapshot(vic_folder) == before  # nothing written, nothing replaced
+    assert not (vic_folder / "pwned").exists()
+    for p in psutil.process_iter(["cwd"]):
+        assert not (p.info["cwd"] or "").startswith(str(vic_folder)) or p.pid in vic_job[2] \
+            or p.pid == vic_job[3], p
+    assert_vic_untouched(vic, vic_job)
+
+
+def test_a_submit_that_fails_after_admission_leaves_nothing(hub, vic, eve, vic_job, eve_job):
+    """Issue 13 item 3: a link planted in the new job's logs/ fails the start; the job is
+    not left Admitted and its GPU comes back."""
+    _, vic_folder, _, _ = vic_job
+    target = vic_folder / "ready-0"
+    before = target.read_text()
+    home = Path(eve_job[0]["job_dir"]).parent  # eve's jobs/ folder
+    eve.sh(f"mkdir -p {home}/trap/logs && ln -s {target} {home}/trap/logs/worker-0.log",
+           check=True)
+    held = [h for h in eve.service("GET", "me").json()["holdings"] if h["kind"] == "job"]
+    r = eve.service("POST", "jobs", json=mw("trap", 1, EVE, gpus=1))
+    assert r.status_code == 409, r.text
+    assert r.json()["field"] == "name" and "link" in r.json()["message"], r.json()
+    assert eve.service("GET", "jobs/trap").status_code == 404
+    assert "trap" not in [j["name"] for j in eve.service("GET", "jobs").json()["jobs"]]
+    after = [h for h in eve.service("GET", "me").json()["holdings"] if h["kind"] == "job"]
+    assert after == held, after
+    assert target.read_text() == before and not target.is_symlink()
+    assert_vic_untouched(vic, vic_job)
+
+
+def test_stop_ends_everything_a_replica_started(hub, vic, vic_job):
+    """Item 8: vic's replica's ``setsid`` grandchild does not outlive stop, and the job's
+    groups, network namespace and /tmp go with it."""
+    job, folder, pids, grandchild = vic_job
+    gc = psutil.Process(grandchild)
+    assert gc.name() == "sleep" and os.getsid(grandchild) == grandchild  # its own session
+    assert os.getsid(grandchild) != os.getpgid(pids[0])
+    cgroups, group = _group_of(job["id"], "worker-0")
+    assert grandchild in group.pids()
+    r = vic.service("POST", "jobs/vic-train/stop")
+    assert r.status_code == 200 and r.json()["state"] == "Stopped", r.text
+    deadline = time.time() + 10
+    while time.time() < deadline and not all(
+            not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE
+            for p in (*pids, grandchild)):
+        time.sleep(0.1)
+    for p in (*pids, grandchild):
+        assert not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE, p
+    assert not group.exists()
+    assert not (sandbox.NETNS_DIR / job["id"]).exists()
+    assert not (TMP_ROOT / job["id"]).exists()
+    assert not [h for h in vic.service("GET", "me").json()["holdings"] if h["kind"] == "job"]
