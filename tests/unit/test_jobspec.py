@@ -2,7 +2,7 @@
 
 import pytest
 
-from gpulab.hub.jobspec import JobLimits, SpecError, parse_spec
+from gpulab.hub.jobspec import DEFAULT_LIMITS, JobLimits, SpecError, parse_spec
 
 PS = {"name": "digits", "strategy": "parameter-server",
       "replicas": {"chief": 1, "ps": 1, "worker": 2},
@@ -85,3 +85,32 @@ def test_limits_are_configurable():
     with pytest.raises(SpecError) as e:
         parse_spec(with_(MW, replicas={"worker": 3}), JobLimits(max_replicas=2))
     assert e.value.field == "replicas" and "at most 2" in e.value.message
+
+
+def test_replica_bounds_are_settings_carried_to_the_service():
+    """c.GPUJobs.default_cpu / default_memory / max_replicas_per_user reach the service in
+    the limits JSON; a role's own cpu/memory win over the defaults."""
+    from traitlets.config import Config
+    from traitlets import TraitError
+
+    from gpulab.hub.jobspec import GPUJobs, Resources, limits_from_json
+
+    assert DEFAULT_LIMITS.default_cpu == 2.0 and DEFAULT_LIMITS.default_memory == "8Gi"
+    assert DEFAULT_LIMITS.max_replicas_per_user == 32
+    c = Config()
+    c.GPUJobs.default_cpu = 0.5
+    c.GPUJobs.default_memory = "512Mi"
+    c.GPUJobs.max_replicas_per_user = 6
+    limits = limits_from_json(GPUJobs(config=c).limits_json())
+    assert (limits.default_cpu, limits.default_memory, limits.max_replicas_per_user) == (
+        0.5, "512Mi", 6)
+    assert limits.cpu_of(None) == 0.5 and limits.memory_of(None) == "512Mi"
+    own = Resources(gpus=1, cpu=4.0, memory="2Gi")
+    assert limits.cpu_of(own) == 4.0 and limits.memory_of(own) == "2Gi"
+    assert limits.cpu_of(Resources(gpus=1)) == 0.5
+    off = JobLimits(default_cpu=0, default_memory="")
+    assert off.cpu_of(None) is None and off.memory_of(None) is None
+    with pytest.raises(TraitError, match="default_memory"):
+        GPUJobs(default_memory="lots")
+    spec = parse_spec(with_(MW, replicas={"worker": 3}))
+    assert spec.replica_count == 3
