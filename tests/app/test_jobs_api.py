@@ -17,7 +17,12 @@ import psutil
 import pytest
 import requests
 
+from gpulab.hub.jobs import TMP_ROOT
 from gpulab.spawner.cgroups import Cgroups
+from gpulab.spawner.sandbox import NETNS_DIR
+
+#: as root every job runs in a sandbox of its own (network namespace, private /tmp)
+SANDBOXED = os.geteuid() == 0
 
 from tests.app.hubctl import GPULAB
 
@@ -165,6 +170,9 @@ def test_stop_ends_every_replica_and_releases_its_gpus(hub, users):
     assert r.status_code == 201, r.text
     folder = job_dir(hub, "ann", "sleepy")
     pids = wait_pids(folder, 1)
+    job_id = r.json()["id"]
+    # as root the job has its own network namespace and /tmp while it runs
+    assert not SANDBOXED or (NETNS_DIR / job_id).exists() and (TMP_ROOT / job_id).is_dir()
     replicas = {x["name"] for x in r.json()["replicas"]}
     assert replicas == {"chief-0", "ps-0", "worker-0", "worker-1"}
     held = [h for h in holdings(ann) if h["kind"] == "job" and h["name"] == "sleepy"]
@@ -178,6 +186,7 @@ def test_stop_ends_every_replica_and_releases_its_gpus(hub, users):
     assert all(gone(p) for p in pids)
     assert job_processes(folder) == []
     assert not [h for h in holdings(ann) if h["name"] == "sleepy"]
+    assert not (NETNS_DIR / job_id).exists() and not (TMP_ROOT / job_id).exists()
     # stopping again is harmless
     assert ann.service("POST", "jobs/sleepy/stop").json()["state"] == "Stopped"
 
@@ -304,9 +313,12 @@ def test_service_killed_mid_job_recovers_state_and_gpus(hub, users):
 
     lost = wait_state(ann, "victim", {"Failed"})
     assert "lost" in lost["reason"], lost
+    # the lost job's sandbox is gone, the adopted one's kept
+    assert not (NETNS_DIR / lost["id"]).exists() and not (TMP_ROOT / lost["id"]).exists()
     assert all(gone(p) for p in victim_pids)
     job = ann.service("GET", "jobs/survivor").json()
     assert job["state"] == "Running", job
+    assert not SANDBOXED or (NETNS_DIR / job["id"]).exists() and (TMP_ROOT / job["id"]).is_dir()
     assert all(not gone(p) for p in survivor_pids)
     held = {h["name"]: h["gpus"] for h in holdings(ann) if h["kind"] == "job"}
     assert held == {"survivor": 2}, held
