@@ -143,7 +143,8 @@ def vic_job(hub, vic):
     folder = Path(job["job_dir"])
     pids = wait_files(folder, ["ready-0", "ready-1"])
     grandchild = wait_files(folder, ["grandchild"])[0]
-    return job, folder, pids, grandchild
+    yield job, folder, pids, grandchild
+    vic.service("POST", "jobs/vic-train/stop")  # (a test failed before stopping it)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +154,8 @@ def eve_job(hub, eve, vic_job):
     assert r.status_code == 201, r.text
     job = r.json()
     pid = wait_files(Path(job["job_dir"]), ["ready-0"])[0]
-    return job, pid
+    yield job, pid
+    eve.service("POST", "jobs/eve-probe/stop")  # its sandbox goes with it
 
 
 def assert_vic_untouched(vic, vic_job):
