@@ -18,13 +18,15 @@ POLICY = "gpulab-hub-owned-namespaces"
 
 def hub_rbac_docs(namespace: str) -> list[dict]:
     """The objects of rbac.yaml for ServiceAccount ``hub`` in ``namespace``."""
-    text = RBAC.read_text()
-    assert text.count(HUB_USER) == 1, f"rbac.yaml should name {HUB_USER} once, in its policy"
-    docs = [d for d in yaml.safe_load_all(text.replace(
-        HUB_USER, f"system:serviceaccount:{namespace}:hub")) if d]
+    docs = [d for d in yaml.safe_load_all(RBAC.read_text()) if d]
+    user = f"system:serviceaccount:{namespace}:hub"
     for d in docs:
         for s in d.get("subjects", []):
             s["namespace"] = namespace
+        for condition in d.get("spec", {}).get("matchConditions", []):
+            assert HUB_USER in condition["expression"], condition
+            condition["expression"] = condition["expression"].replace(HUB_USER, user)
+    assert user in str(docs), f"rbac.yaml's admission policy should match {HUB_USER}"
     return docs
 
 

@@ -83,7 +83,7 @@ def test_the_hubs_writes_are_limited_by_an_admission_policy():
     [rule] = spec["matchConstraints"]["resourceRules"]
     assert rule == {"apiGroups": ["*"], "apiVersions": ["*"],
                     "operations": ["CREATE", "UPDATE", "DELETE", "CONNECT"],
-                    "resources": ["*", "*/*"]}
+                    "resources": ["*/*"]}
     subject = binding["subjects"][0]
     [who] = spec["matchConditions"]
     assert who["expression"] == (f'request.userInfo.username == "system:serviceaccount:'
