@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -307,6 +308,50 @@ def test_gpu_less_replicas_are_bounded(hub, vic, eve, vic_job, eve_job):
     assert not (Path(job["job_dir"]).parent / "swarm").exists()
     assert [j["name"] for j in eve.service("GET", "jobs").json()["jobs"]] == ["eve-probe"]
     # vic's replicas count for vic, not for eve
+    assert_vic_untouched(vic, vic_job)
+
+
+GPU_PROBE = r"""
+import errno, json, os, sys
+out = {}
+for path in sys.argv[1:]:
+    try:
+        os.close(os.open(path, os.O_RDWR))
+        out[path] = "opened"
+    except OSError as e:
+        out[path] = errno.errorcode[e.errno]
+print("DEVICES " + json.dumps(out), flush=True)
+"""
+
+
+def test_a_replica_opens_only_its_own_gpus(hub, vic, eve, vic_job, eve_job):
+    """Item 8 (with item 7's device allow-list): eve's replica is given one GPU; of stand-in
+    NVIDIA device nodes (major 195, no driver here) the kernel lets it open only that one
+    (ENXIO: allowed, no device behind it) and refuses the others (EPERM: the devices
+    controller), whatever ``CUDA_VISIBLE_DEVICES`` says."""
+    cgroups, why = Cgroups.detect()
+    assert cgroups is not None, f"control groups are needed for this test: {why}"
+    assert cgroups.devices_enforced, cgroups.devices_why
+    dev = Path(eve_job[0]["job_dir"]).parent.parent / "stand-in-dev"  # seen in her /tmp too
+    dev.mkdir(mode=0o755, exist_ok=True)
+    nodes = []
+    for minor in range(4):
+        node = dev / f"nvidia{minor}"
+        if not node.exists():
+            os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(195, minor))
+        os.chmod(node, 0o666)
+        nodes.append(str(node))
+    r = eve.service("POST", "jobs", json=mw("gpu-probe", 1, GPU_PROBE, gpus=1, args=nodes))
+    assert r.status_code == 201, r.text
+    job = wait_state(eve, "gpu-probe", {"Succeeded", "Failed"})
+    assert job["state"] == "Succeeded", job
+    [mine] = job["replicas"][0]["devices"]
+    text = log_of(eve, "gpu-probe", "worker-0")
+    seen = json.loads(next(x for x in text.splitlines() if x.startswith("DEVICES "))[8:])
+    assert seen == {n: ("ENXIO" if i == mine else "EPERM") for i, n in enumerate(nodes)}, seen
+    # outside any replica's group (eve's terminal), the same nodes are merely driverless
+    r = eve.sh(f"python3 -c '{GPU_PROBE}' {' '.join(nodes)}", check=True)
+    assert set(json.loads(r.stdout[8:]).values()) == {"ENXIO"}, r.stdout
     assert_vic_untouched(vic, vic_job)
 
 
