@@ -136,6 +136,9 @@ def cmd_up(args) -> int:
             "or name it with --proxy."
         )
 
+    # whatever the hub, the proxy and the gpulab service write (pid files, logs, databases,
+    # certificates) is private to this account; servers set their own umask (022)
+    os.umask(0o077)
     data = DataDir.at(args.data_dir or default_data_dir(), args.shared_dir)
     try:
         data.prepare()

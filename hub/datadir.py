@@ -4,11 +4,13 @@
 
     <data-dir>/                 0711 (servers' accounts pass through to shared/, no listing)
         jupyterhub.sqlite       0600  the hub database (users, servers, tokens, accounts)
+        gpulab.sqlite           0600  the quota ledger
+        jupyterhub.pid          0600  the running hub's pid (and proxy.pid, the proxy's)
         cookie_secret           0600  generated once
         proxy_token             0600  generated once
         admin_password          0600  the first admin's generated password
         gpulab_config.py        0600  optional settings for the operator to edit
-        logs/                   0700  hub.log and servers/<user>.<server>.log
+        logs/                   0700  hub.log and servers/<user>.<server>.log (0600)
         homes/                  0700  servers' homes when users are not isolated
         shared/                 0755  default shared storage (see below)
 
@@ -16,6 +18,12 @@
         datasets/               0755  readable by everyone, writable by the operator only
         users/                  0711  each user can reach their folder, not list the others
         users/<name>/           0700  owned by the user's account
+
+Every file of the data folder is private to the hub's account from the first start: the files
+are made 0600 before anyone opens them (SQLite keeps the mode of an existing database file and
+gives its journal and WAL files the database's mode; JupyterHub rewrites the hub's pid file
+in place), files of an older installation are made private at each start, and `gpulab up` runs
+the hub with umask 077 so that whatever else it writes there is private too.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import os
 import secrets
 import sqlite3
+import stat
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -56,6 +65,34 @@ def write_secret(path: Path, value: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(value + "\n")
+
+
+def create_private(path: Path) -> None:
+    """Make `path` an existing file readable by this account only (0600), keeping its
+    content; a link or other non-file there is refused."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    except OSError as e:
+        raise DataDirError(f"Cannot create {path} privately: {e.strerror or e}.") from e
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise DataDirError(f"{path} is not a plain file.")
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
+def make_private(folder: Path) -> None:
+    """chmod go-rwx every plain file directly in `folder` (not following links)."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.is_file(follow_symlinks=False):
+            mode = entry.stat(follow_symlinks=False).st_mode
+            if mode & 0o077:
+                os.chmod(entry.path, stat.S_IMODE(mode) & 0o700)
 
 
 def read_or_create_secret(path: Path, make) -> tuple[str, bool]:
@@ -101,12 +138,18 @@ class DataDir:
         _ensure_dir(self.shared, 0o755, "shared folder")
         _ensure_dir(self.shared / "datasets", 0o755, "datasets folder")
         _ensure_dir(self.shared / "users", 0o711, "users folder")
-        for db in (self.db_file, self.ledger_file):
-            if db.exists():
-                os.chmod(db, 0o600)
-        if not self.ledger_file.exists():
-            # the quota ledger: SQLite takes an empty file as a new database
-            os.close(os.open(self.ledger_file, os.O_CREAT | os.O_WRONLY, 0o600))
+        # the hub database and the quota ledger (SQLite takes an empty file as a new
+        # database), their journals, and the pid files: private before the hub opens them
+        for name in ("jupyterhub.sqlite", "gpulab.sqlite"):
+            for suffix in ("", "-journal", "-wal", "-shm"):
+                path = self.path / (name + suffix)
+                if suffix == "" or path.exists():
+                    create_private(path)
+        # (the proxy's pid file is removed and written anew at each start: umask 077 of
+        # `gpulab up` keeps it private)
+        create_private(self.hub_pid_file)
+        for folder in (self.path, self.log_dir, self.server_log_dir):
+            make_private(folder)
         if not self.config_file.exists():
             template = resources.files("gpulab.hub").joinpath("templates/gpulab_config.py")
             write_secret(self.config_file, template.read_text().rstrip("\n"))

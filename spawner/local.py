@@ -12,10 +12,12 @@ from jupyterhub.spawner import LocalProcessSpawner, set_user_setuid
 from traitlets import Bool, Callable, List, Unicode, Union, default
 
 from .accounts import (
+    AccountConflict,
     AccountError,
     ensure_account,
     prepare_user_folder,
     safe_name,
+    server_slug,
     system_username,
 )
 from .cgroups import Group, local_cgroups
@@ -29,11 +31,14 @@ _PROFILE_TRAITS = ("cpu_limit", "cpu_guarantee", "mem_limit", "mem_guarantee", "
 class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
     """Starts each server as a local process on the GPUs of the profile the user chose.
 
-    As root, each hub user's server runs as its own system account (``jupyter-<name>``);
-    otherwise every server runs as the hub's account and users are not isolated.
-    CPU and memory limits of a profile (``cpu_limit``, ``mem_limit``) are passed to the server
-    (``CPU_LIMIT``, ``MEM_LIMIT``) and, as root, enforced with a control group per server
-    (`gpulab.spawner.cgroups`), which also ends whatever the server left running when it stops.
+    As root, each hub user's server runs as its own system account (``jupyter-<name>``,
+    `gpulab.spawner.accounts`: an injective mapping, and an account made for another hub user
+    is never handed out); otherwise every server runs as the hub's account and users are not
+    isolated. As root, every server also runs in a control group of its own
+    (`gpulab.spawner.cgroups`), named by the hub's user id and the server's name and recorded
+    in the spawner's state: it enforces the profile's ``cpu_limit`` / ``mem_limit`` (also
+    passed as ``CPU_LIMIT`` / ``MEM_LIMIT``), lets the server open only its own GPUs' device
+    nodes, and on stop everything in it is killed, whatever the server left running.
     """
 
     profile_list = Union(
@@ -119,9 +124,11 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
 
     enforce_limits = Bool(
         True,
-        help="""Enforce a profile's ``cpu_limit`` and ``mem_limit`` with a Linux control group
-        per server (cgroup v2 or v1; needs root). Where that is impossible the limits are only
-        passed to the server as ``CPU_LIMIT`` / ``MEM_LIMIT`` and the hub log says why.
+        help="""Enforce a profile's ``cpu_limit`` and ``mem_limit`` in the server's control
+        group (cgroup v2 or v1; needs root). False: the group (which every server gets where
+        control groups can be made, for its GPU device allow-list and a clean stop) has no
+        CPU or memory limit. Where groups cannot be made the limits are only passed to the
+        server as ``CPU_LIMIT`` / ``MEM_LIMIT`` and the hub log says why (default True).
         Example: ``c.LocalGPUSpawner.enforce_limits = False``
         """,
     ).tag(config=True)
@@ -167,7 +174,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
     # -- LocalProcessSpawner hooks ------------------------------------------------------
 
     def make_preexec_fn(self, name):
-        group = self._limits_group
+        group = self._server_group
         if self.isolate_users:
             then = set_user_setuid(self.system_user)
         else:
@@ -179,46 +186,80 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         def preexec():
             if group is not None:
                 group.join()  # as root still, before the server becomes its user
+            os.umask(0o022)  # a login's umask, not the hub's private 077
             then()
 
         return preexec
 
-    # -- CPU and memory limits ----------------------------------------------------------
+    # -- the server's control group: limits, GPU devices, a clean stop -------------------
 
-    _limits_group: Group | None = None
+    _server_group: Group | None = None
+    #: the unit of the group this server runs in, kept in the spawner's state so that stop
+    #: (also after a hub restart) removes exactly that group and no other
+    _cgroup_unit: str | None = None
 
     @property
     def cgroup_unit(self) -> str:
-        server = safe_name(self.name) if self.name else "default"
-        return f"server-{safe_name(self.user.name)}-{server}"
+        """``server-u<hub user id>-<server>``: the hub's user id is unique and never reused
+        for another name, and `server_slug` is injective, so no two servers share a group."""
+        return f"server-u{self.user.id}-{server_slug(self.name)}"
 
-    def _make_limits_group(self) -> Group | None:
-        """The server's control group with its profile's limits; None when it has none or
-        they cannot be enforced here (logged)."""
-        if not self.enforce_limits or (not self.mem_limit and not self.cpu_limit):
-            return None
+    def _make_server_group(self, gpus: list[int]) -> Group | None:
+        """The server's own control group: its profile's limits, only `gpus`' device nodes.
+        None where control groups cannot be made here (logged)."""
         cgroups, why = local_cgroups()
         if cgroups is None:
-            self.log.warning("Limits of %s (cpu %s, memory %s) not enforced: %s",
-                             self._log_name, self.cpu_limit, self.mem_limit, why)
+            if self.mem_limit or self.cpu_limit:
+                self.log.warning("Limits of %s (cpu %s, memory %s) not enforced: %s",
+                                 self._log_name, self.cpu_limit, self.mem_limit, why)
             return None
-        return cgroups.make(self.cgroup_unit, memory=self.mem_limit or None,
-                            cpus=self.cpu_limit or None)
+        unit = self.cgroup_unit
+        # a group of this very server left by a hub that died: its leftovers end now
+        cgroups.find(unit).remove(kill=True)
+        limits = self.enforce_limits
+        group = cgroups.make(unit, memory=(self.mem_limit or None) if limits else None,
+                             cpus=(self.cpu_limit or None) if limits else None, gpus=gpus)
+        self._cgroup_unit = unit
+        return group
 
-    def _remove_limits_group(self) -> None:
-        """End what is left in the server's group and remove it (after a hub restart too)."""
-        self._limits_group = None
-        if not self.enforce_limits:
+    def _remove_server_group(self) -> None:
+        """Kill everything in the server's own group and remove it (after a hub restart
+        too: the unit comes from the spawner's state)."""
+        self._server_group = None
+        unit, self._cgroup_unit = self._cgroup_unit, None
+        if unit is None:
             return
         cgroups, _ = local_cgroups()
-        if cgroups is not None:
-            cgroups.find(self.cgroup_unit).remove(kill=True)
+        if cgroups is not None and not cgroups.find(unit).remove(kill=True):
+            self.log.error("Processes of %s survived its stop in control group %s",
+                           self._log_name, unit)
 
     async def stop(self, now=False):
         try:
             await super().stop(now=now)
         finally:
-            await asyncio.to_thread(self._remove_limits_group)
+            await asyncio.to_thread(self._remove_server_group)
+
+    async def poll(self):
+        had_process = bool(self.pid)
+        status = await super().poll()
+        if status is not None and had_process and self._cgroup_unit:
+            # the server ended by itself: JupyterHub will not call stop, but what it left
+            # running (a daemon holding its GPUs) must end before the GPUs are handed out again
+            await asyncio.to_thread(self._remove_server_group)
+        return status
+
+    def get_state(self):
+        state = super().get_state()
+        if self._cgroup_unit:
+            state["gpulab_cgroup"] = self._cgroup_unit
+        return state
+
+    def load_state(self, state):
+        super().load_state(state)
+        unit = state.get("gpulab_cgroup") if state else None
+        if unit:
+            self._cgroup_unit = unit
 
     def user_env(self, env):
         if self.isolate_users:
@@ -263,13 +304,10 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         """
         import shutil
 
-        try:
-            await asyncio.to_thread(self._prepare_account)
-        except AccountError as e:
-            raise SpawnRefused(500, f"Your server could not be prepared: {e}") from e
+        await self._prepare_account_or_refuse()
         gid = pwd.getpwnam(self.system_user).pw_gid
         base = Path(self.internal_certs_location).absolute().with_name("server-certs")
-        folder = base / f"{safe_name(self.user.name)}.{safe_name(self.name) if self.name else 'default'}"
+        folder = base / f"{safe_name(self.user.name)}.{server_slug(self.name)}"
 
         def install() -> dict:
             base.mkdir(mode=0o711, exist_ok=True)
@@ -315,33 +353,41 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
     def _prepare_account(self) -> None:
         owner = None
         if self.isolate_users:
-            owner = ensure_account(self.system_user, f"gpulab user {self.user.name}")
+            owner = ensure_account(self.system_user, self.user.name)
         elif self.home_dir_template:
             Path(self.home_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.shared_dir:
             prepare_user_folder(self.user_folder, owner)
+
+    async def _prepare_account_or_refuse(self) -> None:
+        """`_prepare_account` in a thread; a refused spawn (`SpawnRefused`) if it fails,
+        403 when the account or folder belongs to somebody else."""
+        try:
+            await asyncio.to_thread(self._prepare_account)
+        except AccountConflict as e:
+            self.log.error("Refused to start %s: %s", self._log_name, e)
+            raise SpawnRefused(403, f"Your server cannot start: {e}.") from e
+        except AccountError as e:
+            raise SpawnRefused(500, f"Your server could not be prepared: {e}") from e
 
     async def start(self):
         profile = self.selected_profile()
         self._apply_profile(profile)
         gpus = self.admit_gpus(profile)  # synchronous: atomic on the hub's event loop
         try:
+            await self._prepare_account_or_refuse()
             try:
-                await asyncio.to_thread(self._prepare_account)
-            except AccountError as e:
-                raise SpawnRefused(500, f"Your server could not be prepared: {e}") from e
-            try:
-                self._limits_group = await asyncio.to_thread(self._make_limits_group)
+                self._server_group = await asyncio.to_thread(
+                    self._make_server_group, [g.index for g in gpus])
             except OSError as e:
-                raise SpawnRefused(500, "The CPU and memory limits of your server could not be "
-                                   f"set up: {e.strerror or e}. Tell the hub's admin.") from e
+                raise SpawnRefused(500, "The control group of your server (CPU, memory and GPU "
+                                   f"limits) could not be set up: {e.strerror or e}. Tell the "
+                                   "hub's admin.") from e
             log_file = None
             if self.server_log_dir:
-                os.makedirs(self.server_log_dir, mode=0o700, exist_ok=True)
                 path = Path(self.server_log_dir) / (
-                    f"{safe_name(self.user.name)}.{safe_name(self.name) if self.name else 'default'}.log"
-                )
-                log_file = open(path, "ab", buffering=0)
+                    f"{safe_name(self.user.name)}.{server_slug(self.name)}.log")
+                log_file = await asyncio.to_thread(_open_log, Path(self.server_log_dir), path)
                 self.popen_kwargs = {**self.popen_kwargs, "stdout": log_file, "stderr": log_file}
             try:
                 url = await super().start()
@@ -350,8 +396,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
                     log_file.close()
         except BaseException:
             self.release_gpus()
-            if self._limits_group is not None:
-                await asyncio.to_thread(self._remove_limits_group)
+            await asyncio.to_thread(self._remove_server_group)
             raise
         if self.gpu_claim_id:
             self.set_gpu_probe()
@@ -363,3 +408,11 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             profile.slug,
         )
         return url
+
+
+def _open_log(folder: Path, path: Path):
+    """The server's log file, private to the hub's account (0600 in a 0700 folder)."""
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab", buffering=0)

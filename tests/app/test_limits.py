@@ -37,6 +37,8 @@ def cgroup_dirs(text: str) -> dict[str, Path]:
     assert cgroups is not None, why
     dirs = {}
     for line in text.splitlines():
+        if line.count(":") < 2:  # not a /proc/<pid>/cgroup line (a kernel's other output)
+            continue
         _, controllers, path = line.split(":", 2)
         if cgroups.version == 2 and controllers == "":
             return {"memory": Path("/sys/fs/cgroup") / path.lstrip("/"),
@@ -60,7 +62,8 @@ def test_profile_limits_are_enforced_on_the_server(hub, users):
         seen = json.loads(probe)
         assert seen["env"] == [str(512 * 2**20), "0.5"]
         dirs = cgroup_dirs(seen["cgroup"])
-        assert all(re.search(r"/gpulab/server-ann-small$", str(d)) for d in dirs.values()), dirs
+        # the group is named by the hub's user id and the server's name (unambiguous)
+        assert all(re.search(r"/gpulab/server-u\d+-small$", str(d)) for d in dirs.values()), dirs
         memory, cpu = dirs["memory"], dirs["cpu"]
 
         # within the limit: fine; over it: that program is killed, the server lives on
@@ -88,11 +91,20 @@ def test_profile_limits_are_enforced_on_the_server(hub, users):
     assert not memory.exists() and not cpu.exists()
 
 
-def test_a_server_without_limits_gets_no_group(hub, users):
+def test_a_server_without_limits_gets_a_group_without_limits(hub, users):
+    """Every server has a group of its own (its GPU devices, a clean stop), limits or not."""
     bob = users["bob"]
     assert bob.start_server("", {"profile": "cpu"}).status_code in (201, 202)
     try:
-        text = bob.run_in_kernel("print(open('/proc/self/cgroup').read())")
-        assert "/gpulab/" not in text, text
+        dirs = cgroup_dirs(bob.run_in_kernel("print(open('/proc/self/cgroup').read())"))
+        assert all(re.search(r"/gpulab/server-u\d+-default$", str(d)) for d in dirs.values()), dirs
+        memory, cpu = dirs["memory"], dirs["cpu"]
+        if (memory / "memory.max").exists():
+            assert (memory / "memory.max").read_text().strip() == "max"
+            assert (cpu / "cpu.max").read_text().split()[0] == "max"
+        else:
+            assert int((memory / "memory.limit_in_bytes").read_text()) > 2**60
+            assert (cpu / "cpu.cfs_quota_us").read_text().strip() == "-1"
     finally:
         bob.stop_server()
+    assert not memory.exists() and not cpu.exists()
