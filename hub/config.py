@@ -142,7 +142,7 @@ def local_essentials(s: LocalSettings) -> Config:
                     f"--timeout={s.idle_timeout}",
                     f"--cull-every={every}",
                     # over mutual TLS with the hub's own certificate, verifying the hub
-                    "--ssl-enabled",
+                    "--ssl-enabled=true",
                     f"--internal-certs-location={internal_certs_dir(d)}",
                 ],
             }
