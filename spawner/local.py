@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import pwd
 import sys
@@ -20,6 +21,7 @@ from .accounts import (
     server_slug,
     system_username,
 )
+from . import sandbox
 from .cgroups import Group, local_cgroups
 from .mixin import GPUSpawnerMixin, SpawnRefused, pid_alive
 from .profiles import GPUProfile
@@ -133,6 +135,29 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         """,
     ).tag(config=True)
 
+    private_tmp = Bool(
+        help="""Give every server a private ``/tmp`` (a mount namespace of its own, as
+        systemd's ``PrivateTmp``): a folder of the server's account under `private_tmp_dir`,
+        mounted on ``/tmp`` for the server and everything it starts, and removed when the
+        server stops. Fixed paths such as ``/tmp/my_working_dir`` then neither collide with
+        nor leak to other people. Default: True when the hub runs as root, which this needs.
+        Example: ``c.LocalGPUSpawner.private_tmp = False``
+        """,
+    ).tag(config=True)
+
+    @default("private_tmp")
+    def _private_tmp_default(self):
+        return os.geteuid() == 0
+
+    private_tmp_dir = Unicode(
+        "/var/lib/gpulab/server-tmp",
+        help="""Where the servers' private ``/tmp`` folders are kept (a root-owned 0700 folder
+        with one 0700 folder per running server, owned by its account; default
+        ``/var/lib/gpulab/server-tmp``). Example:
+        ``c.LocalGPUSpawner.private_tmp_dir = "/srv/gpulab/tmp"``
+        """,
+    ).tag(config=True)
+
     @default("cmd")
     def _cmd_default(self):
         # The hub's own interpreter: the same installation serves every account.
@@ -175,6 +200,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
 
     def make_preexec_fn(self, name):
         group = self._server_group
+        tmp, keep = self._tmp_folder, self._tmp_keep()
         if self.isolate_users:
             then = set_user_setuid(self.system_user)
         else:
@@ -186,6 +212,8 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         def preexec():
             if group is not None:
                 group.join()  # as root still, before the server becomes its user
+            if tmp is not None:
+                sandbox.private_tmp(tmp, keep=keep)  # as root: a mount namespace of its own
             os.umask(0o022)  # a login's umask, not the hub's private 077
             then()
 
@@ -200,9 +228,49 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
 
     @property
     def cgroup_unit(self) -> str:
-        """``server-u<hub user id>-<server>``: the hub's user id is unique and never reused
-        for another name, and `server_slug` is injective, so no two servers share a group."""
-        return f"server-u{self.user.id}-{server_slug(self.name)}"
+        """``server-<hub>-u<hub user id>-<server>``: the hub's user id is unique and never
+        reused for another name, `server_slug` is injective, and ``<hub>`` (a hash of the
+        hub's database) tells apart hubs that share the machine, so no two servers share a
+        group (nor a private /tmp folder, named the same)."""
+        return f"server-{self._hub_tag()}-u{self.user.id}-{server_slug(self.name)}"
+
+    def _hub_tag(self) -> str:
+        db_url = str(self.config.JupyterHub.get("db_url", "sqlite:///jupyterhub.sqlite"))
+        if db_url.startswith("sqlite:///") and not db_url.startswith("sqlite:////"):
+            db_url = "sqlite:///" + os.path.abspath(db_url[len("sqlite:///"):])
+        return hashlib.sha256(db_url.encode()).hexdigest()[:8]
+
+    # -- the server's private /tmp ----------------------------------------------------------
+
+    _tmp_folder: Path | None = None
+
+    def _make_tmp_folder(self) -> Path | None:
+        if not self.private_tmp:
+            return None
+        owner = None
+        if self.isolate_users:
+            entry = pwd.getpwnam(self.system_user)
+            owner = (entry.pw_uid, entry.pw_gid)
+        return sandbox.make_private_dir(self.private_tmp_dir, self.cgroup_unit, owner)
+
+    def _tmp_keep(self) -> list[str]:
+        """Folders the server needs that may lie below /tmp (a data folder made with mktemp,
+        as in the tests): bound back in place inside its private /tmp."""
+        keep = [self.shared_dir, self.notebook_dir]
+        if not self.isolate_users:
+            keep.append(self.home_dir)
+        certs = (getattr(self, "cert_paths", None) or {}).get("keyfile")
+        if self.internal_ssl and certs:
+            keep.append(os.path.dirname(certs))
+        keep = [os.path.abspath(k) for k in keep if k and os.path.isdir(k)]
+        # a folder inside another kept one comes with it
+        return [k for k in dict.fromkeys(keep)
+                if not any(k != o and k.startswith(o.rstrip("/") + "/") for o in keep)]
+
+    def _remove_tmp_folder(self, unit: str | None) -> None:
+        self._tmp_folder = None
+        if unit and self.private_tmp:
+            sandbox.remove_private_dir(self.private_tmp_dir, unit)
 
     def _make_server_group(self, gpus: list[int]) -> Group | None:
         """The server's own control group: its profile's limits, only `gpus`' device nodes.
@@ -216,6 +284,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         unit = self.cgroup_unit
         # a group of this very server left by a hub that died: its leftovers end now
         cgroups.find(unit).remove(kill=True)
+        self._remove_tmp_folder(unit)
         limits = self.enforce_limits
         group = cgroups.make(unit, memory=(self.mem_limit or None) if limits else None,
                              cpus=(self.cpu_limit or None) if limits else None, gpus=gpus)
@@ -233,6 +302,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         if cgroups is not None and not cgroups.find(unit).remove(kill=True):
             self.log.error("Processes of %s survived its stop in control group %s",
                            self._log_name, unit)
+        self._remove_tmp_folder(unit)
 
     async def stop(self, now=False):
         try:
@@ -383,6 +453,13 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
                 raise SpawnRefused(500, "The control group of your server (CPU, memory and GPU "
                                    f"limits) could not be set up: {e.strerror or e}. Tell the "
                                    "hub's admin.") from e
+            if self._server_group is None and self.private_tmp:
+                self._cgroup_unit = self.cgroup_unit  # the private /tmp is still this unit's
+            try:
+                self._tmp_folder = await asyncio.to_thread(self._make_tmp_folder)
+            except OSError as e:
+                raise SpawnRefused(500, "The private /tmp of your server could not be made: "
+                                   f"{e.strerror or e}. Tell the hub's admin.") from e
             log_file = None
             if self.server_log_dir:
                 path = Path(self.server_log_dir) / (

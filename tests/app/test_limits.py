@@ -63,7 +63,7 @@ def test_profile_limits_are_enforced_on_the_server(hub, users):
         assert seen["env"] == [str(512 * 2**20), "0.5"]
         dirs = cgroup_dirs(seen["cgroup"])
         # the group is named by the hub's user id and the server's name (unambiguous)
-        assert all(re.search(r"/gpulab/server-u\d+-small$", str(d)) for d in dirs.values()), dirs
+        assert all(re.search(r"/gpulab/server-[0-9a-f]{8}-u\d+-small$", str(d)) for d in dirs.values()), dirs
         memory, cpu = dirs["memory"], dirs["cpu"]
 
         # within the limit: fine; over it: that program is killed, the server lives on
@@ -97,7 +97,7 @@ def test_a_server_without_limits_gets_a_group_without_limits(hub, users):
     assert bob.start_server("", {"profile": "cpu"}).status_code in (201, 202)
     try:
         dirs = cgroup_dirs(bob.run_in_kernel("print(open('/proc/self/cgroup').read())"))
-        assert all(re.search(r"/gpulab/server-u\d+-default$", str(d)) for d in dirs.values()), dirs
+        assert all(re.search(r"/gpulab/server-[0-9a-f]{8}-u\d+-default$", str(d)) for d in dirs.values()), dirs
         memory, cpu = dirs["memory"], dirs["cpu"]
         if (memory / "memory.max").exists():
             assert (memory / "memory.max").read_text().strip() == "max"

@@ -1,0 +1,279 @@
+"""Notebook servers, accounts, control groups and GPU devices (issue 12 items 2, 5, 7, 8, 10, 11).
+
+Each test attacks one real `gpulab up` (as root, 4 simulated GPUs; one hub for the module) as a
+second person, and checks that the attack fails and that the victim's files, server and GPUs
+are untouched:
+
+- item 2: a person who signs up as exactly the name another's account is made of gets an
+  account of their own; an existing account made for someone else (as a hash collision would
+  give), or not made by gpulab, is never handed out;
+- items 5 and 8: servers' control groups are named unambiguously (``dave`` + ``x-default`` vs
+  ``dave-x`` + default), and stop kills everything in its own group only, a ``setsid nohup``
+  grandchild too;
+- item 7: a server may open only its own GPU's device node (stand-in nodes made with mknod:
+  ENXIO = the cgroup let it through to a missing driver, EPERM = the cgroup refused), also
+  without ``CUDA_VISIBLE_DEVICES``;
+- item 10: nothing in the data folder is readable by another account;
+- item 11: every server has a private /tmp.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from gpulab.spawner.accounts import delete_account, system_username
+from gpulab.spawner.cgroups import Cgroups
+from tests.app.hubctl import Browser, pid_exists
+from tests.conftest import PASSWORD
+
+pytestmark = pytest.mark.security
+
+
+def person(hub, admin, name) -> Browser:
+    """A hub user who signed up, was approved and logged in (no server yet)."""
+    b = Browser(hub, name)
+    r = b.signup(PASSWORD)
+    assert r.status_code == 200, r.text[:300]
+    assert admin.s.get(hub.url + f"/hub/authorize/{name}").status_code == 200
+    b.login(PASSWORD)
+    return b
+
+
+def probe(b: Browser, server: str = "") -> dict:
+    """Who the server runs as, its pid and its control group, seen from its kernel."""
+    return json.loads(b.run_in_kernel(
+        "import json, os\n"
+        "print(json.dumps({'uid': os.getuid(), 'ppid': os.getppid(),\n"
+        "                  'cgroup': open('/proc/self/cgroup').read(),\n"
+        "                  'home': os.environ.get('HOME'), 'dir': os.environ.get('GPULAB_USER_DIR')}))",
+        server=server))
+
+
+def require_cgroups() -> Cgroups:
+    cgroups, why = Cgroups.detect()
+    assert cgroups is not None, f"control groups are needed here and missing: {why}"
+    return cgroups
+
+
+def gpulab_group(cgroup_text: str) -> str:
+    """The gpulab group a /proc/<pid>/cgroup text names (that of the memory hierarchy)."""
+    for line in cgroup_text.splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(",") or controllers == "":
+            assert "/gpulab/" in path, cgroup_text
+            return path.rsplit("/", 1)[1]
+    raise AssertionError(cgroup_text)
+
+
+# -- item 2: the name mapping is injective and checked ------------------------------------
+
+def test_a_mapped_name_does_not_get_carols_account_or_folder(hub, admin, prefix):
+    carol = person(hub, admin, "carol.x")
+    assert carol.start_server("", {"profile": "cpu"}).status_code in (201, 202)
+    seen = probe(carol)
+    carols = pwd.getpwnam(system_username(prefix, "carol.x"))
+    assert seen["uid"] == carols.pw_uid
+    secret = uuid.uuid4().hex
+    carol.run_in_kernel(
+        f"import os; open(os.environ['GPULAB_USER_DIR'] + '/secret.txt', 'w').write({secret!r})")
+    carol_dir = seen["dir"]
+    before = {p: os.stat(os.path.join(carol_dir, p)) for p in os.listdir(carol_dir)}
+
+    # mallory signs up as exactly the name carol.x maps to
+    mapped = system_username(prefix, "carol.x")[len(prefix):]
+    mallory = person(hub, admin, mapped)
+    r = mallory.start_server("", {"profile": "cpu"})
+    if r.status_code in (201, 202):
+        theirs = probe(mallory)
+        assert theirs["uid"] != carols.pw_uid
+        assert theirs["dir"] != carol_dir and theirs["home"] != carols.pw_dir
+        out = mallory.run_in_kernel(
+            "import os\n"
+            f"for p in ({carol_dir!r} + '/secret.txt', {carols.pw_dir!r}):\n"
+            "    try:\n"
+            "        open(p).read() if os.path.isfile(p) else os.listdir(p); print('READ', p)\n"
+            "    except PermissionError:\n"
+            "        print('denied')\n")
+        assert "READ" not in out, out
+        mallory.stop_server()
+    else:
+        assert r.status_code == 403, r.text
+    # carol's account, folder and file are as they were
+    assert pwd.getpwnam(system_username(prefix, "carol.x")) == carols
+    assert {p: os.stat(os.path.join(carol_dir, p)) for p in os.listdir(carol_dir)} == before
+    assert open(os.path.join(carol_dir, "secret.txt")).read() == secret
+    assert probe(carol)["uid"] == carols.pw_uid
+    carol.stop_server()
+
+
+def test_an_account_made_for_someone_else_is_never_handed_out(hub, admin, prefix):
+    """What a hash collision (or a system account of the machine) would give: the account
+    a new hub user maps to exists already, made for carol.x / not by gpulab. Spawn refused."""
+    for name, comment in (("trudy", "gpulab user carol.x"), ("zed", "the machine's own user")):
+        account = system_username(prefix, name)
+        subprocess.run(["useradd", "--create-home", "--user-group", "--comment", comment,
+                        account], check=True, capture_output=True)
+        try:
+            before = pwd.getpwnam(account)
+            p = person(hub, admin, name)
+            r = p.start_server("", {"profile": "cpu"})
+            assert r.status_code == 403, (r.status_code, r.text)
+            assert account in r.json()["message"], r.text
+            assert pwd.getpwnam(account) == before
+            assert not p.api("GET", f"/users/{name}").json()["servers"]
+        finally:
+            delete_account(account)
+
+
+# -- items 5 and 8: one control group per server, killed whole on stop ------------------
+
+def test_servers_with_look_alike_names_have_their_own_groups(hub, admin):
+    """``dave`` + ``x-default`` vs ``dave-x`` + default: stopping one leaves the other."""
+    require_cgroups()
+    dave, davex = person(hub, admin, "dave"), person(hub, admin, "dave-x")
+    assert dave.start_server("x-default", {"profile": "cpu"}).status_code in (201, 202)
+    assert davex.start_server("", {"profile": "cpu"}).status_code in (201, 202)
+    a, b = probe(dave, "x-default"), probe(davex)
+    assert gpulab_group(a["cgroup"]) != gpulab_group(b["cgroup"])
+
+    dave.stop_server("x-default")
+    assert pid_exists(b["ppid"]), "dave-x's server was killed by dave's stop"
+    assert probe(davex)["ppid"] == b["ppid"]
+    # and the other way round
+    assert dave.start_server("x-default", {"profile": "cpu"}).status_code in (201, 202)
+    a = probe(dave, "x-default")
+    davex.stop_server()
+    assert pid_exists(a["ppid"])
+    assert probe(dave, "x-default")["ppid"] == a["ppid"]
+    dave.stop_server("x-default")
+
+
+def test_a_setsid_grandchild_does_not_outlive_stop(hub, admin, vic):
+    require_cgroups()
+    frank = person(hub, admin, "frank")
+    assert frank.start_server("", {"profile": "cpu"}).status_code in (201, 202)
+    out = frank.run_in_kernel(
+        "import subprocess, time\n"
+        "p = subprocess.Popen(['bash', '-c', 'setsid nohup sleep 1000 >/dev/null 2>&1 & echo $!'],\n"
+        "                     stdout=subprocess.PIPE, text=True)\n"
+        "print(p.communicate()[0].strip())\n")
+    daemon = int(out.strip())
+    time.sleep(0.5)
+    assert pid_exists(daemon)
+    assert os.getsid(daemon) == daemon  # it left the server's session
+    vic_before = probe(vic)
+    frank.stop_server()
+    deadline = time.time() + 10
+    while pid_exists(daemon) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not pid_exists(daemon), "the daemon outlived its server's stop"
+    assert probe(vic)["ppid"] == vic_before["ppid"]  # the victim's server is untouched
+
+
+# -- item 7: GPUs enforced by the kernel --------------------------------------------------
+
+def test_a_server_opens_only_its_own_gpus(hub, vic, eve):
+    cgroups = require_cgroups()
+    assert cgroups.devices_enforced, cgroups.devices_why
+    # stand-in device nodes (no NVIDIA driver here), where every server can reach them
+    dev = hub.data_dir / "shared" / "datasets" / f"dev-{uuid.uuid4().hex[:6]}"
+    dev.mkdir(mode=0o755)
+    for minor in range(4):
+        os.mknod(dev / f"nvidia{minor}", 0o666 | stat.S_IFCHR, os.makedev(195, minor))
+        os.chmod(dev / f"nvidia{minor}", 0o666)
+    (dev / "probe.py").write_text(
+        "import errno, json, os, sys\n"
+        "out = {}\n"
+        "for m in range(4):\n"
+        "    try:\n"
+        "        os.close(os.open(os.path.join(os.path.dirname(__file__), f'nvidia{m}'), os.O_RDWR))\n"
+        "        out[m] = 'opened'\n"
+        "    except OSError as e:\n"
+        "        out[m] = errno.errorcode[e.errno]\n"
+        "print(json.dumps(out))\n")
+    (dev / "probe.py").chmod(0o644)
+    code = (
+        "import json, os, subprocess, sys\n"
+        f"probe = {str(dev / 'probe.py')!r}\n"
+        "plain = subprocess.run([sys.executable, probe], capture_output=True, text=True)\n"
+        "unset = subprocess.run(['env', '-u', 'CUDA_VISIBLE_DEVICES', sys.executable, probe],\n"
+        "                       capture_output=True, text=True)\n"
+        "print(json.dumps({'gpus': [g['index'] for g in json.loads(os.environ['GPULAB_GPUS'])],\n"
+        "                  'plain': json.loads(plain.stdout), 'unset': json.loads(unset.stdout)}))\n"
+    )
+    try:
+        for who in (vic, eve):
+            seen = json.loads(who.run_in_kernel(code))
+            assert len(seen["gpus"]) == 1, seen
+            mine = seen["gpus"][0]  # simulated GPUs: minor number = index
+            want = {str(m): ("ENXIO" if m == mine else "EPERM") for m in range(4)}
+            assert seen["plain"] == want, (who.name, seen)
+            assert seen["unset"] == want, (who.name, seen)
+    finally:
+        shutil.rmtree(dev)
+
+
+# -- item 10: the data folder is private --------------------------------------------------
+
+def test_nothing_in_the_data_folder_is_readable_by_another_account(hub, vic, eve):
+    data = hub.data_dir
+    for name in ("jupyterhub.sqlite", "gpulab.sqlite"):
+        assert stat.S_IMODE(os.stat(data / name).st_mode) == 0o600
+    eve_account = eve.account
+    paths = []
+    for root, dirs, files in os.walk(data):
+        rel = os.path.relpath(root, data)
+        if rel == "shared" or rel.startswith("shared" + os.sep):
+            dirs[:] = []  # the shared storage: datasets readable by design, users/ tested elsewhere
+            continue
+        for f in files:
+            path = os.path.join(root, f)
+            st = os.lstat(path)
+            # eve's own server certificate (handed to her account) is hers to read
+            if st.st_gid == eve_account.pw_gid or st.st_uid == eve_account.pw_uid:
+                continue
+            paths.append(path)
+    assert len(paths) > 5, paths
+    listing = "\n".join(paths)
+    r = eve.sh("while IFS= read -r p; do if head -c1 \"$p\" >/dev/null 2>&1; then echo \"READ $p\"; fi; "
+               f"done <<'EOF'\n{listing}\nEOF\n"
+               f"ls {data} >/dev/null 2>&1 && echo LISTED; true")
+    # (known gap, not in this part's files: certipy, which JupyterHub's internal_ssl uses,
+    # forces its store folder <data>/internal-ssl to 0755 and certificates to 0644 at every
+    # certificate it makes; keys stay 0600. The fix is to keep that store inside a 0700
+    # folder, see gpulab.hub.config.internal_certs_dir.)
+    assert r.stdout.strip() == "", "readable by another account:\n" + r.stdout
+
+
+# -- item 11: a private /tmp per server ---------------------------------------------------
+
+def test_every_server_has_a_private_tmp(hub, vic, eve):
+    mark = uuid.uuid4().hex
+    out = vic.run_in_kernel(
+        "import os\n"
+        "os.makedirs('/tmp/my_working_dir', exist_ok=True)\n"
+        f"open('/tmp/my_working_dir/x', 'w').write({mark!r})\n"
+        "print(open('/tmp/my_working_dir/x').read())\n")
+    assert out.strip() == mark
+    out = eve.run_in_kernel(
+        "import os\n"
+        "print(os.path.exists('/tmp/my_working_dir/x'))\n"
+        "os.makedirs('/tmp/my_working_dir', exist_ok=True)\n"
+        "open('/tmp/my_working_dir/x', 'w').write('eve')\n"
+        "print(open('/tmp/my_working_dir/x').read())\n")
+    assert out.split() == ["False", "eve"], out
+    # vic's file is where she left it, and nowhere on the machine's own /tmp
+    assert vic.run_in_kernel("print(open('/tmp/my_working_dir/x').read())").strip() == mark
+    try:
+        assert open("/tmp/my_working_dir/x").read() not in (mark, "eve")
+    except OSError:
+        pass
