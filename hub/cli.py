@@ -222,11 +222,39 @@ def cmd_up(args) -> int:
             "gpulab: WARNING Run gpulab up as root to give each user a system account.",
             "gpulab: WARNING " + "*" * 60,
         ]
+    gpu_gap = _gpus_not_enforced() if isolate else None
+    if gpu_gap:
+        banner += [
+            "",
+            "gpulab: WARNING " + "*" * 60,
+            "gpulab: WARNING this machine has NVIDIA GPUs, but their device nodes cannot be",
+            "gpulab: WARNING restricted per server and job here:",
+            f"gpulab: WARNING {gpu_gap}.",
+            "gpulab: WARNING CUDA_VISIBLE_DEVICES is then only advice: anyone's process can",
+            "gpulab: WARNING use every GPU, outside any quota (see the README, Isolation).",
+            "gpulab: WARNING " + "*" * 60,
+        ]
     print("\n".join(banner), flush=True)
 
     from .app import run_local_hub
 
     return run_local_hub(settings, log_level=args.log_level)
+
+
+def _gpus_not_enforced(dev: str = "/dev") -> str | None:
+    """Why this machine's real NVIDIA GPUs cannot be restricted per server and job (None when
+    they can, or when there are none)."""
+    import glob
+    import re
+
+    if not [p for p in glob.glob(os.path.join(dev, "nvidia*")) if re.fullmatch(r"nvidia\d+", os.path.basename(p))]:
+        return None
+    from gpulab.spawner.cgroups import local_cgroups
+
+    cgroups, why = local_cgroups()
+    if cgroups is None:
+        return f"no control groups: {why}"
+    return cgroups.devices_why or None
 
 
 def _not_traversable(path: Path) -> Path | None:

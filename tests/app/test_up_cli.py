@@ -34,3 +34,22 @@ def test_bad_flags(tmp_path, args, message):
     r = up("--data-dir", str(tmp_path / "d"), *args)
     assert r.returncode == 2 and message in r.stderr
     assert not (tmp_path / "d").exists()  # nothing made
+
+
+def test_real_gpus_that_cannot_be_restricted_are_named(tmp_path, monkeypatch):
+    """`gpulab up` warns loudly where NVIDIA GPUs exist and their device nodes cannot be
+    restricted (cgroup v2 without a device program, or no control groups at all)."""
+    from gpulab.hub import cli
+    from gpulab.spawner import cgroups
+
+    assert cli._gpus_not_enforced(str(tmp_path)) is None  # no GPU: nothing to say
+    (tmp_path / "nvidiactl").touch()
+    assert cli._gpus_not_enforced(str(tmp_path)) is None
+    (tmp_path / "nvidia0").touch()
+    monkeypatch.setattr(cgroups, "_detected", (cgroups.Cgroups(2, {}), ""))
+    assert "BPF device program" in cli._gpus_not_enforced(str(tmp_path))
+    monkeypatch.setattr(cgroups, "_detected", (None, "the hub does not run as root"))
+    assert cli._gpus_not_enforced(str(tmp_path)) == "no control groups: the hub does not run as root"
+    v1 = cgroups.Cgroups(1, {"memory": tmp_path, "cpu": tmp_path, "devices": tmp_path})
+    monkeypatch.setattr(cgroups, "_detected", (v1, ""))
+    assert cli._gpus_not_enforced(str(tmp_path)) is None
