@@ -247,25 +247,30 @@ class JobBackend:
         return _job_view(job, replicas, progress=detail)
 
     def list(self, user: str | None = None) -> list[dict]:
-        with self.ledger.Session() as s:
+        with self.ledger.Reader() as s:
             q = select(JobRow).where(JobRow.backend == self.name).order_by(JobRow.created_at.desc())
             if user is not None:
                 q = q.where(JobRow.user == user)
             return [self._view(j, self._load(s, j.id)[1]) for j in s.scalars(q)]
 
     def get(self, user: str, name: str) -> dict | None:
-        with self.ledger.Session() as s:
+        with self.ledger.Reader() as s:
             job = s.scalar(select(JobRow).where(JobRow.user == user, JobRow.name == name,
                                                 JobRow.backend == self.name))
-            return self._view(job, self._load(s, job.id)[1], detail=True) if job else None
+            if job is None:
+                return None
+            replicas = self._load(s, job.id)[1]
+        # the view reads the lead replica's log (progress): after the transaction, never in it
+        return self._view(job, replicas, detail=True)
 
     async def detail(self, user: str, name: str) -> dict | None:
         """One job's view for someone looking at it (``GET jobs/<name>``): `get`, plus what
-        only such a look is worth fetching (a backend may override it)."""
-        return self.get(user, name)
+        only such a look is worth fetching (a backend may override it). In a thread: it reads
+        a file in the person's folder."""
+        return await asyncio.to_thread(self.get, user, name)
 
     def _check_new_name(self, user: str, name: str) -> None:
-        with self.ledger.Session() as s:
+        with self.ledger.Reader() as s:
             if s.scalar(select(JobRow.id).where(JobRow.user == user, JobRow.name == name)):
                 raise JobError(f"name: you already have a job named '{name}' (jobs are "
                                "kept as history); choose another name.", 409, "name")
@@ -276,7 +281,7 @@ class JobBackend:
         bound = self.limits.max_replicas_per_user
         if not bound:
             return
-        with self.ledger.Session() as s:
+        with self.ledger.Reader() as s:
             specs = s.scalars(select(JobRow.spec).where(JobRow.user == user,
                                                         JobRow.state.in_(ACTIVE))).all()
         active = sum(JobSpec.model_validate_json(x).replica_count for x in specs)
@@ -314,21 +319,24 @@ class LocalJobBackend(JobBackend):
     def read_log(self, user: str, name: str, replica: str, offset: int = 0,
                  limit: int = 1 << 20) -> tuple[bytes, int, bool]:
         """(up to `limit` bytes of a replica's log from `offset`, its size, job finished)."""
-        with self.ledger.Session() as s:
+        with self.ledger.Reader() as s:
             job = s.scalar(select(JobRow).where(JobRow.user == user, JobRow.name == name))
             if job is None:
                 raise JobError(f"You have no job named '{name}'.", 404)
             names = [f"{r.role}-{r.index}" for r in self._load(s, job.id)[1]]
-            if replica not in names:
-                raise JobError(f"Job '{name}' has no replica '{replica}'; it has "
-                               f"{', '.join(sorted(names))}.", 404, "replica")
-            try:
-                data, size = safefs.read_bytes(*_in_job(job.job_dir, "logs", f"{replica}.log"),
-                                               offset, limit)
-            except OSError as e:
-                raise JobError(f"The log of {replica} cannot be read: {e.strerror}.", 409,
-                               "replica") from None
-            return data, size, job.state in FINAL
+            job_dir, done = job.job_dir, job.state in FINAL
+        if replica not in names:
+            raise JobError(f"Job '{name}' has no replica '{replica}'; it has "
+                           f"{', '.join(sorted(names))}.", 404, "replica")
+        # the file is read after the transaction (a slow or hostile file never holds the
+        # ledger), and the service calls this in a thread
+        try:
+            data, size = safefs.read_bytes(*_in_job(job_dir, "logs", f"{replica}.log"),
+                                           offset, limit)
+        except OSError as e:
+            raise JobError(f"The log of {replica} cannot be read: {e.strerror}.", 409,
+                           "replica") from None
+        return data, size, done
 
     # -- submit --------------------------------------------------------------------------
 
@@ -605,7 +613,7 @@ class LocalJobBackend(JobBackend):
 
     def _supervise_once(self) -> bool:
         """One pass over the active jobs; returns whether any job is still active."""
-        with self.ledger.Session() as s:
+        with self.ledger.Reader() as s:
             active = s.scalars(select(JobRow.id).where(JobRow.state.in_(ACTIVE),
                                                        JobRow.backend == self.name)).all()
         for job_id in active:
@@ -765,7 +773,7 @@ class LocalJobBackend(JobBackend):
     # -- recovery after a restart of the service -------------------------------------------
 
     def recover(self) -> None:
-        with self.ledger.Session() as s:
+        with self.ledger.Reader() as s:
             jobs = s.scalars(select(JobRow).where(JobRow.state.in_(ACTIVE),
                                                   JobRow.backend == self.name)).all()
             plans = []
@@ -797,7 +805,7 @@ class LocalJobBackend(JobBackend):
         self._clean_sandboxes()
         # allocations of jobs that no longer run (e.g. the service died between admission
         # and writing the job) are closed: nothing leaks
-        with self.ledger.Session() as s:
+        with self.ledger.Reader() as s:
             keep = set(s.scalars(select(JobRow.allocation_id).where(JobRow.state.in_(ACTIVE))))
         self.ledger.close_orphans("job", keep, "job gone at service start-up")
 
@@ -814,7 +822,7 @@ class LocalJobBackend(JobBackend):
         names = set(sandbox.netns_names(self.netns_root)) | set(tmps)
         if not names:
             return
-        with self.ledger.Session() as s:
+        with self.ledger.Reader() as s:
             ended = s.scalars(select(JobRow.id).where(JobRow.id.in_(names),
                                                       JobRow.state.not_in(ACTIVE))).all()
         for job_id in ended:

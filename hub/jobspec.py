@@ -30,6 +30,10 @@ from traitlets import Float, Int, List, TraitError, Unicode, validate
 from traitlets.config import Configurable
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gpulab.spawner.cgroups import memory_bytes
+
+from .policy import MAX_GPUS
+
 NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 ROLES = ("chief", "ps", "worker", "evaluator")
 RESERVED_ENV = {"TF_CONFIG", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
@@ -81,6 +85,13 @@ def limits_from_json(raw: str | None) -> JobLimits:
     return JobLimits(**values)
 
 
+#: bounds of a spec's numbers (beyond them nothing sensible runs, and the database's integers end)
+MAX_ROLE_REPLICAS = 1024
+MAX_MEMORY_BYTES = 2**50  # 1 PiB
+MAX_RUNTIME = 10 * 366 * 24 * 3600  # ten years, in seconds
+MAX_RETRIES = 1000
+
+
 class SpecError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(message)
@@ -93,16 +104,28 @@ class Strict(BaseModel):
 
 class Replicas(Strict):
     chief: int = Field(0, ge=0, le=1, description="1 for parameter-server, 0 otherwise")
-    ps: int = Field(0, ge=0)
-    worker: int = Field(1, ge=0)
+    ps: int = Field(0, ge=0, le=MAX_ROLE_REPLICAS)
+    worker: int = Field(1, ge=0, le=MAX_ROLE_REPLICAS)
     evaluator: int = Field(0, ge=0, le=1)
 
 
 class Resources(Strict):
-    gpus: int = Field(0, ge=0, description="GPUs of each replica of the role")
+    gpus: int = Field(0, ge=0, le=MAX_GPUS, description="GPUs of each replica of the role")
     cpu: float | None = Field(None, gt=0, le=1024)
     memory: str | None = Field(None, pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$",
                                description="e.g. 8Gi")
+
+    @field_validator("memory")
+    @classmethod
+    def _memory(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                size = memory_bytes(v)
+            except (ValueError, OverflowError):
+                size = None
+            if size is None or size > MAX_MEMORY_BYTES:
+                raise ValueError(f"must be at most {MAX_MEMORY_BYTES // 2**40}Ti")
+        return v
 
 
 class JobSpec(Strict):
@@ -115,8 +138,10 @@ class JobSpec(Strict):
     source: str | None = Field(None, description="Python code, stored in the job folder")
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
-    max_runtime: int | None = Field(None, gt=0, description="seconds; the job is stopped after")
-    retries: int = Field(2, ge=0, description="restarts of failed replicas before the job fails")
+    max_runtime: int | None = Field(None, gt=0, le=MAX_RUNTIME,
+                                    description="seconds; the job is stopped after")
+    retries: int = Field(2, ge=0, le=MAX_RETRIES,
+                         description="restarts of failed replicas before the job fails")
     image: str | None = Field(None, description="container image (Kubernetes backend)")
 
     @field_validator("name")

@@ -707,7 +707,7 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         """One pass over the active jobs, from the shared watches' caches."""
         if self._jobs_r is None:
             return
-        with self.ledger.Session() as s:
+        with self.ledger.Reader() as s:
             active = s.scalars(select(JobRow.id).where(JobRow.state.in_(ACTIVE),
                                                        JobRow.backend == self.name)).all()
         for job_id in active:
@@ -715,7 +715,7 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
                 await self._reconcile_job(job_id)
 
     async def _reconcile_job(self, job_id: str) -> None:
-        with self.ledger.Session() as s:
+        with self.ledger.Reader() as s:
             job, reps = self._load(s, job_id)
             spec = JobSpec.model_validate_json(job.spec)
             user, name, created = job.user, job.name, job.created_at
@@ -821,6 +821,6 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
     def recover(self) -> None:
         """Close the job allocations of no active job; active jobs are picked up by the
         reconciler from the shared watches (and marked lost if their objects are gone)."""
-        with self.ledger.Session() as s:
+        with self.ledger.Reader() as s:
             keep = set(s.scalars(select(JobRow.allocation_id).where(JobRow.state.in_(ACTIVE))))
         self.ledger.close_orphans("job", keep, "job gone at service start-up")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import math
 import logging
 import os
 import ssl
@@ -39,6 +40,39 @@ SERVICE_NAME = "gpulab"
 ACCESS_SCOPE = f"access:services!service={SERVICE_NAME}"
 DAY = 24 * 3600
 MAX_BODY = 64 * 1024
+#: the deepest nesting of lists and objects a request body may have
+MAX_JSON_DEPTH = 32
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def check_json_values(value, path: str = "body", depth: int = 0) -> None:
+    """Refuse (`FieldError` 400, naming the field) what JSON can carry but no field may hold:
+    nesting deeper than `MAX_JSON_DEPTH`, strings (keys too) with NUL or lone surrogates (not
+    UTF-8 text: nothing could store them), numbers that are not finite (``1e400``)."""
+    if depth > MAX_JSON_DEPTH:
+        raise FieldError(400, path, f"The request body is nested too deeply (at most "
+                         f"{MAX_JSON_DEPTH} levels).")
+    if isinstance(value, str):
+        if "\0" in value:
+            raise FieldError(400, path, f"'{path}' holds a NUL character.")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise FieldError(400, path, f"'{path}' is not valid Unicode text (a lone "
+                             "surrogate).") from None
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise FieldError(400, path, f"'{path}' must be a finite number.")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_json_values(k, path, depth + 1)
+            check_json_values(v, k if path == "body" else f"{path}.{k}", depth + 1)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_json_values(v, f"{path}[{i}]", depth + 1)
 
 _pages = Environment(
     loader=FileSystemLoader(Path(__file__).parent / "templates" / "service"),
@@ -162,9 +196,14 @@ class APIHandler(Base):
         if len(self.request.body) > limit:
             raise FieldError(413, "body", "The request body is too large.")
         try:
-            return json.loads(self.request.body or b"null")
+            body = json.loads(self.request.body or b"null", parse_constant=_no_constant)
+        except RecursionError:
+            raise FieldError(400, "body", "The request body is nested too deeply (at most "
+                             f"{MAX_JSON_DEPTH} levels).") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise FieldError(400, "body", f"The request body is not valid JSON: {e}.") from None
+        check_json_values(body)
+        return body
 
     def send(self, obj, status=200):
         self.set_status(status)
@@ -463,8 +502,11 @@ class JobLogsHandler(JobsBase):
         deadline = time.monotonic() + 20
         while True:
             try:
-                got = self.backend.read_log(owner, name, replica, offset)
-                text, size, done = (await got) if inspect.isawaitable(got) else got
+                if inspect.iscoroutinefunction(self.backend.read_log):
+                    text, size, done = await self.backend.read_log(owner, name, replica, offset)
+                else:  # in a thread: it reads a file in the person's folder (local backend)
+                    text, size, done = await asyncio.to_thread(
+                        self.backend.read_log, owner, name, replica, offset)
             except JobError as e:
                 raise FieldError(e.status, e.field or "name", e.message) from None
             if text or not follow or done or time.monotonic() > deadline:
@@ -721,7 +763,11 @@ def main() -> None:
         jobs.recover()
         IOLoop.current().add_callback(jobs.ensure_supervisor)
     start_notebook_reconciler(ledger, directory, float(os.environ.get(RECONCILE_ENV) or 60))
-    app.listen(url.port, url.hostname,
+    # the largest body any request may send (a job's source code plus its spec): tornado
+    # refuses bigger ones before buffering them
+    max_body = (app.settings["job_limits"].max_source_bytes
+                if app.settings.get("job_limits") else 0) + MAX_BODY
+    app.listen(url.port, url.hostname, max_body_size=max_body,
                ssl_options=tls.server_context() if tls is not None else None)
     # The hub manages this process; if the hub dies (kill -9), go too, so that the next
     # `gpulab up` finds the port free and starts a fresh service.
