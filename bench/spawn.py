@@ -37,6 +37,8 @@ class StockSpawner(LocalProcessSpawner):
     """JupyterHub's LocalProcessSpawner, running servers as the hub's account."""
     def make_preexec_fn(self, name):
         return None
+    async def move_certs(self, paths):
+        return paths  # internal_ssl: servers run as the hub's account, which has them
     def user_env(self, env):
         env["HOME"] = os.path.join({homes!r}, self.user.name)
         os.makedirs(env["HOME"], exist_ok=True)
