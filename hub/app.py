@@ -71,9 +71,15 @@ class GpulabHub(JupyterHub):
 
     def init_internal_ssl(self):
         if self.internal_ssl:
-            # the CAs' keys and the hub's own live here: only the hub's account may enter
-            os.makedirs(self.internal_certs_location, mode=0o700, exist_ok=True)
-            os.chmod(self.internal_certs_location, 0o700)
+            # the CAs' keys and the hub's own live here. certipy makes its store folder 0755
+            # and certificates 0644 whenever it writes one, so the store lives inside a
+            # folder that only the hub's account may enter (gpulab up: <data>/tls/)
+            store = os.path.abspath(self.internal_certs_location)
+            parent = os.path.dirname(store)
+            os.makedirs(parent, mode=0o700, exist_ok=True)
+            os.chmod(parent, 0o700)
+            os.makedirs(store, mode=0o700, exist_ok=True)
+            os.chmod(store, 0o700)
         super().init_internal_ssl()
         if not self.internal_ssl:
             return

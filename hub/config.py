@@ -43,8 +43,12 @@ class LocalSettings:
     server_ip: str = "127.0.0.2"
 
 
-#: the folder below the data folder where the hub keeps its internal CAs and certificates
-INTERNAL_SSL_DIR = "internal-ssl"
+#: the folder below the data folder where the hub keeps its internal CAs and certificates;
+#: inside ``tls/`` (0700), as certipy opens up its own store folder (0755) at every write
+INTERNAL_SSL_DIR = "tls/internal-ssl"
+#: the folder below the data folder with each server's key and certificates (one folder
+#: per server that only its account's group may read; see LocalGPUSpawner.move_certs)
+SERVER_CERTS_DIR = "server-certs"
 
 
 def internal_certs_dir(d: DataDir) -> Path:
@@ -98,6 +102,7 @@ def local_essentials(s: LocalSettings) -> Config:
     # other's, so whoever binds one of their loopback ports after it died gets no token.
     c.JupyterHub.internal_ssl = True
     c.JupyterHub.internal_certs_location = str(internal_certs_dir(d))
+    c.LocalGPUSpawner.server_certs_dir = str(d.path / SERVER_CERTS_DIR)
     c.JupyterHub.hub_bind_url = f"https://127.0.0.1:{s.hub_port}"
     c.JupyterHub.db_url = f"sqlite:///{d.db_file}"
     c.JupyterHub.cookie_secret_file = str(d.cookie_secret_file)

@@ -124,6 +124,17 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         """,
     ).tag(config=True)
 
+    server_certs_dir = Unicode(
+        "",
+        help="""With ``c.JupyterHub.internal_ssl``: the folder holding each server's TLS key
+        and certificates, one root-owned folder per server that only the server's account
+        (group) may read. It must lie outside the hub's certificate store, which only the
+        hub's account may enter. Default '': ``server-certs`` beside
+        ``internal_certs_location``. ``gpulab up`` sets ``<data-dir>/server-certs``.
+        Example: ``c.LocalGPUSpawner.server_certs_dir = "/srv/gpulab/server-certs"``
+        """,
+    ).tag(config=True)
+
     enforce_limits = Bool(
         True,
         help="""Enforce a profile's ``cpu_limit`` and ``mem_limit`` in the server's control
@@ -376,7 +387,8 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
 
         await self._prepare_account_or_refuse()
         gid = pwd.getpwnam(self.system_user).pw_gid
-        base = Path(self.internal_certs_location).absolute().with_name("server-certs")
+        base = Path(self.server_certs_dir or Path(self.internal_certs_location).absolute()
+                    .with_name("server-certs"))
         folder = base / f"{safe_name(self.user.name)}.{server_slug(self.name)}"
 
         def install() -> dict:

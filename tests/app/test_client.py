@@ -96,7 +96,7 @@ def test_service_errors_carry_its_message_and_field(hub, users):
     # the service's own address (GPULAB_SERVICE_URL), bypassing the proxy, answers the same
     # over the hub's internal TLS: the service's certificate is verified against the hub's CA
     # and a client certificate of one of the hub's CAs is required (here the hub's own)
-    certs = hub.data_dir / "internal-ssl"
+    certs = hub.data_dir / "tls" / "internal-ssl"
     direct_url = f"https://127.0.0.1:{hub.service_port}/services/gpulab/"
     direct = Client(url=direct_url, token=users["ann"].token(),
                     ca_file=str(certs / "hub-ca" / "hub-ca.crt"),

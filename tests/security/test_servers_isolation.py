@@ -247,10 +247,9 @@ def test_nothing_in_the_data_folder_is_readable_by_another_account(hub, vic, eve
     r = eve.sh("while IFS= read -r p; do if head -c1 \"$p\" >/dev/null 2>&1; then echo \"READ $p\"; fi; "
                f"done <<'EOF'\n{listing}\nEOF\n"
                f"ls {data} >/dev/null 2>&1 && echo LISTED; true")
-    # (known gap, not in this part's files: certipy, which JupyterHub's internal_ssl uses,
-    # forces its store folder <data>/internal-ssl to 0755 and certificates to 0644 at every
-    # certificate it makes; keys stay 0600. The fix is to keep that store inside a 0700
-    # folder, see gpulab.hub.config.internal_certs_dir.)
+    # (certipy, which JupyterHub's internal_ssl uses, makes its store folder 0755 and
+    # certificates 0644 at every certificate it writes: the store lies inside <data>/tls/,
+    # 0700, see gpulab.hub.config.internal_certs_dir)
     assert r.stdout.strip() == "", "readable by another account:\n" + r.stdout
 
 
