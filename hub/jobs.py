@@ -80,6 +80,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 
 from gpulab.spawner import sandbox
+from gpulab.spawner.accounts import AccountError
 from gpulab.spawner.cgroups import local_cgroups, memory_bytes
 
 from . import safefs
@@ -341,7 +342,10 @@ class LocalJobBackend(JobBackend):
     # -- submit --------------------------------------------------------------------------
 
     async def submit(self, user: str, groups: tuple[str, ...], spec: JobSpec) -> dict:
-        account = self.accounts(user)
+        try:  # may create the account (useradd): in a thread
+            account = await asyncio.to_thread(self.accounts, user)
+        except AccountError as e:  # e.g. the mapped account belongs to someone else
+            raise JobError(f"Your jobs cannot run: {e}", 403) from None
         script = None
         if spec.script is not None:
             script = (account.folder / spec.script).resolve()
@@ -486,6 +490,7 @@ class LocalJobBackend(JobBackend):
                     os.setgid(account.gid)
                     os.initgroups(user_name, account.gid)
                     os.setuid(account.uid)
+                os.umask(0o022)  # the person's usual mask, not `gpulab up`'s private 077
                 # as the person: the job folder, never through a link
                 sandbox.enter_dir(folder, job_path)
             except BaseException as e:

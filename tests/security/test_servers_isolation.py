@@ -130,6 +130,14 @@ def test_an_account_made_for_someone_else_is_never_handed_out(hub, admin, prefix
             assert account in r.json()["message"], r.text
             assert pwd.getpwnam(account) == before
             assert not p.api("GET", f"/users/{name}").json()["servers"]
+            # a training job (run as the same account by the gpulab service): refused too
+            r = p.service("POST", "jobs", json={
+                "name": "grab", "strategy": "multi-worker-mirrored",
+                "replicas": {"worker": 1}, "source": "print('mine now')"})
+            assert r.status_code == 403, (r.status_code, r.text)
+            assert account in r.json()["message"], r.text
+            assert p.service("GET", "jobs").json()["jobs"] == []
+            assert pwd.getpwnam(account) == before
         finally:
             delete_account(account)
 
