@@ -197,12 +197,20 @@ def cmd_up(args) -> int:
 
     url = f"http://{'[' + args.ip + ']' if ':' in args.ip else args.ip}:{args.port}/"
     banner = [f"gpulab: data folder {data.path}", f"gpulab: shared storage {data.shared}"]
-    if created:
+    if created and sys.stdout.isatty():
+        # shown once, and only to a person at a terminal: output that goes to a file or a
+        # log collector keeps no password (it is in the 0600 file either way)
         banner += [
             "",
             f"gpulab: first start: created the admin account '{args.admin_user}'",
             f"gpulab:   password: {password}",
             f"gpulab:   (shown once; kept for the operator in {data.admin_password_file}, mode 0600)",
+        ]
+    elif created:
+        banner += [
+            "",
+            f"gpulab: first start: created the admin account '{args.admin_user}'; its "
+            f"password is in {data.admin_password_file} (mode 0600: sudo cat it)",
         ]
     else:
         banner.append(

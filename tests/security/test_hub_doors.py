@@ -71,3 +71,11 @@ def test_signups_are_rate_limited(hub, admin):
     pending = admin.s.get(hub.url + "/hub/authorize").text
     assert "flood-late" not in pending
     assert {u["name"] for u in admin.api("GET", "/users").json()} == before
+
+
+def test_the_admin_password_is_not_in_gpulab_ups_logged_output(hub):
+    """Output that is not a terminal (a log file, a service manager's journal) keeps no
+    password: it says where the 0600 file is instead."""
+    out = hub.output()
+    assert "admin_password" in out and "created the admin account" in out
+    assert hub.admin_password not in out
