@@ -567,6 +567,9 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
     async def submit(self, user: str, groups: tuple[str, ...], spec: JobSpec) -> dict:
         self._check_new_name(user, spec.name)
         await self.check_capacity(spec)
+        # the per-person replica bound, then admission and the rows: no await in between, so
+        # concurrent submits of one person cannot pass the bound together
+        self._check_replica_bound(user, spec)
         allocation = self.ledger.admit(Request(user=user, kind="job", holder=spec.name,
                                                gpus=spec.total_gpus, groups=groups))
         ns = self.namespace_of(user)

@@ -364,6 +364,27 @@ async def test_stop_removes_every_object(cp, backend, ledger):
         await eventually(lambda: items(cp, ns, what) == [], what=f"no {what} left")
 
 
+async def test_a_persons_active_replicas_are_bounded(cp, backend, ledger, monkeypatch):
+    """GPU-less jobs pass every GPU quota: ``c.GPUJobs.max_replicas_per_user`` bounds them,
+    and a job over the bound is refused whole, before anything reaches the cluster."""
+    from dataclasses import replace
+
+    monkeypatch.setattr(backend, "limits", replace(backend.limits, max_replicas_per_user=5))
+    u = user()
+    job = await backend.submit(u, (), mw_spec("first", workers=3, gpus=0))
+    ns = job["namespace"]
+    with pytest.raises(JobError) as refused:
+        await backend.submit(u, (), mw_spec("second", workers=3, gpus=0))
+    assert refused.value.status == 409 and refused.value.field == "replicas"
+    assert "3 are active now" in refused.value.message
+    assert backend.get(u, "second") is None
+    assert [j["metadata"]["name"] for j in items(cp, ns, "jobs")
+            if "second" in j["metadata"]["name"]] == []
+    # another person is not bound by this one's jobs
+    other = await backend.submit(user(), (), mw_spec("second", workers=3, gpus=0))
+    assert other["state"] != "Failed"
+
+
 async def test_a_notebook_and_a_job_share_one_quota(cp, backend, ledger):
     u = user()
     ledger.set_quota("user", u, Quota(max_gpus=2), actor="admin")
