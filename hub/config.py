@@ -37,9 +37,12 @@ class LocalSettings:
     simulated_gpus: int | None = None
     isolate_users: bool | None = None
     user_prefix: str | None = None
-    #: the loopback address notebook servers listen on. The hub, the proxy's API and the
-    #: gpulab service listen on 127.0.0.1; servers' certificates name only this address, so
-    #: that no server's certificate (which its user can read) is valid for theirs
+    #: the loopback address notebook servers listen on when the operator turns
+    #: ``c.LocalGPUSpawner.ip_per_server`` off; by default every server has an address of its
+    #: own (127.1.0.1 and up, `gpulab.spawner.local.server_ip`). Never 127.0.0.1, where the
+    #: hub, the proxy's API and the gpulab service listen: servers' certificates name only
+    #: their own address, so that no server's certificate (which its user can read) is valid
+    #: for those, nor for another user's server
     server_ip: str = "127.0.0.2"
 
 
@@ -62,6 +65,9 @@ def server_alt_names(spawner) -> list[str]:
     the proxy's API and the gpulab service; as every server's key is readable by its own
     user, such a certificate would let any user stand in for those (the proxy trusts the
     servers' CA). ``c.LocalGPUSpawner.ssl_alt_names_include_local`` is False with this.
+    With ``c.LocalGPUSpawner.ip_per_server`` (gpulab up's default) that address is the
+    server's own (set before JupyterHub makes the certificate), so a user's certificate is
+    not valid for anybody else's server either.
     """
     return [f"IP:{spawner.ip}"]
 
@@ -90,6 +96,10 @@ def local_defaults(s: LocalSettings) -> Config:
     c.Spawner.poll_interval = 10
     c.Spawner.start_timeout = 120
     c.Spawner.http_timeout = 60
+    # every server listens on a loopback address of its own, which alone its certificate
+    # names (server_alt_names); an operator may turn this off and choose one address for all
+    c.LocalGPUSpawner.ip_per_server = True
+    c.LocalGPUSpawner.ip = s.server_ip
     return c
 
 
@@ -121,7 +131,6 @@ def local_essentials(s: LocalSettings) -> Config:
     # servers reach the service directly, over TLS, verifying its certificate (signed by the
     # hub's CA, which their own CA bundle holds; see gpulab.hub.app.GpulabHub.init_internal_ssl)
     c.LocalGPUSpawner.service_url = f"https://127.0.0.1:{s.service_port}/services/{SERVICE_NAME}/"
-    c.LocalGPUSpawner.ip = s.server_ip
     c.LocalGPUSpawner.ssl_alt_names = server_alt_names
     c.LocalGPUSpawner.ssl_alt_names_include_local = False
     if s.isolate_users is not None:

@@ -135,6 +135,24 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         """,
     ).tag(config=True)
 
+    ip_per_server = Bool(
+        False,
+        help="""Give every server a loopback address of its own, derived from its hub
+        id (``Spawner.orm_spawner.id``, unique among the hub's servers and kept across hub
+        restarts) in 127.1.0.1 - 127.255.255.254 (never a ``.0`` or ``.255`` host part, never
+        127.0.0.x, where the hub, the proxy's API and the gpulab service listen), instead of
+        `ip`. With ``c.JupyterHub.internal_ssl`` each server's certificate (which its
+        account can read) then names only that address (see
+        `gpulab.hub.config.server_alt_names`), so no user's certificate is valid for another
+        user's server: whoever binds a port on another server's address after it died gets
+        no request from the proxy. Linux routes all of 127.0.0.0/8 to ``lo``.
+
+        Default False (JupyterHub's `ip`); ``gpulab up`` sets True. To have every server
+        listen on one address instead: ``c.LocalGPUSpawner.ip_per_server = False`` and
+        ``c.LocalGPUSpawner.ip = "127.0.0.2"``.
+        """,
+    ).tag(config=True)
+
     enforce_limits = Bool(
         True,
         help="""Enforce a profile's ``cpu_limit`` and ``mem_limit`` in the server's control
@@ -341,6 +359,18 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         unit = state.get("gpulab_cgroup") if state else None
         if unit:
             self._cgroup_unit = unit
+        # JupyterHub calls this right after making the spawner (at hub start too), long
+        # before create_certs reads the address for the certificate
+        self._assign_server_ip()
+
+    def _assign_server_ip(self) -> None:
+        """With `ip_per_server`: `ip` becomes this server's own address (`server_ip`)."""
+        if self.ip_per_server and self.orm_spawner is not None and self.orm_spawner.id:
+            self.ip = server_ip(self.orm_spawner.id)
+
+    async def create_certs(self):
+        self._assign_server_ip()  # the certificate names the address the server listens on
+        return await super().create_certs()
 
     def user_env(self, env):
         if self.isolate_users:
@@ -453,6 +483,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             raise SpawnRefused(500, f"Your server could not be prepared: {e}") from e
 
     async def start(self):
+        self._assign_server_ip()
         profile = self.selected_profile()
         self._apply_profile(profile)
         gpus = self.admit_gpus(profile)  # synchronous: atomic on the hub's event loop
@@ -497,6 +528,22 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             profile.slug,
         )
         return url
+
+
+def server_ip(spawner_id: int) -> str:
+    """The loopback address of the server whose hub id is `spawner_id` (1, 2, ...).
+
+    Injective: ids run through 127.1.0.1, ..., 127.1.0.254, 127.1.1.1, ... up to
+    127.255.255.254 (16,581,120 servers), skipping host parts ``.0`` and ``.255`` (a network
+    or broadcast address to some tools) and all of 127.0.0.x (the hub's own services).
+    """
+    if spawner_id < 1:
+        raise ValueError(f"a hub's server id starts at 1, not {spawner_id}")
+    k, d = divmod(spawner_id - 1, 254)
+    b, c = divmod(k, 256)
+    if b > 254:
+        raise ValueError(f"server id {spawner_id} is beyond the 127.0.0.0/8 addresses")
+    return f"127.{b + 1}.{c}.{d + 1}"
 
 
 def _open_log(folder: Path, path: Path):

@@ -7,10 +7,16 @@ gpulab service (as if she had bound the service's port after it died): the clien
 certificate during the handshake and never sends vic's token.
 """
 
+import ipaddress
 import json
+import socket
+import ssl
 import time
+from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
+from cryptography import x509
 
 pytestmark = pytest.mark.security
 
@@ -71,3 +77,126 @@ def test_notebook_client_sends_no_token_to_a_fake_service(hub, vic, eve):
             break
         time.sleep(0.5)
     assert "HANDSHAKE-OK" not in captured and vic.token() not in captured, captured
+
+
+LISTEN_AS_EVE = r"""
+import glob, os, socket, ssl
+certs = glob.glob("{certs}/eve.default/*")
+key = [c for c in certs if c.endswith(".key")][0]
+crt = [c for c in certs if c.endswith(".crt") and "trust" not in os.path.basename(c)][0]
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(crt, key)
+socks = []
+for ip in {ips!r}:
+    s = socket.socket(); s.bind((ip, 0)); s.listen(5); s.settimeout(0.2); socks.append(s)
+print(" ".join(str(s.getsockname()[1]) for s in socks), flush=True)
+got = open("{out}", "ab")
+import time
+end = time.time() + 60
+while time.time() < end:
+    for s in socks:
+        try:
+            conn, _ = s.accept()
+        except socket.timeout:
+            continue
+        try:
+            with ctx.wrap_socket(conn, server_side=True) as tls:
+                tls.settimeout(5)
+                got.write(("HANDSHAKE-OK " + tls.getsockname()[0] + "\n").encode()
+                          + tls.recv(65536) + b"\n"); got.flush()
+        except Exception as e:
+            got.write(("FAILED " + type(e).__name__ + "\n").encode()); got.flush()
+"""
+
+
+#: what the proxy would forward to vic's server: vic's cookie
+VIC_REQUEST = (b"GET /user/vic/api/contents HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+               b"Cookie: jupyterhub-user-vic=SECRET-OF-VIC\r\n\r\n")
+
+
+def _routes(admin) -> dict[str, tuple[str, int]]:
+    r = admin.api("GET", "/proxy")
+    assert r.status_code == 200, r.text
+    out = {}
+    for path, route in r.json().items():
+        u = urlparse(route["target"])
+        out[path] = (u.hostname, u.port)
+    return out
+
+
+def _cert_ips(folder: Path) -> list[str]:
+    crt = [c for c in folder.glob("*.crt") if "trust" not in c.name]
+    assert len(crt) == 1, crt
+    cert = x509.load_pem_x509_certificate(crt[0].read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert not san.get_values_for_type(x509.DNSName), "a server certificate names a host name"
+    return [str(ip) for ip in san.get_values_for_type(x509.IPAddress)]
+
+
+def _handshake_as_proxy(hub, ip: str, port: int, payload: bytes = b"") -> str:
+    """Connect to ip:port as the proxy connects to servers: the proxy's CA bundle (hub-ca
+    and notebooks-ca), hostname checking, the proxy's client certificate; `payload` is sent
+    once the handshake succeeded. 'OK' or the error."""
+    tls = hub.data_dir / "tls" / "internal-ssl"
+    ctx = ssl.create_default_context(cafile=str(tls / "proxy-client-ca_trust.crt"))
+    assert ctx.check_hostname and ctx.verify_mode == ssl.CERT_REQUIRED
+    client = tls / "proxy-client"
+    ctx.load_cert_chain(str(client / "proxy-client.crt"), str(client / "proxy-client.key"))
+    try:
+        with socket.create_connection((ip, port), timeout=10) as raw:
+            with ctx.wrap_socket(raw, server_hostname=ip) as conn:
+                if payload:
+                    conn.sendall(payload)
+        return "OK"
+    except ssl.SSLCertVerificationError as e:
+        return f"REFUSED {e.verify_message}"
+
+
+def test_no_server_certificate_is_valid_for_another_servers_address(hub, admin, vic, eve):
+    """Each server listens on a loopback address of its own, which alone its certificate
+    names: eve, listening on vic's address with her own server's certificate (as she could
+    after vic's server died while its proxy route remained), is refused by a client that
+    verifies as the proxy does, and so never receives vic's proxied requests."""
+    routes = _routes(admin)
+    vic_ip, vic_port = routes["/user/vic/"]
+    eve_ip, _ = routes["/user/eve/"]
+    assert vic_ip != eve_ip, routes
+    for ip in (vic_ip, eve_ip):
+        addr = ipaddress.ip_address(ip)
+        assert addr in ipaddress.ip_network("127.0.0.0/8"), ip
+        assert addr not in ipaddress.ip_network("127.0.0.0/24"), ip  # the hub's own services
+    certs = hub.data_dir / "server-certs"
+    assert _cert_ips(certs / "vic.default") == [vic_ip]
+    assert _cert_ips(certs / "eve.default") == [eve_ip]
+
+    home = eve.account.pw_dir
+    out = f"{home}/captured-server"
+    r = eve.sh(f"cat > {home}/listen.py <<'PY'\n"
+               + LISTEN_AS_EVE.format(certs=certs, ips=[vic_ip, eve_ip], out=out) + "PY\n"
+               f"(python3 {home}/listen.py > {home}/ports 2>&1 < /dev/null &) ; "
+               f"for i in $(seq 100); do [ -s {home}/ports ] && break; sleep 0.2; done; "
+               f"cat {home}/ports")
+    ports = r.stdout.split()
+    assert len(ports) == 2 and all(p.isdigit() for p in ports), (r.stdout, r.stderr)
+    on_vic, on_eve = int(ports[0]), int(ports[1])
+
+    # on her own address eve's certificate is valid (the client and the listener work) ...
+    assert _handshake_as_proxy(hub, eve_ip, on_eve, b"CONTROL") == "OK"
+    # ... on vic's it is not: the proxy would send her none of vic's requests
+    refused = _handshake_as_proxy(hub, vic_ip, on_vic, VIC_REQUEST)
+    assert refused.startswith("REFUSED") and "mismatch" in refused.lower(), refused
+
+    deadline, captured = time.time() + 20, ""
+    while time.time() < deadline:
+        captured = eve.sh(f"cat {out} 2>/dev/null").stdout
+        if captured.count("\n") >= 2:
+            break
+        time.sleep(0.3)
+    assert f"HANDSHAKE-OK {eve_ip}" in captured, captured
+    assert f"HANDSHAKE-OK {vic_ip}" not in captured, captured
+    assert "SECRET-OF-VIC" not in captured, captured
+
+    # vic's own server still verifies on its address, and still answers through the proxy
+    assert _handshake_as_proxy(hub, vic_ip, vic_port) == "OK"
+    assert vic.wait_ready(timeout=10)
+    assert routes["/user/vic/"] == _routes(admin)["/user/vic/"]
