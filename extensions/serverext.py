@@ -11,9 +11,11 @@ does). Two things:
   account, and TensorBoard has no login): it listens on a Unix socket in a fresh 0700 folder
   of the server's own account (jupyter-server-proxy's ``unix_socket``, `serve_tensorboard`),
   so the only way in is through the person's own server, behind the hub's login.
-- ``TENSORBOARD_PROXY_URL`` is set from ``JUPYTERHUB_SERVICE_PREFIX`` (``<prefix>proxy/%PORT%/``)
-  for the kernels this server starts, so TensorBoard's own ``%tensorboard`` magic shows its
-  iframe through the same proxy instead of an unreachable ``localhost`` port.
+- TensorBoard's own ``%tensorboard`` magic works in the kernels this server starts, with no TCP
+  port either (`gpulab.extensions.tbmagic`): ``TENSORBOARD_BINARY`` names a launcher that runs
+  the magic's TensorBoard on a Unix socket in a fresh 0700 folder of the server's account, and
+  ``TENSORBOARD_PROXY_URL`` (``<prefix>gpulab-tensorboard/%PORT%/``) points the magic's iframe
+  at this server's authenticated route to that socket.
 """
 
 from __future__ import annotations
@@ -35,13 +37,17 @@ def runs_dir(env=None) -> str:
     return str(path)
 
 
-def tensorboard_proxy_url(env=None) -> str | None:
-    """``TENSORBOARD_PROXY_URL`` for a server whose prefix is ``JUPYTERHUB_SERVICE_PREFIX``."""
+def tensorboard_proxy_url(env=None, base_url: str | None = None) -> str | None:
+    """``TENSORBOARD_PROXY_URL`` for a server whose prefix is ``JUPYTERHUB_SERVICE_PREFIX``
+    (or `base_url` outside a hub): the route of the magic's TensorBoards (`tbmagic`), never
+    jupyter-server-proxy's ``proxy/<port>/``, which would need a TCP port."""
+    from gpulab.extensions import tbmagic
+
     env = os.environ if env is None else env
-    prefix = env.get("JUPYTERHUB_SERVICE_PREFIX")
+    prefix = env.get("JUPYTERHUB_SERVICE_PREFIX") or base_url
     if not prefix:
         return None
-    return prefix.rstrip("/") + "/proxy/%PORT%/"
+    return tbmagic.proxy_url(prefix)
 
 
 def tensorboard_server() -> dict:
@@ -89,10 +95,22 @@ def unix_socket_server_class(path: str, key: int = 0):
     return UnixSocketServer
 
 
+def without_data_server(tb) -> None:
+    """Keep a configured ``program.TensorBoard`` from starting its fast data server.
+
+    With ``--load_fast`` (``auto`` by default) TensorBoard reads the logs through a subprocess,
+    rustboard, that serves them over gRPC on a loopback TCP port, without authentication and
+    with no Unix-socket option: every local account could read the person's runs through it.
+    TensorBoard's own Python loader (``--load_fast=false``) stays inside the process. Set on
+    the parsed flags, so that the cache key the ``%tensorboard`` magic matches is unchanged."""
+    if getattr(tb.flags, "load_fast", "false") != "false":
+        tb.flags.load_fast = "false"
+
+
 def serve_tensorboard(argv: list[str] | None = None) -> int:
     """``python -m gpulab.extensions.serverext --unix-socket PATH <tensorboard flags>``:
     TensorBoard on a Unix socket (its other flags as TensorBoard's own; ``--host`` and
-    ``--port`` are refused, there is no TCP port)."""
+    ``--port`` are refused, there is no TCP port; no data server either, `without_data_server`)."""
     import argparse
 
     from tensorboard import default, program
@@ -106,6 +124,7 @@ def serve_tensorboard(argv: list[str] | None = None) -> int:
     tb = program.TensorBoard(plugins=default.get_plugins(),
                              server_class=unix_socket_server_class(args.unix_socket))
     tb.configure(argv=["tensorboard", *rest])
+    without_data_server(tb)
     return tb.main()
 
 
@@ -113,10 +132,27 @@ def _jupyter_server_extension_points():
     return [{"module": "gpulab.extensions.serverext"}]
 
 
+def setup_tensorboard_magic(serverapp) -> str:
+    """Make TensorBoard's ``%tensorboard`` magic serve on Unix sockets in a fresh 0700 folder
+    (`tbmagic`) for the kernels this server starts (they inherit the server's environment), and
+    route ``<prefix>gpulab-tensorboard/<key>/`` to them. Both variables are set whatever the
+    environment held: a ``TENSORBOARD_PROXY_URL`` naming a port would not match the magic's
+    keys, and a ``TENSORBOARD_BINARY`` of TensorBoard itself would open a TCP port."""
+    from gpulab.extensions import tbmagic
+
+    folder = tbmagic.make_magic_dir()
+    launcher = tbmagic.write_launcher(folder)
+    os.environ["TENSORBOARD_BINARY"] = launcher
+    os.environ["TENSORBOARD_PROXY_URL"] = tensorboard_proxy_url(
+        base_url=serverapp.base_url)
+    serverapp.web_app.add_handlers(".*", [tbmagic.handler_spec(serverapp.base_url, folder)])
+    return folder
+
+
 def _load_jupyter_server_extension(serverapp) -> None:
-    url = tensorboard_proxy_url()
-    if url and "TENSORBOARD_PROXY_URL" not in os.environ:
-        os.environ["TENSORBOARD_PROXY_URL"] = url  # kernels inherit the server's environment
+    folder = setup_tensorboard_magic(serverapp)
+    serverapp.log.info("gpulab: %%tensorboard magic at %s on Unix sockets in %s",
+                       os.environ["TENSORBOARD_PROXY_URL"], folder)
     serverapp.log.info("gpulab: TensorBoard at %s%s/ over %s", serverapp.base_url,
                        TENSORBOARD_PATH, os.environ.get("GPULAB_USER_DIR", "(no GPULAB_USER_DIR)"))
 

@@ -41,7 +41,7 @@ def test_tensorboard_serves_my_runs_to_me_only(hub, users):
 
         # TensorBoard's own %tensorboard magic is pointed at the server's proxy
         out = ann.run_in_kernel("import os; print(os.environ.get('TENSORBOARD_PROXY_URL'))")
-        assert out.strip() == "/user/ann/proxy/%PORT%/"
+        assert out.strip() == "/user/ann/gpulab-tensorboard/%PORT%/"
 
         base = f"{hub.url}/user/ann/tensorboard/"
         headers = {"Authorization": f"token {ann.token()}"}
