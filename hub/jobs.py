@@ -712,20 +712,24 @@ class LocalJobBackend(JobBackend):
     def _finish(self, job_id: str, state: str, reason: str) -> None:
         if not job_id:
             return
-        with self.ledger.Session.begin() as s:
-            job, reps = self._load(s, job_id)
+        with self.ledger.Reader() as s:
+            job = s.get(JobRow, job_id)
             if job is None:
                 return
+            spec = JobSpec.model_validate_json(job.spec)
+        # first everything the job left (its groups: setsid daemons too) is ended, then the
+        # job is final and its GPUs free in one commit: nobody sees a finished job that still
+        # holds GPUs, nor free GPUs that a process of the job still uses
+        self._remove_groups(job_id, spec)
+        self._remove_sandbox(job_id)
+        with self.ledger.Session.begin() as s:
+            job, reps = self._load(s, job_id)
             job.state, job.reason, job.finished_at = state, reason, time.time()
             for r in reps:
                 if r.state == "Running":
                     r.state, r.reason = "Stopped", "stopped with the job"
-            alloc = job.allocation_id
-            spec = JobSpec.model_validate_json(job.spec)
-        self._remove_groups(job_id, spec)
-        self._remove_sandbox(job_id)
-        if alloc:
-            self.ledger.release(alloc, f"job {state.lower()}")
+            if job.allocation_id:
+                self.ledger.release(job.allocation_id, f"job {state.lower()}", session=s)
         log.info("Job %s: %s (%s)", job_id, state, reason)
 
     def _kill(self, key, grace: float | None = None) -> None:

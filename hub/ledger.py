@@ -405,18 +405,31 @@ class Ledger:
                  devices)
         return Allocation.of(row)
 
-    def release(self, alloc_id: str, reason: str = "released", now: float | None = None):
-        """Close an allocation; closing an unknown or closed one is a no-op (returns None)."""
-        with self.Session.begin() as s:
-            # the pool's lock orders releases with admissions (see `admit`)
-            s.scalar(select(Pool).where(Pool.name == self.pool).with_for_update())
-            row = s.get(AllocationRow, alloc_id, with_for_update=True)
-            if row is None or row.ended_at is not None:
-                return None
-            row.ended_at = time.time() if now is None else now
-            row.end_reason = reason[:255]
+    def release(self, alloc_id: str, reason: str = "released", now: float | None = None,
+                session: Session | None = None):
+        """Close an allocation; closing an unknown or closed one is a no-op (returns None).
+
+        ``session``: a write transaction of the caller's, so that the allocation closes in the
+        same commit as the caller's own rows (a job's final state and its GPUs together)."""
+        if session is None:
+            with self.Session.begin() as s:
+                row = self._close(s, alloc_id, reason, now)
+        else:
+            row = self._close(session, alloc_id, reason, now)
+        if row is None:
+            return None
         log.info("Released %s %s/%s (%s)", row.kind, row.user, row.holder, reason)
         return Allocation.of(row)
+
+    def _close(self, s: Session, alloc_id: str, reason: str, now: float | None):
+        # the pool's lock orders releases with admissions (see `admit`)
+        s.scalar(select(Pool).where(Pool.name == self.pool).with_for_update())
+        row = s.get(AllocationRow, alloc_id, with_for_update=True)
+        if row is None or row.ended_at is not None:
+            return None
+        row.ended_at = time.time() if now is None else now
+        row.end_reason = reason[:255]
+        return row
 
     def get(self, alloc_id: str) -> Allocation | None:
         with self.Reader() as s:

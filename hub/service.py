@@ -40,6 +40,8 @@ SERVICE_NAME = "gpulab"
 ACCESS_SCOPE = f"access:services!service={SERVICE_NAME}"
 DAY = 24 * 3600
 MAX_BODY = 64 * 1024
+#: the largest request body the service reads at all (see `main`)
+MAX_BUFFERED_BODY = 16 * 2**20
 #: the deepest nesting of lists and objects a request body may have
 MAX_JSON_DEPTH = 32
 
@@ -763,11 +765,10 @@ def main() -> None:
         jobs.recover()
         IOLoop.current().add_callback(jobs.ensure_supervisor)
     start_notebook_reconciler(ledger, directory, float(os.environ.get(RECONCILE_ENV) or 60))
-    # the largest body any request may send (a job's source code plus its spec): tornado
-    # refuses bigger ones before buffering them
-    max_body = (app.settings["job_limits"].max_source_bytes
-                if app.settings.get("job_limits") else 0) + MAX_BODY
-    app.listen(url.port, url.hostname, max_body_size=max_body,
+    # tornado buffers a body whole before a handler sees it (100 MB by default): bound it.
+    # Up to this size an oversized body gets the handlers' clear 413 (`json_body`); past it
+    # tornado refuses the request from its Content-Length alone, before reading it
+    app.listen(url.port, url.hostname, max_body_size=MAX_BUFFERED_BODY,
                ssl_options=tls.server_context() if tls is not None else None)
     # The hub manages this process; if the hub dies (kill -9), go too, so that the next
     # `gpulab up` finds the port free and starts a fresh service.
