@@ -14,8 +14,11 @@ CHROMIUM_ARGS = [
 ]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def chromium():
+    # one browser per module, not per session: Playwright's sync API keeps its event loop
+    # marked as running in this thread while it is open, which breaks every asyncio test
+    # (pytest-asyncio) that runs after it
     if not os.access(CHROMIUM, os.X_OK):
         pytest.fail(f"{CHROMIUM} is missing: install it with `apt-get install chromium` "
                     "(scripts/test.sh does this as root).")

@@ -20,8 +20,8 @@ import subprocess
 
 import pytest
 
-from tests.app.hubctl import Browser, Hub
-from tests.conftest import PASSWORD, end_jobs_of
+from tests.app.hubctl import Browser
+from tests.conftest import PASSWORD
 
 pytestmark = pytest.mark.security
 
@@ -59,46 +59,31 @@ class Person(Browser):
         return r
 
 
-@pytest.fixture(scope="module")
-def hub(workdir, prefix):
-    data = workdir / "data"
-    data.mkdir(mode=0o700)
-    h = Hub(data, "--simulated-gpus", "4", "--user-prefix", prefix).start()
-    yield h
-    h.stop()
-    end_jobs_of(h.data_dir)
-
-
-@pytest.fixture(scope="module")
-def admin(hub):
-    b = Browser(hub, "admin")
-    b.login(hub.admin_password)
-    return b
+# `hub` and `admin` are the app tier's (tests/conftest.py): a real `gpulab up` as root with
+# four simulated GPUs and its first admin, one per module
 
 
 def _person(hub, admin, prefix, name) -> Person:
+    """`name` signed up, approved, logged in, with a running default server (which made
+    their system account)."""
     p = Person(hub, name)
     p.prefix = prefix
     r = p.signup(PASSWORD)
     assert r.status_code == 200, r.text[:300]
     assert admin.s.get(hub.url + f"/hub/authorize/{name}").status_code == 200
     p.login(PASSWORD)
+    r = p.start_server()
+    assert r.status_code in (201, 202), r.text
     return p
 
 
 @pytest.fixture(scope="module")
 def vic(hub, admin, prefix) -> Person:
-    """The victim, with a running default server (which made their system account)."""
-    p = _person(hub, admin, prefix, "vic")
-    r = p.start_server()
-    assert r.status_code in (201, 202), r.text
-    return p
+    """The victim."""
+    return _person(hub, admin, prefix, "vic")
 
 
 @pytest.fixture(scope="module")
 def eve(hub, admin, prefix) -> Person:
-    """The attacker, with a running default server (which made their system account)."""
-    p = _person(hub, admin, prefix, "eve")
-    r = p.start_server()
-    assert r.status_code in (201, 202), r.text
-    return p
+    """The attacker."""
+    return _person(hub, admin, prefix, "eve")

@@ -25,12 +25,13 @@ import websocket
 pytestmark = pytest.mark.security
 
 
-def tensorboard_of(person):
-    """The TensorBoard process of `person`'s server (root's view)."""
+def tensorboard_of(person, module="gpulab.extensions.serverext"):
+    """The TensorBoard process of `person`'s server (root's view): gpulab's own, or with
+    ``module="gpulab.extensions.tbmagic"`` the one the ``%tensorboard`` magic started."""
     uid = person.account.pw_uid
     for p in psutil.process_iter(["cmdline", "uids"]):
         cmd = p.info["cmdline"] or []
-        if p.info["uids"] and p.info["uids"].real == uid and "gpulab.extensions.serverext" in cmd:
+        if p.info["uids"] and p.info["uids"].real == uid and module in cmd:
             return p
     return None
 
@@ -163,15 +164,6 @@ PY
 """
 
 
-def magic_tensorboard_of(person):
-    uid = person.account.pw_uid
-    for p in psutil.process_iter(["cmdline", "uids"]):
-        cmd = p.info["cmdline"] or []
-        if p.info["uids"] and p.info["uids"].real == uid and "gpulab.extensions.tbmagic" in cmd:
-            return p
-    return None
-
-
 def test_tensorboard_magic_has_no_port_and_only_its_owner_reaches_it(hub, vic, eve):
     with kernel_of(vic) as run:
         shown = json.loads(run(MAGIC_CELL).strip().splitlines()[-1])
@@ -183,7 +175,7 @@ def test_tensorboard_magic_has_no_port_and_only_its_owner_reaches_it(hub, vic, e
         assert m, text
         key = int(m.group(1))
 
-        tb = magic_tensorboard_of(vic)
+        tb = tensorboard_of(vic, "gpulab.extensions.tbmagic")
         assert tb is not None, "the magic's TensorBoard of vic was not found"
         # nothing of it listens on TCP (no data server either); it serves a Unix socket in a
         # folder of vic's account that no one else may enter
