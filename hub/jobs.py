@@ -776,8 +776,9 @@ class LocalJobBackend(JobBackend):
             return job
         async with self._lock:
             await asyncio.to_thread(self._kill_job_processes, job["id"])
-            self._finish(job["id"], "Stopped", "stopped by " + (actor or user))
-        return self.get(user, name)
+            await asyncio.to_thread(self._finish, job["id"], "Stopped",
+                                    "stopped by " + (actor or user))
+        return await asyncio.to_thread(self.get, user, name)
 
     # -- recovery after a restart of the service -------------------------------------------
 

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
 from sqlalchemy import (
+    bindparam,
     Float,
     ForeignKey,
     Index,
@@ -37,7 +40,7 @@ from sqlalchemy import (
     or_,
     select,
 )
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from .policy import Holding, Quota, QuotaError, effective_quota, refusal
@@ -239,7 +242,15 @@ class Ledger:
         self.url = url
         self.pool = pool
         self.engine = make_engine(url, echo=echo)
-        self.Session = sessionmaker(self.engine, expire_on_commit=False)
+        #: write sessions (``Session.begin()``): on SQLite the threads of one process take
+        #: turns on a lock before ``BEGIN IMMEDIATE``, so they queue in the process instead of
+        #: polling the database's lock with SQLite's busy handler (sleeps of up to 100 ms that
+        #: made admission's p99 latency seconds under contention); other processes (the hub,
+        #: the gpulab service) still wait on the database's lock itself
+        self.Session = _Writers(sessionmaker(self.engine, expire_on_commit=False),
+                                threading.RLock() if url.startswith("sqlite") else None)
+        #: a write transaction on a plain connection (Core statements), under the same lock
+        self.writing = self.Session.connection
         #: sessions that only read: on SQLite they take no write lock (a deferred ``BEGIN``
         #: reads a WAL snapshot), so a reader never waits for an admission nor holds one up
         self.Reader = sessionmaker(self.engine.execution_options(gpulab_read_only=True),
@@ -334,25 +345,30 @@ class Ledger:
                 for r in rows
             ]
 
-    def effective(self, user: str, groups: Iterable[str], s: Session | None = None):
-        """``(quota or None, source)`` for `user` in `groups`."""
-        groups = set(groups)
-        own = s or self.Reader()
-        try:
-            rows = own.scalars(select(QuotaRow).where(or_(
-                QuotaRow.scope == "default",
-                (QuotaRow.scope == "user") & (QuotaRow.name == user),
-                (QuotaRow.scope == "group") & QuotaRow.name.in_(groups or {""}),
-            ))).all()
-        finally:
-            if s is None:
-                own.close()
-        default = next((r.quota() for r in rows if r.scope == "default"), None)
-        mine = next((r.quota() for r in rows if r.scope == "user"), None)
-        by_group = {r.name: r.quota() for r in rows if r.scope == "group"}
+    def effective(self, user: str, groups: Iterable[str], s=None):
+        """``(quota or None, source)`` for `user` in `groups` (`s`: a session or connection
+        of the caller's transaction)."""
+        args = {"user": user, "groups": sorted(set(groups))}
+        if s is None:
+            with self.Reader() as own:
+                rows = own.execute(_SEL_QUOTAS, args).all()
+        else:
+            rows = s.execute(_SEL_QUOTAS, args).all()
+        default, mine, by_group = None, None, {}
+        for scope, name, *numbers in rows:
+            quota = Quota(*numbers)
+            if scope == "default":
+                default = quota
+            elif scope == "user":
+                mine = quota
+            else:
+                by_group[name] = quota
         return effective_quota(default, by_group, mine)
 
     # -- allocations ---------------------------------------------------------------------
+    # admission and release are SQL statements (SQLAlchemy Core), not ORM units of work:
+    # they hold the database's write lock, so every statement and object less while holding
+    # it is throughput (bench/admission.py)
 
     def admit(self, req: Request, now: float | None = None) -> Allocation:
         """Admit `req` whole, or raise `QuotaExceeded` / `NotEnoughGPUs` / `BadRequest`."""
@@ -361,49 +377,47 @@ class Ledger:
         if not isinstance(req.gpus, int) or isinstance(req.gpus, bool) or req.gpus < 0:
             raise BadRequest(f"A GPU count must be a whole number, 0 or more (got {req.gpus!r}).")
         matches = req.model_matches or _exact_model
-        with self.Session.begin() as s:
-            pool = s.scalar(select(Pool).where(Pool.name == self.pool).with_for_update())
-            if pool is None:
-                pool = Pool(name=self.pool, assigns_devices=0)
-                s.add(pool)
-                s.flush()
+        with self.writing() as c:
+            assigns = c.execute(_SEL_POOL, {"pool": self.pool}).scalar()
+            if assigns is None:
+                c.execute(_P.insert().values(name=self.pool, assigns_devices=0))
+                assigns = 0
             # the clock is read under the lock, so the history is in admission order
             now = time.time() if now is None else now
-            open_rows = s.scalars(select(AllocationRow).where(
-                AllocationRow.pool == self.pool, AllocationRow.ended_at.is_(None))).all()
+            open_rows = [_Open(u, k, h, g, json.loads(d or "[]"))
+                         for u, k, h, g, d in c.execute(_SEL_OPEN, {"pool": self.pool})]
             mine = [r for r in open_rows if r.user == req.user]
             if any(r.kind == req.kind and r.holder == req.holder for r in mine):
                 raise BadRequest(f"{req.kind} '{req.holder}' already holds GPUs.")
-            quota, source = self.effective(req.user, req.groups, s)
+            quota, source = self.effective(req.user, req.groups, c)
             used = 0.0
             if quota is not None and quota.gpu_hours is not None and req.gpus:
                 since = now - quota.window_hours * 3600
-                used = self._gpu_hours(s, since, now, user=req.user)[req.user]
+                used = self._gpu_hours(c, since, now, user=req.user)[req.user]
             why = refusal(quota, source, req.gpus,
                           [Holding(r.kind, r.holder, r.gpus) for r in mine if r.gpus], used)
             if why:
                 raise QuotaExceeded(why)
             devices: list[int] = []
-            if req.gpus and pool.assigns_devices:
-                inventory = s.scalars(select(Device).where(Device.pool == self.pool)
-                                      .order_by(Device.index)).all()
-                matching = [d for d in inventory if matches(req.model, d.model)]
-                held = {i for r in open_rows for i in json.loads(r.devices or "[]")}
+            if req.gpus and assigns:
+                matching = [_Dev(i, m) for i, m in c.execute(_SEL_DEVICES, {"pool": self.pool})
+                            if matches(req.model, m)]
+                held = {i for r in open_rows for i in r.devices}
                 free = [d.index for d in matching if d.index not in held]
                 if len(free) < req.gpus:
                     raise NotEnoughGPUs(
                         _not_enough(req, matching, free, open_rows),
                         requested=req.gpus, free=len(free), matching=len(matching))
                 devices = free[: req.gpus]
-            row = AllocationRow(
-                id=uuid.uuid4().hex, pool=self.pool, kind=req.kind, holder=req.holder,
-                user=req.user, gpus=req.gpus, model=req.model, devices=json.dumps(devices),
-                started_at=now, ended_at=None, end_reason="",
-            )
-            s.add(row)
+            alloc = Allocation(uuid.uuid4().hex, self.pool, req.kind, req.holder, req.user,
+                               req.gpus, req.model, tuple(devices), now)
+            c.execute(_INSERT_ALLOCATION, dict(
+                id=alloc.id, pool=self.pool, kind=req.kind, holder=req.holder, user=req.user,
+                gpus=req.gpus, model=req.model, devices=json.dumps(devices), started_at=now,
+                ended_at=None, end_reason=""))
         log.info("Admitted %s %s/%s: %d GPU(s) %s", req.kind, req.user, req.holder, req.gpus,
                  devices)
-        return Allocation.of(row)
+        return alloc
 
     def release(self, alloc_id: str, reason: str = "released", now: float | None = None,
                 session: Session | None = None):
@@ -412,24 +426,22 @@ class Ledger:
         ``session``: a write transaction of the caller's, so that the allocation closes in the
         same commit as the caller's own rows (a job's final state and its GPUs together)."""
         if session is None:
-            with self.Session.begin() as s:
-                row = self._close(s, alloc_id, reason, now)
+            with self.writing() as c:
+                row = self._close(c, alloc_id, reason, now)
         else:
-            row = self._close(session, alloc_id, reason, now)
+            row = self._close(session.connection(), alloc_id, reason, now)
         if row is None:
             return None
         log.info("Released %s %s/%s (%s)", row.kind, row.user, row.holder, reason)
-        return Allocation.of(row)
-
-    def _close(self, s: Session, alloc_id: str, reason: str, now: float | None):
-        # the pool's lock orders releases with admissions (see `admit`)
-        s.scalar(select(Pool).where(Pool.name == self.pool).with_for_update())
-        row = s.get(AllocationRow, alloc_id, with_for_update=True)
-        if row is None or row.ended_at is not None:
-            return None
-        row.ended_at = time.time() if now is None else now
-        row.end_reason = reason[:255]
         return row
+
+    def _close(self, c: Connection, alloc_id: str, reason: str, now: float | None):
+        # one UPDATE: it locks the row (a second release of the same allocation waits, then
+        # finds it closed); an admission running meanwhile counts it as still held, which
+        # errs on the safe side
+        now = time.time() if now is None else now
+        row = c.execute(_CLOSE, {"alloc": alloc_id, "at": now, "why": reason[:255]}).first()
+        return Allocation.of(row) if row is not None else None
 
     def get(self, alloc_id: str) -> Allocation | None:
         with self.Reader() as s:
@@ -480,6 +492,74 @@ class Ledger:
         return totals
 
 
+_A, _D, _P, _Q = (AllocationRow.__table__, Device.__table__, Pool.__table__,
+                  QuotaRow.__table__)
+
+
+# admission's statements, built once (building one costs more than running it on SQLite)
+_SEL_POOL = select(_P.c.assigns_devices).where(_P.c.name == bindparam("pool")).with_for_update()
+_SEL_OPEN = select(_A.c.user, _A.c.kind, _A.c.holder, _A.c.gpus, _A.c.devices).where(
+    _A.c.pool == bindparam("pool"), _A.c.ended_at.is_(None))
+_SEL_QUOTAS = select(_Q.c.scope, _Q.c.name, _Q.c.max_gpus, _Q.c.max_per_request,
+                     _Q.c.gpu_hours, _Q.c.window_hours).where(or_(
+                         _Q.c.scope == "default",
+                         (_Q.c.scope == "user") & (_Q.c.name == bindparam("user")),
+                         (_Q.c.scope == "group")
+                         & _Q.c.name.in_(bindparam("groups", expanding=True))))
+_SEL_DEVICES = select(_D.c.index, _D.c.model).where(_D.c.pool == bindparam("pool")).order_by(
+    _D.c.index)
+_INSERT_ALLOCATION = _A.insert()
+_CLOSE = (_A.update().where(_A.c.id == bindparam("alloc"), _A.c.ended_at.is_(None))
+          .values(ended_at=bindparam("at"), end_reason=bindparam("why")).returning(*_A.c))
+
+
+@dataclass(frozen=True)
+class _Open:
+    """An open allocation as admission reads it."""
+
+    user: str
+    kind: str
+    holder: str
+    gpus: int
+    devices: list
+
+
+@dataclass(frozen=True)
+class _Dev:
+    index: int
+    model: str
+
+
+class _Writers:
+    """A sessionmaker whose ``begin()`` holds the process's write lock (SQLite) around the
+    transaction; calling it makes a plain session as the sessionmaker does."""
+
+    def __init__(self, maker: sessionmaker, lock: threading.RLock | None):
+        self.maker, self.lock = maker, lock
+
+    def __call__(self, **kw) -> Session:
+        return self.maker(**kw)
+
+    @contextmanager
+    def begin(self):
+        if self.lock is None:
+            with self.maker.begin() as s:
+                yield s
+            return
+        with self.lock, self.maker.begin() as s:
+            yield s
+
+    @contextmanager
+    def connection(self):
+        engine = self.maker.kw["bind"]
+        if self.lock is None:
+            with engine.begin() as c:
+                yield c
+            return
+        with self.lock, engine.begin() as c:
+            yield c
+
+
 class _Zero(dict):
     def __missing__(self, key):
         return 0.0
@@ -510,7 +590,7 @@ def _not_enough(req: Request, matching, free: list[int], open_rows) -> str:
     indices = {d.index for d in matching}
     mine, others = [], 0
     for r in open_rows:
-        n = sum(1 for i in json.loads(r.devices or "[]") if i in indices)
+        n = sum(1 for i in r.devices if i in indices)
         if not n:
             continue
         if r.user == req.user:

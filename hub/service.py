@@ -363,7 +363,9 @@ class QuotaHandler(APIHandler):
         scope, name = self._target(kind, name)
         try:
             quota = parse_quota(self.json_body())
-            row = self.ledger.set_quota(scope, name, quota, actor=self.current_user["name"])
+            # writes wait for the ledger's lock: in a worker thread, never on the event loop
+            row = await asyncio.to_thread(self.ledger.set_quota, scope, name, quota,
+                                          self.current_user["name"])
         except QuotaError as e:
             raise FieldError(400, e.field, e.message) from None
         self.settings["on_quota_change"](scope, name)
@@ -371,7 +373,8 @@ class QuotaHandler(APIHandler):
 
     async def delete(self, kind, name=None):
         scope, name = self._target(kind, name)
-        if not self.ledger.unset_quota(scope, name, actor=self.current_user["name"]):
+        if not await asyncio.to_thread(self.ledger.unset_quota, scope, name,
+                                       self.current_user["name"]):
             raise web.HTTPError(404, f"No {scope} quota is set" + (f" for '{name}'." if name else "."))
         self.settings["on_quota_change"](scope, name)
         self.set_status(204)
@@ -673,7 +676,8 @@ async def close_orphaned_notebooks(ledger: Ledger, directory: HubDirectory,
     for a in ledger.open_allocations(kind="notebook"):
         if (a.user, a.holder) in active or now - a.started_at < grace:
             continue
-        done = ledger.release(a.id, "server gone: the hub no longer has it")
+        done = await asyncio.to_thread(ledger.release, a.id,
+                                       "server gone: the hub no longer has it")
         if done is not None:
             log.warning("Closed the allocation of %s's server '%s' (%d GPUs): the hub no "
                         "longer has that server", a.user, a.holder, a.gpus)

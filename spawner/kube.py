@@ -405,7 +405,7 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         for name, value in self._server_settings(profile).items():
             setattr(self, name, value)
         self.gpu_profile = profile
-        self.admit_gpus(profile)  # SpawnRefused(409) when the quota is used up
+        await self.admit_gpus(profile)  # SpawnRefused(409) when the quota is used up
 
     # -- namespace and quota ---------------------------------------------------------------
 
@@ -453,6 +453,12 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
 
     # -- start, and what the person reads ------------------------------------------------
 
+    async def stop(self, now=False):
+        await super().stop(now=now)
+        # the pod is gone: its GPUs go back (off the event loop; clear_state, which JupyterHub
+        # calls next, then has nothing left to release)
+        await self.release_gpus_async()
+
     def start(self):
         inner = super().start()  # KubeSpawner keeps this future for progress()
         return asyncio.ensure_future(self._finish_start(inner))
@@ -461,10 +467,10 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         try:
             url = await inner
         except ApiException as e:
-            self.release_gpus("server did not start")
+            await self.release_gpus_async("server did not start")
             raise self._translate(e) from e
         except BaseException:
-            self.release_gpus("server did not start")
+            await self.release_gpus_async("server did not start")
             raise
         self.set_gpu_probe()
         self.log.info("Started %s as pod %s/%s (profile %s, %d GPU(s))", self._log_name,

@@ -338,6 +338,9 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             await super().stop(now=now)
         finally:
             await asyncio.to_thread(self._remove_server_group)
+        # its processes are gone: its GPUs go back (off the event loop; clear_state, which
+        # JupyterHub calls next, then has nothing left to release)
+        await self.release_gpus_async()
 
     async def poll(self):
         had_process = bool(self.pid)
@@ -486,7 +489,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         self._assign_server_ip()
         profile = self.selected_profile()
         self._apply_profile(profile)
-        gpus = self.admit_gpus(profile)  # synchronous: atomic on the hub's event loop
+        gpus = await self.admit_gpus(profile)
         try:
             await self._prepare_account_or_refuse()
             try:
@@ -515,8 +518,8 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
                 if log_file is not None:
                     log_file.close()
         except BaseException:
-            self.release_gpus()
             await asyncio.to_thread(self._remove_server_group)
+            await self.release_gpus_async("server did not start")
             raise
         if self.gpu_claim_id:
             self.set_gpu_probe()

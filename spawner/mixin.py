@@ -11,6 +11,7 @@ the same shape) and ``gpu_probe()`` (how to tell that its server is still alive)
 
 from __future__ import annotations
 
+import asyncio
 import html
 import inspect
 import os
@@ -124,6 +125,17 @@ def reap_dead_servers(ledger: Ledger) -> int:
             if ledger.release(alloc_id, "server process gone") is not None:
                 n += 1
     return n
+
+
+def _admit(ledger: Ledger, request: Request) -> Allocation:
+    """One admission (in a worker thread): servers found gone are reaped and it is tried again
+    once, so that they do not keep GPUs from anyone."""
+    try:
+        return ledger.admit(request)
+    except AdmissionRefused:
+        if not reap_dead_servers(ledger):
+            raise
+        return ledger.admit(request)
 
 
 class GPUSpawnerMixin:
@@ -265,24 +277,20 @@ class GPUSpawnerMixin:
         """A callable telling whether this server is still alive, or None (always trusted)."""
         return None
 
-    def admit_gpus(self, profile: GPUProfile) -> tuple[GPU, ...]:
-        """Admit the profile's GPUs through the ledger, or raise `SpawnRefused` (409)."""
+    async def admit_gpus(self, profile: GPUProfile) -> tuple[GPU, ...]:
+        """Admit the profile's GPUs through the ledger, or raise `SpawnRefused` (409).
+
+        The ledger's transaction runs in a worker thread: the hub's event loop never waits
+        for the ledger's lock (which the gpulab service, or another spawn, may hold)."""
         if self.gpu_claim_id:
-            self.release_gpus()
+            await self.release_gpus_async()
         if profile.gpus == 0:
             return ()
-        ledger = self.gpu_ledger
         request = Request(user=self.user.name, kind="notebook", holder=self.gpu_holder_name,
                           gpus=profile.gpus, groups=self.user_groups, model=profile.model,
                           model_matches=model_matches)
         try:
-            try:
-                allocation = ledger.admit(request)
-            except AdmissionRefused:
-                # servers that died since the hub last looked must not keep GPUs from anyone
-                if not reap_dead_servers(ledger):
-                    raise
-                allocation = ledger.admit(request)
+            allocation = await asyncio.to_thread(_admit, self.gpu_ledger, request)
         except AdmissionRefused as e:
             raise SpawnRefused(e.status, f"Cannot start with profile '{profile.display_name}'. "
                                + e.message) from e
@@ -298,7 +306,20 @@ class GPUSpawnerMixin:
         if self.gpu_claim_id:
             _probes[self.gpu_claim_id] = self.gpu_probe()
 
+    async def release_gpus_async(self, reason: str = "server stopped") -> None:
+        """`release_gpus` with the ledger's transaction in a worker thread (from the hub's
+        event loop: `stop`, a failed start)."""
+        claim = self.gpu_claim_id
+        if claim:
+            _probes.pop(claim, None)
+            await asyncio.to_thread(self.gpu_ledger.release, claim, reason)
+        if self.gpu_claim_id == claim:  # not admitted again meanwhile
+            self._gpu_allocation = None
+            self.gpu_claim_id = ""
+
     def release_gpus(self, reason: str = "server stopped") -> None:
+        """Close this server's allocation now (synchronous: `clear_state`, which JupyterHub
+        calls after an awaited `stop` that has already released it)."""
         if self.gpu_claim_id:
             _probes.pop(self.gpu_claim_id, None)
             self.gpu_ledger.release(self.gpu_claim_id, reason)
