@@ -22,6 +22,7 @@ The GPU count is the ``nvidia.com/gpu`` resource limit and the GPU model the
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -84,12 +85,15 @@ def slugify(name: str) -> str:
     return slug or "profile"
 
 
-def _kubespawner_traits() -> set[str]:
+@functools.lru_cache(maxsize=1)
+def _kubespawner_traits() -> frozenset[str]:
+    """KubeSpawner's trait names. Importing kubespawner (its Kubernetes client) costs a
+    process about 40 MiB, so callers ask only for keys that are not local ones."""
     try:
         from kubespawner import KubeSpawner
     except ImportError:  # pragma: no cover - kubespawner is a dependency
-        return set(LOCAL_OVERRIDES)
-    return set(KubeSpawner.class_trait_names())
+        return frozenset(LOCAL_OVERRIDES)
+    return frozenset(KubeSpawner.class_trait_names())
 
 
 def _gpu_count(value, where: str) -> int:
@@ -118,8 +122,10 @@ def parse_profile(entry: dict, position: int, known_traits: set[str] | None = No
     override = entry.get("kubespawner_override") or {}
     if not isinstance(override, dict):
         raise ProfileError(f"{where}: 'kubespawner_override' must be a mapping.")
-    known = known_traits if known_traits is not None else _kubespawner_traits()
-    unknown = sorted(k for k in override if k not in known and k not in LOCAL_OVERRIDES)
+    unknown = sorted(k for k in override if k not in LOCAL_OVERRIDES)
+    if unknown:  # other KubeSpawner traits (an image, volumes…): a profile list for both modes
+        known = known_traits if known_traits is not None else _kubespawner_traits()
+        unknown = [k for k in unknown if k not in known]
     if unknown:
         raise ProfileError(
             f"{where}: unknown kubespawner_override key(s) {', '.join(unknown)} "
@@ -155,8 +161,7 @@ def parse_profiles(profile_list: list) -> list[GPUProfile]:
     """Validate a whole profile list; raises `ProfileError` naming the first bad entry."""
     if not isinstance(profile_list, list):
         raise ProfileError("profile_list must be a list of profiles.")
-    known = _kubespawner_traits()
-    profiles = [parse_profile(p, i, known) for i, p in enumerate(profile_list)]
+    profiles = [parse_profile(p, i) for i, p in enumerate(profile_list)]
     seen: set[str] = set()
     for p in profiles:
         if p.slug in seen:

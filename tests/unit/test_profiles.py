@@ -58,3 +58,20 @@ def test_default_profiles_follow_the_inventory(total, slugs):
     assert choose_profile(profiles, None).slug == ("gpu-1" if total else "cpu")
     with pytest.raises(LookupError):
         choose_profile(profiles, "gpu-99")
+
+
+def test_local_profiles_do_not_load_the_kubernetes_client():
+    """The local hub validates its profiles without importing kubespawner (its Kubernetes
+    client costs the hub about 40 MiB, which bench/spawn.py saw as 1.31x stock's memory);
+    a key only KubeSpawner knows still validates, by loading it then."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom gpulab.spawner.profiles import default_profile_list, parse_profiles\n"
+            "parse_profiles(default_profile_list(4))\n"
+            "parse_profiles([{'display_name': 'a', 'kubespawner_override': {'cpu_limit': 2}}])\n"
+            "print('kubespawner' in sys.modules)\n"
+            "parse_profiles([{'display_name': 'a', 'kubespawner_override': {'image': 'x:1'}}])\n"
+            "print('kubespawner' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr
