@@ -4,17 +4,19 @@ SQLAlchemy 2 with Alembic migrations (``gpulab.hub:migrations``); SQLite in WAL 
 default, PostgreSQL in production. Both the hub (notebook servers) and the gpulab service
 (training jobs, quota edits) write here.
 
-Admission is one transaction: the pool's row is locked (``SELECT … FOR UPDATE`` on
-PostgreSQL; ``BEGIN IMMEDIATE`` serialises writers on SQLite), then the effective quota, the
-user's current holdings, the GPU-hours used in the quota's window and the free devices are
-read, and the allocation is written, so concurrent requests can never exceed a quota or hand a
-GPU out twice. A request is admitted whole or refused whole.
+Admission is one transaction: first a lock (on SQLite ``BEGIN IMMEDIATE`` serialises
+writers; on PostgreSQL the pool's row ``FOR UPDATE`` where the pool hands out devices, else a
+per-person advisory lock, see `Ledger._lock_for`), then the effective quota, the user's
+current holdings, the GPU-hours used in the quota's window and the free devices are read, and
+the allocation is written, so concurrent requests can never exceed a quota or hand a GPU out
+twice. A request is admitted whole or refused whole. A release is one ``UPDATE``.
 
 Times are seconds since the epoch (floats), the same on every database.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from sqlalchemy import (
+    BigInteger,
     bindparam,
     Float,
     ForeignKey,
@@ -378,14 +381,16 @@ class Ledger:
             raise BadRequest(f"A GPU count must be a whole number, 0 or more (got {req.gpus!r}).")
         matches = req.model_matches or _exact_model
         with self.writing() as c:
-            assigns = c.execute(_SEL_POOL, {"pool": self.pool}).scalar()
-            if assigns is None:
-                c.execute(_P.insert().values(name=self.pool, assigns_devices=0))
-                assigns = 0
-            # the clock is read under the lock, so the history is in admission order
+            assigns = self._lock_for(c, req.user)
+            # a pool that hands out devices needs everyone's open allocations (who holds
+            # which device); one that only counts needs the person's own
+            open_rows = [_Open(u, k, h, g, json.loads(d or "[]")) for u, k, h, g, d in (
+                c.execute(_SEL_OPEN, {"pool": self.pool}) if assigns else
+                c.execute(_SEL_OPEN_OF, {"pool": self.pool, "user": req.user}))]
+            # the clock is read under the lock and after the open allocations: every release
+            # this admission saw has an earlier end, so the history never shows a device or
+            # a quota used twice at once (releases take no lock)
             now = time.time() if now is None else now
-            open_rows = [_Open(u, k, h, g, json.loads(d or "[]"))
-                         for u, k, h, g, d in c.execute(_SEL_OPEN, {"pool": self.pool})]
             mine = [r for r in open_rows if r.user == req.user]
             if any(r.kind == req.kind and r.holder == req.holder for r in mine):
                 raise BadRequest(f"{req.kind} '{req.holder}' already holds GPUs.")
@@ -418,6 +423,27 @@ class Ledger:
         log.info("Admitted %s %s/%s: %d GPU(s) %s", req.kind, req.user, req.holder, req.gpus,
                  devices)
         return alloc
+
+    def _lock_for(self, c: Connection, user: str) -> bool:
+        """Take the lock an admission of `user` needs; returns whether the pool hands out
+        devices. A pool that hands out devices is locked whole (its row, ``FOR UPDATE``); one
+        that only counts GPUs (Kubernetes: the scheduler places them) needs only the person's
+        own admissions serialized (their quota covers their own holdings), so on PostgreSQL
+        different people are admitted in parallel under a per-person advisory lock. On SQLite
+        the transaction's ``BEGIN IMMEDIATE`` already serializes every writer."""
+        if c.dialect.name == "postgresql":
+            # the person's lock and the pool's kind in one round trip
+            key = int.from_bytes(hashlib.blake2b(f"{self.pool}\0{user}".encode(),
+                                                 digest_size=8).digest(), "big", signed=True)
+            assigns = c.execute(_SEL_POOL_LOCK_PERSON, {"pool": self.pool, "key": key}).scalar()
+            if assigns:
+                assigns = c.execute(_SEL_POOL, {"pool": self.pool}).scalar()
+        else:
+            assigns = c.execute(_SEL_POOL, {"pool": self.pool}).scalar()
+        if assigns is None:
+            c.execute(_P.insert().values(name=self.pool, assigns_devices=0))
+            return False
+        return bool(assigns)
 
     def release(self, alloc_id: str, reason: str = "released", now: float | None = None,
                 session: Session | None = None):
@@ -498,6 +524,11 @@ _A, _D, _P, _Q = (AllocationRow.__table__, Device.__table__, Pool.__table__,
 
 # admission's statements, built once (building one costs more than running it on SQLite)
 _SEL_POOL = select(_P.c.assigns_devices).where(_P.c.name == bindparam("pool")).with_for_update()
+_SEL_POOL_LOCK_PERSON = select(
+    _P.c.assigns_devices, func.pg_advisory_xact_lock(bindparam("key", type_=BigInteger))
+).where(_P.c.name == bindparam("pool"))
+_SEL_OPEN_OF = select(_A.c.user, _A.c.kind, _A.c.holder, _A.c.gpus, _A.c.devices).where(
+    _A.c.pool == bindparam("pool"), _A.c.user == bindparam("user"), _A.c.ended_at.is_(None))
 _SEL_OPEN = select(_A.c.user, _A.c.kind, _A.c.holder, _A.c.gpus, _A.c.devices).where(
     _A.c.pool == bindparam("pool"), _A.c.ended_at.is_(None))
 _SEL_QUOTAS = select(_Q.c.scope, _Q.c.name, _Q.c.max_gpus, _Q.c.max_per_request,

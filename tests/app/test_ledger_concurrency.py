@@ -21,10 +21,13 @@ GPUS = 6
 REQUESTS = 200
 
 
-def run_contention(url: str):
+def run_contention(url: str, devices: bool = True):
     ledger = Ledger(url)
     ledger.migrate()
-    ledger.sync_inventory(DeviceInfo(i) for i in range(GPUS))
+    if devices:
+        ledger.sync_inventory(DeviceInfo(i) for i in range(GPUS))
+    else:  # a pool that only counts GPUs (Kubernetes): people are admitted in parallel
+        ledger.ensure_pool(assigns_devices=False)
     for user, q in QUOTA.items():
         ledger.set_quota("user", user, Quota(q), actor="test")
     rng = random.Random(7)
@@ -72,7 +75,6 @@ def check_history(ledger: Ledger):
             for d in a.devices:
                 owner.pop(d, None)
     assert all(0 <= d < GPUS for a in rows for d in a.devices)
-    assert all(len(a.devices) == a.gpus for a in rows)
     return rows
 
 
@@ -81,6 +83,7 @@ def test_contention_on_sqlite(tmp_path):
     rows = check_history(ledger)
     assert outcomes.count("admitted") == len(rows) and "refused" in outcomes
     assert len(rows) >= 20
+    assert all(len(a.devices) == a.gpus for a in rows)
 
 
 @pytest.mark.postgres
@@ -90,4 +93,16 @@ def test_contention_on_postgresql(postgres):
     rows = check_history(ledger)
     assert outcomes.count("admitted") == len(rows) and "refused" in outcomes
     assert len(rows) >= 20
+    assert all(len(a.devices) == a.gpus for a in rows)
+    ledger.engine.dispose()
+
+
+@pytest.mark.postgres
+def test_contention_on_postgresql_counting_pool(postgres):
+    """Kubernetes' pool (counts, no devices): per-person locks, quotas still never exceeded."""
+    url = postgres.create_database("contention_counting")
+    ledger, outcomes = run_contention(url, devices=False)
+    rows = check_history(ledger)
+    assert outcomes.count("admitted") == len(rows) and "refused" in outcomes
+    assert len(rows) >= 20 and all(a.devices == () for a in rows)
     ledger.engine.dispose()
