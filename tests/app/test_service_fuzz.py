@@ -1,9 +1,11 @@
 """schemathesis against the served OpenAPI document: generated requests (valid and invalid,
 as a gpulab admin) never get a 5xx from the gpulab service.
 
-Job submission is left out: a valid generated spec would start real training processes
-(TensorFlow servers for every ps and worker) by the dozen on the test machine. Bad job specs
-are covered by the table in test_jobs_api.py and tests/unit/test_jobspec.py."""
+Job submission is left out here: a valid generated spec would start real training processes
+by the dozen. tests/security/test_fuzz_stateful.py generates them too, on a hub whose operator
+bounds the replicas a person may run, in stateful sequences with hostile files between calls.
+Bad job specs are also covered by the table in test_jobs_api.py and
+tests/unit/test_jobspec.py."""
 
 import re
 import subprocess
