@@ -117,6 +117,21 @@ def check_form(*, name: str, strategy: str, ps: int, workers: int, gpus: int,
     return problems
 
 
+def check_available(me: Mapping | None) -> list[str]:
+    """Why this hub runs no training jobs at all, in the service's words (empty: it does).
+    ``me`` is the service's ``GET me``; None skips the check."""
+    if not me:
+        return []
+    if "jobs" not in me:  # a service from before jobs were announced in `me`
+        return []
+    jobs = me["jobs"]
+    if jobs is None:
+        return ["Training jobs are not set up on this hub."]
+    if jobs.get("available") is False:
+        return [jobs.get("reason") or "Training is off on this hub."]
+    return []
+
+
 def check_quota(requested: int, me: Mapping | None) -> list[str]:
     """Why the service would refuse ``requested`` GPUs now, in words (empty: it would not
     refuse for GPUs). ``me`` is the service's ``GET me``; None skips the check."""

@@ -517,7 +517,7 @@ class TrainingLauncher(W.VBox):
                              if self.image.layout.display != "none" else None)
         if not problems:
             problems += jm.check_quota(jm.spec_gpus(spec), self.me)
-        return spec, problems
+        return spec, jm.check_available(self.me) + problems
 
     def validate(self) -> list[str]:
         """Check the form; disable Launch with the reason while it cannot be admitted."""

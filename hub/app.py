@@ -118,13 +118,16 @@ class GpulabHub(JupyterHub):
 
         from .service import RECONCILE_ENV
 
-        limits = GPUJobs(config=self.config).limits_json()
+        jobs = GPUJobs(config=self.config)
+        limits = jobs.limits_json()
         reconcile = str(GPULedger(config=self.config).reconcile_interval)
         services = []
         for service in self.services:
             if service.get("name") == SERVICE_NAME:
                 env = {**service.get("environment", {}), "GPULAB_JOB_LIMITS": limits,
                        RECONCILE_ENV: reconcile}
+                if jobs.python:
+                    env["GPULAB_JOB_PYTHON"] = jobs.python
                 service = {**service, "environment": env}
             services.append(service)
         self.services = services

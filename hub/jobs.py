@@ -219,6 +219,32 @@ def _job_view(job: JobRow, replicas: list[ReplicaRow], progress: bool = False) -
     return view
 
 
+#: what a training replica imports, and how a person calls it
+_RUNTIME_MODULES = {"gpulab.extensions.runtime": "gpulab", "tensorflow": "TensorFlow",
+                    "tf_keras": "tf-keras"}
+
+
+def runtime_problem(python: str) -> str | None:
+    """Why training replicas cannot run with `python`, in words for people, or None. The
+    modules are found, not imported (importing TensorFlow takes seconds)."""
+    code = ("import importlib.util as u\n"
+            f"print(' '.join(m for m in {list(_RUNTIME_MODULES)!r} if u.find_spec(m) is None))")
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"Training is off on this hub: its Python for training ({python}) does not run ({e})."
+    missing = [_RUNTIME_MODULES[m] for m in out.stdout.split() if m in _RUNTIME_MODULES]
+    if out.returncode != 0:
+        return (f"Training is off on this hub: its Python for training ({python}) failed: "
+                f"{out.stderr.strip()[-300:]}")
+    if not missing:
+        return None
+    return (f"Training is off on this hub: {' and '.join(missing)} cannot be imported by its "
+            f"Python for training ({python}). The hub's admin installs "
+            f"{'it' if len(missing) == 1 else 'them'}: `bash scripts/run.sh` again (it installs "
+            f"gpulab[tf]), or `{python} -m pip install 'gpulab[tf]'`, then restarts gpulab.")
+
+
 class JobBackend:
     """The job backend interface the service calls (`LocalJobBackend`, and
     `gpulab.hub.kubejobs.KubeJobBackend`); the job history and its views come from the
@@ -237,6 +263,8 @@ class JobBackend:
     ledger: Ledger
     #: the operator's job limits (``c.GPUJobs``), set by the service (`make_app`)
     limits: JobLimits = DEFAULT_LIMITS
+    #: why no job can run here (said by the API, the launcher and the CLI), or None
+    unavailable: str | None = None
 
     def _load(self, s, job_id: str):
         job = s.get(JobRow, job_id)
@@ -354,9 +382,10 @@ class LocalJobBackend(JobBackend):
             if not script.is_file():
                 raise JobError(f"script: there is no file {spec.script} in your folder.",
                                field="script")
-        self._check_new_name(user, spec.name)
         async with self._lock:  # the supervisor thread reads the same process table
-            # admissions are serialized here: the per-person replica bound cannot be raced
+            # admissions are serialized here: the per-person replica bound and the name
+            # cannot be raced (a second submit of one name is told so, not refused GPUs)
+            self._check_new_name(user, spec.name)
             self._check_replica_bound(user, spec)
             await asyncio.to_thread(self._admit_and_start, user, groups, spec, account, script)
         self.ensure_supervisor()

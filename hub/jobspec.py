@@ -308,6 +308,14 @@ class GPUJobs(Configurable):
         Example: ``c.GPUJobs.max_replicas_per_user = 16``
         """).tag(config=True)
 
+    python = Unicode("", help="""
+        The Python that runs training replicas (local backend): it must import gpulab,
+        TensorFlow and tf-keras (``pip install 'gpulab[tf]'`` there). Default: gpulab's own,
+        which `bash scripts/run.sh` installs with TensorFlow. Where it cannot import them,
+        the hub offers no training and says why (launcher, API, CLI).
+        Example: ``c.GPUJobs.python = "/opt/tf-cuda/bin/python"``
+        """).tag(config=True)
+
     @validate("default_memory")
     def _valid_memory(self, proposal):
         value = proposal["value"]

@@ -18,7 +18,9 @@ import json
 import math
 import logging
 import os
+import signal
 import ssl
+import sys
 import time
 from pathlib import Path
 from urllib.parse import quote
@@ -186,7 +188,7 @@ class APIHandler(Base):
         body = {"status": status_code, "message": message}
         if getattr(exc, "field", None):
             body["field"] = exc.field
-        if status_code >= 500:
+        if status_code >= 500 and status_code != 503:  # 503: a state said on purpose
             body["message"] = "Internal error in the gpulab service; see its log."
         self.finish(json.dumps(body))
 
@@ -331,7 +333,8 @@ class MeHandler(APIHandler):
         view["admin"] = self.is_gpulab_admin
         backend = self.settings.get("jobs")
         view["jobs"] = None if backend is None else {
-            "backend": backend.name, "images": list(self.settings["job_limits"].allowed_images)}
+            "backend": backend.name, "images": list(self.settings["job_limits"].allowed_images),
+            "available": not backend.unavailable, "reason": backend.unavailable or ""}
         self.send(view)
 
 
@@ -463,6 +466,8 @@ class JobsHandler(JobsBase):
         from .jobs import JobError
         from .jobspec import SpecError, parse_spec
 
+        if self.backend.unavailable:
+            raise web.HTTPError(503, self.backend.unavailable)
         limits = self.settings["job_limits"]
         body = self.json_body(limit=limits.max_source_bytes + MAX_BODY)
         try:
@@ -718,7 +723,7 @@ def local_backend_from_env(ledger: Ledger):
         return None
     from gpulab.spawner.accounts import ensure_account, prepare_user_folder, safe_name, system_username
 
-    from .jobs import LocalJobBackend, UserAccount
+    from .jobs import LocalJobBackend, UserAccount, runtime_problem
 
     isolate = os.environ.get("GPULAB_ISOLATE") == "1"
     prefix = os.environ.get("GPULAB_USER_PREFIX", "jupyter-")
@@ -734,7 +739,12 @@ def local_backend_from_env(ledger: Ledger):
         prepare_user_folder(folder, entry)
         return UserAccount(user, folder, entry.pw_uid, entry.pw_gid, entry.pw_dir)
 
-    return LocalJobBackend(ledger, account)
+    python = os.environ.get("GPULAB_JOB_PYTHON") or sys.executable
+    backend = LocalJobBackend(ledger, account, python=python)
+    backend.unavailable = runtime_problem(python)
+    if backend.unavailable:
+        log.error("%s", backend.unavailable)
+    return backend
 
 
 def kube_backend_from_env(ledger: Ledger):
@@ -784,6 +794,15 @@ def main() -> None:
             IOLoop.current().stop()
 
     PeriodicCallback(exit_if_orphaned, 500).start()
+
+    def stop(sig: signal.Signals) -> None:
+        # the hub stops its services with SIGINT (Ctrl-C reaches this process too): a line
+        # in the log, not a KeyboardInterrupt traceback; training jobs go on (see jobs.py)
+        log.info("gpulab service: %s, stopping", sig.name)
+        IOLoop.current().stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        IOLoop.current().asyncio_loop.add_signal_handler(sig, stop, sig)
     log.info("gpulab service at %s%s (ledger %s)", url.geturl(), prefix, ledger.engine.url.render_as_string(hide_password=True))
     IOLoop.current().start()
 

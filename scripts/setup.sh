@@ -2,7 +2,11 @@
 # Installs what gpulab needs on this machine (idempotent): a Python virtual environment with
 # gpulab, and configurable-http-proxy from npm. Sourced by run.sh and test.sh.
 #   GPULAB_HOME   where the environment goes (default /opt/gpulab as root, else ./.gpulab)
-#   GPULAB_EXTRAS pip extras to install (e.g. "test")
+#   GPULAB_EXTRAS pip extras to install besides TensorFlow (e.g. "test")
+# TensorFlow comes with it, one copy: `gpulab[tf-cuda]` where an NVIDIA driver answers
+# (nvidia-smi), else `gpulab[tf]` (the same TensorFlow, run on the CPU). Nothing is installed
+# again while the sources, the extras and the pins are what was installed last (a stamp in
+# the environment says what that was).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ "$(id -u)" = 0 ]; then default_home=/opt/gpulab; else default_home="$repo/.gpulab"; fi
@@ -16,14 +20,33 @@ if ! "$py" -c 'import ensurepip' 2>/dev/null; then
 fi
 command -v npm >/dev/null || { echo "setup: npm is missing; install Node.js 20 with npm" >&2; exit 1; }
 mkdir -p "$GPULAB_HOME"
-[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
-"$venv/bin/python" -m pip install -q --upgrade pip
-spec="$repo"; [ -n "${GPULAB_EXTRAS:-}" ] && spec="$repo[$GPULAB_EXTRAS]"
-# gpulab's direct dependencies at the versions the images install (images/pin.py writes them)
-"$venv/bin/python" -m pip install -q "$spec" \
-  -c "$repo/images/requirements.txt" -c "$repo/images/requirements-tf.txt"
-# Always reinstall gpulab itself (the source changes; the version number does not).
-"$venv/bin/python" -m pip install -q --no-deps --force-reinstall "$repo"
+tf_extra=tf
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then tf_extra=tf-cuda; fi
+extras="$tf_extra${GPULAB_EXTRAS:+,$GPULAB_EXTRAS}"
+# what an install from here would install: the extras and the hash of every file it reads
+stamp="$extras $(cd "$repo" && find pyproject.toml images/requirements.txt images/requirements-tf.txt \
+  hub spawner extensions gpulab-top jupyter-config -type f -not -path '*/__pycache__/*' -print0 \
+  | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-32)"
+if [ -x "$venv/bin/gpulab" ] && [ "$(cat "$venv/.gpulab-installed" 2>/dev/null)" = "$stamp" ]; then
+  : # installed, and nothing changed since
+else
+  [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+  echo "setup: installing gpulab[$extras] in $venv (a few minutes the first time)" >&2
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  # an environment made before gpulab[tf]: tensorflow-cpu and tensorflow shared one folder;
+  # removing one removes files of the other, so tensorflow is put back whole after it
+  if "$venv/bin/python" -m pip show -q tensorflow-cpu >/dev/null 2>&1; then
+    "$venv/bin/python" -m pip uninstall -q -y tensorflow-cpu
+    "$venv/bin/python" -m pip install -q --no-deps --force-reinstall \
+      -c "$repo/images/requirements-tf.txt" tensorflow
+  fi
+  # gpulab's direct dependencies at the versions the images install (images/pin.py writes them)
+  "$venv/bin/python" -m pip install -q "$repo[$extras]" \
+    -c "$repo/images/requirements.txt" -c "$repo/images/requirements-tf.txt"
+  # gpulab itself again: its sources changed, its version number did not
+  "$venv/bin/python" -m pip install -q --no-deps --force-reinstall "$repo"
+  echo "$stamp" > "$venv/.gpulab-installed"
+fi
 chp_version=5.3.0
 if [ ! -x "$GPULAB_HOME/node/node_modules/.bin/configurable-http-proxy" ] || \
    ! grep -q "\"version\": \"$chp_version\"" "$GPULAB_HOME/node/node_modules/configurable-http-proxy/package.json"; then
@@ -31,4 +54,9 @@ if [ ! -x "$GPULAB_HOME/node/node_modules/.bin/configurable-http-proxy" ] || \
 fi
 ln -sf "$GPULAB_HOME/node/node_modules/.bin/configurable-http-proxy" "$venv/bin/configurable-http-proxy"
 chmod -R a+rX "$GPULAB_HOME"
+# `gpulab` on PATH: /usr/local/bin as root, else ~/.local/bin (where Debian's profile looks)
+if [ "$(id -u)" = 0 ]; then bindir=/usr/local/bin; else bindir="$HOME/.local/bin"; fi
+if mkdir -p "$bindir" 2>/dev/null && ln -sf "$venv/bin/gpulab" "$bindir/gpulab" 2>/dev/null; then
+  case ":$PATH:" in *":$bindir:"*) ;; *) echo "setup: gpulab is in $bindir; add it to PATH" >&2 ;; esac
+fi
 export PATH="$venv/bin:$PATH"

@@ -17,6 +17,6 @@ if ((${#need[@]})); then
   echo "scripts/test.sh: installing ${need[*]} with apt-get"
   apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"
 fi
-GPULAB_EXTRAS=test,tf-cpu source "$repo/scripts/setup.sh"
+GPULAB_EXTRAS=test source "$repo/scripts/setup.sh"
 cd "$repo"
 exec "$GPULAB_HOME/venv/bin/python" -m pytest "$@"

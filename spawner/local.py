@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import os
 import pwd
+import subprocess
 import sys
 from pathlib import Path
 
@@ -486,6 +487,11 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             raise SpawnRefused(500, f"Your server could not be prepared: {e}") from e
 
     async def start(self):
+        # a server reads nothing from the terminal `gpulab up` runs in: it is another
+        # person's process (it could read what the operator types), and Jupyter asks there
+        # whether to shut down on Ctrl-C, which held every stop 10 s (the operator's own
+        # popen_kwargs still win)
+        self.popen_kwargs = {"stdin": subprocess.DEVNULL, **self.popen_kwargs}
         self._assign_server_ip()
         profile = self.selected_profile()
         self._apply_profile(profile)

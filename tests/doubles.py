@@ -23,7 +23,8 @@ ME = {"user": "ann", "quota": {"max_gpus": 4, "max_per_request": None, "gpu_hour
                                "window_hours": None},
       "quota_text": "4 GPUs at once", "gpus_held": 1,
       "holdings": [{"kind": "notebook", "name": "default", "gpus": 1}],
-      "inventory": {"total": 8, "free": 5, "simulated": True}}
+      "inventory": {"total": 8, "free": 5, "simulated": True},
+      "jobs": {"backend": "local", "images": [], "available": True, "reason": ""}}
 
 
 def job_view(name="digits", state="Running", strategy="parameter-server", progress=None,

@@ -44,6 +44,9 @@ class Hub:
              "--service-port", str(self.service_port),
              *self.extra],
             stdout=self.log, stderr=subprocess.STDOUT,
+            # an input that is not /dev/null, as a terminal is: nothing started by the hub
+            # may read it (tests/app/test_local_hub.py)
+            stdin=subprocess.PIPE,
         )
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -74,6 +77,8 @@ class Hub:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.proc and self.proc.stdin:
+            self.proc.stdin.close()
         self.log.close()
 
     @property

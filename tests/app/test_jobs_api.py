@@ -424,6 +424,39 @@ def test_job_limits_come_from_the_operators_config(workdir, prefix):
         hub.stop()
 
 
+def test_without_tensorflow_the_hub_offers_no_training_and_says_why(workdir, prefix):
+    """Issue 14: a Python for training that cannot import TensorFlow (Debian's own, here)
+    makes no job that fails in a second: the service says why in ``me``, refuses a submit
+    with 503 and that reason, and the CLI prints it."""
+    from tests.app.hubctl import Browser, Hub
+
+    data = workdir / "no-tf"
+    data.mkdir(mode=0o711)
+    (data / "gpulab_config.py").write_text('c.GPUJobs.python = "/usr/bin/python3"\n')
+    hub = Hub(data, "--simulated-gpus", "1", "--user-prefix", prefix).start()
+    try:
+        admin = Browser(hub, "admin")
+        admin.login(hub.admin_password)
+        jobs = admin.service("GET", "me").json()["jobs"]
+        assert jobs["available"] is False, jobs
+        assert "TensorFlow" in jobs["reason"] and "/usr/bin/python3" in jobs["reason"]
+        assert "scripts/run.sh" in jobs["reason"]
+        r = admin.service("POST", "jobs", json=mw("first", workers=1))
+        assert r.status_code == 503 and r.json()["message"] == jobs["reason"], r.text
+        assert admin.service("GET", "jobs").json()["jobs"] == []
+        env = {**os.environ, "GPULAB_URL": hub.url, "GPULAB_TOKEN": admin.token()}
+        program = workdir / "no_tf_job.py"
+        program.write_text("print(1)\n")
+        cli = subprocess.run([GPULAB, "jobs", "submit", "--name", "cli", "--strategy",
+                              "multi-worker-mirrored", "--workers", "1", "--source-file",
+                              str(program)],
+                             env=env, capture_output=True, text=True, timeout=60)
+        assert cli.returncode != 0 and "TensorFlow cannot be imported" in cli.stderr, cli
+        assert "Traceback" not in cli.stderr
+    finally:
+        hub.stop()
+
+
 def test_a_replica_over_its_memory_limit_is_killed_and_the_job_says_so(hub, users):
     """A role's cpu/memory are enforced with a control group per replica (as root)."""
     ann = users["ann"]
@@ -446,3 +479,23 @@ def test_a_replica_over_its_memory_limit_is_killed_and_the_job_says_so(hub, user
     cgroups, why = Cgroups.detect()
     assert cgroups is not None, why
     assert not any(d.exists() for d in cgroups.find(f"job-{job['id']}-worker-0").dirs.values())
+
+
+def test_concurrent_submits_of_one_name_start_one_job(hub, users):
+    """Issue 13: eight submits of one name at once: one job, seven 409s naming the name, and
+    only that job's GPU held (nothing half-made by the ones refused)."""
+    import concurrent.futures
+
+    bob = users["bob"]
+    before = holdings(bob)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: bob.service(
+            "POST", "jobs", json=mw("twice", workers=1, gpus=1, source=SLEEPER)), range(8)))
+    codes = sorted(r.status_code for r in answers)
+    assert codes == [201] + [409] * 7, [(r.status_code, r.text[:200]) for r in answers]
+    assert all(r.json()["field"] == "name" and "already have a job named 'twice'" in
+               r.json()["message"] for r in answers if r.status_code == 409)
+    held = [h for h in holdings(bob) if h not in before]
+    assert [(h["kind"], h["name"], h["gpus"]) for h in held] == [("job", "twice", 1)], held
+    assert bob.service("POST", "jobs/twice/stop").json()["state"] == "Stopped"
+    assert holdings(bob) == before

@@ -143,6 +143,18 @@ def test_killed_server_releases_gpus(users):
     carl.stop_server("all")
 
 
+def test_a_server_does_not_read_the_hubs_terminal(users, hub):
+    """Issue 14: a server's standard input is /dev/null, not the input of `gpulab up` (a
+    terminal: another person's process could read what the operator types, and Jupyter asked
+    there whether to shut down on Ctrl-C, which held every stop for 10 s)."""
+    ann = users["ann"]
+    assert ann.start_server("stdin", {"profile": "cpu"}).status_code in (201, 202)
+    pid = probe(ann, "stdin")["server_pid"]
+    assert not os.readlink(f"/proc/{hub.proc.pid}/fd/0").startswith("/dev/null")
+    assert os.readlink(f"/proc/{pid}/fd/0") == "/dev/null"
+    ann.stop_server("stdin")
+
+
 def test_hub_restart_keeps_assignments_and_ctrl_c_stops_servers(users, hub):
     ann, bob = users["ann"], users["bob"]
     deadline = time.time() + 30  # the hub notices bob's killed server

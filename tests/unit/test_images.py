@@ -80,14 +80,14 @@ def test_hub_base_is_the_z2jh_hub_of_jupyterhub_5_5():
 
 def tensorflow_build_info() -> dict:
     """TensorFlow's build_info.py, read without importing TensorFlow (which takes seconds)."""
-    for dist in ("tensorflow", "tensorflow-cpu"):
+    for dist in ("tensorflow",):
         try:
             path = md.distribution(dist).locate_file("tensorflow/python/platform/build_info.py")
         except md.PackageNotFoundError:
             continue
         if Path(path).exists():
             return runpy.run_path(str(path))["build_info"]
-    pytest.fail("TensorFlow is not installed (scripts/test.sh installs gpulab[tf-cpu])")
+    pytest.fail("TensorFlow is not installed (scripts/test.sh installs gpulab[tf])")
 
 
 def test_singleuser_base_has_the_cuda_of_tensorflows_gpu_build():
@@ -121,12 +121,9 @@ def test_requirements_pin_pyprojects_dependencies_at_the_tested_versions():
             req = Requirement(spec)
             assert req.name in pins, f"{name} lacks {req.name}"
             assert pins[req.name] in req.specifier, (name, req.name, pins[req.name])
-        # exactly what this test environment runs (tensorflow-cpu stands for tensorflow here)
+        # exactly what this test environment runs
         for dist, version in pins.items():
-            try:
-                installed = md.version(dist)
-            except md.PackageNotFoundError:
-                installed = md.version(f"{dist}-cpu")
+            installed = md.version(dist)
             assert installed == version, (
                 f"{name}: {dist}=={version} but the tests run {installed}; "
                 "run `python images/pin.py` in the test environment")
@@ -180,3 +177,11 @@ def test_what_the_images_start_exists(image):
         assert "jupyterhub" in scripts
         from gpulab.hub.kubeconfig import kubernetes_config  # noqa: F401
         from gpulab.spawner.kube import KubeGPUSpawner  # noqa: F401
+
+
+def test_one_tensorflow_is_installed():
+    """gpulab[tf] installs `tensorflow` alone: tensorflow-cpu beside it (tf-keras pulls in
+    `tensorflow` by name) made two copies in one folder (issue 14)."""
+    assert md.version("tensorflow")
+    with pytest.raises(md.PackageNotFoundError):
+        md.distribution("tensorflow-cpu")

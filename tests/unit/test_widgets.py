@@ -124,8 +124,9 @@ def test_check_quota(requested, me, expected):
 def test_quota_summary_and_backend():
     assert jm.quota_summary(ME) == ("Your quota: 4 GPUs at once; in use: 1; free on the hub: 5 "
                                     "of 8 GPUs (simulated).")
-    assert not jm.is_kubernetes(ME, env={})
-    assert jm.is_kubernetes(ME, env={"KUBERNETES_SERVICE_HOST": "10.0.0.1"})
+    unknown = {k: v for k, v in ME.items() if k != "jobs"}  # a service that does not say
+    assert not jm.is_kubernetes(unknown, env={})
+    assert jm.is_kubernetes(unknown, env={"KUBERNETES_SERVICE_HOST": "10.0.0.1"})
     assert jm.is_kubernetes({**ME, "jobs": {"backend": "kubernetes"}}, env={})
     assert not jm.is_kubernetes({**ME, "jobs": {"backend": "local"}},
                                 env={"KUBERNETES_SERVICE_HOST": "10.0.0.1"})
@@ -306,6 +307,25 @@ def test_launcher_disables_launch_with_the_reason():
     assert w.launch_button.disabled and "not a number" in w.reason.value
     w.cpu.value = "1.5"
     assert not w.launch_button.disabled
+
+
+def test_launcher_says_why_the_hub_runs_no_training():
+    """Issue 14: where the runtime cannot import TensorFlow the service says so in ``me``;
+    the launcher shows that reason and keeps Launch disabled."""
+    import copy
+
+    from tests.doubles import ME
+
+    me = copy.deepcopy(ME)
+    me["jobs"].update(available=False, reason="Training is off on this hub: TensorFlow "
+                      "cannot be imported by its Python for training (/usr/bin/python3).")
+    w = launcher(FakeClient(me=me), code="print('train')", name="digits", workers=1, gpus=0)
+    assert w.launch_button.disabled
+    assert "TensorFlow cannot be imported" in w.reason.value
+    assert w.launch() is None
+    me["jobs"] = None
+    w = launcher(FakeClient(me=me), code="print('train')", name="digits", workers=1, gpus=0)
+    assert w.launch_button.disabled and "not set up on this hub" in w.reason.value
 
 
 def test_launcher_submits_and_reports(capsys):
