@@ -228,7 +228,12 @@ def runtime_problem(python: str) -> str | None:
     """Why training replicas cannot run with `python`, in words for people, or None. The
     modules are found, not imported (importing TensorFlow takes seconds)."""
     code = ("import importlib.util as u\n"
-            f"print(' '.join(m for m in {list(_RUNTIME_MODULES)!r} if u.find_spec(m) is None))")
+            "def found(m):\n"
+            "    try:\n"
+            "        return u.find_spec(m) is not None\n"
+            "    except ImportError:  # its parent package is missing\n"
+            "        return False\n"
+            f"print(' '.join(m for m in {list(_RUNTIME_MODULES)!r} if not found(m)))")
     try:
         out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -239,7 +244,8 @@ def runtime_problem(python: str) -> str | None:
                 f"{out.stderr.strip()[-300:]}")
     if not missing:
         return None
-    return (f"Training is off on this hub: {' and '.join(missing)} cannot be imported by its "
+    names = missing[0] if len(missing) == 1 else ", ".join(missing[:-1]) + " and " + missing[-1]
+    return (f"Training is off on this hub: {names} cannot be imported by its "
             f"Python for training ({python}). The hub's admin installs "
             f"{'it' if len(missing) == 1 else 'them'}: `bash scripts/run.sh` again (it installs "
             f"gpulab[tf]), or `{python} -m pip install 'gpulab[tf]'`, then restarts gpulab.")
