@@ -10,6 +10,7 @@ own arguments.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -20,8 +21,17 @@ def _exit_with(parent: int, every: float = 0.5) -> None:
     os._exit(0)
 
 
+def _stop(signum, _frame) -> None:
+    # the hub stops its services with SIGINT, and Ctrl-C at the terminal of `gpulab up` sends
+    # another: the stock culler's shutdown then sat until the hub's 10 s interrupt timeout
+    # (no state to save: a cull round cut short is redone by the next culler)
+    os._exit(0)
+
+
 def main() -> None:
     threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stop)
     from jupyterhub_idle_culler import main as cull
 
     cull()
