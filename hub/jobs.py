@@ -66,6 +66,7 @@ import json
 import logging
 import os
 import pwd
+import re
 import signal
 import socket
 import subprocess
@@ -663,6 +664,7 @@ class LocalJobBackend(JobBackend):
     def _supervise_job(self, job_id: str) -> None:
         restart: set[tuple[str, int]] = set()
         outcome = None
+        blame = None  # the replica whose program error fails the job
         with self.ledger.Session.begin() as s:
             job, reps = self._load(s, job_id)
             spec = JobSpec.model_validate_json(job.spec)
@@ -685,9 +687,9 @@ class LocalJobBackend(JobBackend):
                                 f"{self.limits.memory_of(res)})")
                 log.info("Job %s/%s replica %s-%s exited %s", job.user, job.name, r.role,
                          r.index, code)
-            used = sum(r.restarts for r in reps)
-            can_retry = used < spec.retries
             if spec.strategy == "parameter-server":
+                # each replica restarted is a retry (they fail and restart one by one)
+                can_retry = sum(r.restarts for r in reps) < spec.retries
                 chief = by[("chief", 0)]
                 dead_ps = [k for k, r in by.items() if k[0] == "ps" and r.state != "Running"]
                 if chief.state == "Succeeded":
@@ -695,6 +697,7 @@ class LocalJobBackend(JobBackend):
                 elif chief.state == "Failed" and chief.exit_code != EXIT_INFRA and not dead_ps:
                     outcome = ("Failed", f"the chief failed: {chief.reason}; see its log "
                                "(logs/chief-0.log)")
+                    blame = "chief-0"
                 else:
                     wanted = set(dead_ps)
                     if chief.state == "Failed":
@@ -710,16 +713,25 @@ class LocalJobBackend(JobBackend):
                                        f"{', '.join(f'{a}-{b}' for a, b in sorted(wanted))} failed")
             else:
                 workers = [r for r in reps if r.role == "worker"]
+                # all workers restart together: one restart of them all is one retry
+                rounds = max((r.restarts for r in workers), default=0)
+                failed = [r for r in workers if r.state == "Failed"]
+                raised = [r for r in failed if r.exit_code in PROGRAM_ERRORS]
                 if all(r.state == "Succeeded" for r in workers):
                     outcome = ("Succeeded", "all workers finished")
-                elif any(r.state == "Failed" for r in workers):
-                    failed = ", ".join(f"worker-{r.index}" for r in workers if r.state == "Failed")
-                    if can_retry:
+                elif raised:  # the program's own error: running it again would raise again
+                    r = raised[0]
+                    outcome = ("Failed", f"worker-{r.index} failed: {r.reason}; see its log "
+                               f"(logs/worker-{r.index}.log)")
+                    blame = f"worker-{r.index}"
+                elif failed:  # killed, or lost its peers: the workers restart together
+                    if rounds < spec.retries:
                         restart = {(r.role, r.index) for r in workers}
                     else:
-                        why = next(r.reason for r in workers if r.state == "Failed")
-                        outcome = ("Failed", f"{failed} failed ({why}) and the {spec.retries} "
-                                   "retries are used up")
+                        names = ", ".join(f"worker-{r.index}" for r in failed)
+                        outcome = ("Failed", f"{names} failed ({failed[0].reason}) after "
+                                   f"{rounds} restart{'s' if rounds != 1 else ''} of the "
+                                   f"workers (retries: {spec.retries})")
             started = job.started_at or job.created_at
             if outcome is None and spec.max_runtime and time.time() > started + spec.max_runtime:
                 outcome = ("Failed", f"stopped after max_runtime ({spec.max_runtime} s)")
@@ -728,6 +740,11 @@ class LocalJobBackend(JobBackend):
                     by[k].restarts += 1
                 job.reason = f"restarting {', '.join(f'{a}-{b}' for a, b in sorted(restart))}"
         if outcome is not None:
+            if blame is not None:  # read after the transaction: the log is the person's file
+                error = error_summary(safefs.read_tail(
+                    *_in_job(job.job_dir, "logs", f"{blame}.log"), 64 * 1024))
+                if error:
+                    outcome = (outcome[0], f"{outcome[1]}. {error}")
             self._kill_job_processes(job_id)
             self._finish(job_id, *outcome)
         elif restart:
@@ -878,6 +895,38 @@ class LocalJobBackend(JobBackend):
         """Leave replicas running (a restarted service re-adopts them)."""
         if self._task:
             self._task.cancel()
+
+
+#: exit codes of the runtime that mean the program itself failed (1: it raised, 2: bad
+#: configuration), which no restart mends: the job fails at once
+PROGRAM_ERRORS = (1, 2)
+
+
+_NOT_THEIR_CODE = ("site-packages", "dist-packages", "/usr/lib/python", "<frozen", "/gpulab/")
+
+
+def error_summary(log: bytes, limit: int = 400) -> str:
+    """The error at the end of a replica's log, for the job's reason: the exception line of
+    the last Python traceback and the line of the person's code it came from, e.g.
+    ``ModuleNotFoundError: No module named 'mnist_setup' (source.py, line 3)``; '' if the
+    log ends without one."""
+    lines = [ln for ln in log.decode(errors="replace").splitlines()
+             if not ln.startswith((PROGRESS_PREFIX, "gpulab runtime:"))]
+    start = max((i for i, ln in enumerate(lines)
+                 if ln.startswith("Traceback (most recent call last):")), default=None)
+    if start is None:
+        return ""
+    where, error = "", ""
+    for ln in lines[start + 1:]:
+        m = re.match(r'\s*File "([^"]+)", line (\d+)', ln)
+        if m and not any(x in m.group(1) for x in _NOT_THEIR_CODE):  # the person's frame
+            where = f"{Path(m.group(1)).name}, line {m.group(2)}"
+        elif ln and not ln[0].isspace():
+            error = ln.strip()  # the last such line: the exception raised
+    if not error:
+        return ""
+    text = f"{error} ({where})" if where else error
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _exit_words(code: int | None) -> str:

@@ -192,19 +192,47 @@ def test_stop_ends_every_replica_and_releases_its_gpus(hub, users):
     assert ann.service("POST", "jobs/sleepy/stop").json()["state"] == "Stopped"
 
 
-def test_a_failing_program_is_retried_then_fails_with_the_reason(hub, users):
+def test_a_failing_program_fails_at_once_with_its_error_in_the_reason(hub, users):
+    """Issue 14: the program's own error is not retried (it would raise again), and the
+    job's reason names it: the exception and the line of the person's code."""
     ann = users["ann"]
-    spec = mw("broken", workers=1, gpus=1, source="raise ValueError('bad learning rate')\n",
-              retries=1)
+    spec = mw("broken", workers=1, gpus=1, retries=1,
+              source="import json\n\nraise ValueError('bad learning rate')\n")
     assert ann.service("POST", "jobs", json=spec).status_code == 201
     job = wait_state(ann, "broken", {"Succeeded", "Failed"})
     assert job["state"] == "Failed", job
-    assert "retries" in job["reason"] and "exit 1" in job["reason"], job["reason"]
+    assert job["reason"] == ("worker-0 failed: the program raised an error (exit 1); see its "
+                             "log (logs/worker-0.log). ValueError: bad learning rate "
+                             "(source.py, line 3)"), job["reason"]
     worker = job["replicas"][0]
-    assert worker["restarts"] == 1 and worker["exit_code"] == 1
+    assert worker["restarts"] == 0 and worker["exit_code"] == 1
     log = ann.service("GET", "jobs/broken/logs/worker-0").json()["text"]
-    assert log.count("ValueError: bad learning rate") == 2  # the first run and the retry
+    assert log.count("ValueError: bad learning rate") == 1
     assert not [h for h in holdings(ann) if h["name"] == "broken"]
+
+
+# worker-0 is killed (SIGKILL) in its first two runs; worker-1 finishes every time
+DIES_TWICE = """
+import json, os, signal
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+if task["index"] == 0:
+    runs = len(os.listdir("deaths")) if os.path.isdir("deaths") else 0
+    if runs < 2:
+        os.makedirs(f"deaths/{runs}")
+        os.kill(os.getpid(), signal.SIGKILL)
+print("done", flush=True)
+"""
+
+
+def test_a_restart_of_all_workers_is_one_retry(hub, users):
+    """Issue 14: in a multi-worker job every worker restarts together; that is one retry,
+    however many workers there are (two killed rounds of two workers fit `retries: 2`)."""
+    ann = users["ann"]
+    assert ann.service("POST", "jobs", json=mw("phoenix", workers=2, source=DIES_TWICE,
+                                               retries=2)).status_code == 201
+    job = wait_state(ann, "phoenix", {"Succeeded", "Failed"}, timeout=300)
+    assert job["state"] == "Succeeded", job
+    assert [r["restarts"] for r in job["replicas"]] == [2, 2], job["replicas"]
 
 
 BAD_BODIES = [
@@ -473,7 +501,7 @@ def test_a_replica_over_its_memory_limit_is_killed_and_the_job_says_so(hub, user
     assert worker["exit_code"] == -9, worker
     assert worker["reason"] == "killed: out of memory (the worker role's memory limit is 2Gi)"
     assert job["reason"] == ("worker-0 failed (killed: out of memory (the worker role's memory "
-                             "limit is 2Gi)) and the 0 retries are used up")
+                             "limit is 2Gi)) after 0 restarts of the workers (retries: 0)")
     text = ann.service("GET", "jobs/hungry/logs/worker-0").json()["text"]
     assert f"/gpulab/job-{job['id']}-worker-0" in text and "survived" not in text
     # the replica's group went with the job
