@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Mapping
 from urllib.parse import quote
 
+from .runtime import PROGRESS_PREFIX as PROGRESS_LINE
+
 STRATEGIES = ("parameter-server", "multi-worker-mirrored")
 NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 MEMORY_RE = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
@@ -363,7 +365,10 @@ class LogTail:
         return True
 
     def lines(self, n: int) -> str:
-        return "\n".join(self.text.splitlines()[-n:])
+        """The last `n` lines, without the runtime's progress lines (they are shown as the
+        job's progress bar, not as text)."""
+        return "\n".join([ln for ln in self.text.splitlines()
+                          if not ln.startswith(PROGRESS_LINE)][-n:])
 
 
 def tensorboard_url(job: str | None = None, prefix: str | None = None) -> str:

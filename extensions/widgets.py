@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import html
 import threading
-from typing import Callable
+from typing import Callable, Mapping
 
 import ipywidgets as W
 
@@ -138,9 +138,13 @@ class JobView(W.VBox):
         self.replica_choice = W.Dropdown(options=[], description="Log of",
                                          layout=W.Layout(width="auto"))
         self.replica_choice.add_class("gpulab-log-replica")
-        self.log_text = W.Textarea(value="", disabled=True,
-                              layout=W.Layout(width="100%", height="14em"))
+        #: the log's last lines as text (`log_text` shows them)
+        self.log_plain = ""
+        # a bottom-anchored box (flex, column-reverse): the newest line stays in sight as the
+        # log grows, unless the person scrolled up to read
+        self.log_text = W.HTML(value=_log_html(""), layout=W.Layout(width="100%"))
         self.log_text.add_class("gpulab-log")
+        self._choosing = False  # the view, not the person, is choosing the replica
         self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop")
         self.stop_button.add_class("gpulab-stop")
         self.confirm_button = W.Button(description="Yes, stop it", button_style="danger")
@@ -218,7 +222,7 @@ class JobView(W.VBox):
             self._show_message("warning", f"Log of {tail.replica}: {e.message}")
             return
         if tail is self._tail and tail.feed(piece):
-            self.log_text.value = tail.lines(self.log_lines)
+            self._show_log(tail.lines(self.log_lines))
 
     def start(self) -> None:
         """Watch the job in a background thread until it ends or the view is closed."""
@@ -263,20 +267,42 @@ class JobView(W.VBox):
         names = [r["replica"] for r in jm.replica_rows(view)]
         if list(self.replica_choice.options) != names:
             current = self.replica_choice.value
-            self.replica_choice.options = names
-            if current in names:
-                self.replica_choice.value = current
-            elif names:
-                self.replica_choice.value = lead_replica(view)
+            self._set_choice(names=names, value=current if current in names else
+                             (replica_to_show(view) if names else None))
         if jm.is_final(view):
             self.stop_button.disabled = True
+            self.stop_button.layout.display = "none"  # nothing left to stop
             self._hide_confirm()
+            failed = replica_to_show(view)
+            if (not self._chosen_by_person and failed in names
+                    and self.replica_choice.value != failed):
+                self._set_choice(value=failed)  # the replica whose error ended the job
+
+    _chosen_by_person = False
+
+    def _set_choice(self, names=None, value=None) -> None:
+        self._choosing = True
+        try:
+            if names is not None:
+                self.replica_choice.options = names
+            if value is not None:
+                self.replica_choice.value = value
+        finally:
+            self._choosing = False
 
     def _choose_replica(self, replica: str | None) -> None:
+        if not self._choosing:
+            self._chosen_by_person = True
         if not replica or (self._tail and self._tail.replica == replica):
             return
         self._tail = jm.LogTail(replica)
-        self.log_text.value = ""
+        self._show_log("")
+        if not (self._thread and self._thread.is_alive()):
+            self.refresh_log()  # the watcher is done (the job ended): read it now
+
+    def _show_log(self, text: str) -> None:
+        self.log_plain = text
+        self.log_text.value = _log_html(text)
 
     def _show_message(self, kind: str, text: str) -> None:
         self.message.value = _message(kind, text) if text else ""
@@ -316,6 +342,25 @@ class JobView(W.VBox):
             self._render(view)
         self._show_message("ok", f"Job {self.job.name} is {view.get('state')}.")
         self._cb._fire("stop", view)
+
+
+def replica_to_show(view: Mapping) -> str:
+    """The replica whose log a person wants first: in a failed job, the replica whose program
+    failed (else the first that failed), otherwise the lead (chief, or worker 0)."""
+    if (view.get("state") or "") == "Failed":
+        failed = [r for r in view.get("replicas") or () if r.get("state") == "Failed"]
+        raised = [r for r in failed if r.get("exit_code") in (1, 2)]
+        if raised or failed:
+            return (raised or failed)[0]["name"]
+    return lead_replica(view)
+
+
+def _log_html(text: str) -> str:
+    return ("<div class='gpulab-log-scroll' style='height:14em; overflow:auto; display:flex; "
+            "flex-direction:column-reverse; border:1px solid var(--jp-border-color2, #ccc); "
+            "background:var(--jp-layout-color1, #fff)'><pre style='margin:0; padding:4px; "
+            "font-size:var(--jp-code-font-size, 12px); white-space:pre-wrap'>"
+            f"{html.escape(text)}</pre></div>")
 
 
 # -- TrainingLauncher -------------------------------------------------------------------
@@ -632,7 +677,8 @@ class JobsList(W.VBox):
         open_button = W.Button(description="Open", layout=W.Layout(width="auto"))
         open_button.add_class("gpulab-open")
         stop_button = W.Button(description="Stop", button_style="danger",
-                               layout=W.Layout(width="auto"),
+                               layout=W.Layout(width="auto",  # a finished job has no Stop
+                                               display="none" if jm.is_final(job) else None),
                                disabled=jm.is_final(job))
         stop_button.add_class("gpulab-stop")
         confirm = W.Button(description=f"Yes, stop {name}", button_style="danger",

@@ -203,7 +203,7 @@ def test_client_and_magic_inside_a_notebook_server(hub, users):
             "w.launch_button.click()\n"
             "v = w.job_view\n"
             "v._thread.join(150)\n"
-            "print(json.dumps({'state': v.view['state'], 'log': v.log_text.value, 'message': "
+            "print(json.dumps({'state': v.view['state'], 'log': v.log_plain, 'message': "
             "w.message.value, 'replicas': v.replicas.value.count('data-state=\\'Succeeded')}))\n",
             timeout=180)
         result = json.loads(out.strip().splitlines()[-1])

@@ -429,11 +429,36 @@ def test_jobview_renders_replicas_progress_and_log_tail():
     assert view.replica_choice.options == ("chief-0", "ps-0", "worker-0", "worker-1")
     assert view.replica_choice.value == "chief-0"
     view.refresh_log()
-    assert view.log_text.value == "\n".join(f"line {i}" for i in range(95, 100))
-    view.replica_choice.value = "worker-1"
-    assert view.log_text.value == ""
-    view.refresh_log()
-    assert view.log_text.value == "w1 hello"
+    assert view.log_plain == "\n".join(f"line {i}" for i in range(95, 100))
+    view.replica_choice.value = "worker-1"  # nothing watches (start=False): read at once
+    assert view.log_plain == "w1 hello"
+    assert "w1 hello" in view.log_text.value and "column-reverse" in view.log_text.value
+
+
+def test_jobview_of_a_failed_job_opens_the_failed_replicas_log():
+    """Issue 14: the replica whose program failed is shown first (not the chief waiting for
+    its peers), progress lines are not log text, every replica's log can still be read after
+    the end, and there is no Stop on a finished job."""
+    from gpulab.extensions.widgets import JobView
+
+    failed = job_view(state="Failed", reason="the chief failed")
+    for r in failed["replicas"]:
+        r["state"] = "Stopped"
+    failed["replicas"][3].update(state="Failed", exit_code=1)  # worker-1
+    client = FakeClient(jobs={"digits": ([failed], {
+        "chief-0": "waiting for ps-0, worker-0\n",
+        "worker-1": 'GPULAB_PROGRESS {"step": 3}\nTraceback (most recent call last):\n'
+                    "ValueError: bad input\n",
+        "ps-0": "serving\n"})})
+    view = JobView("digits", client, start=False)
+    view.refresh()
+    assert view.replica_choice.value == "worker-1"
+    assert view.log_plain == "Traceback (most recent call last):\nValueError: bad input"
+    assert view.stop_button.layout.display == "none" and view.stop_button.disabled
+    view.replica_choice.value = "ps-0"
+    assert view.log_plain == "serving"
+    view.refresh()  # the person's choice stays
+    assert view.replica_choice.value == "ps-0"
 
 
 def test_jobview_stop_asks_first():
@@ -499,7 +524,7 @@ def test_jobview_watches_live_at_most_once_a_second_and_ends_with_the_job():
     assert time.monotonic() - t0 >= 2.9
     times = [c[0] for c in client.calls]
     assert all(b - a >= 0.95 for a, b in zip(times, times[1:])), times
-    assert "data-state='Succeeded'" in view.state.value and "done" in view.log_text.value
+    assert "data-state='Succeeded'" in view.state.value and "done" in view.log_plain
     assert updates[-1] == "Succeeded"
 
 
@@ -541,7 +566,8 @@ def test_jobslist_open_and_stop():
     row = w.rows.children[0]
     label, open_b, stop_b, confirm = row.children
     assert "data-state='Running'" in label.value and not stop_b.disabled
-    assert w.rows.children[1].children[2].disabled  # an ended job cannot be stopped
+    ended_stop = w.rows.children[1].children[2]  # an ended job has no Stop
+    assert ended_stop.disabled and ended_stop.layout.display == "none"
     opened = []
     w.on_open(opened.append)
     open_b.click()
