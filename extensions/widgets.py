@@ -387,10 +387,14 @@ class TrainingLauncher(W.VBox):
                  gpus: int = 0, cpu: float | None = None, memory: str | None = None,
                  image: str | None = None, code: str | None = None, cell: str | None = None,
                  namespace: dict | None = None, user_dir: str | None = None,
-                 show_job: bool = True):
+                 show_job: bool = True, quota_interval: float = 10.0):
         import os
 
         self._cb = _Callbacks()
+        #: seconds between reads of the quota while something may change it (0: never)
+        self.quota_interval = quota_interval
+        self._stop_event = threading.Event()
+        self._quota_thread: threading.Thread | None = None
         self.client = client or Client()
         self.show_job = show_job
         self.me: dict | None = None
@@ -408,10 +412,11 @@ class TrainingLauncher(W.VBox):
         self.ps.add_class("gpulab-ps")
         self.workers = W.IntText(value=workers, description="Workers")
         self.workers.add_class("gpulab-workers")
-        self.gpus = W.IntText(value=gpus, description="GPUs/worker")
+        self.gpus = W.IntText(value=gpus, description="GPUs/worker",
+                              style={"description_width": "initial"})
         self.gpus.add_class("gpulab-gpus")
         self.cpu = W.Text(value="" if cpu is None else str(cpu), description="CPUs/worker",
-                          placeholder="default")
+                          placeholder="default", style={"description_width": "initial"})
         self.cpu.add_class("gpulab-cpu")
         self.memory = W.Text(value=memory or "", description="Memory", placeholder="e.g. 8Gi")
         self.memory.add_class("gpulab-memory")
@@ -490,6 +495,11 @@ class TrainingLauncher(W.VBox):
         self._functions = fns
         _set_options(self.function, list(fns))
         _set_options(self.file, jm.python_files(self.user_dir))
+        self.refresh_quota()
+        self._watch_quota()
+
+    def refresh_quota(self) -> None:
+        """Read the quota and the holdings again, and check the form against them."""
         try:
             self.me = self.client.me()
         except GpulabError as e:
@@ -499,6 +509,34 @@ class TrainingLauncher(W.VBox):
             self.quota.value = html.escape(jm.quota_summary(self.me))
         self.image.layout.display = "flex" if jm.is_kubernetes(self.me) else "none"
         self.validate()
+
+    def _quota_may_change(self) -> bool:
+        """Whether the quota's picture can change by itself: a job of the person's holds GPUs
+        (it will end), or the form is refused for the quota or the hub's free GPUs."""
+        holdings = (self.me or {}).get("holdings") or ()
+        return any(h.get("kind") == "job" for h in holdings) or (
+            self.launch_button.disabled and "GPU" in self.reason.value)
+
+    def _watch_quota(self) -> None:
+        """Read the quota every `quota_interval` seconds while it may change by itself, so
+        that Launch comes back when a job ends, without Rescan."""
+        if not self.quota_interval or (self._quota_thread and self._quota_thread.is_alive()):
+            return
+
+        def watch():
+            while not self._stop_event.wait(self.quota_interval):
+                if self._quota_may_change():
+                    self.refresh_quota()
+
+        self._quota_thread = threading.Thread(target=watch, daemon=True,
+                                              name="gpulab-launcher-quota")
+        self._quota_thread.start()
+
+    def close(self):
+        self._stop_event.set()
+        if self.job_view is not None:
+            self.job_view.close()
+        super().close()
 
     def _show_strategy(self) -> None:
         self.ps.layout.display = "flex" if self.strategy.value == "parameter-server" else "none"
@@ -593,6 +631,8 @@ class TrainingLauncher(W.VBox):
         self.message.value = _message("ok", f"Job {job.name} submitted: {job.view['state']}.")
         if self.show_job:
             self.job_view = JobView(job, self.client)
+            # its end frees its GPUs: the quota line and Launch follow at once
+            self.job_view.on_update(lambda v: self.refresh_quota() if jm.is_final(v) else None)
             self.output.children = (*self.output.children, self.job_view)  # newest last
         self._cb._fire("submitted", job)
         self.name.value = jm.unique_name()  # names are used once; ready for the next launch

@@ -328,6 +328,34 @@ def test_launcher_says_why_the_hub_runs_no_training():
     assert w.launch_button.disabled and "not set up on this hub" in w.reason.value
 
 
+def test_launcher_follows_the_quota_by_itself_when_a_job_ends():
+    """Issue 14: Launch comes back when the job that held the GPUs ends, without Rescan."""
+    import copy
+
+    from tests.doubles import ME
+
+    busy = copy.deepcopy(ME)
+    busy.update(gpus_held=4, holdings=[{"kind": "job", "name": "old", "gpus": 3},
+                                       {"kind": "notebook", "name": "default", "gpus": 1}])
+    client = FakeClient(me=busy)
+    w = launcher(client, code="print(1)", name="next", workers=1, gpus=1, quota_interval=0.2)
+    try:
+        assert w.launch_button.disabled and "job &#x27;old&#x27; (3)" in w.reason.value
+        client._me = copy.deepcopy(ME)  # the job ended: only the notebook holds a GPU
+        deadline = time.monotonic() + 10
+        while w.launch_button.disabled and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not w.launch_button.disabled and w.reason.value == ""
+        assert "in use: 1" in w.quota.value
+        calls = len([c for c in client.calls if c[1] == "me"])
+        time.sleep(0.6)  # nothing can change by itself now: no more reads
+        assert len([c for c in client.calls if c[1] == "me"]) == calls
+    finally:
+        w.close()
+    w._quota_thread.join(2)
+    assert not w._quota_thread.is_alive(), "close ends the quota watcher"
+
+
 def test_launcher_submits_and_reports(capsys):
     client = FakeClient()
     w = launcher(client, code="print('train')", name="digits", workers=2, gpus=1, cpu=2,
