@@ -218,6 +218,9 @@ class GPUSpawnerMixin:
         gpus = self.gpu_inventory
         allocations = ledger.open_allocations()
         held = {i for a in allocations for i in a.devices}
+        mine = [a for a in allocations if a.user == self.user.name and a.gpus]
+        quota, source = ledger.effective(self.user.name, self.user_groups)
+        mine_gpus = sum(a.gpus for a in mine)
         rows = []
         for p in self.gpu_profiles():
             matching = [g for g in gpus if model_matches(p.model, g.model)]
@@ -227,6 +230,14 @@ class GPUSpawnerMixin:
             elif self.gpu_assigns_devices and len(matching) < p.gpus:
                 available = False
                 why = f"this machine has {len(matching)} matching GPU(s)"
+            elif quota is not None and quota.max_per_request is not None \
+                    and p.gpus > quota.max_per_request:
+                available = False
+                why = f"your quota allows {quota.max_per_request} per server or job"
+            elif quota is not None and mine_gpus + p.gpus > quota.max_gpus:
+                available = False
+                why = (f"over your quota ({quota.max_gpus} at once, {mine_gpus} in use: "
+                       "stop a server or job first)")
             elif self.gpu_assigns_devices and len(free) < p.gpus:
                 available, why = False, f"only {len(free)} free now"
             else:
@@ -238,8 +249,6 @@ class GPUSpawnerMixin:
             checked = first["profile"].slug if first else None
         else:
             checked = next(r["profile"].slug for r in rows if r["profile"].default)
-        mine = [a for a in allocations if a.user == self.user.name and a.gpus]
-        quota, source = ledger.effective(self.user.name, self.user_groups)
         return {
             "rows": rows,
             "checked": checked,
@@ -249,7 +258,7 @@ class GPUSpawnerMixin:
             "simulated": any(g.simulated for g in gpus),
             "quota": quota.describe() if quota else "",
             "quota_source": source,
-            "held": sum(a.gpus for a in mine),
+            "held": mine_gpus,
         }
 
     def render_gpu_form(self) -> str:

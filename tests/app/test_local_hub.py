@@ -45,6 +45,24 @@ def test_spawn_form_lists_profiles_with_free_gpus(users, hub):
     assert r.status_code == 200
     assert 'value="gpu-2"' in r.text and 'value="cpu"' in r.text
     assert "4 of 4 GPUs free" in r.text and "simulated" in r.text
+    assert 'class="badge text-bg-warning gpulab-simulated"' in r.text  # JupyterHub 5's Bootstrap
+
+
+def test_spawn_form_disables_profiles_over_the_quota(users, hub, admin):
+    """Issue 14: a profile over the person's quota cannot be chosen (it was refused only
+    after Start), and the form says why."""
+    import re
+
+    assert admin.service("PUT", "quotas/users/carl", json={"max_gpus": 1}).status_code == 200
+    try:
+        page = users["carl"].s.get(hub.url + "/hub/spawn").text
+        radios = dict(re.findall(r'<input type="radio" name="profile" id="profile-([\w-]+)"'
+                                 r'[^>]*?(disabled)?>', page))
+        assert radios["gpu-1"] == "" and radios["cpu"] == ""
+        assert radios["gpu-2"] == "disabled" and radios["gpu-4"] == "disabled"
+        assert "over your quota (1 at once, 0 in use" in page
+    finally:
+        admin.service("DELETE", "quotas/users/carl")
 
 
 def test_servers_get_disjoint_gpus(users, prefix):
