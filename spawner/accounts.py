@@ -137,8 +137,31 @@ def ensure_account(username: str, hub_user: str) -> pwd.struct_passwd:
 
 
 def delete_account(username: str) -> None:
-    """Remove a system account and its home (used by the tests' clean-up)."""
-    subprocess.run(["userdel", "--remove", username], capture_output=True)
+    """Remove a system account and its home (used by the tests' clean-up). Processes still
+    running as it are killed first (userdel refuses an account in use); raises
+    `AccountError` if the account is still there afterwards."""
+    import psutil
+
+    try:
+        uid = pwd.getpwnam(username).pw_uid
+    except KeyError:
+        uid = None
+    if uid is not None:
+        left = [p for p in psutil.process_iter(["uids"]) if p.info["uids"]
+                and p.info["uids"].real == uid]
+        for p in left:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(left, timeout=10)
+        r = subprocess.run(["userdel", "--remove", username], capture_output=True, text=True)
+        try:
+            pwd.getpwnam(username)
+        except KeyError:
+            pass
+        else:
+            raise AccountError(f"could not remove the account {username}: {r.stderr.strip()}")
     try:
         grp.getgrnam(username)
     except KeyError:
