@@ -398,6 +398,11 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         bindir = os.path.dirname(sys.executable)
         env["PATH"] = bindir + os.pathsep + env.get("PATH", os.defpath)
         env.update(self.gpu_env())
+        # tf.keras in notebooks is tf-keras 2, the Keras training jobs run (the runtime sets
+        # the same): code tried in a notebook behaves the same in a job (an operator's
+        # `environment` setting wins)
+        if "TF_USE_LEGACY_KERAS" not in self.environment:
+            env["TF_USE_LEGACY_KERAS"] = "1"
         if self.shared_dir:
             env["GPULAB_SHARED_DIR"] = self.shared_dir
             env["GPULAB_USER_DIR"] = str(self.user_folder)

@@ -18,7 +18,8 @@ PROBE = (
     "print(json.dumps({'cuda': os.environ.get('CUDA_VISIBLE_DEVICES'),"
     " 'gpus': json.loads(os.environ.get('GPULAB_GPUS', '[]')),"
     " 'user': pwd.getpwuid(os.getuid()).pw_name, 'server_pid': os.getppid(),"
-    " 'user_dir': os.environ.get('GPULAB_USER_DIR'), 'cwd': os.getcwd()}))"
+    " 'user_dir': os.environ.get('GPULAB_USER_DIR'), 'cwd': os.getcwd(),"
+    " 'legacy_keras': os.environ.get('TF_USE_LEGACY_KERAS')}))"
 )
 
 
@@ -75,6 +76,7 @@ def test_servers_get_disjoint_gpus(users, prefix):
     assert [g["simulated"] for g in pa["gpus"]] == [True, True]
     assert {str(g["index"]) for g in pa["gpus"]} == devices(pa)
     assert pa["user_dir"].endswith("/users/ann")
+    assert pa["legacy_keras"] == "1"  # tf.keras as training jobs have it (tf-keras 2)
     if os.geteuid() == 0:
         assert pa["user"] == prefix + "ann" and pb["user"] == prefix + "bob"
 
