@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 from jupyterhub.app import JupyterHub
 from traitlets.config import Config
@@ -64,10 +65,37 @@ def service_certificate(store_dir: str, trust_bundles: dict, log=None) -> dict:
                                       trust_bundles["hub-ca"], hub_ca)))
 
 
+class RefusalLogs(logging.Filter):
+    """A spawn refused for the person's own reasons (a quota, no free GPU, bad options: a
+    `SpawnRefused` with a 4xx status) is a one-line WARNING in the hub's log, not an ERROR
+    with a traceback: JupyterHub logs every failed spawn from its form with one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from gpulab.spawner.mixin import SpawnRefused
+
+        if record.levelno != logging.ERROR:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, SpawnRefused):
+            refused = exc.status_code < 500
+        else:  # JupyterHub's own lines about it: "Error starting …: HTTP 409: …"
+            refused = exc is None and bool(re.search(r"^Error starting .*: HTTP 4\d\d\b",
+                                                     record.getMessage()))
+        if refused:
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 class GpulabHub(JupyterHub):
     """JupyterHub whose command-line settings (from `gpulab up`) win over the config file."""
 
     gpulab_essentials: Config | None = None
+
+    def init_logging(self):
+        super().init_logging()
+        for handler in self.log.handlers:
+            handler.addFilter(RefusalLogs())
 
     def init_internal_ssl(self):
         if self.internal_ssl:

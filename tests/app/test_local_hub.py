@@ -93,6 +93,26 @@ def test_exhaustion_is_refused_with_a_message(users):
     assert info["servers"] == {}  # nothing half-started
 
 
+def test_a_refusal_from_the_spawn_form_is_a_warning_without_traceback(users, hub, admin):
+    """Issue 14: a quota refusal is the person's business, not an error of the hub: one
+    WARNING line in the hub's log, no traceback (JupyterHub logs form failures with one)."""
+    ann = users["ann"]
+    assert admin.service("PUT", "quotas/users/ann", json={"max_gpus": 0}).status_code == 200
+    try:
+        before = len(hub.output())
+        r = ann.s.post(hub.url + "/hub/spawn/ann/refused",
+                       data={"profile": "gpu-1", "_xsrf": ann._xsrf()})
+        assert r.status_code == 409 and "Quota exceeded" in r.text, r.text[:300]
+        time.sleep(0.5)  # the log is written by another process
+        log = hub.output()[before:]
+        assert "Quota exceeded" in log and "Traceback" not in log, log[-3000:]
+        refusal_lines = [ln for ln in log.splitlines() if "Quota exceeded" in ln]
+        assert refusal_lines and all(ln.startswith("[W ") for ln in refusal_lines
+                                     if ln.startswith("[")), refusal_lines
+    finally:
+        admin.service("DELETE", "quotas/users/ann")
+
+
 def test_own_holdings_are_named_in_the_refusal(users):
     ann = users["ann"]
     r = ann.start_server("second", {"profile": "gpu-2"})
