@@ -115,6 +115,19 @@ def lead_replica(view: Mapping) -> str:
     return "chief-0" if view.get("strategy") == "parameter-server" else "worker-0"
 
 
+def with_chief(spec: Mapping) -> dict:
+    """A copy of the job `spec` in which a parameter-server job without a ``chief`` in its
+    ``replicas`` has one (``"chief": 1``; the service requires exactly 1). Other specs, and
+    those that name a chief (whatever the number), are copied unchanged: the service judges
+    them."""
+    body = dict(spec)
+    replicas = body.get("replicas", {})
+    if body.get("strategy") == "parameter-server" and isinstance(replicas, Mapping) \
+            and "chief" not in replicas:
+        body["replicas"] = {"chief": 1, **replicas}
+    return body
+
+
 class Client(Configurable):
     """The gpulab service's API for one person (the token's owner).
 
@@ -271,14 +284,19 @@ class Client(Configurable):
     def submit(self, spec: Mapping | None = None, /, **fields) -> "Job":
         """Submit a job: a whole ``spec`` (the API's JSON) or `build_spec` keyword fields.
 
-        ``submit(name=…, strategy="parameter-server", ps=1, workers=2, gpus=1, source=…)``.
+        ``submit(name=…, strategy="parameter-server", ps=1, workers=2, gpus=1, source=…)``, or
+        ``submit({"name": …, "strategy": "parameter-server", "replicas": {"ps": 1,
+        "worker": 2}, "source": …})``. A parameter-server job always has one chief (the
+        coordinator): a spec whose ``replicas`` name no ``chief`` gets ``"chief": 1``, as
+        the ``gpulab jobs submit`` command and the keyword form do; a ``chief`` the spec
+        names is sent as it is (`with_chief`). The ``spec`` given is not changed.
         Raises `GpulabError` with the service's message (and ``field``) when it is refused.
         """
         from .jobmodel import build_spec
 
         if spec is not None and fields:
             raise TypeError("submit() takes a spec or keyword fields, not both")
-        body = dict(spec) if spec is not None else build_spec(**fields)
+        body = with_chief(spec) if spec is not None else build_spec(**fields)
         view = self.request("POST", "jobs", body=body)
         return Job(self, view["name"], view=view)
 

@@ -291,15 +291,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_up_parser(sub)
     sub.add_parser("config-reference", help="print the configuration reference (Markdown)")
-    from .client_cli import add_client_parsers
+    from .client_cli import add_client_parsers, add_global_options
 
+    add_global_options(parser)  # --url, --token, --json also before the command
     add_client_parsers(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .client_cli import apply_global_options
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    problem = apply_global_options(args)
+    if problem:
+        return fail(problem)
     if args.command == "up":
         return cmd_up(args)
     if args.command == "config-reference":

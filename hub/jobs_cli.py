@@ -2,8 +2,10 @@
 
 The same jobs API the notebook extension uses (``/services/gpulab/api/v1/jobs``), with the
 token and address of ``gpulab quota`` (``--token``/``$GPULAB_TOKEN``/``$JUPYTERHUB_API_TOKEN``,
-``--url``/``$GPULAB_URL``). A spec comes from a YAML (or JSON) file, from flags, or both: flags
-override the file's fields. The service checks the spec; its message names the bad field.
+``--url``/``$GPULAB_URL``, before or after the command: ``gpulab --url X jobs list``). A spec
+comes from a YAML (or JSON) file, from flags, or both: flags override the file's fields. The
+service checks the spec; its message names the bad field. ``show`` gives times as local date and
+time with how long the job waited or ran; ``--json`` keeps the API's Unix times.
 
     gpulab jobs submit --name digits --strategy parameter-server --ps 1 --workers 2 \\
         --gpus 1 --script examples/digits_parameter_server.py -f
@@ -23,13 +25,14 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
-from .client_cli import EXIT_USAGE, APIError, _call, common, fail_api, table
+from .client_cli import EXIT_USAGE, APIError, _call, add_global_options, common, fail_api, table
 
 STRATEGIES = ("parameter-server", "multi-worker-mirrored")
 
 
 def add_jobs_parser(sub) -> None:
     j = sub.add_parser("jobs", help="distributed TensorFlow training jobs")
+    add_global_options(j, "group")
     js = j.add_subparsers(dest="action", metavar="ACTION")
 
     s = js.add_parser("submit", help="submit a job (a YAML spec and/or flags)",
@@ -205,18 +208,47 @@ def _job_path(args, *rest: str) -> str:
     return path + (f"?user={quote(args.user, safe='')}" if args.user else "")
 
 
-def _elapsed(job: dict) -> str:
-    if not job.get("started_at"):
-        return "-"
-    end = job.get("finished_at") or time.time()
-    secs = int(end - job["started_at"])
+def _duration(secs: float) -> str:
+    secs = max(0, int(secs))
     return f"{secs // 3600}:{secs // 60 % 60:02d}:{secs % 60:02d}"
 
 
-def print_job(job: dict) -> None:
+def _elapsed(job: dict) -> str:
+    if not job.get("started_at"):
+        return "-"
+    return _duration((job.get("finished_at") or time.time()) - job["started_at"])
+
+
+def local_time(ts: float) -> str:
+    """A Unix time as this machine's local date and time, ``2026-12-04 14:05:31``."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def job_times(job: dict, now: float | None = None) -> list[str]:
+    """When the job was created, started and finished (local time), with how long it waited
+    or ran: ``started  2026-12-04 14:05:33, running for 0:05:12``."""
+    now = time.time() if now is None else now
+    created, started, finished = (job.get(k) for k in ("created_at", "started_at", "finished_at"))
+    lines = []
+    if created:
+        lines.append(f"created  {local_time(created)}")
+    if started:
+        lines.append(f"started  {local_time(started)}" +
+                     ("" if finished else f", running for {_duration(now - started)}"))
+    elif not finished:
+        lines.append("started  not yet" +
+                     (f", waiting for {_duration(now - created)}" if created else ""))
+    if finished:
+        lines.append(f"finished {local_time(finished)}" +
+                     (f", ran {_duration(finished - started)}" if started else ", never started"))
+    return lines
+
+
+def print_job(job: dict, now: float | None = None) -> None:
     print(f"{job['name']} ({job['user']}): {job['state']}: {job['reason']}")
-    print(f"strategy {job['strategy']}, {job['gpus']} GPU(s), elapsed {_elapsed(job)}, "
-          f"folder {job['job_dir']}")
+    print(f"strategy {job['strategy']}, {job['gpus']} GPU(s), folder {job['job_dir']}")
+    for line in job_times(job, now):
+        print(line)
     p = job.get("progress")
     if p:
         total = f"/{p['total']}" if p.get("total") else ""

@@ -7,11 +7,16 @@ The programs are tiny (see test_jobs_api.py), but every replica still starts Ten
 """
 
 import json
+import os
+import re
+import subprocess
 import time
 
 import pytest
 
 from gpulab.extensions.client import Client, GpulabError
+
+from .hubctl import GPULAB
 
 pytestmark = pytest.mark.app
 
@@ -211,3 +216,114 @@ def test_client_and_magic_inside_a_notebook_server(hub, users):
         assert result["replicas"] == 2 and "submitted" in result["message"]
     finally:
         ann.stop_server("")
+
+
+def cli(*argv, env=None):
+    """The ``gpulab`` command as a person runs it, without GPULAB_* from this environment."""
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("GPULAB_", "JUPYTERHUB_"))}
+    return subprocess.run([GPULAB, *argv], env={**base, **(env or {})}, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cli_options_before_the_command_and_gpulab_url(hub, users):
+    token = users["ann"].token()
+    for argv in (["--url", hub.url, "--token", token, "--json", "jobs", "list"],
+                 ["jobs", "list", "--url", hub.url, "--token", token, "--json"],
+                 ["--url", hub.url, "--json", "quota", "show", "--token", token],
+                 ["--token", token, "--json", "usage", "--url", hub.url]):
+        r = cli(*argv)
+        assert r.returncode == 0, (argv, r.stderr)
+        json.loads(r.stdout)
+    # given before and after the command, the later wins
+    r = cli("--url", "http://127.0.0.1:9", "--token", "nope", "jobs", "list", "--url", hub.url,
+            "--token", token)
+    assert r.returncode == 0 and r.stdout.startswith("NAME"), r.stderr
+    r = cli("--url", hub.url, "--token", token, "jobs", "list", "--url", "http://127.0.0.1:9")
+    assert r.returncode == 1 and "Cannot reach http://127.0.0.1:9" in r.stderr
+    assert "Traceback" not in r.stderr
+    # $GPULAB_URL is the hub's address when --url is not given
+    r = cli("quota", "show", env={"GPULAB_URL": hub.url, "GPULAB_TOKEN": token})
+    assert r.returncode == 0 and r.stdout.startswith("ann: "), r.stderr
+    # gpulab up keeps its own flags
+    r = cli("--url", hub.url, "up")
+    assert r.returncode == 2 and "not of `gpulab up`" in r.stderr
+
+
+def test_submit_a_parameter_server_spec_without_a_chief_and_show_its_times(hub, users):
+    """Client().submit(spec): a parameter-server spec that names no chief gets one; one that
+    names a chief is sent as it is. `gpulab jobs show` then gives local times, --json the
+    API's Unix times."""
+    ann = users["ann"]
+    gl = client_of(hub, ann)
+    spec = {"name": "cl-nochief", "strategy": "parameter-server",
+            "replicas": {"ps": 1, "worker": 1}, "source": "print('the chief ran', flush=True)"}
+    job = gl.submit(spec)
+    assert spec["replicas"] == {"ps": 1, "worker": 1}  # the caller's spec is left alone
+    assert [r["name"] for r in job.view["replicas"]] == ["chief-0", "ps-0", "worker-0"]
+    assert job.view["spec"]["replicas"]["chief"] == 1
+    final = job.wait(timeout=150)
+    assert final["state"] == "Succeeded", final
+    assert "the chief ran" in job.logs()
+
+    with pytest.raises(GpulabError) as e:  # a chief the spec names is the spec's
+        gl.submit({**spec, "name": "cl-nochief-0", "replicas": {"chief": 0, "ps": 1, "worker": 1}})
+    assert e.value.status == 400 and e.value.field == "replicas.chief"
+
+    token = ann.token()
+    r = cli("--url", hub.url, "--token", token, "jobs", "show", "cl-nochief")
+    assert r.returncode == 0, r.stderr
+    when = lambda ts: time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))  # noqa: E731
+    ran = int(final["finished_at"] - final["started_at"])
+    assert f"created  {when(final['created_at'])}" in r.stdout, r.stdout
+    assert f"started  {when(final['started_at'])}" in r.stdout
+    assert f"finished {when(final['finished_at'])}, ran {ran // 3600}:{ran // 60 % 60:02d}:" \
+        f"{ran % 60:02d}" in r.stdout
+    assert not re.search(r"\b1\d{9}(\.\d+)?\b", r.stdout), r.stdout  # no Unix times
+    r = cli("--json", "--url", hub.url, "--token", token, "jobs", "show", "cl-nochief")
+    assert r.returncode == 0 and json.loads(r.stdout)["created_at"] == final["created_at"]
+
+
+def test_cli_quota_set_checks_the_name_and_says_every_field(hub, admin, users):
+    token = admin.token()
+
+    def quota(*argv, who=token):
+        return cli("--url", hub.url, "--token", who, "quota", *argv)
+
+    # a user the hub does not know: refused, nothing stored; --force sets it anyway
+    r = quota("set", "--user", "anne", "--max-gpus", "2")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == ""
+    assert "the hub has no user 'anne'" in r.stderr
+    assert f"{hub.url}/services/gpulab/admin" in r.stderr and "--force" in r.stderr
+    assert admin.service("GET", "quotas/users/anne").status_code == 404
+    r = quota("set", "--user", "anne", "--max-gpus", "2", "--force")
+    assert r.returncode == 0 and "set user quota anne: 2 GPUs at once" in r.stdout, r.stderr
+    assert quota("unset", "--user", "anne").returncode == 0
+
+    # a user the hub knows: every field set is said
+    r = quota("set", "--user", "carl", "--max-gpus", "2", "--max-per-request", "1",
+              "--gpu-hours", "50", "--window-hours", "48")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == ("set user quota carl: 2 GPUs at once, at most 1 per request, "
+                                "50 GPU-hours per 48-hour window (2 days)")
+    assert admin.service("GET", "quotas/users/carl").json()["window_hours"] == 48
+    assert quota("unset", "--user", "carl").returncode == 0
+
+    # groups likewise
+    r = quota("set", "--group", "cl-team", "--max-gpus", "1")
+    assert r.returncode == 2 and "the hub has no group 'cl-team'" in r.stderr
+    assert f"{hub.url}/hub/admin" in r.stderr
+    assert admin.api("POST", "/groups/cl-team", json={"users": ["bob"]}).status_code == 201
+    try:
+        r = quota("set", "--group", "cl-team", "--max-gpus", "1", "--gpu-hours", "10",
+                  "--window-hours", "24")
+        assert r.returncode == 0 and r.stdout.strip() == (
+            "set group quota cl-team: 1 GPU at once, no per-request limit, "
+            "10 GPU-hours per 24-hour window (1 day)"), r.stderr
+        assert quota("unset", "--group", "cl-team").returncode == 0
+    finally:
+        admin.api("DELETE", "/groups/cl-team")
+
+    # someone who is not a gpulab admin hears the service's refusal, not a name check
+    r = quota("set", "--user", "ann", "--max-gpus", "8", who=users["bob"].token())
+    assert r.returncode == 1 and "custom:gpulab:admin" in r.stderr, r.stderr
