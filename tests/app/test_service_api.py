@@ -202,8 +202,10 @@ def gpulab_cli(*args, token, hub):
 
 
 def test_cli_quota_and_usage(hub, admin, users):
+    # a group the hub does not have yet: refused without --force (tests/app/test_client.py)
     r = gpulab_cli("quota", "set", "--group", "students", "--max-gpus", "2",
-                   "--gpu-hours", "100", "--window-hours", "168", token=admin.token(), hub=hub)
+                   "--gpu-hours", "100", "--window-hours", "168", "--force",
+                   token=admin.token(), hub=hub)
     assert r.returncode == 0 and "set group quota students: 2 GPUs at once" in r.stdout, r.stderr
     r = gpulab_cli("quota", "show", "--all", token=admin.token(), hub=hub)
     assert r.returncode == 0
