@@ -51,18 +51,25 @@ def end_jobs_of(data_dir: Path) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
-@pytest.fixture(scope="module")
-def hub(workdir, prefix):
+def hub_with_config(workdir: Path, prefix: str, config: str, gpus: int = 4):
+    """A `gpulab up` whose operator's settings file (``<data>/gpulab_config.py``) holds
+    `config`, with `gpus` simulated GPUs; a generator for a module fixture (yields the hub,
+    then stops it and ends the jobs it left)."""
     data = workdir / "data"
     data.mkdir(mode=0o700)
-    # the operator's settings file: the service looks for vanished servers every 2 s (60 s by
-    # default) so that tests/app/test_service_api.py sees it happen
-    (data / "gpulab_config.py").write_text("c.GPULedger.reconcile_interval = 2\n")
+    (data / "gpulab_config.py").write_text(config)
     (data / "gpulab_config.py").chmod(0o600)
-    h = Hub(data, "--simulated-gpus", "4", "--user-prefix", prefix).start()
+    h = Hub(data, "--simulated-gpus", str(gpus), "--user-prefix", prefix).start()
     yield h
     h.stop()
     end_jobs_of(h.data_dir)
+
+
+@pytest.fixture(scope="module")
+def hub(workdir, prefix):
+    # the service looks for vanished servers every 2 s (60 s by default) so that
+    # tests/app/test_service_api.py sees it happen
+    yield from hub_with_config(workdir, prefix, "c.GPULedger.reconcile_interval = 2\n")
 
 
 @pytest.fixture(scope="module")

@@ -39,8 +39,7 @@ from hypothesis.stateful import (
 from schemathesis.openapi import from_dict
 
 from gpulab.hub.openapi import openapi_document
-from tests.conftest import end_jobs_of
-from tests.app.hubctl import Hub
+from tests.conftest import hub_with_config
 
 pytestmark = pytest.mark.security
 
@@ -55,14 +54,7 @@ FINAL = ("Succeeded", "Failed", "Stopped")
 def hub(workdir, prefix):
     """This module's own `gpulab up`: four simulated GPUs, and an operator's bound of four
     replicas per person (the generated jobs that pass validation really run)."""
-    data = workdir / "data"
-    data.mkdir(mode=0o700)
-    (data / "gpulab_config.py").write_text("c.GPUJobs.max_replicas_per_user = 4\n")
-    (data / "gpulab_config.py").chmod(0o600)
-    h = Hub(data, "--simulated-gpus", "4", "--user-prefix", prefix).start()
-    yield h
-    h.stop()
-    end_jobs_of(h.data_dir)
+    yield from hub_with_config(workdir, prefix, "c.GPUJobs.max_replicas_per_user = 4\n")
 
 
 class Figures:

@@ -9,20 +9,14 @@ import time
 import pytest
 import requests
 
-from tests.app.hubctl import Browser, Hub
-from tests.conftest import PASSWORD, end_jobs_of
+from tests.app.hubctl import Browser
+from tests.conftest import PASSWORD, hub_with_config
 
 
 @pytest.fixture(scope="module")
 def hub(workdir, prefix):
-    data = workdir / "data"
-    data.mkdir(mode=0o700)
-    (data / "gpulab_config.py").write_text("c.GpulabAuthenticator.signup_limit_per_hour = 4\n")
-    (data / "gpulab_config.py").chmod(0o600)
-    h = Hub(data, "--simulated-gpus", "0", "--user-prefix", prefix).start()
-    yield h
-    h.stop()
-    end_jobs_of(h.data_dir)
+    yield from hub_with_config(workdir, prefix,
+                               "c.GpulabAuthenticator.signup_limit_per_hour = 4\n", gpus=0)
 
 
 def _login_status(hub, name, password) -> int:
