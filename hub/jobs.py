@@ -658,7 +658,10 @@ class LocalJobBackend(JobBackend):
             active = s.scalars(select(JobRow.id).where(JobRow.state.in_(ACTIVE),
                                                        JobRow.backend == self.name)).all()
         for job_id in active:
-            self._supervise_job(job_id)
+            try:
+                self._supervise_job(job_id)
+            except Exception:  # one job's trouble never stalls the supervision of the others
+                log.exception("Supervising job %s failed; next pass tries again", job_id)
         return bool(active)
 
     def _supervise_job(self, job_id: str) -> None:
@@ -741,8 +744,11 @@ class LocalJobBackend(JobBackend):
                 job.reason = f"restarting {', '.join(f'{a}-{b}' for a, b in sorted(restart))}"
         if outcome is not None:
             if blame is not None:  # read after the transaction: the log is the person's file
-                error = error_summary(safefs.read_tail(
-                    *_in_job(job.job_dir, "logs", f"{blame}.log"), 64 * 1024))
+                try:
+                    error = error_summary(safefs.read_tail(
+                        *_in_job(job.job_dir, "logs", f"{blame}.log"), 64 * 1024))
+                except OSError:  # a link or a FIFO in its place: the job fails all the same
+                    error = ""
                 if error:
                     outcome = (outcome[0], f"{outcome[1]}. {error}")
             self._kill_job_processes(job_id)

@@ -357,23 +357,34 @@ def test_a_replica_opens_only_its_own_gpus(hub, vic, eve, vic_job, eve_job):
 
 def test_a_replica_never_works_in_a_folder_swapped_for_a_link(hub, vic, eve, vic_job):
     """Item 9: eve's replica swaps its own job folder for a link to vic's job folder and
-    fails, so that it is restarted there: the restart never enters vic's folder."""
+    dies, so that it is restarted there: the restart never enters vic's folder. And when it
+    fails with a program error instead (no restart), the job still ends: its log is not
+    read through the link."""
     _, vic_folder, _, _ = vic_job
     before = snapshot(vic_folder)
-    swap = (
-        "import os, sys\n"
-        "here = os.getcwd()\n"
-        "if os.path.exists('pwned'):\n"
-        "    sys.exit(0)\n"
-        "open(os.path.join(os.getcwd(), 'pwned'), 'w').write(here)\n"
-        f"os.rename(here, here + '.moved')\n"
-        f"os.symlink({str(vic_folder)!r}, here)\n"
-        "sys.exit(1)\n"
-    )
-    r = eve.service("POST", "jobs", json=mw("hop", 1, swap, retries=2))
+
+    def swap(ending):
+        return ("import os, signal, sys\n"
+                "here = os.getcwd()\n"
+                "if os.path.exists('pwned'):\n"
+                "    sys.exit(0)\n"
+                "open(os.path.join(os.getcwd(), 'pwned'), 'w').write(here)\n"
+                "os.rename(here, here + '.moved')\n"
+                f"os.symlink({str(vic_folder)!r}, here)\n"
+                f"{ending}\n")
+
+    # killed: a retry is due, and the restart finds the link
+    r = eve.service("POST", "jobs", json=mw("hop", 1, swap(
+        "os.kill(os.getpid(), signal.SIGKILL)"), retries=2))
     assert r.status_code == 201, r.text
     job = wait_state(eve, "hop", {"Failed", "Succeeded"}, timeout=240)
     assert job["state"] == "Failed" and "link" in job["reason"], job
+    # the program's own error: failed at once, its reason without the log behind the link
+    r = eve.service("POST", "jobs", json=mw("hop2", 1, swap(
+        "raise SystemExit('bye vic')"), retries=2))
+    assert r.status_code == 201, r.text
+    job = wait_state(eve, "hop2", {"Failed", "Succeeded"}, timeout=240)
+    assert job["state"] == "Failed" and "exit 1" in job["reason"], job
     assert snapshot(vic_folder) == before  # nothing written, nothing replaced
     assert not (vic_folder / "pwned").exists()
     for p in psutil.process_iter(["cwd"]):
