@@ -277,6 +277,7 @@ async def overview(handler: Base) -> dict:
     ledger = handler.ledger
     users = await handler.directory.users()
     open_allocs = ledger.open_allocations()
+    models = {d.index: d.model for d in ledger.devices()}
     u7 = ledger.usage(now - 7 * DAY, now)
     u30 = ledger.usage(now - 30 * DAY, now)
     rows = {q["scope"] + ":" + q["name"]: q for q in ledger.quotas()}
@@ -294,7 +295,10 @@ async def overview(handler: Base) -> dict:
             "quota": quota.as_dict() if quota else None, "quota_source": source,
             "quota_text": quota.describe() if quota else "no limit",
             "override": rows.get("user:" + u["name"]),
-            "holdings": [_holding(a) for a in mine],
+            # which devices, of which models: the admin sees who holds GPU 3
+            "holdings": [{**_holding(a), "models": sorted({models[i] for i in a.devices
+                                                            if models.get(i)})}
+                         for a in mine],
             "gpus_held": sum(a.gpus for a in mine),
             "gpu_hours_7d": round(u7.get(u["name"], 0.0), 2),
             "gpu_hours_30d": round(u30.get(u["name"], 0.0), 2),

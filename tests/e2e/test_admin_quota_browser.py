@@ -46,7 +46,9 @@ def test_admin_page_quota_edit_reaches_the_spawn(page, hub, users):
     set_override(page, "ann", 2)
     assert ann.start_server("", {"profile": "gpu-2"}).status_code in (201, 202)
     page.reload()
-    assert "notebook 'default' (2)" in page.locator("tr[data-user='ann'] td.held").inner_text()
+    # which devices ann's server holds, and their model (issue 14)
+    held = page.locator("tr[data-user='ann'] td.held").inner_text()
+    assert re.search(r"notebook 'default' \(2\): GPU \d, \d \S", held), held
     audit = page.locator("#audit").inner_text()
     assert "admin" in audit and "user 'ann'" in audit
     ann.stop_server()
