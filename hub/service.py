@@ -33,7 +33,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.ioloop import IOLoop, PeriodicCallback
 
 from .ledger import AdmissionRefused, Ledger
-from .policy import QuotaError, parse_quota
+from .policy import Quota, QuotaError, parse_quota
 
 log = logging.getLogger("gpulab.service")
 
@@ -323,7 +323,10 @@ async def overview(handler: Base) -> dict:
         "groups": sorted(groups.values(), key=lambda g: g["name"]),
         "default": rows.get("default:"),
         "inventory": inventory_view(ledger),
-        "audit": ledger.audit(50),
+        # every field of a change (GPU-hours too), in the words of the quota column
+        "audit": [{**a, "old_text": Quota(**a["old"]).describe() if a["old"] else "—",
+                   "new_text": Quota(**a["new"]).describe() if a["new"] else "unset"}
+                  for a in ledger.audit(50)],
     }
 
 

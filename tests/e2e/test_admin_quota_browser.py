@@ -51,4 +51,5 @@ def test_admin_page_quota_edit_reaches_the_spawn(page, hub, users):
     assert re.search(r"notebook 'default' \(2\): GPU \d, \d \S", held), held
     audit = page.locator("#audit").inner_text()
     assert "admin" in audit and "user 'ann'" in audit
+    assert "1 GPU at once" in audit and "2 GPUs at once" in audit  # the quotas in words
     ann.stop_server()
