@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -566,28 +566,20 @@ class _Writers:
     transaction; calling it makes a plain session as the sessionmaker does."""
 
     def __init__(self, maker: sessionmaker, lock: threading.RLock | None):
-        self.maker, self.lock = maker, lock
+        # no lock (PostgreSQL: the database queues writers itself): a context that does nothing
+        self.maker, self.lock = maker, lock if lock is not None else nullcontext()
 
     def __call__(self, **kw) -> Session:
         return self.maker(**kw)
 
     @contextmanager
     def begin(self):
-        if self.lock is None:
-            with self.maker.begin() as s:
-                yield s
-            return
         with self.lock, self.maker.begin() as s:
             yield s
 
     @contextmanager
     def connection(self):
-        engine = self.maker.kw["bind"]
-        if self.lock is None:
-            with engine.begin() as c:
-                yield c
-            return
-        with self.lock, engine.begin() as c:
+        with self.lock, self.maker.kw["bind"].begin() as c:
             yield c
 
 
