@@ -292,7 +292,7 @@ def progress_text(view: Mapping) -> str:
     return " · ".join(parts)
 
 
-REPLICA_COLUMNS = ("replica", "state", "restarts", "exit code", "GPUs", "reason")
+REPLICA_COLUMNS = ("replica", "state", "restarts", "exit code", "GPUs", "GPU use", "reason")
 
 
 def replica_rows(view: Mapping) -> list[dict]:
@@ -305,6 +305,8 @@ def replica_rows(view: Mapping) -> list[dict]:
             "restarts": str(r.get("restarts") or 0),
             "exit code": "" if r.get("exit_code") is None else str(r["exit_code"]),
             "GPUs": ",".join(str(d) for d in r.get("devices") or ()) or "–",
+            # while it runs, how busy each of its GPUs is (the service's words, from NVML)
+            "GPU use": "; ".join(u.get("text", "") for u in r.get("usage") or ()),
             "reason": r.get("reason") or "",
         })
     return rows

@@ -144,7 +144,9 @@ class GpulabHub(JupyterHub):
 
         from gpulab.spawner.mixin import GPULedger
 
-        from .service import RECONCILE_ENV
+        from gpulab.spawner.inventory import GPUInventory
+
+        from .service import RECONCILE_ENV, USAGE_ENV
 
         jobs = GPUJobs(config=self.config)
         limits = jobs.limits_json()
@@ -153,7 +155,8 @@ class GpulabHub(JupyterHub):
         for service in self.services:
             if service.get("name") == SERVICE_NAME:
                 env = {**service.get("environment", {}), "GPULAB_JOB_LIMITS": limits,
-                       RECONCILE_ENV: reconcile}
+                       RECONCILE_ENV: reconcile,
+                       USAGE_ENV: str(GPUInventory(config=self.config).usage_interval)}
                 if jobs.python:
                     env["GPULAB_JOB_PYTHON"] = jobs.python
                 service = {**service, "environment": env}

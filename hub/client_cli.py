@@ -293,8 +293,9 @@ def cmd_quota(args) -> int:
             src = "" if me["quota_source"] in ("user", "none") else f" (from {me['quota_source']})"
             print(f"{me['user']}: {me['quota_text']}{src}; {me['gpus_held']} GPU(s) in use")
             if me["holdings"]:
-                print(table([[h["kind"], h["name"], h["gpus"], ",".join(map(str, h["devices"]))]
-                             for h in me["holdings"]], ["KIND", "NAME", "GPUS", "DEVICES"]))
+                print(table([[h["kind"], h["name"], h["gpus"], ",".join(map(str, h["devices"])),
+                              "; ".join(u["text"] for u in h.get("usage") or ())]
+                             for h in me["holdings"]], ["KIND", "NAME", "GPUS", "DEVICES", "GPU USE"]))
             u = me["usage_gpu_hours"]
             print(f"GPU-hours: {u['7d']} over 7 days, {u['30d']} over 30 days")
         elif args.action == "show":

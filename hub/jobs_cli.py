@@ -257,6 +257,9 @@ def print_job(job: dict, now: float | None = None) -> None:
     print(table([[r["name"], r["state"], r["restarts"], r["exit_code"],
                   ",".join(map(str, r["devices"])) or "-", r["reason"]] for r in job["replicas"]],
                 ["REPLICA", "STATE", "RESTARTS", "EXIT", "GPUS", "REASON"]))
+    for r in job["replicas"]:  # while it runs: how busy its GPUs are (NVML)
+        for u in r.get("usage") or ():
+            print(f"{r['name']}: {u['text']}")
 
 
 def follow_logs(args, replica: str, follow: bool) -> int:

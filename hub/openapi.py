@@ -45,10 +45,22 @@ QUOTA_OUT = {
         "updated_by": {"type": "string"},
     },
 }
+#: how busy one device is now (NVML), or why that is not known
+DEVICE_USAGE = {"type": "object", "required": ["device", "measured"], "properties": {
+    "device": {"type": "integer"}, "measured": {"type": "boolean"},
+    "why": {"type": "string", "enum": ["simulated", "not measured"],
+            "description": "Only when not measured: a simulated GPU, or NVML cannot read it"},
+    "gpu_percent": {"type": "integer", "minimum": 0, "maximum": 100,
+                    "description": "Percent of the last sample period in which a kernel ran"},
+    "memory_used_mib": {"type": "integer"}, "memory_total_mib": {"type": "integer"},
+    "at": {"type": "number", "description": "When NVML was read (Unix time)"},
+    "text": {"type": "string", "description": "The same in words, as the pages show it"}}}
 HOLDING = {"type": "object", "properties": {
     "id": {"type": "string"}, "kind": {"type": "string", "enum": ["notebook", "job"]},
     "name": {"type": "string"}, "gpus": {"type": "integer"},
-    "devices": {"type": "array", "items": {"type": "integer"}}, "since": {"type": "number"}}}
+    "devices": {"type": "array", "items": {"type": "integer"}}, "since": {"type": "number"},
+    "usage": {"type": "array", "items": DEVICE_USAGE,
+              "description": "One entry per device (none in a counting pool, Kubernetes)"}}}
 NAME = {"name": "name", "in": "path", "required": True,
         "schema": {"type": "string", "minLength": 1, "maxLength": 255}}
 

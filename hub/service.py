@@ -250,7 +250,7 @@ async def user_view(handler: Base, name: str, now: float | None = None) -> dict:
         "quota": quota.as_dict() if quota else None,
         "quota_source": source,
         "quota_text": quota.describe() if quota else "no limit but free GPUs",
-        "holdings": [_holding(a) for a in held if a.gpus],
+        "holdings": [_holding(a, _usage(handler)) for a in held if a.gpus],
         "gpus_held": sum(a.gpus for a in held),
         "usage_gpu_hours": {
             "7d": round(ledger.usage(now - 7 * DAY, now, user=name).get(name, 0.0), 3),
@@ -259,16 +259,25 @@ async def user_view(handler: Base, name: str, now: float | None = None) -> dict:
     }
 
 
-def _holding(a) -> dict:
+def _usage(handler: Base):
+    """The service's `PoolUsage` (None: GPU usage is not measured by this service)."""
+    return handler.settings.get("gpu_usage")
+
+
+def _holding(a, usage=None) -> dict:
+    """One open allocation; with `usage`, how busy each of its devices is now (NVML)."""
     return {"id": a.id, "kind": a.kind, "name": a.holder, "gpus": a.gpus,
-            "devices": list(a.devices), "since": a.started_at}
+            "devices": list(a.devices), "since": a.started_at,
+            "usage": usage.entries(a.devices) if usage is not None else []}
 
 
-def inventory_view(ledger: Ledger) -> dict:
+def inventory_view(ledger: Ledger, usage=None) -> dict:
     devices = ledger.devices()
     held = {i for a in ledger.open_allocations() for i in a.devices}
     return {"total": len(devices), "free": len([d for d in devices if d.index not in held]),
-            "simulated": any(d.simulated for d in devices)}
+            "simulated": any(d.simulated for d in devices),
+            # whether real GPUs' usage is read (NVML on this machine)
+            "usage_measured": usage is not None and usage.sampler is not None}
 
 
 async def overview(handler: Base) -> dict:
@@ -296,7 +305,7 @@ async def overview(handler: Base) -> dict:
             "quota_text": quota.describe() if quota else "no limit",
             "override": rows.get("user:" + u["name"]),
             # which devices, of which models: the admin sees who holds GPU 3
-            "holdings": [{**_holding(a), "models": sorted({models[i] for i in a.devices
+            "holdings": [{**_holding(a, _usage(handler)), "models": sorted({models[i] for i in a.devices
                                                             if models.get(i)})}
                          for a in mine],
             "gpus_held": sum(a.gpus for a in mine),
@@ -322,7 +331,7 @@ async def overview(handler: Base) -> dict:
         "users": sorted(out_users, key=lambda u: u["name"]),
         "groups": sorted(groups.values(), key=lambda g: g["name"]),
         "default": rows.get("default:"),
-        "inventory": inventory_view(ledger),
+        "inventory": inventory_view(ledger, _usage(handler)),
         # every field of a change (GPU-hours too), in the words of the quota column
         "audit": [{**a, "old_text": Quota(**a["old"]).describe() if a["old"] else "—",
                    "new_text": Quota(**a["new"]).describe() if a["new"] else "unset"}
@@ -336,7 +345,7 @@ async def overview(handler: Base) -> dict:
 class MeHandler(APIHandler):
     async def get(self):
         view = await user_view(self, self.current_user["name"])
-        view["inventory"] = inventory_view(self.ledger)
+        view["inventory"] = inventory_view(self.ledger, _usage(self))
         view["admin"] = self.is_gpulab_admin
         backend = self.settings.get("jobs")
         view["jobs"] = None if backend is None else {
@@ -497,6 +506,13 @@ class JobHandler(JobsBase):
         job = await self.backend.detail(self.owner(), name)
         if job is None:
             raise web.HTTPError(404, f"You have no job named '{name}'.")
+        from .jobs import FINAL
+
+        usage = _usage(self)
+        if usage is not None and job.get("state") not in FINAL:
+            for r in job.get("replicas", ()):
+                if r.get("devices"):  # how busy the replica's GPUs are now
+                    r["usage"] = usage.entries(r["devices"])
         self.send(job)
 
 
@@ -556,7 +572,7 @@ class UserPage(PageHandler):
     @web.authenticated
     async def get(self):
         view = await user_view(self, self.current_user["name"])
-        self.render_page("user.html", me=view, inventory=inventory_view(self.ledger),
+        self.render_page("user.html", me=view, inventory=inventory_view(self.ledger, _usage(self)),
                          admin=self.is_gpulab_admin)
 
 
@@ -570,9 +586,10 @@ class AdminPage(PageHandler):
 
 def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirectory,
              on_quota_change=None, jobs=None, job_limits=None,
-             tls: "ServiceTLS | None" = None) -> web.Application:
+             tls: "ServiceTLS | None" = None, gpu_usage=None) -> web.Application:
     """The service's tornado application; with `tls`, its calls to the hub (token checks)
-    go over mutual TLS with the service's own certificate, verifying the hub's."""
+    go over mutual TLS with the service's own certificate, verifying the hub's; with
+    `gpu_usage` (a `PoolUsage`), holdings and replicas say how busy their GPUs are."""
     from .jobspec import DEFAULT_LIMITS
 
     api = url_path_join(prefix, "api/v1")
@@ -609,10 +626,26 @@ def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirecto
         on_quota_change=on_quota_change or (lambda scope, name: directory.forget()),
         jobs=jobs,
         job_limits=job_limits or DEFAULT_LIMITS,
+        gpu_usage=gpu_usage,
     )
 
 
 RECONCILE_ENV = "GPULAB_RECONCILE_SECONDS"
+USAGE_ENV = "GPULAB_USAGE_SECONDS"
+
+
+def usage_from_env(ledger: Ledger, env=None):
+    """A `PoolUsage` over the pool's real GPUs, read every ``GPULAB_USAGE_SECONDS`` (default
+    5; 0: not measured). A counting pool (Kubernetes: no device numbers, the GPUs are on the
+    nodes) has nothing this process can read."""
+    from gpulab.spawner.gpuusage import PoolUsage
+
+    env = os.environ if env is None else env
+    interval = float(env.get(USAGE_ENV) or 5)
+    devices = ledger.devices()
+    if not interval or not devices:
+        return None
+    return PoolUsage(devices, interval)
 
 
 class ServiceTLS:
@@ -781,7 +814,8 @@ def main() -> None:
     from .jobspec import limits_from_json
 
     app = make_app(ledger, prefix, hub_prefix, directory, jobs=jobs,
-                   job_limits=limits_from_json(os.environ.get("GPULAB_JOB_LIMITS")), tls=tls)
+                   job_limits=limits_from_json(os.environ.get("GPULAB_JOB_LIMITS")), tls=tls,
+                   gpu_usage=usage_from_env(ledger))
     if jobs is not None:
         jobs.recover()
         IOLoop.current().add_callback(jobs.ensure_supervisor)

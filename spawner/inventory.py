@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from traitlets import CaselessStrEnum, Integer, Unicode, default
+from traitlets import CaselessStrEnum, Float, Integer, Unicode, default
 from traitlets.config import SingletonConfigurable
 
 SIMULATED_MODEL = "Simulated-GPU"
@@ -172,6 +172,16 @@ class GPUInventory(SingletonConfigurable):
         0, min=0, help="Memory reported for each simulated GPU, in MiB (default 0: unknown)."
     ).tag(config=True)
 
+    usage_interval = Float(
+        5.0,
+        min=0,
+        help="""How often, in seconds, NVML is asked how busy each real GPU is and how much of
+        its memory is used (default 5; 0: never). The figures appear beside each holding on the
+        spawn page, the admin page, the user page, the API and a job's replicas. Simulated GPUs
+        have nothing to measure and say so. Example: ``c.GPUInventory.usage_interval = 10``
+        """,
+    ).tag(config=True)
+
     @default("source")
     def _source_default(self):
         import os
@@ -205,6 +215,20 @@ class GPUInventory(SingletonConfigurable):
                 "GPU inventory (%s): %s", kind, ", ".join(g.label for g in self._gpus) or "none"
             )
         return self._gpus
+
+    _sampler = None
+
+    def usage(self) -> dict:
+        """The latest NVML figures of this machine's real GPUs, by UUID ({} where none are
+        measured); the first call starts the sampling thread and never waits for NVML."""
+        real = [g.uuid for g in self.gpus if not g.simulated]
+        if not real or not self.usage_interval:
+            return {}
+        if self._sampler is None:
+            from .gpuusage import UsageSampler
+
+            self._sampler = UsageSampler(real, self.usage_interval)
+        return self._sampler.snapshot()
 
     def by_index(self, index: int) -> GPU | None:
         for gpu in self.gpus:

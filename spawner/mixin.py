@@ -25,6 +25,7 @@ from traitlets.config import SingletonConfigurable
 
 from gpulab.hub.ledger import AdmissionRefused, Allocation, DeviceInfo, Ledger, Request
 
+from .gpuusage import device_usage
 from .inventory import GPU, GPUInventory, gpus_json, model_matches
 from .profiles import (
     GPUProfile,
@@ -252,7 +253,7 @@ class GPUSpawnerMixin:
         return {
             "rows": rows,
             "checked": checked,
-            "mine": [(_describe(a), a.gpus, list(a.devices)) for a in mine],
+            "mine": self._held(mine),
             "free_total": len(gpus) - len(held),
             "total": len(gpus),
             "simulated": any(g.simulated for g in gpus),
@@ -260,6 +261,20 @@ class GPUSpawnerMixin:
             "quota_source": source,
             "held": mine_gpus,
         }
+
+    def _held(self, mine) -> list[tuple]:
+        """Each holding as the pages show it: what, how many GPUs, which devices, and how
+        busy each device is now (NVML's latest figures; never waits for the driver)."""
+        inventory = GPUInventory.instance(config=self.config)
+        figures = inventory.usage()
+        by_index = {g.index: g for g in inventory.gpus}
+
+        def text(i):
+            g = by_index.get(i)
+            return device_usage(i, g.uuid if g else "", bool(g and g.simulated), figures)["text"]
+
+        return [(_describe(a), a.gpus, list(a.devices), [text(i) for i in a.devices])
+                for a in mine]
 
     def render_gpu_form(self) -> str:
         return _templates.get_template("spawn_form.html").render(**self.gpu_form_context())
@@ -273,7 +288,7 @@ class GPUSpawnerMixin:
         html = _templates.get_template("quota_summary.html").render(
             quota=quota.describe() if quota else "", quota_source=source,
             held=sum(a.gpus for a in mine),
-            mine=[(_describe(a), a.gpus, list(a.devices)) for a in mine])
+            mine=self._held(mine))
         return html.replace("{", "&#123;").replace("}", "&#125;")
 
     # -- admission -------------------------------------------------------------------------

@@ -160,7 +160,7 @@ def test_only_the_owner_or_an_admin_sees_and_stops_a_job(hub, users, admin):
     assert stopped.json()["state"] == "Stopped" and "admin" in stopped.json()["reason"]
 
 
-def test_stop_ends_every_replica_and_releases_its_gpus(hub, users):
+def test_stop_ends_every_replica_and_releases_its_gpus(hub, users, admin):
     ann = users["ann"]
     spec = {"name": "sleepy", "strategy": "parameter-server",
             "replicas": {"chief": 1, "ps": 1, "worker": 2}, "resources": {"worker": {"gpus": 1}},
@@ -178,6 +178,17 @@ def test_stop_ends_every_replica_and_releases_its_gpus(hub, users):
     assert replicas == {"chief-0", "ps-0", "worker-0", "worker-1"}
     held = [h for h in holdings(ann) if h["kind"] == "job" and h["name"] == "sleepy"]
     assert held and held[0]["gpus"] == 2
+    # how busy each held GPU is: these are simulated, and every view says so
+    assert [(u["device"], u["measured"], u["why"]) for u in held[0]["usage"]] == \
+        [(d, False, "simulated") for d in held[0]["devices"]]
+    view = ann.service("GET", "jobs/sleepy").json()
+    workers = [x for x in view["replicas"] if x["role"] == "worker"]
+    assert [u["text"] for x in workers for u in x["usage"]] == \
+        [f"GPU {d}: simulated (nothing to measure)" for x in workers for d in x["devices"]]
+    page = requests.get(hub.url + "/services/gpulab/admin",
+                        headers={"Authorization": f"token {admin.token()}"})
+    assert page.status_code == 200, page.text
+    assert 'class="gpu-usage"' in page.text and "simulated (nothing to measure)" in page.text
     assert len(job_processes(folder)) >= 4
     t0 = time.time()
     job = ann.service("POST", "jobs/sleepy/stop").json()

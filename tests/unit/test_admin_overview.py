@@ -25,7 +25,7 @@ def test_audit_trail_shows_gpu_hours_and_unsets(tmp_path):
         pass
 
     h = Handler()
-    h.ledger, h.directory = ledger, Directory()
+    h.ledger, h.directory, h.settings = ledger, Directory(), {}
     o = asyncio.run(service.overview(h))
     page = service._pages.get_template("admin.html").render(
         prefix="/services/gpulab/", hub_prefix="/hub/", user="admin", xsrf="x", o=o, admin=True)

@@ -204,7 +204,14 @@ def test_elapsed_progress_and_state_line():
     rows = jm.replica_rows(view)
     assert [r["replica"] for r in rows] == ["chief-0", "ps-0", "worker-0", "worker-1"]
     assert rows[2] == {"replica": "worker-0", "state": "Running", "restarts": "0",
-                       "exit code": "", "GPUs": "2", "reason": ""}
+                       "exit code": "", "GPUs": "2", "GPU use": "", "reason": ""}
+    # the service's words for how busy each GPU is, joined, while the replica runs
+    busy = {**view, "replicas": [{**r, "usage": [
+        {"device": 2, "measured": True, "text": "GPU 2: 37% busy, 1.0 of 80.0 GiB"},
+        {"device": 3, "measured": False, "why": "not measured", "text": "GPU 3: usage not measured"}]}
+        if r["name"] == "worker-0" else r for r in view["replicas"]]}
+    assert jm.replica_rows(busy)[2]["GPU use"] == ("GPU 2: 37% busy, 1.0 of 80.0 GiB; "
+                                                   "GPU 3: usage not measured")
     assert rows[0]["GPUs"] == "–"
     assert lead_replica(view) == "chief-0"
     assert lead_replica(job_view(strategy="multi-worker-mirrored")) == "worker-0"
