@@ -125,7 +125,7 @@ class JobView(W.VBox):
         self._tail: jm.LogTail | None = None
         self.view: dict | None = job.view
 
-        self.title = W.HTML(f"<b>Job {html.escape(job.name)}</b>")
+        self.title = W.HTML(f"<b style='white-space:nowrap'>Job {html.escape(job.name)}</b>")
         self.state = W.HTML("…")
         self.state.add_class("gpulab-job-state")
         self.replicas = W.HTML("")
@@ -356,9 +356,12 @@ def replica_to_show(view: Mapping) -> str:
 
 
 def _log_html(text: str) -> str:
+    # a reversed flex column starts scrolled to its end: the newest lines show, with no
+    # script. `flex:none` keeps the <pre> its full height: JupyterLab gives a <pre> its own
+    # overflow, which would let it shrink to the box and leave the box showing the top
     return ("<div class='gpulab-log-scroll' style='height:14em; overflow:auto; display:flex; "
             "flex-direction:column-reverse; border:1px solid var(--jp-border-color2, #ccc); "
-            "background:var(--jp-layout-color1, #fff)'><pre style='margin:0; padding:4px; "
+            "background:var(--jp-layout-color1, #fff)'><pre style='flex:none; margin:0; padding:4px; "
             "font-size:var(--jp-code-font-size, 12px); white-space:pre-wrap'>"
             f"{html.escape(text)}</pre></div>")
 

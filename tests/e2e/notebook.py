@@ -14,12 +14,16 @@ def wait_for_kernel(page, timeout=120_000):
     page.locator(".jp-StatusBar-Widget", has_text="Idle").first.wait_for(timeout=timeout)
 
 
-def type_into(page, cell, code: str):
-    """Type `code` into `cell`'s editor and check the editor holds exactly that (no lost or
-    auto-inserted characters)."""
+def type_into(page, cell, code: str, paste: bool = False):
+    """Type `code` into `cell`'s editor (or, with `paste`, insert it whole, as a paste does:
+    no auto-indentation of a long program) and check the editor holds exactly that (no lost
+    or auto-inserted characters)."""
     editor = cell.locator(".cm-content")
     editor.click()
-    page.keyboard.type(code)
+    if paste:
+        page.keyboard.insert_text(code)
+    else:
+        page.keyboard.type(code)
     typed = editor.evaluate(
         "e => Array.from(e.querySelectorAll('.cm-line')).map(l => l.textContent).join('\\n')")
     assert typed == code, typed
@@ -40,10 +44,11 @@ def run(page, cell, attempts=3, timeout=30_000):
                 raise
 
 
-def run_cell(page, code: str, index: int):
-    """Type `code` into the notebook's cell `index`, run it, and leave a fresh cell below."""
+def run_cell(page, code: str, index: int, paste: bool = False):
+    """Type (or paste) `code` into the notebook's cell `index`, run it, and leave a fresh
+    cell below."""
     cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
-    type_into(page, cell, code)
+    type_into(page, cell, code, paste)
     run(page, cell)
     if page.locator(".jp-Notebook .jp-Cell").count() == index + 1:
         page.keyboard.press("Escape")

@@ -106,6 +106,8 @@ def test_private_tmp_hides_the_machines_tmp_and_keeps_named_folders(tmp_path):
     parent = tmp_path / "tmp-root"
     private = sandbox.make_private_dir(parent, "job1", NOBODY)
     mine = Path(os.environ.get("TMPDIR", "/tmp")) / f"gpulab-sandbox-{os.getpid()}"
+    # a tutorial's folder name, made unique: the machine's own /tmp may hold the plain one
+    named = f"my_working_dir-{os.getpid()}"
     (mine / "users" / "u").mkdir(parents=True)
     (mine / "users" / "u" / "data.txt").write_text("kept")
     os.chmod(mine, 0o711)
@@ -117,18 +119,18 @@ def test_private_tmp_hides_the_machines_tmp_and_keeps_named_folders(tmp_path):
             os.setgid(NOBODY[1])
             os.setuid(NOBODY[0])
             sandbox.enter_dir(mine / "users" / "u")
-            os.makedirs("/tmp/my_working_dir")
-            Path("/tmp/my_working_dir/ckpt").write_text("x")
+            os.makedirs(f"/tmp/{named}")
+            Path(f"/tmp/{named}/ckpt").write_text("x")
             return {"cwd": os.getcwd(), "kept": Path("data.txt").read_text(),
                     "tmp": sorted(os.listdir("/tmp"))}
 
         code, out = in_child(child)
         assert code == 0, out
         assert out["kept"] == "kept" and out["cwd"] == str(mine / "users" / "u")
-        assert "my_working_dir" in out["tmp"]
+        assert named in out["tmp"]
         # what the child wrote is in its private folder, not in the machine's /tmp
-        assert (private / "my_working_dir" / "ckpt").read_text() == "x"
-        assert not Path("/tmp/my_working_dir/ckpt").exists()
+        assert (private / named / "ckpt").read_text() == "x"
+        assert not Path(f"/tmp/{named}/ckpt").exists()
         assert os.listdir(mine / "users" / "u") == ["data.txt"]
     finally:
         sandbox.remove_private_dir(mine.parent, mine.name)

@@ -1,0 +1,257 @@
+"""What the README tells a newcomer, done in Chromium against a fresh `gpulab up` with its
+defaults (4 simulated GPUs, no quota) plus the set-up the issue names as normal (a 2-GPU
+default quota): the admin logs in with the generated password and sets the quota on the
+admin page; a newcomer signs up, is refused until approved, is approved by the admin on the
+authorization page, logs in, starts the default 1-GPU server; in JupyterLab 4 the README's
+own launcher example and its own magic example (read from README.md, so the two cannot
+drift) run to Succeeded with real TensorFlow; TensorBoard shows their runs; a program that
+raises shows its traceback in the JobView; a job is stopped from its JobView; the jobs list
+renders in Notebook 7; the admin page shows the newcomer's holdings with device numbers and
+how busy they are. Another person cannot open the newcomer's TensorBoard.
+
+With ``GPULAB_SCREENSHOTS=<folder>`` the pictures of docs/images/ are saved there (the
+README's pictures come from this test: ``GPULAB_SCREENSHOTS=docs/images``).
+"""
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.app.hubctl import Browser
+from tests.conftest import PASSWORD
+from tests.e2e.notebook import run, run_cell, type_into, wait_for_kernel
+
+pytestmark = [pytest.mark.e2e, pytest.mark.tf]
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "digits_parameter_server.py"
+SHOTS = os.environ.get("GPULAB_SCREENSHOTS")
+NEWCOMER = "newton"
+
+
+def readme_examples() -> tuple[str, str]:
+    """The README's launcher call and its magic line, as a newcomer would copy them."""
+    text = (ROOT / "README.md").read_text()
+    launcher = re.search(r"^(TrainingLauncher\([^)]*\))", text, re.M)
+    magic = re.search(r"^(%%gpulab_train [^\n]*)$", text, re.M)
+    assert launcher and magic, "the README lost its launcher or magic example"
+    return launcher.group(1), magic.group(1)
+
+
+# whether the last characters of a log box's text lie inside the box's visible area
+NEWEST_LINE_VISIBLE = """box => {
+    const text = box.querySelector('pre').firstChild;
+    const end = text.textContent.trimEnd().length;
+    const range = document.createRange();
+    range.setStart(text, Math.max(0, end - 3));
+    range.setEnd(text, end);
+    const r = range.getBoundingClientRect(), b = box.getBoundingClientRect();
+    return box.scrollHeight > box.clientHeight && r.top >= b.top - 1 && r.bottom <= b.bottom + 1;
+}"""
+
+
+def shot(page, name, locator=None):
+    if SHOTS:
+        Path(SHOTS).mkdir(parents=True, exist_ok=True)
+        (locator or page).screenshot(path=str(Path(SHOTS) / name))
+
+
+def login(page, hub, name, password):
+    page.goto(hub.url + "/hub/login")
+    page.fill("input[name=username]", name)
+    page.fill("input[name=password]", password)
+    page.click("input[type=submit], button[type=submit]")
+
+
+def logout(page, hub):
+    page.goto(hub.url + "/hub/logout")
+    page.wait_for_url(re.compile(r".*/hub/login.*"))
+
+
+def state_of(view):
+    return view.locator(".gpulab-job-state .gpulab-state").first
+
+
+def wait_state(page, view, state, timeout):
+    state_of(view).and_(page.locator(f"[data-state='{state}']")).wait_for(timeout=timeout)
+
+
+def test_the_readme_path_from_sign_up_to_trained_jobs(page, hub):
+    launcher_call, magic_line = readme_examples()
+
+    # -- the admin: the generated password from its file, then a 2-GPU default quota ---------
+    admin_password = (hub.data_dir / "admin_password").read_text().strip()
+    login(page, hub, "admin", admin_password)
+    page.wait_for_url(re.compile(r".*/hub/.*"))
+    page.goto(hub.url + "/services/gpulab/admin")
+    default = page.locator("form.quota[data-kind='default']")
+    default.locator("input[name=max_gpus]").fill("2")
+    default.locator("button[name=save]").click()
+    default.locator(".msg.ok").wait_for()
+    logout(page, hub)
+
+    # -- the newcomer signs up; not approved yet, the login is refused ----------------------
+    page.goto(hub.url + "/hub/signup")
+    page.fill("input[name=username]", NEWCOMER)
+    page.fill("input[name=signup_password]", PASSWORD)
+    page.fill("input[name=signup_password_confirmation]", PASSWORD)
+    page.click("#signup_submit")
+    page.get_by_text(re.compile("information has been sent to the admin|authoriz", re.I)).first \
+        .wait_for()
+    login(page, hub, NEWCOMER, PASSWORD)
+    page.get_by_text(re.compile("has not been authorized by an administrator", re.I)).first.wait_for()
+    assert "/user/" not in page.url
+
+    # -- the admin approves on the authorization page --------------------------------------
+    login(page, hub, "admin", admin_password)
+    page.wait_for_url(re.compile(r".*/hub/.*"))
+    page.goto(hub.url + "/hub/authorize")
+    page.locator(f"a[href$='authorize/{NEWCOMER}']", has_text="Authorize").click()
+    page.locator(f"a[href$='authorize/{NEWCOMER}']", has_text="Unauthorize").wait_for()
+    logout(page, hub)
+
+    # -- the newcomer logs in and starts the default server (1 GPU) ------------------------
+    login(page, hub, NEWCOMER, PASSWORD)
+    page.wait_for_url(re.compile(r".*/hub/spawn.*"))
+    assert page.locator("#profile-gpu-1").is_checked()  # the default profile
+    assert "2 GPUs at once" in page.locator(".gpulab-quota").first.inner_text()
+    shot(page, "spawn.png")
+    page.click("form#spawn_form input[type=submit], form#spawn_form button[type=submit]")
+    page.wait_for_url(re.compile(rf".*/user/{NEWCOMER}/lab.*"), timeout=120_000)
+
+    # the example file in the person's own folder (as if uploaded), owned by their account
+    user_dir = hub.data_dir / "shared" / "users" / NEWCOMER
+    shutil.copy(EXAMPLE, user_dir / EXAMPLE.name)
+    st = os.stat(user_dir)
+    os.chown(user_dir / EXAMPLE.name, st.st_uid, st.st_gid)
+    page.locator(".jp-LauncherCard[title*='TensorBoard'], .jp-LauncherCard:has-text('TensorBoard')"
+                 ).first.wait_for(timeout=60_000)
+    assert page.get_by_text("Would you like to get notified").count() == 0
+    shot(page, "launcher.png")
+
+    page.locator(".jp-LauncherCard[data-category='Notebook']").first.click(timeout=60_000)
+    wait_for_kernel(page)
+
+    # -- the README's launcher example, as written, with the example file as its code --------
+    out = run_cell(page, "from gpulab.extensions import TrainingLauncher\n" + launcher_call, 0)
+    launcher = out.locator(".gpulab-launcher")
+    launcher.wait_for(timeout=120_000)
+    assert "2 GPUs at once" in launcher.locator(".gpulab-quota").inner_text()
+    button = launcher.locator("button.gpulab-launch-button")
+    launcher.locator(".gpulab-code-source button", has_text="a file").click()
+    launcher.locator(".gpulab-file select").select_option(label=EXAMPLE.name)
+    page.wait_for_function("b => !b.disabled", arg=button.element_handle(), timeout=10_000)
+    # bad input is flagged before anything is submitted
+    workers = launcher.locator(".gpulab-workers input")
+    kept = workers.input_value()
+    workers.fill("0")
+    workers.press("Enter")
+    page.wait_for_function("b => b.disabled", arg=button.element_handle(), timeout=10_000)
+    assert "worker" in launcher.locator(".gpulab-launch-reason").inner_text().lower()
+    workers.fill(kept)
+    workers.press("Enter")
+    page.wait_for_function("b => !b.disabled", arg=button.element_handle(), timeout=10_000)
+    button.click()
+
+    view = out.locator(".gpulab-jobview").first
+    view.wait_for(timeout=60_000)
+    wait_state(page, view, "Running", 240_000)
+    view.locator(".gpulab-progress-text").filter(has_text=re.compile(r"\d")).wait_for(
+        timeout=240_000)
+    shot(page, "job-running.png", view)
+    wait_state(page, view, "Succeeded", 300_000)
+    assert view.locator(".gpulab-replica[data-state='Running']").count() == 0
+    first_job = view.locator("b", has_text=re.compile(r"^Job ")).first.inner_text().split()[1]
+
+    # TensorBoard in the cell output shows the job's loss curve
+    view.locator(".gpulab-tensorboard-toggle").first.click()
+    frame = view.frame_locator("iframe.gpulab-tensorboard-frame")
+    frame.get_by_text(re.compile("epoch_loss")).first.wait_for(timeout=120_000)
+    board = view.locator(".gpulab-tensorboard")
+    board.scroll_into_view_if_needed()
+    shot(page, "tensorboard.png", board)
+
+    # -- the README's magic example, as written, with the example as the cell's code --------
+    run_cell(page, "%load_ext gpulab", 1)
+    magic = run_cell(page, magic_line + "\n" + EXAMPLE.read_text().rstrip("\n"), 2, paste=True)
+    second = magic.locator(".gpulab-jobview").first
+    second.wait_for(timeout=60_000)
+    wait_state(page, second, "Succeeded", 300_000)
+    magic_job = re.search(r"--name (\S+)", magic_line).group(1)
+
+    # -- a program that raises: its traceback is where the person looks ---------------------
+    broken = run_cell(page, "%%gpulab_train --name broken --strategy multi-worker-mirrored "
+                            "--workers 1\nimport json\n\nraise ValueError('bad learning rate')", 3)
+    failed = broken.locator(".gpulab-jobview").first
+    failed.wait_for(timeout=60_000)
+    wait_state(page, failed, "Failed", 240_000)
+    assert "ValueError: bad learning rate" in state_of(failed).inner_text()
+    failed.locator(".gpulab-log").filter(has_text="Traceback").first.wait_for(timeout=60_000)
+    assert "raise ValueError('bad learning rate')" in failed.locator(".gpulab-log").inner_text()
+    # the log box shows its newest lines (the traceback's end), not its first
+    assert failed.locator(".gpulab-log-scroll").evaluate(NEWEST_LINE_VISIBLE)
+    assert failed.locator("button.gpulab-stop").is_hidden()  # nothing left to stop
+    shot(page, "job-failed.png", failed)
+
+    # -- a job stopped from its JobView gives its GPU back -----------------------------------
+    sleeper = run_cell(page, "%%gpulab_train --name sleeper --strategy multi-worker-mirrored "
+                             "--workers 1 --gpus 1\nimport time\ntime.sleep(600)", 4)
+    sv = sleeper.locator(".gpulab-jobview").first
+    sv.wait_for(timeout=60_000)
+    wait_state(page, sv, "Running", 240_000)
+    sv.locator("button.gpulab-stop").click()
+    sv.locator("button.gpulab-stop-confirm").click()
+    wait_state(page, sv, "Stopped", 60_000)
+
+    # -- TensorBoard of the server shows both trained jobs' runs -----------------------------
+    page.keyboard.press("Control+s")
+    page.wait_for_timeout(1000)
+    tb = page.context.new_page()
+    try:
+        tb.goto(hub.url + f"/user/{NEWCOMER}/tensorboard/#timeseries")
+        for job in (first_job, magic_job):
+            tb.get_by_text(re.compile(re.escape(job))).first.wait_for(timeout=120_000)
+        # another person cannot open it
+        bob = Browser(hub, "bob")
+        assert bob.signup(PASSWORD).status_code == 200
+        r = tb.request.get(hub.url + f"/user/{NEWCOMER}/tensorboard/", headers={
+            "Authorization": "token " + _approved_token(hub, admin_password, bob)},
+            max_redirects=0)
+        assert r.status == 403
+    finally:
+        tb.close()
+
+    # -- Notebook 7 renders the widgets too: the jobs list with the jobs -------------------
+    page.goto(hub.url + f"/user/{NEWCOMER}/notebooks/Untitled.ipynb")
+    page.locator(".jp-Notebook").first.wait_for(timeout=120_000)
+    cells = page.locator(".jp-Notebook .jp-Cell")
+    cells.last.locator(".cm-content").click()
+    page.keyboard.press("Escape")
+    page.keyboard.press("b")  # a new cell below
+    type_into(page, cells.last, "from gpulab.extensions import JobsList\nJobsList()")
+    run(page, cells.last)
+    rows = page.locator(".gpulab-jobslist .gpulab-job-row")
+    rows.filter(has_text=magic_job).first.wait_for(timeout=120_000)
+    assert rows.filter(has_text="broken").count() >= 1
+
+    # -- the admin page: the newcomer's server, which GPU, and how busy it is -----------------
+    logout(page, hub)
+    login(page, hub, "admin", admin_password)
+    page.wait_for_url(re.compile(r".*/hub/.*"))
+    page.goto(hub.url + "/services/gpulab/admin")
+    held = page.locator(f"tr[data-user='{NEWCOMER}'] td.held").inner_text()
+    assert re.search(r"notebook 'default' \(1\): GPU \d", held), held
+    assert "simulated (nothing to measure)" in held
+    shot(page, "admin.png")
+
+
+def _approved_token(hub, admin_password, person: Browser) -> str:
+    """Approve `person` (as the admin, over HTTP), log them in, and return a token of theirs."""
+    admin = Browser(hub, "admin")
+    admin.login(admin_password)
+    assert admin.s.get(hub.url + f"/hub/authorize/{person.name}").status_code == 200
+    person.login(PASSWORD)
+    return person.token()
