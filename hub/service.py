@@ -570,36 +570,44 @@ class PageUser:
         self.json_escaped_name = json.dumps(quote(name, safe="@~"))[1:-1]
 
 
+def page_context(*, hub_prefix: str, service_prefix: str, model: dict | None, xsrf: str = "",
+                 admin: bool = False, path: str = "") -> dict:
+    """What gpulab's pages and JupyterHub's ``page.html`` under them read: `model` is the
+    hub's user model of who asks (None: nobody logged in), `admin` whether they are a gpulab
+    admin, `path` the page's own path."""
+    hub, prefix = hub_prefix, service_prefix
+    hub_admin = bool(model and model.get("admin"))
+
+    def static_url(path: str, include_version: bool = True) -> str:
+        # the hub's static files, through the proxy (the service serves none)
+        return hub + "static/" + path + (f"?v={jupyterhub.__version__}" if include_version else "")
+
+    return {
+        # JupyterHub's page.html: its links are the hub's (base_url is the hub's prefix)
+        "base_url": hub, "static_url": static_url, "logout_url": hub + "logout",
+        "login_url": hub + "login?next=" + quote(prefix), "no_spawner_check": True,
+        "user": PageUser(model["name"]) if model else None, "admin_access": hub_admin,
+        "parsed_scopes": {"admin-ui"} if hub_admin else set(), "xsrf_token": xsrf,
+        "services": [{"name": SERVICE_NAME, "href": prefix}] if model else [],
+        # gpulab's own
+        "prefix": prefix, "hub_prefix": hub, "xsrf": xsrf, "admin": bool(model) and admin,
+        "page": path,
+    }
+
+
 class ErrorPages:
     """Pages in JupyterHub's look, errors included: every error of a page handler (and of the
     OAuth callback, and of an unknown page) is ``error.html`` saying what happened and what to
     do next; the API's handlers answer JSON (`APIHandler.write_error`)."""
 
     def page_context(self) -> dict:
-        s = self.settings
-        hub, prefix = s["hub_prefix"], s["service_prefix"]
         model = getattr(self, "_hub_auth_user_cache", None)
         xsrf = self.xsrf_token
-        xsrf = xsrf.decode() if isinstance(xsrf, bytes) else xsrf
-        hub_admin = bool(model and model.get("admin"))
-
-        def static_url(path: str, include_version: bool = True) -> str:
-            # the hub's static files, through the proxy (the service serves none)
-            return hub + "static/" + path + (f"?v={jupyterhub.__version__}"
-                                             if include_version else "")
-
-        return {
-            # JupyterHub's page.html: its links are the hub's (base_url is the hub's prefix)
-            "base_url": hub, "static_url": static_url, "logout_url": hub + "logout",
-            "login_url": hub + "login?next=" + quote(prefix), "no_spawner_check": True,
-            "user": PageUser(model["name"]) if model else None, "admin_access": hub_admin,
-            "parsed_scopes": {"admin-ui"} if hub_admin else set(), "xsrf_token": xsrf,
-            "services": [{"name": SERVICE_NAME, "href": prefix}] if model else [],
-            # gpulab's own
-            "prefix": prefix, "hub_prefix": hub, "xsrf": xsrf,
-            "admin": bool(model) and bool(self.hub_auth.check_scopes({ADMIN_SCOPE}, model)),
-            "page": self.request.path,
-        }
+        return page_context(
+            hub_prefix=self.settings["hub_prefix"], service_prefix=self.settings["service_prefix"],
+            model=model, xsrf=xsrf.decode() if isinstance(xsrf, bytes) else xsrf,
+            admin=bool(model) and bool(self.hub_auth.check_scopes({ADMIN_SCOPE}, model)),
+            path=self.request.path)
 
     def render_page(self, name: str, **ctx):
         self.finish(_pages.get_template(name).render(**{**self.page_context(), **ctx}))
