@@ -72,6 +72,60 @@ def tensorboard_server() -> dict:
     }
 
 
+#: TensorBoard's index page asks for its Roboto fonts at ``/font-roboto/…``, the root of the
+#: site: behind the hub that is nobody's route (404), so it is made relative to the page
+#: (``<prefix>tensorboard/font-roboto/…``, which TensorBoard serves)
+_ABSOLUTE_FONTS = b"url(/font-roboto/"
+_RELATIVE_FONTS = b"url(font-roboto/"
+#: and its Polymer code adds a stylesheet from Google Fonts unless told not to: on a machine
+#: without the internet it never loads (the Roboto above is the same font, served locally)
+_NO_GOOGLE_FONTS = b"<script>window.polymerSkipLoadingFontRoboto = true;</script>"
+
+
+def relative_fonts(index_html: bytes) -> bytes:
+    """TensorBoard's index page with its fonts from where it is served, and no request for
+    Google Fonts (`fonts_behind_proxy`)."""
+    page = index_html.replace(_ABSOLUTE_FONTS, _RELATIVE_FONTS)
+    if _NO_GOOGLE_FONTS not in page:  # before TensorBoard's code (the page has no <head>)
+        at = page.find(b"<script")
+        at = at if at >= 0 else len(page)
+        page = page[:at] + _NO_GOOGLE_FONTS + page[at:]
+    return page
+
+
+def fonts_behind_proxy(app):
+    """TensorBoard's WSGI application with its index page rewritten by `relative_fonts`: the
+    page is served uncompressed (the rewrite needs its text; it is about 200 kB), every other
+    response as TensorBoard makes it."""
+
+    def wrapped(environ, start_response):
+        if environ.get("PATH_INFO", "") not in ("", "/", "/index.html"):
+            return app(environ, start_response)
+        environ = {**environ, "HTTP_ACCEPT_ENCODING": "identity"}
+        captured = {}
+
+        def capture(status, headers, exc_info=None):
+            captured["status"], captured["headers"] = status, headers
+            return lambda data: None  # TensorBoard returns its body; it never writes
+
+        result = app(environ, capture)
+        try:
+            body = b"".join(result)
+        finally:
+            if hasattr(result, "close"):
+                result.close()
+        headers = captured["headers"]
+        if captured["status"].startswith("200") and any(
+                k.lower() == "content-type" and v.startswith("text/html") for k, v in headers):
+            body = relative_fonts(body)
+            headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
+            headers.append(("Content-Length", str(len(body))))
+        start_response(captured["status"], headers)
+        return [body]
+
+    return wrapped
+
+
 def unix_socket_server_class(path: str, key: int = 0):
     """A TensorBoard server class (``TensorBoard(server_class=...)``) serving TensorBoard's
     WSGI application on the Unix socket `path` instead of a TCP port. TensorBoard records a
@@ -83,7 +137,8 @@ def unix_socket_server_class(path: str, key: int = 0):
         daemon_threads = True
 
         def __init__(self, wsgi_app, flags):
-            serving.ThreadedWSGIServer.__init__(self, "unix://" + path, 0, wsgi_app)
+            serving.ThreadedWSGIServer.__init__(self, "unix://" + path, 0,
+                                                fonts_behind_proxy(wsgi_app))
 
         def get_url(self):
             return f"http://localhost:{key}/"

@@ -164,6 +164,22 @@ class GpulabHub(JupyterHub):
         self.services = services
 
 
+    async def init_users(self):
+        await super().init_users()
+        # approved sign-ups that never logged in are hub users too (gpulab.hub.auth): their
+        # quota can be set before their first login
+        from .auth import GpulabAuthenticator, approved_without_hub_user
+
+        if isinstance(self.authenticator, GpulabAuthenticator):
+            from jupyterhub import orm, roles
+
+            for name in approved_without_hub_user(self.db):
+                user = orm.User(name=name)
+                self.db.add(user)
+                roles.assign_default_roles(self.db, entity=user)
+                self.log.info("Approved sign-up %s is now a hub user", name)
+            self.db.commit()
+
     async def init_groups(self):
         # With an identity provider that manages groups (gpulab.hub.oidc), the groups come from
         # each login; gpulab's own group for the first admin would stop the hub (JupyterHub

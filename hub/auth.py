@@ -10,6 +10,13 @@ after `allowed_failed_logins` wrong passwords in a row (NativeAuthenticator's lo
 default here), sign-ups are limited to `signup_limit_per_hour` across the hub, and password
 hashes are checked in a thread (bcrypt takes a quarter of a second: on the hub's event loop a
 stream of wrong passwords would stall everyone else's requests).
+
+An approved sign-up is a hub user at once (`ApproveHandler`, and `approved_without_hub_user`
+for approvals made before this or outside the page): NativeAuthenticator alone makes the hub
+user only at the first login, so the admin could not see, or set the GPU quota of, someone
+approved who had not logged in yet (admin page, ``gpulab quota set --user``, the hub's admin
+panel). Withdrawing an approval keeps the hub user (and its quota): the person cannot log in
+either way; deleting the user in the hub's admin panel removes the sign-up too.
 """
 
 from __future__ import annotations
@@ -21,9 +28,36 @@ from pathlib import Path
 
 import bcrypt
 from nativeauthenticator import NativeAuthenticator
+from nativeauthenticator.handlers import ToggleAuthorizationHandler, admin_users_scope
 from nativeauthenticator.orm import UserInfo
 from tornado import web
 from traitlets import Bool, Integer, Unicode
+
+
+class ApproveHandler(ToggleAuthorizationHandler):
+    """``/hub/authorize/<name>`` (the Authorize/Unauthorize buttons of ``/hub/authorize``):
+    NativeAuthenticator's toggle, and an approval makes the hub user at once."""
+
+    @admin_users_scope
+    async def get(self, slug):
+        info = UserInfo.find(self.db, self.authenticator.normalize_username(slug))
+        if info is None:
+            raise web.HTTPError(404, f"No sign-up named '{slug}'.")
+        info = UserInfo.change_authorization(self.db, info.username)
+        if info.is_authorized and self.find_user(info.username) is None:
+            self.user_from_username(info.username)  # a hub user, never logged in
+            self.log.info("Approved %s: hub user created (quota settable before first login)",
+                          info.username)
+        self.redirect(self.hub.base_url + "authorize#" + info.username)
+
+
+def approved_without_hub_user(db) -> list[str]:
+    """Names of approved sign-ups that are no hub user yet (`gpulab.hub.app.GpulabHub` makes
+    them at start-up)."""
+    from jupyterhub import orm
+
+    return sorted(info.username for info in db.query(UserInfo).filter(UserInfo.is_authorized)
+                  if orm.User.find(db, info.username) is None)
 
 
 class GpulabAuthenticator(NativeAuthenticator):
@@ -73,6 +107,10 @@ class GpulabAuthenticator(NativeAuthenticator):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.ensure_bootstrap_admin()
+
+    def get_handlers(self, app):
+        return [(path, ApproveHandler if path == r"/authorize/([^/]*)" else handler)
+                for path, handler in super().get_handlers(app)]
 
     async def authenticate(self, handler, data):
         username = self.normalize_username(data["username"])

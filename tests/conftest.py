@@ -14,6 +14,23 @@ from tests.app.hubctl import Browser, Hub
 PASSWORD = "Correct-Horse-42"
 
 
+def default_prefix_accounts() -> set[str]:
+    from gpulab.spawner.local import LocalGPUSpawner
+
+    default = LocalGPUSpawner.system_user_prefix.default_value  # jupyter-
+    return {e.pw_name for e in pwd.getpwall() if e.pw_name.startswith(default)}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_accounts_left_with_the_default_prefix():
+    """Tests make system accounts only with a `prefix` of their own, removed after them: a
+    run must not leave one with gpulab's default prefix (such as ``jupyter-user``) behind."""
+    before = default_prefix_accounts()
+    yield
+    left = default_prefix_accounts() - before
+    assert not left, f"the tests left system accounts behind: {sorted(left)}"
+
+
 @pytest.fixture(scope="module")
 def prefix():
     """A unique system-account prefix; every account made with it is removed afterwards."""

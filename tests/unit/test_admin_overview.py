@@ -27,9 +27,10 @@ def test_audit_trail_shows_gpu_hours_and_unsets(tmp_path):
     h = Handler()
     h.ledger, h.directory, h.settings = ledger, Directory(), {}
     o = asyncio.run(service.overview(h))
-    page = service._pages.get_template("admin.html").render(
-        prefix="/services/gpulab/", hub_prefix="/hub/", user="admin", xsrf="x", o=o, admin=True)
-    rows = page[page.index('<table id="audit">'):]
+    ctx = service.page_context(hub_prefix="/hub/", service_prefix="/services/gpulab/",
+                               model={"name": "admin", "admin": True}, xsrf="x", admin=True)
+    page = service._pages.get_template("admin.html").render(o=o, **ctx)
+    rows = page[page.index('<table id="audit"'):]
     assert ('<td class="old">2 GPUs at once</td><td class="new">2 GPUs at once, at most 1 per '
             'request, 100 GPU-hours per') in rows
     assert '<td class="new">unset</td>' in rows and '<td class="old">—</td>' in rows
