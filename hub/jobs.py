@@ -10,7 +10,10 @@ Each replica is ``python -m gpulab.extensions.runtime <script> <args>`` on a loo
 in a process group of its own, with ``TF_CONFIG`` naming every replica's address and
 ``CUDA_VISIBLE_DEVICES`` its share of the job's GPUs. As root with isolation on, replicas run
 as the user's own system account (the same one as their notebook server). The job folder is
-``<shared>/users/<user>/jobs/<job>/``: ``source.py`` (when the spec gave code text),
+``<shared>/users/<user>/jobs/<job>/``: ``source.py`` (when the spec gave code text; with
+``files``, ``code/source.py`` and the files beside it in ``code/``, the entry point's folder
+and so on every replica's import path; written as root without following links, owned by
+the person, a name never more than one plain component: see `gpulab.hub.jobspec`),
 ``logs/<role>-<index>.log`` (and ``logs/<role>-<index>.exit``, the exit code the runtime
 writes as it ends), and what the program writes through the runtime's helpers (TensorBoard
 summaries under ``tensorboard/``, checkpoints under ``checkpoints/``).
@@ -85,7 +88,7 @@ from gpulab.spawner.accounts import AccountError
 from gpulab.spawner.cgroups import local_cgroups, memory_bytes
 
 from . import safefs
-from .jobspec import DEFAULT_LIMITS, ROLES, JobLimits, JobSpec
+from .jobspec import DEFAULT_LIMITS, ROLES, SOURCE_NAME, JobLimits, JobSpec
 from .ledger import JobRow, Ledger, ReplicaRow, Request
 
 log = logging.getLogger("gpulab.jobs")
@@ -138,6 +141,12 @@ def _in_job(job_dir: str, *names: str) -> tuple[Path, list[str]]:
     """(the owner's folder, the path below it) of a file of the job, for `safefs`."""
     job_dir = Path(job_dir)
     return job_dir.parent.parent, [job_dir.parent.name, job_dir.name, *names]
+
+
+def code_parts(spec: JobSpec) -> list[str]:
+    """Where a spec's code text is kept, below the job folder: ``["source.py"]`` alone, or
+    ``["code", "source.py"]`` when it has ``files`` (they go in ``code/`` beside it)."""
+    return ["code", SOURCE_NAME] if spec.files else [SOURCE_NAME]
 
 
 def read_progress(job: JobRow, replica: str, tail: int = 64 * 1024) -> dict | None:
@@ -459,9 +468,14 @@ class LocalJobBackend(JobBackend):
         for sub in ("logs", "checkpoints", "tensorboard"):
             os.close(safefs.open_dir(account.folder, ["jobs", spec.name, sub], create=True,
                                      owner=owner))
-        if spec.source is not None:
-            safefs.write_text(account.folder, ["jobs", spec.name, "source.py"], spec.source,
-                              owner=owner)
+        if spec.source is None:
+            return
+        where = ["jobs", spec.name, *code_parts(spec)[:-1]]
+        if spec.files:  # code/: the entry point's folder, on the replicas' import path
+            os.close(safefs.open_dir(account.folder, where, create=True, owner=owner))
+        # each name is one plain component (`JobSpec`); safefs refuses links on the way
+        for name, text in ((SOURCE_NAME, spec.source), *spec.files.items()):
+            safefs.write_text(account.folder, [*where, name], text, owner=owner)
 
     def _start_all(self, job_id: str, script: Path | None, only: set | None = None) -> None:
         with self.ledger.Session.begin() as s:
@@ -474,7 +488,7 @@ class LocalJobBackend(JobBackend):
                     cluster.setdefault(r.role, []).append((r.index, f"127.0.0.1:{r.port}"))
             cluster = {k: [a for _, a in sorted(v)] for k, v in cluster.items()}
             job_dir = Path(job.job_dir)
-            program = script or (job_dir / "source.py")
+            program = script or job_dir.joinpath(*code_parts(spec))
             if script is None and spec.script is not None:
                 program = account.folder / spec.script
             for r in reps:
@@ -908,7 +922,11 @@ class LocalJobBackend(JobBackend):
 PROGRAM_ERRORS = (1, 2)
 
 
-_NOT_THEIR_CODE = ("site-packages", "dist-packages", "/usr/lib/python", "<frozen", "/gpulab/")
+#: frames of a traceback that are not the person's code: installed packages, Python's own, and
+#: gpulab's runtime (its own path: a person's files live below a data folder that is often
+#: ``/var/lib/gpulab``, and on Kubernetes below ``/gpulab/job-source``, so "/gpulab/" is theirs)
+_NOT_THEIR_CODE = ("site-packages", "dist-packages", "/usr/lib/python", "<frozen",
+                   "/gpulab/extensions/", "/extensions/runtime.py")
 
 
 def error_summary(log: bytes, limit: int = 400) -> str:
