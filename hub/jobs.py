@@ -76,6 +76,7 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +142,18 @@ def _in_job(job_dir: str, *names: str) -> tuple[Path, list[str]]:
     """(the owner's folder, the path below it) of a file of the job, for `safefs`."""
     job_dir = Path(job_dir)
     return job_dir.parent.parent, [job_dir.parent.name, job_dir.name, *names]
+
+
+@contextmanager
+def _their_folder():
+    """Around writes into a person's job folder: a folder of theirs that vanishes as it is
+    used (they moved or swapped it meanwhile, e.g. for a link and back) is `safefs.UnsafePath`,
+    like a link found in place, so the person hears it (409), not an internal error."""
+    try:
+        yield
+    except (FileNotFoundError, NotADirectoryError) as e:
+        raise safefs.UnsafePath(e.errno, f"{e.filename or 'a folder'} changed while gpulab "
+                                "wrote to it") from None
 
 
 def code_parts(spec: JobSpec) -> list[str]:
@@ -465,17 +478,18 @@ class LocalJobBackend(JobBackend):
     def _prepare_dir(self, account: UserAccount, spec: JobSpec) -> None:
         """The job's folder in the user's own folder, owned by them (never through a link)."""
         owner = (account.uid, account.gid) if account.uid is not None else None
-        for sub in ("logs", "checkpoints", "tensorboard"):
-            os.close(safefs.open_dir(account.folder, ["jobs", spec.name, sub], create=True,
-                                     owner=owner))
-        if spec.source is None:
-            return
-        where = ["jobs", spec.name, *code_parts(spec)[:-1]]
-        if spec.files:  # code/: the entry point's folder, on the replicas' import path
-            os.close(safefs.open_dir(account.folder, where, create=True, owner=owner))
-        # each name is one plain component (`JobSpec`); safefs refuses links on the way
-        for name, text in ((SOURCE_NAME, spec.source), *spec.files.items()):
-            safefs.write_text(account.folder, [*where, name], text, owner=owner)
+        with _their_folder():
+            for sub in ("logs", "checkpoints", "tensorboard"):
+                os.close(safefs.open_dir(account.folder, ["jobs", spec.name, sub],
+                                         create=True, owner=owner))
+            if spec.source is None:
+                return
+            where = ["jobs", spec.name, *code_parts(spec)[:-1]]
+            if spec.files:  # code/: the entry point's folder, on the replicas' import path
+                os.close(safefs.open_dir(account.folder, where, create=True, owner=owner))
+            # each name is one plain component (`JobSpec`); safefs refuses links on the way
+            for name, text in ((SOURCE_NAME, spec.source), *spec.files.items()):
+                safefs.write_text(account.folder, [*where, name], text, owner=owner)
 
     def _start_all(self, job_id: str, script: Path | None, only: set | None = None) -> None:
         with self.ledger.Session.begin() as s:
@@ -495,7 +509,8 @@ class LocalJobBackend(JobBackend):
                 key = (r.role, r.index)
                 if only is not None and key not in only:
                     continue
-                logs = safefs.open_dir(*_in_job(job.job_dir, "logs"))
+                with _their_folder():
+                    logs = safefs.open_dir(*_in_job(job.job_dir, "logs"))
                 try:
                     os.unlink(f"{r.role}-{r.index}.exit", dir_fd=logs)
                 except FileNotFoundError:
@@ -519,9 +534,10 @@ class LocalJobBackend(JobBackend):
             account=(pwd.getpwuid(account.uid).pw_name, account.home or "/")
             if account.uid is not None else None)
         owner = (account.uid, account.gid) if account.uid is not None else None
-        logfile = os.fdopen(safefs.open_file(
-            *_in_job(job.job_dir, "logs", f"{r.role}-{r.index}.log"),
-            os.O_WRONLY | os.O_CREAT | os.O_APPEND, owner=owner), "ab", buffering=0)
+        with _their_folder():
+            logfile = os.fdopen(safefs.open_file(
+                *_in_job(job.job_dir, "logs", f"{r.role}-{r.index}.log"),
+                os.O_WRONLY | os.O_CREAT | os.O_APPEND, owner=owner), "ab", buffering=0)
         folder, job_path = _in_job(job.job_dir)
         group = self._replica_group(job.id, spec, r.role, r.index, devices)
         netns = sandbox.open_netns(job.id, self.netns_root) if self.sandboxed else None

@@ -145,31 +145,52 @@ def test_a_planted_link_is_never_followed(eve, places, plant):
         assert (folder / "own").read_text() == "mine\n"
 
 
+SWAPPER = """
+import os, sys, time
+jobs, vic, names, seconds = sys.argv[1], sys.argv[2], sys.argv[3].split(","), float(sys.argv[4])
+for n in names:
+    os.makedirs(f"{jobs}/{n}/code", exist_ok=True)
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    for n in names:
+        code = f"{jobs}/{n}/code"
+        try:  # the folder out, a link to vic's folder in, and back
+            os.rename(code, code + ".d")
+            os.symlink(vic, code)
+            os.unlink(code)
+            os.rename(code + ".d", code)
+        except OSError:
+            pass
+"""
+
+
 def test_swapping_the_code_folder_while_submitting_never_writes_elsewhere(eve, places):
-    """A link swapped in and out of place as the service writes: each submit either runs in
-    a real folder of eve's or is refused; nothing reaches vic's folder."""
+    """The code folder swapped for a link to vic's folder and back, thousands of times a
+    second, while eve submits: each submit runs in a real folder of hers or is refused
+    (safefs walks every component without following links: no check-then-use window), and
+    nothing reaches vic's folder."""
     eve_dir, vic_dir = places
-    names = [f"race-{i}" for i in range(3)]
+    names = [f"race-{i}" for i in range(6)]
     before = untouched(vic_dir)
-    loop = " ".join(
-        f"mkdir -p {eve_dir}/jobs/{n}; rm -rf {eve_dir}/jobs/{n}/code; "
-        f"ln -s {vic_dir} {eve_dir}/jobs/{n}/code; rm -f {eve_dir}/jobs/{n}/code; "
-        f"mkdir -p {eve_dir}/jobs/{n}/code;" for n in names)
-    eve.sh(f"(end=$((SECONDS+25)); while [ $SECONDS -lt $end ]; do {loop} done) "
+    swapper = eve_dir / "swapper.py"
+    eve.sh(f"cat > {swapper} <<'EOF'\n{SWAPPER}\nEOF", check=True)
+    eve.sh(f"python3 {swapper} {eve_dir}/jobs {vic_dir} {','.join(names)} 15 "
            ">/dev/null 2>&1 &", check=True)
+    t0 = time.monotonic()
     answers = []
     for n in names:
-        time.sleep(1)
+        time.sleep(0.5)
         r = eve.service("POST", "jobs", json=job(n, {"helper.py": PAYLOAD + "\n"},
                                                     max_runtime=120), timeout=60)
         assert r.status_code in (201, 409), r.text
         answers.append(r.status_code)
-    time.sleep(26 - 3)  # the loop has ended
+    time.sleep(max(0.0, 16 - (time.monotonic() - t0)))  # the swapper has ended
+    print("race answers:", answers)
     assert untouched(vic_dir) == before
-    assert not (vic_dir / "source.py").exists()
+    assert not (vic_dir / "source.py").exists() and not (vic_dir / "code").exists()
     for n, code in zip(names, answers):
         if code == 201:
-            eve.service("POST", f"jobs/{n}/stop")
-        else:
+            assert eve.service("POST", f"jobs/{n}/stop").status_code == 200
+    for n, code in zip(names, answers):
+        if code != 201:
             nothing_made(eve, eve_dir, n)
-    print("race answers:", answers)
