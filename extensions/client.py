@@ -286,7 +286,10 @@ class Client(Configurable):
 
         ``submit(name=…, strategy="parameter-server", ps=1, workers=2, gpus=1, source=…)``, or
         ``submit({"name": …, "strategy": "parameter-server", "replicas": {"ps": 1,
-        "worker": 2}, "source": …})``. A parameter-server job always has one chief (the
+        "worker": 2}, "source": …})``. A program of several files: ``source`` is the entry
+        point, ``files`` the others (``files=["mnist_setup.py"]``, read from the current
+        folder, or ``{"mnist_setup.py": text}``), placed beside it and importable by it.
+        A parameter-server job always has one chief (the
         coordinator): a spec whose ``replicas`` name no ``chief`` gets ``"chief": 1``, as
         the ``gpulab jobs submit`` command and the keyword form do; a ``chief`` the spec
         names is sent as it is (`with_chief`). The ``spec`` given is not changed.

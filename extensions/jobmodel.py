@@ -17,7 +17,7 @@ import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Iterable, Mapping
 from urllib.parse import quote
 
 from .runtime import PROGRESS_PREFIX as PROGRESS_LINE
@@ -45,8 +45,13 @@ def build_spec(*, name: str, strategy: str = "parameter-server", ps: int = 1,
                memory: str | None = None, source: str | None = None,
                script: str | None = None, args=(), env: Mapping[str, str] | None = None,
                max_runtime: int | None = None, retries: int | None = None,
-               image: str | None = None, evaluator: bool = False) -> dict:
+               image: str | None = None, evaluator: bool = False,
+               files: Mapping[str, str] | Iterable[str | os.PathLike] | None = None) -> dict:
     """The jobs API's spec from the launcher's fields.
+
+    ``files``: more files of the program, placed beside ``source`` (the entry point) and
+    importable by it: ``{name: text}``, or paths of files to read (relative ones from the
+    current folder, a notebook's own), sent by their names (`read_files`).
 
     ``gpus``, ``cpu`` and ``memory`` are each worker's (every worker gets the same); a
     parameter-server job gets 1 chief and ``ps`` parameter servers, a multi-worker job only
@@ -66,6 +71,8 @@ def build_spec(*, name: str, strategy: str = "parameter-server", ps: int = 1,
                   "resources": {"worker": worker}}
     if source is not None:
         spec["source"] = source
+    if files:
+        spec["files"] = (dict(files) if isinstance(files, Mapping) else read_files(files))
     if script is not None:
         spec["script"] = script
     if args:
@@ -79,6 +86,25 @@ def build_spec(*, name: str, strategy: str = "parameter-server", ps: int = 1,
     if image:
         spec["image"] = image
     return spec
+
+
+def read_files(paths: Iterable[str | os.PathLike]) -> dict[str, str]:
+    """``{name: text}`` of files to send with a job's ``source`` (each by its own file name;
+    relative paths from the current folder). `ValueError` with one line for the person when
+    one cannot be read or two have the same name."""
+    out: dict[str, str] = {}
+    for raw in paths:
+        path = Path(raw)
+        if path.name in out:
+            raise ValueError(f"two files are named {path.name}: the files of a job go in one "
+                             "folder, by their names")
+        try:
+            out[path.name] = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"cannot read {raw}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{raw} is not UTF-8 text") from None
+    return out
 
 
 def spec_gpus(spec: Mapping) -> int:

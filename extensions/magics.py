@@ -9,7 +9,9 @@
 Flags: ``--name`` (default ``nb-<date>-<time>-<xyz>``), ``--strategy`` (``parameter-server``
 or ``multi-worker-mirrored``), ``--ps``, ``--workers``, ``--gpus``/``--cpu``/``--memory``
 (each worker's), ``--image`` (Kubernetes), ``--max-runtime`` (seconds), ``--retries``,
-``--env NAME=VALUE`` (repeat), ``--evaluator``, ``--no-view``; what follows ``--`` is passed
+``--env NAME=VALUE`` (repeat), ``--file PATH`` (repeat: a file, e.g. a module of the
+notebook's folder, sent with the cell and placed beside it, so that the cell imports it),
+``--evaluator``, ``--no-view``; what follows ``--`` is passed
 to the program as its arguments. A bad flag or a refusal of the service is one line in the
 cell, never a traceback. The job's `JobView` is displayed; the `Job` is in ``_gpulab_job``.
 """
@@ -51,6 +53,9 @@ def _parser() -> _Parser:
     p.add_argument("--retries", type=int, default=None, help="restarts of failed replicas")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable of every replica (repeat)")
+    p.add_argument("--file", action="append", default=[], metavar="PATH", dest="files",
+                   help="a file sent with the cell and placed beside it, importable, e.g. "
+                   "a module of the notebook's folder (repeat)")
     p.add_argument("--evaluator", action="store_true", help="add an evaluator replica")
     p.add_argument("--no-view", action="store_true", help="do not display the JobView")
     p.add_argument("args", nargs="*", help="after --: the program's arguments")
@@ -86,10 +91,14 @@ def parse_train_line(line: str, cell: str) -> tuple[dict, argparse.Namespace]:
         problems.append("--retries cannot be negative.")
     if problems:
         raise ArgError("%%gpulab_train: " + " ".join(problems))
+    try:
+        files = jm.read_files(ns.files)
+    except ValueError as e:
+        raise ArgError(f"%%gpulab_train: --file: {e}") from None
     spec = jm.build_spec(name=name, strategy=ns.strategy, ps=ns.ps, workers=ns.workers,
                          gpus=ns.gpus, cpu=ns.cpu, memory=ns.memory, source=cell, args=ns.args,
                          env=env, max_runtime=ns.max_runtime, retries=ns.retries,
-                         image=ns.image, evaluator=ns.evaluator)
+                         image=ns.image, evaluator=ns.evaluator, files=files)
     return spec, ns
 
 

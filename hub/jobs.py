@@ -10,7 +10,10 @@ Each replica is ``python -m gpulab.extensions.runtime <script> <args>`` on a loo
 in a process group of its own, with ``TF_CONFIG`` naming every replica's address and
 ``CUDA_VISIBLE_DEVICES`` its share of the job's GPUs. As root with isolation on, replicas run
 as the user's own system account (the same one as their notebook server). The job folder is
-``<shared>/users/<user>/jobs/<job>/``: ``source.py`` (when the spec gave code text),
+``<shared>/users/<user>/jobs/<job>/``: ``source.py`` (when the spec gave code text; with
+``files``, ``code/source.py`` and the files beside it in ``code/``, the entry point's folder
+and so on every replica's import path; written as root without following links, owned by
+the person, a name never more than one plain component: see `gpulab.hub.jobspec`),
 ``logs/<role>-<index>.log`` (and ``logs/<role>-<index>.exit``, the exit code the runtime
 writes as it ends), and what the program writes through the runtime's helpers (TensorBoard
 summaries under ``tensorboard/``, checkpoints under ``checkpoints/``).
@@ -73,6 +76,7 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,7 +89,7 @@ from gpulab.spawner.accounts import AccountError
 from gpulab.spawner.cgroups import local_cgroups, memory_bytes
 
 from . import safefs
-from .jobspec import DEFAULT_LIMITS, ROLES, JobLimits, JobSpec
+from .jobspec import DEFAULT_LIMITS, ROLES, SOURCE_NAME, JobLimits, JobSpec
 from .ledger import JobRow, Ledger, ReplicaRow, Request
 
 log = logging.getLogger("gpulab.jobs")
@@ -138,6 +142,24 @@ def _in_job(job_dir: str, *names: str) -> tuple[Path, list[str]]:
     """(the owner's folder, the path below it) of a file of the job, for `safefs`."""
     job_dir = Path(job_dir)
     return job_dir.parent.parent, [job_dir.parent.name, job_dir.name, *names]
+
+
+@contextmanager
+def _their_folder():
+    """Around writes into a person's job folder: a folder of theirs that vanishes as it is
+    used (they moved or swapped it meanwhile, e.g. for a link and back) is `safefs.UnsafePath`,
+    like a link found in place, so the person hears it (409), not an internal error."""
+    try:
+        yield
+    except (FileNotFoundError, NotADirectoryError) as e:
+        raise safefs.UnsafePath(e.errno, f"{e.filename or 'a folder'} changed while gpulab "
+                                "wrote to it") from None
+
+
+def code_parts(spec: JobSpec) -> list[str]:
+    """Where a spec's code text is kept, below the job folder: ``["source.py"]`` alone, or
+    ``["code", "source.py"]`` when it has ``files`` (they go in ``code/`` beside it)."""
+    return ["code", SOURCE_NAME] if spec.files else [SOURCE_NAME]
 
 
 def read_progress(job: JobRow, replica: str, tail: int = 64 * 1024) -> dict | None:
@@ -456,12 +478,18 @@ class LocalJobBackend(JobBackend):
     def _prepare_dir(self, account: UserAccount, spec: JobSpec) -> None:
         """The job's folder in the user's own folder, owned by them (never through a link)."""
         owner = (account.uid, account.gid) if account.uid is not None else None
-        for sub in ("logs", "checkpoints", "tensorboard"):
-            os.close(safefs.open_dir(account.folder, ["jobs", spec.name, sub], create=True,
-                                     owner=owner))
-        if spec.source is not None:
-            safefs.write_text(account.folder, ["jobs", spec.name, "source.py"], spec.source,
-                              owner=owner)
+        with _their_folder():
+            for sub in ("logs", "checkpoints", "tensorboard"):
+                os.close(safefs.open_dir(account.folder, ["jobs", spec.name, sub],
+                                         create=True, owner=owner))
+            if spec.source is None:
+                return
+            where = ["jobs", spec.name, *code_parts(spec)[:-1]]
+            if spec.files:  # code/: the entry point's folder, on the replicas' import path
+                os.close(safefs.open_dir(account.folder, where, create=True, owner=owner))
+            # each name is one plain component (`JobSpec`); safefs refuses links on the way
+            for name, text in ((SOURCE_NAME, spec.source), *spec.files.items()):
+                safefs.write_text(account.folder, [*where, name], text, owner=owner)
 
     def _start_all(self, job_id: str, script: Path | None, only: set | None = None) -> None:
         with self.ledger.Session.begin() as s:
@@ -474,14 +502,15 @@ class LocalJobBackend(JobBackend):
                     cluster.setdefault(r.role, []).append((r.index, f"127.0.0.1:{r.port}"))
             cluster = {k: [a for _, a in sorted(v)] for k, v in cluster.items()}
             job_dir = Path(job.job_dir)
-            program = script or (job_dir / "source.py")
+            program = script or job_dir.joinpath(*code_parts(spec))
             if script is None and spec.script is not None:
                 program = account.folder / spec.script
             for r in reps:
                 key = (r.role, r.index)
                 if only is not None and key not in only:
                     continue
-                logs = safefs.open_dir(*_in_job(job.job_dir, "logs"))
+                with _their_folder():
+                    logs = safefs.open_dir(*_in_job(job.job_dir, "logs"))
                 try:
                     os.unlink(f"{r.role}-{r.index}.exit", dir_fd=logs)
                 except FileNotFoundError:
@@ -505,9 +534,10 @@ class LocalJobBackend(JobBackend):
             account=(pwd.getpwuid(account.uid).pw_name, account.home or "/")
             if account.uid is not None else None)
         owner = (account.uid, account.gid) if account.uid is not None else None
-        logfile = os.fdopen(safefs.open_file(
-            *_in_job(job.job_dir, "logs", f"{r.role}-{r.index}.log"),
-            os.O_WRONLY | os.O_CREAT | os.O_APPEND, owner=owner), "ab", buffering=0)
+        with _their_folder():
+            logfile = os.fdopen(safefs.open_file(
+                *_in_job(job.job_dir, "logs", f"{r.role}-{r.index}.log"),
+                os.O_WRONLY | os.O_CREAT | os.O_APPEND, owner=owner), "ab", buffering=0)
         folder, job_path = _in_job(job.job_dir)
         group = self._replica_group(job.id, spec, r.role, r.index, devices)
         netns = sandbox.open_netns(job.id, self.netns_root) if self.sandboxed else None
@@ -908,7 +938,11 @@ class LocalJobBackend(JobBackend):
 PROGRAM_ERRORS = (1, 2)
 
 
-_NOT_THEIR_CODE = ("site-packages", "dist-packages", "/usr/lib/python", "<frozen", "/gpulab/")
+#: frames of a traceback that are not the person's code: installed packages, Python's own, and
+#: gpulab's runtime (its own path: a person's files live below a data folder that is often
+#: ``/var/lib/gpulab``, and on Kubernetes below ``/gpulab/job-source``, so "/gpulab/" is theirs)
+_NOT_THEIR_CODE = ("site-packages", "dist-packages", "/usr/lib/python", "<frozen",
+                   "/gpulab/extensions/", "/extensions/runtime.py")
 
 
 def error_summary(log: bytes, limit: int = 400) -> str:

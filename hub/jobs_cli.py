@@ -9,6 +9,8 @@ time with how long the job waited or ran; ``--json`` keeps the API's Unix times.
 
     gpulab jobs submit --name digits --strategy parameter-server --ps 1 --workers 2 \\
         --gpus 1 --script examples/digits_parameter_server.py -f
+    gpulab jobs submit --name mnist --strategy multi-worker-mirrored --workers 2 \\
+        --source-file main.py --source-file mnist_setup.py     (or: --source-file folder/)
     gpulab jobs submit spec.yaml
     gpulab jobs list [--all]
     gpulab jobs show digits
@@ -91,7 +93,14 @@ def _spec_arguments(s) -> None:
     s.add_argument("--memory", help="memory of each worker, e.g. 8Gi")
     code = s.add_mutually_exclusive_group()
     code.add_argument("--script", help="a .py file, relative to your folder on shared storage")
-    code.add_argument("--source-file", help="a local .py file whose text is sent as the code")
+    code.add_argument("--source-file", action="append", default=None, metavar="PATH",
+                      help="a local file (or a folder: its .py files) whose text is sent as "
+                      "the code; repeat it for a program of several files: the first file "
+                      "named is the entry point (a folder's: main.py), the others go beside "
+                      "it, importable")
+    s.add_argument("--entry", metavar="NAME",
+                   help="with several source files: the one to run (its file name), e.g. "
+                   "train.py")
     s.add_argument("--arg", action="append", default=None, dest="args", metavar="ARG",
                    help="an argument for the program (repeat)")
     s.add_argument("--env", action="append", default=None, metavar="NAME=VALUE",
@@ -183,11 +192,13 @@ def spec_from_args(args) -> dict:
     if worker:
         spec["resources"] = {**(spec.get("resources") or {}), "worker": worker}
     if args.source_file:
-        try:
-            spec["source"] = Path(args.source_file).read_text()
-        except OSError as e:
-            raise UsageError(f"cannot read {args.source_file}: {e.strerror}") from None
+        spec["source"], files = read_source_files(args.source_file, args.entry)
+        spec.pop("files", None)
+        if files:
+            spec["files"] = files
         spec.pop("script", None)
+    elif args.entry:
+        raise UsageError("--entry names one of the files given with --source-file")
     if args.args is not None:
         spec["args"] = args.args
     if args.env is not None:
@@ -201,6 +212,51 @@ def spec_from_args(args) -> dict:
     if not spec.get("name") or not spec.get("strategy"):
         raise UsageError("a job needs --name and --strategy (or a spec file that has them)")
     return spec
+
+
+def read_source_files(paths: list[str], entry: str | None = None) -> tuple[str, dict[str, str]]:
+    """(the entry point's text, ``{name: text}`` of the other files) from ``--source-file``
+    paths: files, and folders standing for their ``.py`` files (not hidden ones, not
+    subfolders). The entry point is the file named `entry`, else the first file named, else a
+    folder's ``main.py`` (or its only ``.py`` file). Files travel by their own names; the
+    service checks them (`gpulab.hub.jobspec.FILE_NAME_RE`)."""
+    found: dict[str, Path] = {}
+    first = None
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            members = sorted(p for p in path.iterdir()
+                             if p.suffix == ".py" and not p.name.startswith(".") and p.is_file())
+            if not members:
+                raise UsageError(f"{raw} holds no .py files")
+            if first is None:
+                main = [p for p in members if p.name == "main.py"]
+                first = (main or members)[0].name if main or len(members) == 1 else ""
+        else:
+            members = [path]
+            if first is None:
+                first = path.name
+        for p in members:
+            if p.name in found and found[p.name] != p:
+                raise UsageError(f"two source files are named {p.name} ({found[p.name]} and "
+                                 f"{p}); the files of a job go in one folder")
+            found[p.name] = p
+    name = entry or first
+    if not name:
+        raise UsageError(f"which file is the entry point? {paths[0]} has no main.py and "
+                         f"several .py files: name one with --entry")
+    if name not in found:
+        raise UsageError(f"--entry {name}: not one of the source files "
+                         f"({', '.join(sorted(found))})")
+    texts = {}
+    for n, p in found.items():
+        try:
+            texts[n] = p.read_text(encoding="utf-8")
+        except OSError as e:
+            raise UsageError(f"cannot read {p}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"{p} is not UTF-8 text") from None
+    return texts.pop(name), texts
 
 
 def _job_path(args, *rest: str) -> str:

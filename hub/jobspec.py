@@ -9,7 +9,11 @@ names the field:
 - ``multi-worker-mirrored``: ``worker`` >= 1, no chief, no ps (worker 0 is the chief);
 - all workers get the same GPU count (one ``resources.worker`` for the role);
 - the code is either ``script`` (a path inside the user's own folder, no ``..``) or
-  ``source`` (code text, stored in the job folder), never both;
+  ``source`` (code text, stored in the job folder), never both; with ``source``, ``files``
+  may carry more files (``{name: text}``) placed beside it, on every replica's import path:
+  plain ASCII names (`FILE_NAME_RE`: no folders, no ``..``, no leading dot, nothing that
+  could leave the job's code folder), at most ``max_files``, the whole code at most
+  ``max_source_bytes``;
 - ``env`` cannot set what gpulab sets (``TF_CONFIG``, ``CUDA_VISIBLE_DEVICES``, ``GPULAB_*``…).
 
 `GPUJobs` holds the operator's limits (``c.GPUJobs.*``), carried to the gpulab service as JSON
@@ -40,6 +44,13 @@ RESERVED_ENV = {"TF_CONFIG", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "
                 "GRPC_FAIL_FAST", "TF_USE_LEGACY_KERAS", "JUPYTERHUB_API_TOKEN", "PYTHONPATH",
                 "LD_PRELOAD", "LD_LIBRARY_PATH", "PATH", "HOME", "USER"}
 RESERVED_PREFIXES = ("GPULAB_", "JUPYTERHUB_")
+#: a name in a spec's ``files``: one plain file name of ASCII letters, digits, ``_``, ``.`` and
+#: ``-``, not starting with a dot (no folders, no ``..``, no hidden files, no look-alike
+#: Unicode), at most 100 characters; a valid Kubernetes ConfigMap key as well
+FILE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
+#: the name the entry point (``source``) is stored under, and what Python makes beside it
+SOURCE_NAME = "source.py"
+RESERVED_FILE_NAMES = {SOURCE_NAME, "__pycache__"}
 
 
 @dataclass(frozen=True)
@@ -49,7 +60,8 @@ class JobLimits:
     max_name_length: int = 40  # leaves room for "-worker-12" and Kubernetes suffixes
     max_replicas: int = 32
     max_gpus_per_replica: int = 8
-    max_source_bytes: int = 256 * 1024
+    max_source_bytes: int = 256 * 1024  # ``source`` and ``files`` together
+    max_files: int = 64  # entries of ``files``
     max_runtime: int = 7 * 24 * 3600
     max_args: int = 64
     max_env: int = 64
@@ -135,7 +147,16 @@ class JobSpec(Strict):
     resources: dict[Literal["chief", "ps", "worker", "evaluator"], Resources] = Field(
         default_factory=dict)
     script: str | None = Field(None, description="path of a .py file inside your own folder")
-    source: str | None = Field(None, description="Python code, stored in the job folder")
+    source: str | None = Field(None, description="Python code, stored in the job folder; "
+                               "the entry point when the spec has files")
+    files: dict[str, str] = Field(
+        default_factory=dict,
+        description="more files of the program (with 'source' only): {name: text}, placed "
+                    "beside the entry point on every replica's import path (e.g. "
+                    "{'mnist_setup.py': '...'}); a name is one plain file name of ASCII "
+                    "letters, digits, '_', '.' and '-', not starting with '.', not 'source.py'",
+        json_schema_extra={"propertyNames": {"pattern": "^" + FILE_NAME_RE.pattern + "$"},
+                           "maxProperties": DEFAULT_LIMITS.max_files})
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     max_runtime: int | None = Field(None, gt=0, le=MAX_RUNTIME,
@@ -163,6 +184,20 @@ class JobSpec(Strict):
         if p.suffix != ".py":
             raise ValueError("must name a .py file")
         return str(p)
+
+    @field_validator("files")
+    @classmethod
+    def _files(cls, v: dict[str, str]) -> dict[str, str]:
+        for name in v:
+            shown = repr(name if len(name) <= 60 else name[:60] + "…")
+            if not FILE_NAME_RE.fullmatch(name):
+                raise ValueError(
+                    f"{shown} is not a plain file name: use ASCII letters, digits, '_', '.' "
+                    "and '-' (at most 100, not starting with '.'); no folders, no '..'")
+            if name in RESERVED_FILE_NAMES:
+                raise ValueError(f"{shown} is reserved: the entry point ('source') is stored "
+                                 f"as {SOURCE_NAME}")
+        return v
 
     @field_validator("env")
     @classmethod
@@ -198,7 +233,16 @@ class JobSpec(Strict):
                              "(code text), not both and not neither")
         if self.source is not None and not self.source.strip():
             raise ValueError("source: the code is empty")
+        if self.files and self.source is None:
+            raise ValueError("files: more files go with 'source' (the entry point's text), not "
+                             "with 'script' (a script's own folder is on its import path)")
         return self
+
+    @property
+    def code_bytes(self) -> int:
+        """Bytes of code the spec carries: ``source`` and ``files`` together (UTF-8)."""
+        return (len((self.source or "").encode()) +
+                sum(len(t.encode()) for t in self.files.values()))
 
     # -- derived -----------------------------------------------------------------------
 
@@ -252,9 +296,15 @@ def _check_limits(spec: JobSpec, lim: JobLimits) -> None:
         if res.gpus > lim.max_gpus_per_replica:
             raise SpecError(f"resources.{role}.gpus", f"resources.{role}.gpus: at most "
                             f"{lim.max_gpus_per_replica} GPUs per replica")
-    if spec.source is not None and len(spec.source.encode()) > lim.max_source_bytes:
-        raise SpecError("source", f"source: at most {lim.max_source_bytes} bytes of code; put "
-                        "larger programs in a file in your folder and use 'script'")
+    if len(spec.files) > lim.max_files:
+        raise SpecError("files", f"files: at most {lim.max_files} files, this spec has "
+                        f"{len(spec.files)}")
+    if spec.code_bytes > lim.max_source_bytes:
+        where = "files" if spec.files else "source"
+        what = "source and files together" if spec.files else "source"
+        raise SpecError(where, f"{where}: at most {lim.max_source_bytes} bytes of code "
+                        f"({what}: {spec.code_bytes}); put larger programs in your folder "
+                        "and use 'script'")
     if spec.max_runtime is not None and spec.max_runtime > lim.max_runtime:
         raise SpecError("max_runtime", f"max_runtime: at most {lim.max_runtime} seconds")
     if len(spec.args) > lim.max_args or any(len(a) > 4096 for a in spec.args):
@@ -278,8 +328,8 @@ class GPUJobs(Configurable):
     max_gpus_per_replica = Int(DEFAULT_LIMITS.max_gpus_per_replica, help="""
         Most GPUs one replica may ask for (default 8).""").tag(config=True)
     max_source_bytes = Int(DEFAULT_LIMITS.max_source_bytes, help="""
-        Most bytes of code a spec may carry as ``source`` (default 262144, 256 KiB); larger
-        programs go in a file in the person's folder (``script``).""").tag(config=True)
+        Most bytes of code a spec may carry as ``source`` and ``files`` together (default
+        262144, 256 KiB); larger programs go in the person's folder (``script``).""").tag(config=True)
     max_runtime = Int(DEFAULT_LIMITS.max_runtime, help="""
         Most seconds a spec's ``max_runtime`` may ask for (default 604800, a week).""").tag(
         config=True)

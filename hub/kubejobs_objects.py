@@ -343,14 +343,17 @@ def make_tfjob(
 
 def make_source_configmap(*, spec: JobSpec, namespace: str, user_label: str,
                           parent_uid: str | None = None) -> dict:
-    """The ConfigMap ``<job>-source`` holding the code of a spec given as ``source``."""
+    """The ConfigMap ``<job>-source`` holding the code of a spec given as ``source``: the
+    entry point as ``source.py`` and the spec's ``files`` beside it (plain names, valid keys:
+    `gpulab.hub.jobspec.FILE_NAME_RE`), all in `SOURCE_MOUNT`, the entry point's folder and
+    so on the replicas' import path."""
     meta: dict[str, Any] = {"name": f"{spec.name}-source", "namespace": namespace,
                             "labels": job_labels(user_label=user_label, job=spec.name)}
     if parent_uid:
         meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Service", "name": spec.name,
                                     "uid": parent_uid}]
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
-            "data": {"source.py": spec.source or ""}}
+            "data": {"source.py": spec.source or "", **spec.files}}
 
 
 def mount_source(pod: dict, *, job: str) -> dict:

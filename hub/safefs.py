@@ -95,8 +95,12 @@ def open_file(root: Path, rel: str | Sequence[str], flags: int, *,
 
 def write_text(root: Path, rel: str | Sequence[str], text: str, *,
                owner: tuple[int, int] | None = None) -> None:
-    fd = open_file(root, rel, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, owner=owner)
+    """Write `text` to the plain file ``root/rel`` (made if missing). It is emptied only
+    once `open_file` has checked it: ``O_TRUNC`` would empty a planted hard link's other
+    name (someone else's file) before the check could refuse it."""
+    fd = open_file(root, rel, os.O_WRONLY | os.O_CREAT, owner=owner)
     with open(fd, "w", encoding="utf-8") as f:
+        os.ftruncate(fd, 0)
         f.write(text)
 
 

@@ -222,6 +222,55 @@ def test_a_failing_program_fails_at_once_with_its_error_in_the_reason(hub, users
     assert not [h for h in holdings(ann) if h["name"] == "broken"]
 
 
+MAIN = """
+import json, os
+import helper
+print("main sees", helper.greeting(), json.load(open(os.path.join(os.path.dirname(__file__), "params.json"))))
+"""
+HELPER = """
+def greeting():
+    return "hello from helper"
+
+def broken():
+    raise ValueError("bad shape in helper")
+"""
+
+
+def test_a_program_of_several_files(hub, users):
+    """Issue 14 item 8: ``files`` go beside the entry point (``source``), in the job's code
+    folder on every replica's import path; a failing helper is named in the reason; a bad
+    file name is refused naming ``files`` with nothing made."""
+    ann = users["ann"]
+    spec = mw("several", workers=2, source=MAIN,
+              files={"helper.py": HELPER, "params.json": '{"lr": 0.1}'})
+    r = ann.service("POST", "jobs", json=spec)
+    assert r.status_code == 201, r.text
+    assert r.json()["spec"]["files"] == spec["files"]
+    job = wait_state(ann, "several", {"Succeeded", "Failed"})
+    assert job["state"] == "Succeeded", job
+    for w in ("worker-0", "worker-1"):
+        log = ann.service("GET", f"jobs/several/logs/{w}").json()["text"]
+        assert "main sees hello from helper {'lr': 0.1}" in log, log[-2000:]
+    code = job_dir(hub, "ann", "several") / "code"
+    assert sorted(p.name for p in code.iterdir() if p.is_file()) == [
+        "helper.py", "params.json", "source.py"]
+    assert not (job_dir(hub, "ann", "several") / "source.py").exists()
+
+    spec = mw("several-broken", workers=1, source="import helper\nhelper.broken()\n",
+              files={"helper.py": HELPER})
+    assert ann.service("POST", "jobs", json=spec).status_code == 201
+    job = wait_state(ann, "several-broken", {"Succeeded", "Failed"})
+    assert job["state"] == "Failed" and job["reason"].endswith(
+        "ValueError: bad shape in helper (helper.py, line 6)"), job["reason"]
+
+    for name in ("../x.py", "sub/x.py", ".hidden", "source.py", "x\u2215y.py"):
+        r = ann.service("POST", "jobs", json=mw("several-bad", source=MAIN,
+                                                   files={name: "x = 1"}))
+        assert r.status_code == 400 and r.json()["field"] == "files", (name, r.text)
+    assert ann.service("GET", "jobs/several-bad").status_code == 404
+    assert not job_dir(hub, "ann", "several-bad").exists()
+
+
 # worker-0 is killed (SIGKILL) in its first two runs; worker-1 finishes every time
 DIES_TWICE = """
 import json, os, signal

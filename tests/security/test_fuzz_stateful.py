@@ -126,7 +126,13 @@ HOSTILE_BODIES = [
     b"\xff\xfe not utf-8",
     b'{"name": "h4", "strategy": "multi-worker-mirrored", "env": {"A\\u0000": "1"}}',
     b"{" + b'"a":' * 10_000 + b"1" + b"}" * 10_000,
+    b'{"name": "h5", "strategy": "multi-worker-mirrored", "replicas": {"worker": 1}, '
+    b'"source": "x", "files": {"../../../etc/x.py": "1"}}',
+    b'{"name": "h6", "strategy": "multi-worker-mirrored", "replicas": {"worker": 1}, '
+    b'"source": "x", "files": {"a.py\\u0000": "1", "\\uff0e\\uff0e": "2"}}',
 ]
+#: more files of a program that really runs (``files`` beside ``source``)
+FILES = [None, {"helper.py": "X = 1\n", "params.json": "{}"}]
 
 
 def make_machine(hub, admin, eve, vic):
@@ -169,12 +175,13 @@ def make_machine(hub, admin, eve, vic):
             self.tag = Figures.sequences = getattr(Figures, "sequences", 0) + 1
 
         @rule(target=jobs, name=NAME, program=st.sampled_from(PROGRAMS),
-              workers=st.integers(1, 2))
-        def submit(self, name, program, workers):
+              workers=st.integers(1, 2), files=st.sampled_from(FILES))
+        def submit(self, name, program, workers, files):
             name = f"{name}-s{self.tag}"  # each sequence its own names (the hub persists)
             r = send("eve", "POST", "jobs", json={
                 "name": name, "strategy": "multi-worker-mirrored",
-                "replicas": {"worker": workers}, "source": program, "max_runtime": 300})
+                "replicas": {"worker": workers}, "source": program, "max_runtime": 300,
+                **({"files": files} if files else {})})
             assert r.status_code < 500, r.text
             if r.status_code == 201:
                 self.submitted.add(name)

@@ -39,3 +39,18 @@ def test_no_traceback_no_summary_and_long_errors_are_cut():
     long = b"Traceback (most recent call last):\nValueError: " + b"x" * 1000 + b"\n"
     out = error_summary(long)
     assert len(out) == 400 and out.endswith("\u2026") and out.startswith("ValueError: xxx")
+
+
+def test_the_persons_files_below_a_gpulab_folder_are_theirs():
+    """The default data folder as root is /var/lib/gpulab, and code given as text is mounted
+    at /gpulab/job-source on Kubernetes: frames there are the person's (their helper module
+    too), gpulab's runtime is not, wherever it is installed."""
+    log = b"""Traceback (most recent call last):
+  File "/work/gpulab/extensions/runtime.py", line 530, in _run_program
+  File "/var/lib/gpulab/shared/users/ann/jobs/x/code/source.py", line 9, in <module>
+  File "/var/lib/gpulab/shared/users/ann/jobs/x/code/mnist_setup.py", line 14, in mnist_dataset
+ValueError: bad shape
+"""
+    assert error_summary(log) == "ValueError: bad shape (mnist_setup.py, line 14)"
+    kube = log.replace(b"/var/lib/gpulab/shared/users/ann/jobs/x/code", b"/gpulab/job-source")
+    assert error_summary(kube) == "ValueError: bad shape (mnist_setup.py, line 14)"

@@ -57,6 +57,21 @@ BAD = [
     ("image not allowed", with_(PS, image="evil/miner:latest"), "image"),
     ("too many retries", with_(PS, retries=11), "retries"),
     ("not an object", ["digits"], "body"),
+    # more files of the program (``files``): plain names only, with ``source``, bounded
+    *[(f"file name {n!r}", with_(PS, files={n: "x = 1\n"}), "files") for n in (
+        "../x.py", "..", ".", "", "/etc/passwd", "a/b.py", "a\\b.py", ".hidden.py", "~x.py",
+        "x.py\n", " x.py", "x y.py", "source.py", "__pycache__", "a" * 101,
+        "\uff0e\uff0e\uff0fx.py",  # fullwidth "../"
+        "x\u202egnp.py",  # right-to-left override
+        "x\u200b.py",  # zero-width space
+        "caf\u00e9.py",  # not ASCII
+        "x.py\x00", "C:x.py", "x:y.py")],
+    ("files with script", with_(MW, files={"util.py": "x = 1"}), "files"),
+    ("file text not text", with_(PS, files={"util.py": 3}), "files.util.py"),
+    ("files not a map", with_(PS, files=["util.py"]), "files"),
+    ("too many files", with_(PS, files={f"m{i}.py": "" for i in range(65)}), "files"),
+    ("oversize files", with_(PS, files={"a.py": "x = 1\n" * 30_000,
+                                        "b.py": "x = 1\n" * 30_000}), "files"),
 ]
 
 
@@ -114,3 +129,15 @@ def test_replica_bounds_are_settings_carried_to_the_service():
         GPUJobs(default_memory="lots")
     spec = parse_spec(with_(MW, replicas={"worker": 3}))
     assert spec.replica_count == 3
+
+
+def test_files_go_beside_the_source_and_count_against_its_bytes():
+    spec = parse_spec(with_(PS, files={"mnist_setup.py": "import os\n", "data.json": "{}",
+                                       "_x-1.2": ""}))
+    assert spec.files == {"mnist_setup.py": "import os\n", "data.json": "{}", "_x-1.2": ""}
+    assert spec.code_bytes == len("print('hi')") + 10 + 2
+    lim = JobLimits(max_source_bytes=spec.code_bytes - 1)
+    with pytest.raises(SpecError) as e:
+        parse_spec(with_(PS, files=spec.files), lim)
+    assert e.value.field == "files" and "source and files together" in e.value.message
+    assert parse_spec(PS).files == {}  # old specs (stored ones too) have none

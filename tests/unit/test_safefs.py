@@ -100,3 +100,18 @@ def test_opened_writer_is_blocking_again(folder):
 def test_bad_components_are_refused(folder, bad):
     with pytest.raises(safefs.UnsafePath):
         safefs.read_bytes(folder, ["jobs", bad, "x"])
+
+
+def test_writing_over_a_hard_link_leaves_the_other_name_whole(folder, tmp_path_factory):
+    """The check comes before the file is emptied: a planted hard link to someone else's
+    file (where the kernel allows one) is refused with that file intact."""
+    other = tmp_path_factory.mktemp("other") / "theirs.txt"
+    other.write_text("their data\n")
+    os.link(other, folder / "jobs/j/source.py")
+    with pytest.raises(safefs.UnsafePath, match="not a plain file"):
+        safefs.write_text(folder, ["jobs", "j", "source.py"], "print('mine')\n")
+    assert other.read_text() == "their data\n"
+    (folder / "jobs/j/source.py").unlink()
+    (folder / "jobs/j/source.py").write_text("a much longer old text\n")
+    safefs.write_text(folder, ["jobs", "j", "source.py"], "new\n")  # rewritten whole
+    assert (folder / "jobs/j/source.py").read_text() == "new\n"
