@@ -47,6 +47,7 @@ from sqlalchemy import (
     literal_column,
     or_,
     select,
+    text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Engine
@@ -377,45 +378,63 @@ class Ledger:
             raise BadRequest(f"A GPU count must be a whole number, 0 or more (got {req.gpus!r}).")
         matches = req.model_matches or _exact_model
         with self._direct.transaction() as tx:
-            # the lock, then what admission reads (`_SqliteTx` / `_PgTx.lock_and_read`)
-            known, assigns, open_rows, quota_rows, device_rows = tx.lock_and_read(
-                self.pool, req.user, req.groups)
-            # the clock is read under the lock and after the open allocations: every release
-            # this admission saw has an earlier end, so the history never shows a device or
-            # a quota used twice at once (releases take no lock)
-            now = time.time() if now is None else now
-            mine = [r for r in open_rows if r.user == req.user]
-            if any(r.kind == req.kind and r.holder == req.holder for r in mine):
-                raise BadRequest(f"{req.kind} '{req.holder}' already holds GPUs.")
-            quota, source = _effective(quota_rows)
-            used = 0.0
-            if quota is not None and quota.gpu_hours is not None and req.gpus:
-                since = now - quota.window_hours * 3600
-                used = _sum_gpu_hours(tx.used(since, now, req.user), since, now)[req.user]
-            why = refusal(quota, source, req.gpus,
-                          [Holding(r.kind, r.holder, r.gpus) for r in mine if r.gpus], used)
-            if why:
-                raise QuotaExceeded(why)
-            devices: list[int] = []
-            if req.gpus and assigns:
-                matching = [_Dev(i, m) for i, m in device_rows if matches(req.model, m)]
-                held = {i for r in open_rows for i in r.devices}
-                free = [d.index for d in matching if d.index not in held]
-                if len(free) < req.gpus:
-                    raise NotEnoughGPUs(
-                        _not_enough(req, matching, free, open_rows),
-                        requested=req.gpus, free=len(free), matching=len(matching))
-                devices = free[: req.gpus]
-            alloc = Allocation(uuid.uuid4().hex, self.pool, req.kind, req.holder, req.user,
-                               req.gpus, req.model, tuple(devices), now)
-            # a pool nobody declared counts GPUs (`ensure_pool` declares it)
-            tx.write_and_commit(None if known else self.pool, dict(
-                id=alloc.id, pool=self.pool, kind=req.kind, holder=req.holder, user=req.user,
-                gpus=req.gpus, model=req.model, devices=json.dumps(devices), started_at=now,
-                ended_at=None, end_reason=""))
+            # on PostgreSQL a pool that hands out devices is locked only for the insert, which
+            # picks the free devices itself (`_PgTx.insert_first_free`); where they were taken
+            # meanwhile, again with the pool locked before the reads
+            for pool_locked in tx.attempts:
+                alloc = self._admit(tx, req, matches, pool_locked, now)
+                if alloc is not None:
+                    break
+        devices = list(alloc.devices)
         log.info("Admitted %s %s/%s: %d GPU(s) %s", req.kind, req.user, req.holder, req.gpus,
                  devices)
         return alloc
+
+    def _admit(self, tx, req: Request, matches, pool_locked: bool, now: float | None):
+        """One attempt of `admit` in `tx`: the allocation (committed), or None where the
+        devices chosen were taken before the pool's lock was granted (nothing written)."""
+        # the locks, then what admission reads (`_SqliteTx` / `_PgTx.lock_and_read`)
+        known, assigns, open_rows, quota_rows, device_rows = tx.lock_and_read(
+            self.pool, req.user, req.groups, pool_locked)
+        # the clock is read under the lock and after the open allocations: every release
+        # this admission saw has an earlier end, so the history never shows a device or
+        # a quota used twice at once (releases take no lock)
+        now = time.time() if now is None else now
+        mine = [r for r in open_rows if r.user == req.user]
+        if any(r.kind == req.kind and r.holder == req.holder for r in mine):
+            raise BadRequest(f"{req.kind} '{req.holder}' already holds GPUs.")
+        quota, source = _effective(quota_rows)
+        used = 0.0
+        if quota is not None and quota.gpu_hours is not None and req.gpus:
+            since = now - quota.window_hours * 3600
+            used = _sum_gpu_hours(tx.used(since, now, req.user), since, now)[req.user]
+        why = refusal(quota, source, req.gpus,
+                      [Holding(r.kind, r.holder, r.gpus) for r in mine if r.gpus], used)
+        if why:
+            raise QuotaExceeded(why)
+        devices: list[int] = []
+        row = dict(id=uuid.uuid4().hex, pool=self.pool, kind=req.kind, holder=req.holder,
+                   user=req.user, gpus=req.gpus, model=req.model, started_at=now)
+        if req.gpus and assigns:
+            matching = [_Dev(i, m) for i, m in device_rows if matches(req.model, m)]
+            held = {i for r in open_rows for i in r.devices}
+            free = [d.index for d in matching if d.index not in held]
+            if len(free) < req.gpus:
+                raise NotEnoughGPUs(
+                    _not_enough(req, matching, free, open_rows),
+                    requested=req.gpus, free=len(free), matching=len(matching))
+            if not pool_locked:
+                got = tx.insert_first_free(row, [d.index for d in matching])
+                if got is None:
+                    return None
+                return Allocation(row["id"], self.pool, req.kind, req.holder, req.user,
+                                  req.gpus, req.model, tuple(got[0]), got[1])
+            devices = free[: req.gpus]
+        # a pool nobody declared counts GPUs (`ensure_pool` declares it)
+        tx.write_and_commit(None if known else self.pool, dict(
+            row, devices=json.dumps(devices), ended_at=None, end_reason=""))
+        return Allocation(row["id"], self.pool, req.kind, req.holder, req.user, req.gpus,
+                          req.model, tuple(devices), now)
 
     def release(self, alloc_id: str, reason: str = "released", now: float | None = None,
                 session: Session | None = None):
@@ -527,6 +546,31 @@ _SEL_USED = select(_A.c.user, _A.c.gpus, _A.c.started_at, _USED_END).where(
     _USED_END > bindparam("since", type_=Float))
 _SEL_USED_OF = _SEL_USED.where(_A.c.user == bindparam("user"))
 _INSERT_POOL = _P.insert()
+#: PostgreSQL, the pool locked: the allocation with the first `gpus` of `candidates` that no
+#: open allocation holds, where there are that many. It starts at `started_at` (the admission's
+#: clock, read before the lock) or, where a device it takes was released later than that, at
+#: that release: the history never shows a device held twice at once
+_INSERT_FIRST_FREE_PG = text("""
+WITH recent AS (
+    SELECT CAST(a.devices AS jsonb) AS devices, a.ended_at FROM allocations a
+    WHERE a.pool = :pool AND (a.ended_at IS NULL OR a.ended_at > :started_at)
+), free AS (
+    SELECT c.i, c.o FROM unnest(CAST(:candidates AS integer[])) WITH ORDINALITY AS c(i, o)
+    WHERE NOT EXISTS (SELECT 1 FROM recent r
+                      WHERE r.ended_at IS NULL AND r.devices @> to_jsonb(c.i))
+    ORDER BY c.o LIMIT :gpus
+), pick AS (
+    SELECT json_agg(free.i ORDER BY free.o)::text AS devices, count(*) AS n,
+           GREATEST(:started_at, (SELECT max(r.ended_at) FROM recent r, free f
+                                  WHERE r.devices @> to_jsonb(f.i))) AS started_at
+    FROM free
+)
+INSERT INTO allocations (id, pool, kind, holder, "user", gpus, model, devices, started_at,
+                         ended_at, end_reason)
+SELECT :id, :pool, :kind, :holder, :user, :gpus, :model, pick.devices, pick.started_at, NULL, ''
+FROM pick WHERE pick.n = :gpus
+RETURNING devices, started_at""").bindparams(bindparam("started_at", type_=Float),
+                                 bindparam("candidates", type_=ARRAY(Integer)))
 _INSERT_ALLOCATION = _A.insert()
 _CLOSE = (_A.update().where(_A.c.id == bindparam("alloc"), _A.c.ended_at.is_(None))
           .values(ended_at=bindparam("at"), end_reason=bindparam("why")).returning(*_A.c))
@@ -572,7 +616,7 @@ class _Direct:
                           insert=_INSERT_ALLOCATION, close=_CLOSE)
         if self.pg:
             statements.update(lock_person=_LOCK_PERSON, lock_pool=_LOCK_POOL,
-                              quotas=_SEL_QUOTAS_PG)
+                              quotas=_SEL_QUOTAS_PG, insert_first_free=_INSERT_FIRST_FREE_PG)
         else:
             statements.update(quotas=_SEL_QUOTAS_SQLITE)
         self.sql = {name: _Sql(stmt, engine.dialect) for name, stmt in statements.items()}
@@ -598,10 +642,13 @@ class _Direct:
 
 
 class _SqliteTx:
+    #: one attempt: ``BEGIN IMMEDIATE`` serializes every writer, the pool is always locked
+    attempts = (True,)
+
     def __init__(self, c, sql):
         self.c, self.sql = c, sql
 
-    def lock_and_read(self, pool: str, user: str, groups):
+    def lock_and_read(self, pool: str, user: str, groups, pool_locked: bool = True):
         """``(pool known, hands out devices, open rows, quota rows, device rows)``"""
         c, sql = self.c, self.sql
         c.execute("BEGIN IMMEDIATE")  # the database's write lock: admissions are serialized
@@ -630,25 +677,48 @@ class _SqliteTx:
 
 
 class _PgTx:
+    #: first without the pool's lock (`insert_first_free` takes it), then, where the devices
+    #: chosen were taken meanwhile, with it
+    attempts = (False, True)
+
     def __init__(self, c, sql):
         self.c, self.sql = c, sql
 
-    def lock_and_read(self, pool: str, user: str, groups):
+    def lock_and_read(self, pool: str, user: str, groups, pool_locked: bool):
         """``(pool known, hands out devices, open rows, quota rows, device rows)``; one round
-        trip. The locks: the person's (advisory) always, the pool's row where it hands out
-        devices (`_LOCK_POOL`): a pool that only counts GPUs (Kubernetes: the scheduler places
-        them) needs only the person's admissions serialized, so different people are admitted
-        in parallel."""
+        trip. The locks: the person's (advisory), and where `pool_locked` the pool's row if it
+        hands out devices (`_LOCK_POOL`). The person's lock serializes their admissions, which
+        is all their quota needs (their holdings change otherwise only by releases). A pool
+        that only counts GPUs (Kubernetes: the scheduler places them) needs nothing more, so
+        different people are admitted in parallel; one that hands out devices is locked whole,
+        for the reads (`pool_locked`) or only for the insert (`insert_first_free`)."""
         c, sql = self.c, self.sql
         with c.pipeline():
             person = c.execute(*sql["lock_person"](key=_person_key(pool, user), pool=pool))
-            locked = c.execute(*sql["lock_pool"](pool=pool))
+            locked = c.execute(*sql["lock_pool"](pool=pool)) if pool_locked else None
             open_rows = c.execute(*sql["open"](pool=pool, user=user))
             quotas = c.execute(*sql["quotas"](user=user, groups=sorted(set(groups))))
             devices = c.execute(*sql["devices"](pool=pool))
-        assigns = locked.fetchone() is not None
-        return (person.fetchone()[1] is not None, assigns, [_open(r) for r in open_rows],
-                quotas.fetchall(), devices.fetchall() if assigns else [])
+        known = person.fetchone()[1]
+        assigns = locked.fetchone() is not None if pool_locked else bool(known)
+        return (known is not None, assigns, [_open(r) for r in open_rows], quotas.fetchall(),
+                devices.fetchall() if assigns else [])
+
+    def insert_first_free(self, row: dict, candidates: list[int]):
+        """Lock the pool, insert the allocation with the first ``row['gpus']`` of
+        `candidates` (device indices, in order) that no open allocation holds, and commit:
+        one round trip, the pool locked only while the server runs the insert. ``(devices,
+        start)``, or None where too few were free (the transaction then wrote nothing).
+
+        The start is ``row['started_at']`` (the admission's clock, read before the lock) or
+        the latest release of a device taken, where that is later: the history must never
+        show a device held twice at once (see `Ledger._admit`)."""
+        with self.c.pipeline():
+            self.c.execute(*self.sql["lock_pool"](pool=row["pool"]))
+            inserted = self.c.execute(*self.sql["insert_first_free"](**row, candidates=candidates))
+            self.c.commit()
+        got = inserted.fetchone()
+        return (json.loads(got[0]), got[1]) if got is not None else None
 
     def used(self, since: float, until: float, user: str):
         return self.c.execute(*self.sql["used"](since=since, until=until, user=user)).fetchall()
@@ -661,10 +731,12 @@ class _PgTx:
             self.c.commit()
 
     def close_and_commit(self, args: dict):
-        with self.c.pipeline():
-            closed = self.c.execute(*self.sql["close"](**args))
-            self.c.commit()
-        return closed.fetchone()
+        # one statement is a transaction of its own: no BEGIN nor COMMIT to send
+        self.c.autocommit = True
+        try:
+            return self.c.execute(*self.sql["close"](**args)).fetchone()
+        finally:
+            self.c.autocommit = False
 
 
 def _person_key(pool: str, user: str) -> int:
