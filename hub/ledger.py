@@ -6,10 +6,12 @@ default, PostgreSQL in production. Both the hub (notebook servers) and the gpula
 
 Admission is one transaction: first a lock (on SQLite ``BEGIN IMMEDIATE`` serialises
 writers; on PostgreSQL the pool's row ``FOR UPDATE`` where the pool hands out devices, else a
-per-person advisory lock, see `Ledger._lock_for`), then the effective quota, the user's
+per-person advisory lock, see `_PgTx.lock_and_read`), then the effective quota, the user's
 current holdings, the GPU-hours used in the quota's window and the free devices are read, and
 the allocation is written, so concurrent requests can never exceed a quota or hand a GPU out
-twice. A request is admitted whole or refused whole. A release is one ``UPDATE``.
+twice. A request is admitted whole or refused whole. A release is one ``UPDATE``. Both run
+prebuilt statements on the DBAPI connection (`_Direct`): on PostgreSQL an admission is two
+round trips (locks and reads; insert and commit), a release one.
 
 Times are seconds since the epoch (floats), the same on every database.
 """
@@ -37,13 +39,18 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    any_,
     create_engine,
     event,
+    exists,
     func,
+    literal_column,
     or_,
     select,
+    text,
 )
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from .policy import Holding, Quota, QuotaError, effective_quota, refusal
@@ -252,8 +259,8 @@ class Ledger:
         #: the gpulab service) still wait on the database's lock itself
         self.Session = _Writers(sessionmaker(self.engine, expire_on_commit=False),
                                 threading.RLock() if url.startswith("sqlite") else None)
-        #: a write transaction on a plain connection (Core statements), under the same lock
-        self.writing = self.Session.connection
+        #: admission and release: prebuilt statements on the DBAPI connection, same lock
+        self._direct = _Direct(self.engine, self.Session.lock)
         #: sessions that only read: on SQLite they take no write lock (a deferred ``BEGIN``
         #: reads a WAL snapshot), so a reader never waits for an admission nor holds one up
         self.Reader = sessionmaker(self.engine.execution_options(gpulab_read_only=True),
@@ -354,24 +361,14 @@ class Ledger:
         args = {"user": user, "groups": sorted(set(groups))}
         if s is None:
             with self.Reader() as own:
-                rows = own.execute(_SEL_QUOTAS, args).all()
-        else:
-            rows = s.execute(_SEL_QUOTAS, args).all()
-        default, mine, by_group = None, None, {}
-        for scope, name, *numbers in rows:
-            quota = Quota(*numbers)
-            if scope == "default":
-                default = quota
-            elif scope == "user":
-                mine = quota
-            else:
-                by_group[name] = quota
-        return effective_quota(default, by_group, mine)
+                return _effective(own.execute(_SEL_QUOTAS, args).all())
+        return _effective(s.execute(_SEL_QUOTAS, args).all())
 
     # -- allocations ---------------------------------------------------------------------
-    # admission and release are SQL statements (SQLAlchemy Core), not ORM units of work:
-    # they hold the database's write lock, so every statement and object less while holding
-    # it is throughput (bench/admission.py)
+    # admission and release are prebuilt SQL statements (SQLAlchemy Core, run on the DBAPI
+    # connection: `_Direct`), not ORM units of work: they hold the database's write lock, so
+    # every statement, round trip and object less while holding it is throughput
+    # (bench/admission.py)
 
     def admit(self, req: Request, now: float | None = None) -> Allocation:
         """Admit `req` whole, or raise `QuotaExceeded` / `NotEnoughGPUs` / `BadRequest`."""
@@ -380,70 +377,64 @@ class Ledger:
         if not isinstance(req.gpus, int) or isinstance(req.gpus, bool) or req.gpus < 0:
             raise BadRequest(f"A GPU count must be a whole number, 0 or more (got {req.gpus!r}).")
         matches = req.model_matches or _exact_model
-        with self.writing() as c:
-            assigns = self._lock_for(c, req.user)
-            # a pool that hands out devices needs everyone's open allocations (who holds
-            # which device); one that only counts needs the person's own
-            open_rows = [_Open(u, k, h, g, json.loads(d or "[]")) for u, k, h, g, d in (
-                c.execute(_SEL_OPEN, {"pool": self.pool}) if assigns else
-                c.execute(_SEL_OPEN_OF, {"pool": self.pool, "user": req.user}))]
-            # the clock is read under the lock and after the open allocations: every release
-            # this admission saw has an earlier end, so the history never shows a device or
-            # a quota used twice at once (releases take no lock)
-            now = time.time() if now is None else now
-            mine = [r for r in open_rows if r.user == req.user]
-            if any(r.kind == req.kind and r.holder == req.holder for r in mine):
-                raise BadRequest(f"{req.kind} '{req.holder}' already holds GPUs.")
-            quota, source = self.effective(req.user, req.groups, c)
-            used = 0.0
-            if quota is not None and quota.gpu_hours is not None and req.gpus:
-                since = now - quota.window_hours * 3600
-                used = self._gpu_hours(c, since, now, user=req.user)[req.user]
-            why = refusal(quota, source, req.gpus,
-                          [Holding(r.kind, r.holder, r.gpus) for r in mine if r.gpus], used)
-            if why:
-                raise QuotaExceeded(why)
-            devices: list[int] = []
-            if req.gpus and assigns:
-                matching = [_Dev(i, m) for i, m in c.execute(_SEL_DEVICES, {"pool": self.pool})
-                            if matches(req.model, m)]
-                held = {i for r in open_rows for i in r.devices}
-                free = [d.index for d in matching if d.index not in held]
-                if len(free) < req.gpus:
-                    raise NotEnoughGPUs(
-                        _not_enough(req, matching, free, open_rows),
-                        requested=req.gpus, free=len(free), matching=len(matching))
-                devices = free[: req.gpus]
-            alloc = Allocation(uuid.uuid4().hex, self.pool, req.kind, req.holder, req.user,
-                               req.gpus, req.model, tuple(devices), now)
-            c.execute(_INSERT_ALLOCATION, dict(
-                id=alloc.id, pool=self.pool, kind=req.kind, holder=req.holder, user=req.user,
-                gpus=req.gpus, model=req.model, devices=json.dumps(devices), started_at=now,
-                ended_at=None, end_reason=""))
+        with self._direct.transaction() as tx:
+            # on PostgreSQL a pool that hands out devices is locked only for the insert, which
+            # picks the free devices itself (`_PgTx.insert_first_free`); where they were taken
+            # meanwhile, again with the pool locked before the reads
+            for pool_locked in tx.attempts:
+                alloc = self._admit(tx, req, matches, pool_locked, now)
+                if alloc is not None:
+                    break
+        devices = list(alloc.devices)
         log.info("Admitted %s %s/%s: %d GPU(s) %s", req.kind, req.user, req.holder, req.gpus,
                  devices)
         return alloc
 
-    def _lock_for(self, c: Connection, user: str) -> bool:
-        """Take the lock an admission of `user` needs; returns whether the pool hands out
-        devices. A pool that hands out devices is locked whole (its row, ``FOR UPDATE``); one
-        that only counts GPUs (Kubernetes: the scheduler places them) needs only the person's
-        own admissions serialized (their quota covers their own holdings), so on PostgreSQL
-        different people are admitted in parallel under a per-person advisory lock. On SQLite
-        the transaction's ``BEGIN IMMEDIATE`` already serializes every writer."""
-        if c.dialect.name == "postgresql":
-            # the person's lock and the pool's kind in one round trip
-            key = int.from_bytes(hashlib.blake2b(f"{self.pool}\0{user}".encode(),
-                                                 digest_size=8).digest(), "big", signed=True)
-            assigns = c.execute(_SEL_POOL_LOCK_PERSON, {"pool": self.pool, "key": key}).scalar()
-            if assigns:
-                assigns = c.execute(_SEL_POOL, {"pool": self.pool}).scalar()
-        else:
-            assigns = c.execute(_SEL_POOL, {"pool": self.pool}).scalar()
-        if assigns is None:
-            c.execute(_P.insert().values(name=self.pool, assigns_devices=0))
-            return False
-        return bool(assigns)
+    def _admit(self, tx, req: Request, matches, pool_locked: bool, now: float | None):
+        """One attempt of `admit` in `tx`: the allocation (committed), or None where the
+        devices chosen were taken before the pool's lock was granted (nothing written)."""
+        # the locks, then what admission reads (`_SqliteTx` / `_PgTx.lock_and_read`)
+        known, assigns, open_rows, quota_rows, device_rows = tx.lock_and_read(
+            self.pool, req.user, req.groups, pool_locked)
+        # the clock is read under the lock and after the open allocations: every release
+        # this admission saw has an earlier end, so the history never shows a device or
+        # a quota used twice at once (releases take no lock)
+        now = time.time() if now is None else now
+        mine = [r for r in open_rows if r.user == req.user]
+        if any(r.kind == req.kind and r.holder == req.holder for r in mine):
+            raise BadRequest(f"{req.kind} '{req.holder}' already holds GPUs.")
+        quota, source = _effective(quota_rows)
+        used = 0.0
+        if quota is not None and quota.gpu_hours is not None and req.gpus:
+            since = now - quota.window_hours * 3600
+            used = _sum_gpu_hours(tx.used(since, now, req.user), since, now)[req.user]
+        why = refusal(quota, source, req.gpus,
+                      [Holding(r.kind, r.holder, r.gpus) for r in mine if r.gpus], used)
+        if why:
+            raise QuotaExceeded(why)
+        devices: list[int] = []
+        row = dict(id=uuid.uuid4().hex, pool=self.pool, kind=req.kind, holder=req.holder,
+                   user=req.user, gpus=req.gpus, model=req.model, started_at=now)
+        if req.gpus and assigns:
+            matching = [_Dev(i, m) for i, m in device_rows if matches(req.model, m)]
+            held = {i for r in open_rows for i in r.devices}
+            free = [d.index for d in matching if d.index not in held]
+            if len(free) < req.gpus:
+                raise NotEnoughGPUs(
+                    _not_enough(req, matching, free, open_rows),
+                    requested=req.gpus, free=len(free), matching=len(matching))
+            if not pool_locked:
+                got = tx.insert_first_free(row, [d.index for d in matching])
+                if got is None:
+                    return None
+                return Allocation(row["id"], self.pool, req.kind, req.holder, req.user,
+                                  req.gpus, req.model, tuple(got[0]), got[1])
+            devices = free[: req.gpus]
+        # a pool nobody declared counts GPUs (`ensure_pool` declares it)
+        tx.write_and_commit(None if known else self.pool, dict(
+            row, devices=json.dumps(devices), ended_at=None, end_reason=""))
+        return Allocation(row["id"], self.pool, req.kind, req.holder, req.user, req.gpus,
+                          req.model, tuple(devices), now)
 
     def release(self, alloc_id: str, reason: str = "released", now: float | None = None,
                 session: Session | None = None):
@@ -451,23 +442,21 @@ class Ledger:
 
         ``session``: a write transaction of the caller's, so that the allocation closes in the
         same commit as the caller's own rows (a job's final state and its GPUs together)."""
-        if session is None:
-            with self.writing() as c:
-                row = self._close(c, alloc_id, reason, now)
-        else:
-            row = self._close(session.connection(), alloc_id, reason, now)
-        if row is None:
-            return None
-        log.info("Released %s %s/%s (%s)", row.kind, row.user, row.holder, reason)
-        return row
-
-    def _close(self, c: Connection, alloc_id: str, reason: str, now: float | None):
         # one UPDATE: it locks the row (a second release of the same allocation waits, then
         # finds it closed); an admission running meanwhile counts it as still held, which
         # errs on the safe side
         now = time.time() if now is None else now
-        row = c.execute(_CLOSE, {"alloc": alloc_id, "at": now, "why": reason[:255]}).first()
-        return Allocation.of(row) if row is not None else None
+        args = {"alloc": alloc_id, "at": now, "why": reason[:255]}
+        if session is None:
+            with self._direct.transaction() as tx:
+                row = tx.close_and_commit(args)
+        else:
+            row = session.connection().execute(_CLOSE, args).first()
+        if row is None:
+            return None
+        row = _allocation(row)
+        log.info("Released %s %s/%s (%s)", row.kind, row.user, row.holder, reason)
+        return row
 
     def get(self, alloc_id: str) -> Allocation | None:
         with self.Reader() as s:
@@ -505,43 +494,289 @@ class Ledger:
             return dict(self._gpu_hours(s, since, until, user=user))
 
     def _gpu_hours(self, s: Session, since: float, until: float, user: str | None = None):
-        end = func.coalesce(AllocationRow.ended_at, until)
-        q = select(AllocationRow.user, AllocationRow.gpus, AllocationRow.started_at, end).where(
-            AllocationRow.gpus > 0, AllocationRow.started_at < until, end > since)
-        if user is not None:
-            q = q.where(AllocationRow.user == user)
-        totals: dict[str, float] = _Zero()
-        for who, gpus, start, stop in s.execute(q):
-            span = min(stop, until) - max(start, since)
-            if span > 0:
-                totals[who] = totals.get(who, 0.0) + gpus * span / 3600.0
-        return totals
+        args = {"since": since, "until": until}
+        if user is None:
+            return _sum_gpu_hours(s.execute(_SEL_USED, args), since, until)
+        return _sum_gpu_hours(s.execute(_SEL_USED_OF, {**args, "user": user}), since, until)
 
 
 _A, _D, _P, _Q = (AllocationRow.__table__, Device.__table__, Pool.__table__,
                   QuotaRow.__table__)
 
 
-# admission's statements, built once (building one costs more than running it on SQLite)
-_SEL_POOL = select(_P.c.assigns_devices).where(_P.c.name == bindparam("pool")).with_for_update()
-_SEL_POOL_LOCK_PERSON = select(
-    _P.c.assigns_devices, func.pg_advisory_xact_lock(bindparam("key", type_=BigInteger))
-).where(_P.c.name == bindparam("pool"))
-_SEL_OPEN_OF = select(_A.c.user, _A.c.kind, _A.c.holder, _A.c.gpus, _A.c.devices).where(
-    _A.c.pool == bindparam("pool"), _A.c.user == bindparam("user"), _A.c.ended_at.is_(None))
-_SEL_OPEN = select(_A.c.user, _A.c.kind, _A.c.holder, _A.c.gpus, _A.c.devices).where(
-    _A.c.pool == bindparam("pool"), _A.c.ended_at.is_(None))
-_SEL_QUOTAS = select(_Q.c.scope, _Q.c.name, _Q.c.max_gpus, _Q.c.max_per_request,
-                     _Q.c.gpu_hours, _Q.c.window_hours).where(or_(
-                         _Q.c.scope == "default",
-                         (_Q.c.scope == "user") & (_Q.c.name == bindparam("user")),
-                         (_Q.c.scope == "group")
-                         & _Q.c.name.in_(bindparam("groups", expanding=True))))
+# admission's and release's statements, built once (building one costs more than running it
+# on SQLite), and compiled once per database for the DBAPI connection (`_Direct`)
+_SEL_POOL = select(_P.c.assigns_devices).where(_P.c.name == bindparam("pool"))
+#: PostgreSQL: the person's lock, and whether the pool exists (NULL: it does not)
+_LOCK_PERSON = select(func.pg_advisory_xact_lock(bindparam("key", type_=BigInteger)),
+                      _SEL_POOL.scalar_subquery())
+#: PostgreSQL: the pool's row, locked, where the pool hands out devices (no row: it counts)
+_LOCK_POOL = (select(_P.c.assigns_devices)
+              .where(_P.c.name == bindparam("pool"), _P.c.assigns_devices != 0)
+              .with_for_update())
+#: the open allocations admission needs: everyone's where the pool hands out devices (who
+#: holds which device), else the person's own (their quota covers their own holdings)
+_SEL_OPEN_FOR = select(_A.c.user, _A.c.kind, _A.c.holder, _A.c.gpus, _A.c.devices).where(
+    _A.c.pool == bindparam("pool"), _A.c.ended_at.is_(None),
+    or_(_A.c.user == bindparam("user"),
+        exists().where(_P.c.name == bindparam("pool"), _P.c.assigns_devices != 0)))
+_QUOTA_COLUMNS = (_Q.c.scope, _Q.c.name, _Q.c.max_gpus, _Q.c.max_per_request, _Q.c.gpu_hours,
+                  _Q.c.window_hours)
+
+
+def _sel_quotas(in_groups):
+    """The default quota, the person's and their groups' (`in_groups`: the name test)."""
+    return select(*_QUOTA_COLUMNS).where(or_(
+        _Q.c.scope == "default",
+        (_Q.c.scope == "user") & (_Q.c.name == bindparam("user")),
+        (_Q.c.scope == "group") & in_groups))
+
+
+_SEL_QUOTAS = _sel_quotas(_Q.c.name.in_(bindparam("groups", expanding=True)))
+#: the same with the groups as one parameter, the same statement for any number of groups:
+#: a PostgreSQL array, a JSON list on SQLite
+_SEL_QUOTAS_PG = _sel_quotas(_Q.c.name == any_(bindparam("groups", type_=ARRAY(String))))
+_SEL_QUOTAS_SQLITE = _sel_quotas(_Q.c.name.in_(
+    select(literal_column("value")).select_from(func.json_each(bindparam("groups")))))
 _SEL_DEVICES = select(_D.c.index, _D.c.model).where(_D.c.pool == bindparam("pool")).order_by(
     _D.c.index)
+_USED_END = func.coalesce(_A.c.ended_at, bindparam("until", type_=Float))
+_SEL_USED = select(_A.c.user, _A.c.gpus, _A.c.started_at, _USED_END).where(
+    _A.c.gpus > 0, _A.c.started_at < bindparam("until", type_=Float),
+    _USED_END > bindparam("since", type_=Float))
+_SEL_USED_OF = _SEL_USED.where(_A.c.user == bindparam("user"))
+_INSERT_POOL = _P.insert()
+#: PostgreSQL, the pool locked: the allocation with the first `gpus` of `candidates` that no
+#: open allocation holds, where there are that many. It starts at `started_at` (the admission's
+#: clock, read before the lock) or, where a device it takes was released later than that, at
+#: that release: the history never shows a device held twice at once
+_INSERT_FIRST_FREE_PG = text("""
+WITH recent AS (
+    SELECT CAST(a.devices AS jsonb) AS devices, a.ended_at FROM allocations a
+    WHERE a.pool = :pool AND (a.ended_at IS NULL OR a.ended_at > :started_at)
+), free AS (
+    SELECT c.i, c.o FROM unnest(CAST(:candidates AS integer[])) WITH ORDINALITY AS c(i, o)
+    WHERE NOT EXISTS (SELECT 1 FROM recent r
+                      WHERE r.ended_at IS NULL AND r.devices @> to_jsonb(c.i))
+    ORDER BY c.o LIMIT :gpus
+), pick AS (
+    SELECT json_agg(free.i ORDER BY free.o)::text AS devices, count(*) AS n,
+           GREATEST(:started_at, (SELECT max(r.ended_at) FROM recent r, free f
+                                  WHERE r.devices @> to_jsonb(f.i))) AS started_at
+    FROM free
+)
+INSERT INTO allocations (id, pool, kind, holder, "user", gpus, model, devices, started_at,
+                         ended_at, end_reason)
+SELECT :id, :pool, :kind, :holder, :user, :gpus, :model, pick.devices, pick.started_at, NULL, ''
+FROM pick WHERE pick.n = :gpus
+RETURNING devices, started_at""").bindparams(bindparam("started_at", type_=Float),
+                                 bindparam("candidates", type_=ARRAY(Integer)))
 _INSERT_ALLOCATION = _A.insert()
 _CLOSE = (_A.update().where(_A.c.id == bindparam("alloc"), _A.c.ended_at.is_(None))
           .values(ended_at=bindparam("at"), end_reason=bindparam("why")).returning(*_A.c))
+
+
+class _Sql:
+    """A Core statement compiled once for one database, run on the DBAPI connection."""
+
+    __slots__ = ("text", "names", "fixed")
+
+    def __init__(self, stmt, dialect):
+        compiled = stmt.compile(dialect=dialect)
+        self.text = compiled.string
+        #: the parameters' order where the DBAPI's are positional (SQLite's ``?``)
+        self.names = compiled.positiontup
+        #: the statement's own values (the ``'default'`` of a ``scope = 'default'``)
+        self.fixed = {k: v for k, v in compiled.params.items() if v is not None}
+
+    def __call__(self, **values):
+        args = {**self.fixed, **values}
+        return self.text, args if self.names is None else [args[n] for n in self.names]
+
+
+class _Direct:
+    """Admission and release on the DBAPI connection itself, without SQLAlchemy's
+    ``Connection`` (measured: SQLAlchemy's execution costs more than SQLite's own work for these
+    small statements, see bench/admission.py). The statements are the Core ones above, compiled
+    once; the connection comes from the engine's pool (and its pre-ping on PostgreSQL).
+
+    On SQLite the process's write lock (`_Writers`) is held around the transaction, which begins
+    with ``BEGIN IMMEDIATE`` (the database's write lock). On PostgreSQL each step is one round
+    trip: psycopg's pipeline mode sends the ``BEGIN``, the locks and the reads together, then
+    the inserts with the ``COMMIT``; a release is ``BEGIN``, ``UPDATE … RETURNING``, ``COMMIT``
+    in one. The reads still run after the locks are granted: the server runs a pipeline's
+    statements one after another, and each statement of a read-committed transaction reads a
+    snapshot taken when it starts."""
+
+    def __init__(self, engine: Engine, lock):
+        self.engine, self.lock = engine, lock
+        self.pg = engine.dialect.name == "postgresql"
+        statements = dict(pool=_SEL_POOL, open=_SEL_OPEN_FOR, devices=_SEL_DEVICES,
+                          used=_SEL_USED_OF, insert_pool=_INSERT_POOL,
+                          insert=_INSERT_ALLOCATION, close=_CLOSE)
+        if self.pg:
+            statements.update(lock_person=_LOCK_PERSON, lock_pool=_LOCK_POOL,
+                              quotas=_SEL_QUOTAS_PG, insert_first_free=_INSERT_FIRST_FREE_PG)
+        else:
+            statements.update(quotas=_SEL_QUOTAS_SQLITE)
+        self.sql = {name: _Sql(stmt, engine.dialect) for name, stmt in statements.items()}
+
+    @contextmanager
+    def transaction(self):
+        """A `_PgTx` or `_SqliteTx` on a connection of the pool; rolled back on any error (a
+        refusal too: nothing was written)."""
+        with self.lock:
+            raw = self.engine.raw_connection()
+            try:
+                tx = (_PgTx if self.pg else _SqliteTx)(raw.driver_connection, self.sql)
+                try:
+                    yield tx
+                except BaseException:
+                    try:
+                        tx.c.rollback()
+                    except Exception:  # a broken connection: the pool drops it
+                        raw.invalidate()
+                    raise
+            finally:
+                raw.close()
+
+
+class _SqliteTx:
+    #: one attempt: ``BEGIN IMMEDIATE`` serializes every writer, the pool is always locked
+    attempts = (True,)
+
+    def __init__(self, c, sql):
+        self.c, self.sql = c, sql
+
+    def lock_and_read(self, pool: str, user: str, groups, pool_locked: bool = True):
+        """``(pool known, hands out devices, open rows, quota rows, device rows)``"""
+        c, sql = self.c, self.sql
+        c.execute("BEGIN IMMEDIATE")  # the database's write lock: admissions are serialized
+        kind = c.execute(*sql["pool"](pool=pool)).fetchone()
+        assigns = bool(kind and kind[0])
+        return (
+            kind is not None, assigns,
+            [_open(r) for r in c.execute(*sql["open"](pool=pool, user=user))],
+            c.execute(*sql["quotas"](user=user, groups=json.dumps(sorted(set(groups))))).fetchall(),
+            c.execute(*sql["devices"](pool=pool)).fetchall() if assigns else [])
+
+    def used(self, since: float, until: float, user: str):
+        return self.c.execute(*self.sql["used"](since=since, until=until, user=user)).fetchall()
+
+    def write_and_commit(self, new_pool: str | None, allocation: dict) -> None:
+        if new_pool is not None:
+            self.c.execute(*self.sql["insert_pool"](name=new_pool, assigns_devices=0))
+        self.c.execute(*self.sql["insert"](**allocation))
+        self.c.execute("COMMIT")
+
+    def close_and_commit(self, args: dict):
+        self.c.execute("BEGIN IMMEDIATE")
+        rows = self.c.execute(*self.sql["close"](**args)).fetchall()
+        self.c.execute("COMMIT")
+        return rows[0] if rows else None
+
+
+class _PgTx:
+    #: first without the pool's lock (`insert_first_free` takes it), then, where the devices
+    #: chosen were taken meanwhile, with it
+    attempts = (False, True)
+
+    def __init__(self, c, sql):
+        self.c, self.sql = c, sql
+
+    def lock_and_read(self, pool: str, user: str, groups, pool_locked: bool):
+        """``(pool known, hands out devices, open rows, quota rows, device rows)``; one round
+        trip. The locks: the person's (advisory), and where `pool_locked` the pool's row if it
+        hands out devices (`_LOCK_POOL`). The person's lock serializes their admissions, which
+        is all their quota needs (their holdings change otherwise only by releases). A pool
+        that only counts GPUs (Kubernetes: the scheduler places them) needs nothing more, so
+        different people are admitted in parallel; one that hands out devices is locked whole,
+        for the reads (`pool_locked`) or only for the insert (`insert_first_free`)."""
+        c, sql = self.c, self.sql
+        with c.pipeline():
+            person = c.execute(*sql["lock_person"](key=_person_key(pool, user), pool=pool))
+            locked = c.execute(*sql["lock_pool"](pool=pool)) if pool_locked else None
+            open_rows = c.execute(*sql["open"](pool=pool, user=user))
+            quotas = c.execute(*sql["quotas"](user=user, groups=sorted(set(groups))))
+            devices = c.execute(*sql["devices"](pool=pool))
+        known = person.fetchone()[1]
+        assigns = locked.fetchone() is not None if pool_locked else bool(known)
+        return (known is not None, assigns, [_open(r) for r in open_rows], quotas.fetchall(),
+                devices.fetchall() if assigns else [])
+
+    def insert_first_free(self, row: dict, candidates: list[int]):
+        """Lock the pool, insert the allocation with the first ``row['gpus']`` of
+        `candidates` (device indices, in order) that no open allocation holds, and commit:
+        one round trip, the pool locked only while the server runs the insert. ``(devices,
+        start)``, or None where too few were free (the transaction then wrote nothing).
+
+        The start is ``row['started_at']`` (the admission's clock, read before the lock) or
+        the latest release of a device taken, where that is later: the history must never
+        show a device held twice at once (see `Ledger._admit`)."""
+        with self.c.pipeline():
+            self.c.execute(*self.sql["lock_pool"](pool=row["pool"]))
+            inserted = self.c.execute(*self.sql["insert_first_free"](**row, candidates=candidates))
+            self.c.commit()
+        got = inserted.fetchone()
+        return (json.loads(got[0]), got[1]) if got is not None else None
+
+    def used(self, since: float, until: float, user: str):
+        return self.c.execute(*self.sql["used"](since=since, until=until, user=user)).fetchall()
+
+    def write_and_commit(self, new_pool: str | None, allocation: dict) -> None:
+        with self.c.pipeline():
+            if new_pool is not None:
+                self.c.execute(*self.sql["insert_pool"](name=new_pool, assigns_devices=0))
+            self.c.execute(*self.sql["insert"](**allocation))
+            self.c.commit()
+
+    def close_and_commit(self, args: dict):
+        # one statement is a transaction of its own: no BEGIN nor COMMIT to send
+        self.c.autocommit = True
+        try:
+            return self.c.execute(*self.sql["close"](**args)).fetchone()
+        finally:
+            self.c.autocommit = False
+
+
+def _person_key(pool: str, user: str) -> int:
+    """The advisory lock's key of one person's admissions to one pool."""
+    return int.from_bytes(hashlib.blake2b(f"{pool}\0{user}".encode(), digest_size=8).digest(),
+                          "big", signed=True)
+
+
+def _open(row) -> "_Open":
+    user, kind, holder, gpus, devices = row
+    return _Open(user, kind, holder, gpus, json.loads(devices or "[]"))
+
+
+def _allocation(row) -> Allocation:
+    """An `Allocation` from a row of the allocations table's columns, in their order."""
+    return Allocation(*row[:7], tuple(json.loads(row[7] or "[]")), *row[8:])
+
+
+def _effective(rows):
+    """`effective_quota` of the rows `_SEL_QUOTAS` reads."""
+    default, mine, by_group = None, None, {}
+    for scope, name, *numbers in rows:
+        quota = Quota(*numbers)
+        if scope == "default":
+            default = quota
+        elif scope == "user":
+            mine = quota
+        else:
+            by_group[name] = quota
+    return effective_quota(default, by_group, mine)
+
+
+def _sum_gpu_hours(rows, since: float, until: float) -> dict[str, float]:
+    """GPU-hours per user in ``[since, until]`` of the rows `_SEL_USED` reads."""
+    totals: dict[str, float] = _Zero()
+    for who, gpus, start, stop in rows:
+        span = min(stop, until) - max(start, since)
+        if span > 0:
+            totals[who] = totals.get(who, 0.0) + gpus * span / 3600.0
+    return totals
 
 
 @dataclass(frozen=True)
@@ -576,11 +811,6 @@ class _Writers:
     def begin(self):
         with self.lock, self.maker.begin() as s:
             yield s
-
-    @contextmanager
-    def connection(self):
-        with self.lock, self.maker.kw["bind"].begin() as c:
-            yield c
 
 
 class _Zero(dict):

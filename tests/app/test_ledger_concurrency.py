@@ -106,3 +106,39 @@ def test_contention_on_postgresql_counting_pool(postgres):
     assert outcomes.count("admitted") == len(rows) and "refused" in outcomes
     assert len(rows) >= 20 and all(a.devices == () for a in rows)
     ledger.engine.dispose()
+
+
+@pytest.mark.postgres
+def test_admission_rules_on_postgresql(postgres):
+    """The PostgreSQL path has statements of its own (one round trip of locks and reads): the
+    same rules as on SQLite (tests/unit/test_ledger.py) on a real server."""
+    from gpulab.hub.ledger import BadRequest, NotEnoughGPUs, QuotaExceeded
+
+    ledger = Ledger(postgres.create_database("rules"))
+    ledger.migrate()
+    ledger.sync_inventory(DeviceInfo(i, model="A10" if i < 2 else "H100") for i in range(4))
+    ledger.set_quota("default", "", Quota(1), actor="admin")
+    ledger.set_quota("group", "staff", Quota(3), actor="admin")
+    ledger.set_quota("group", "big", Quota(4, gpu_hours=3, window_hours=24), actor="admin")
+    t0 = 1_000_000.0
+    a = ledger.admit(Request("ann", "notebook", "default", 1), now=t0)
+    with pytest.raises(QuotaExceeded, match=r"\(the default quota\)"):
+        ledger.admit(Request("ann", "job", "j1", 1))
+    with pytest.raises(BadRequest):
+        ledger.admit(Request("ann", "notebook", "default", 1, groups=("staff",)))
+    # the most generous of the person's groups
+    b = ledger.admit(Request("ann", "job", "j1", 2, groups=("staff", "big"), model="H100"), now=t0)
+    assert b.devices == (2, 3) and a.devices == (0,)
+    with pytest.raises(NotEnoughGPUs, match="of model H100"):
+        ledger.admit(Request("bob", "notebook", "default", 1, model="H100"))
+    assert ledger.release(b.id, now=t0 + 3600).ended_at == t0 + 3600
+    assert ledger.release(b.id) is None
+    with pytest.raises(QuotaExceeded, match="3 of your 3 GPU-hours"):  # 2 + 1 (ann's notebook)
+        ledger.admit(Request("ann", "job", "j2", 1, groups=("big",)), now=t0 + 3600)
+    assert ledger.usage(t0, t0 + 3600)["ann"] == pytest.approx(3.0)
+    # a pool nobody declared counts GPUs
+    other = Ledger(ledger.url, pool="elsewhere")
+    c = other.admit(Request("ann", "notebook", "default", 1))
+    assert c.devices == () and other.get(c.id).open
+    ledger.engine.dispose()
+    other.engine.dispose()
