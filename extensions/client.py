@@ -47,11 +47,15 @@ from urllib.parse import quote, urlencode
 from traitlets import Float, Unicode, default, validate
 from traitlets.config import Configurable
 
+from . import jobmodel
+from .contract import ACTIVE, FINAL
+from .contract import lead_replica as _lead_of_strategy
+
 DEFAULT_HUB_URL = "http://127.0.0.1:8000"
 SERVICE_PATH = "services/gpulab/"
 API_PATH = "api/v1/"
-ACTIVE_STATES = ("Admitted", "Starting", "Running")
-FINAL_STATES = ("Succeeded", "Failed", "Stopped")
+#: a job's states (the job contract's names, kept here for the client's users)
+ACTIVE_STATES, FINAL_STATES = ACTIVE, FINAL
 #: the service waits up to 20 s for more log with ``follow=1``
 FOLLOW_TIMEOUT = 60.0
 
@@ -112,7 +116,7 @@ def lead_replica(view: Mapping) -> str:
             return name
     if names:
         return names[0]
-    return "chief-0" if view.get("strategy") == "parameter-server" else "worker-0"
+    return _lead_of_strategy(view.get("strategy") or "")
 
 
 def with_chief(spec: Mapping) -> dict:
@@ -295,11 +299,9 @@ class Client(Configurable):
         names is sent as it is (`with_chief`). The ``spec`` given is not changed.
         Raises `GpulabError` with the service's message (and ``field``) when it is refused.
         """
-        from .jobmodel import build_spec
-
         if spec is not None and fields:
             raise TypeError("submit() takes a spec or keyword fields, not both")
-        body = with_chief(spec) if spec is not None else build_spec(**fields)
+        body = with_chief(spec) if spec is not None else jobmodel.build_spec(**fields)
         view = self.request("POST", "jobs", body=body)
         return Job(self, view["name"], view=view)
 
@@ -378,9 +380,7 @@ class Job:
 
     def tensorboard_url(self, prefix: str | None = None) -> str:
         """Where TensorBoard shows this job's runs, in the person's own notebook server."""
-        from .jobmodel import tensorboard_url
-
-        return tensorboard_url(self.name, prefix=prefix)
+        return jobmodel.tensorboard_url(self.name, prefix=prefix)
 
 
 def _api_error(e: urllib.error.HTTPError) -> GpulabError:

@@ -20,10 +20,8 @@ from pathlib import Path
 from typing import Iterable, Mapping
 from urllib.parse import quote
 
-from .runtime import PROGRESS_PREFIX as PROGRESS_LINE
-
-STRATEGIES = ("parameter-server", "multi-worker-mirrored")
-NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+from .contract import FINAL, NAME_RE, STRATEGIES
+from .contract import PROGRESS_PREFIX as PROGRESS_LINE
 MEMORY_RE = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
 MAX_NAME_LENGTH = 40
 CODE_SOURCES = ("cell", "function", "file", "text")
@@ -350,9 +348,7 @@ def state_line(view: Mapping, now: float | None = None) -> str:
 
 
 def is_final(view: Mapping | None) -> bool:
-    from .client import FINAL_STATES
-
-    return bool(view) and view.get("state") in FINAL_STATES
+    return bool(view) and view.get("state") in FINAL
 
 
 @dataclass

@@ -58,19 +58,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-#: the program finished
-EXIT_OK = 0
-#: the program raised an exception (traceback on stderr)
-EXIT_PROGRAM = 1
-#: bad configuration: TF_CONFIG, GPULAB_STRATEGY, task type or program file (one line, no traceback)
-EXIT_CONFIG = 2
-#: the cluster was lost (a ps or peer went away): restart, resume from the last checkpoint
-EXIT_INFRA = 75
-
-STRATEGIES = ("parameter-server", "multi-worker-mirrored")
-ROLES = ("chief", "ps", "worker", "evaluator")
-#: the prefix of the machine-readable progress lines written by `report`
-PROGRESS_PREFIX = "GPULAB_PROGRESS "
+# the exit codes (0 done; 1 the program raised, traceback on stderr; 2 bad configuration:
+# TF_CONFIG, GPULAB_STRATEGY, task type or program file, one line and no traceback; 75 the
+# cluster was lost: restart, resume from the last checkpoint), the strategies, the roles and
+# the progress line are the job contract's, shared with the hub
+from .contract import (  # noqa: E402
+    EXIT_CONFIG,
+    EXIT_INFRA,
+    EXIT_OK,
+    EXIT_PROGRAM,
+    PROGRESS_PREFIX,
+    ROLES,
+    STRATEGIES,
+    parse_progress_line,
+)
 #: seconds the coordinator waits for every ps and worker to accept connections
 DEFAULT_CLUSTER_TIMEOUT = 300.0
 
@@ -344,20 +345,6 @@ def progress_line(step: int, total: int | None = None, **metrics) -> str:
         record[key] = _metric(value)
     record["time"] = round(time.time(), 3)
     return PROGRESS_PREFIX + json.dumps(record, separators=(", ", ": "))
-
-
-def parse_progress_line(line: str) -> dict | None:
-    """The record of a `report` line, or None when the line is something else."""
-    line = line.strip()
-    if not line.startswith(PROGRESS_PREFIX):
-        return None
-    try:
-        value = json.loads(line[len(PROGRESS_PREFIX):])
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("step"), int):
-        return None
-    return value
 
 
 # -- helpers for the program ------------------------------------------------------------------

@@ -23,6 +23,7 @@ import ipywidgets as W
 
 from . import jobmodel as jm
 from .client import Client, GpulabError, Job, lead_replica
+from .contract import EXIT_NOT_RETRIED, FINAL
 
 #: at most one request a second per view
 MIN_INTERVAL = 1.0
@@ -349,7 +350,7 @@ def replica_to_show(view: Mapping) -> str:
     failed (else the first that failed), otherwise the lead (chief, or worker 0)."""
     if (view.get("state") or "") == "Failed":
         failed = [r for r in view.get("replicas") or () if r.get("state") == "Failed"]
-        raised = [r for r in failed if r.get("exit_code") in (1, 2)]
+        raised = [r for r in failed if r.get("exit_code") in EXIT_NOT_RETRIED]
         if raised or failed:
             return (raised or failed)[0]["name"]
     return lead_replica(view)
@@ -694,7 +695,7 @@ class JobsList(W.VBox):
 
     def _watch(self) -> None:
         while not self._stop_event.wait(self.interval):
-            if any(j.get("state") not in ("Succeeded", "Failed", "Stopped") for j in self.jobs):
+            if any(j.get("state") not in FINAL for j in self.jobs):
                 self.refresh()
 
     def refresh(self) -> None:

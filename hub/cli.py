@@ -282,7 +282,7 @@ def _account() -> str:
 def cmd_config_reference(args) -> int:
     from .docs import config_reference
 
-    sys.stdout.write(config_reference())
+    sys.stdout.write(config_reference(build_parser()))
     return 0
 
 

@@ -84,6 +84,8 @@ import psutil
 from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 
+from gpulab.extensions import contract
+from gpulab.extensions.contract import ACTIVE, EXIT_INFRA, FINAL, PROGRESS_PREFIX, lead_replica
 from gpulab.spawner import sandbox
 from gpulab.spawner.accounts import AccountError
 from gpulab.spawner.cgroups import local_cgroups, memory_bytes
@@ -94,14 +96,8 @@ from .ledger import JobRow, Ledger, ReplicaRow, Request
 
 log = logging.getLogger("gpulab.jobs")
 
-#: the runtime's exit code for lost infrastructure (a peer went away), see gpulab.extensions.runtime
-EXIT_INFRA = 75
 #: a replica adopted after a service restart that is gone: its exit code cannot be known
 EXIT_UNKNOWN = -1000
-#: the line a replica prints (``gpulab.extensions.runtime.report``) to say how far it is
-PROGRESS_PREFIX = "GPULAB_PROGRESS "
-ACTIVE = ("Admitted", "Starting", "Running")
-FINAL = ("Succeeded", "Failed", "Stopped")
 #: variables a replica takes from the service's environment (nothing else is copied: the
 #: service's own hub token and settings must never reach a person's program)
 ENV_ALLOW = ("PATH", "LANG", "LANGUAGE", "TZ")
@@ -172,16 +168,8 @@ def read_progress(job: JobRow, replica: str, tail: int = 64 * 1024) -> dict | No
 
 
 def last_progress(log_text: bytes) -> dict | None:
-    """The last well-formed progress line (``GPULAB_PROGRESS {"step": …}``) of a log."""
-    for line in reversed(log_text.decode(errors="replace").splitlines()):
-        if line.startswith(PROGRESS_PREFIX):
-            try:
-                value = json.loads(line[len(PROGRESS_PREFIX):])
-            except ValueError:
-                continue
-            if isinstance(value, dict) and isinstance(value.get("step"), int):
-                return value
-    return None
+    """The last well-formed progress line (``GPULAB_PROGRESS {"step": …}``) of a log's bytes."""
+    return contract.last_progress(log_text.decode(errors="replace"))
 
 
 def replica_env(base: dict[str, str], *, spec: JobSpec, job_name: str, job_dir: str,
@@ -216,11 +204,6 @@ def replica_env(base: dict[str, str], *, spec: JobSpec, job_name: str, job_dir: 
     return env
 
 
-def _lead_replica(spec: dict) -> str:
-    """The replica whose progress is the job's: the chief, or worker 0 without one."""
-    return "chief-0" if spec["strategy"] == "parameter-server" else "worker-0"
-
-
 def _job_view(job: JobRow, replicas: list[ReplicaRow], progress: bool = False) -> dict:
     spec = json.loads(job.spec)
     view = {
@@ -238,7 +221,7 @@ def _job_view(job: JobRow, replicas: list[ReplicaRow], progress: bool = False) -
         "spec": spec,
     }
     if progress:
-        view["progress"] = read_progress(job, _lead_replica(spec))
+        view["progress"] = read_progress(job, lead_replica(spec["strategy"]))
     return view
 
 

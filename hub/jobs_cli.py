@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
-from .client_cli import EXIT_USAGE, APIError, _call, add_global_options, common, fail_api, table
+from gpulab.extensions.contract import STRATEGIES, lead_replica
 
-STRATEGIES = ("parameter-server", "multi-worker-mirrored")
+from .client_cli import EXIT_USAGE, APIError, _call, add_global_options, common, fail_api, table
 
 
 def add_jobs_parser(sub) -> None:
@@ -331,10 +331,6 @@ def follow_logs(args, replica: str, follow: bool) -> int:
             return 0
 
 
-def lead_replica(job: dict) -> str:
-    return "chief-0" if job["strategy"] == "parameter-server" else "worker-0"
-
-
 def cmd_jobs(args) -> int:
     if args.action is None:
         print("gpulab jobs: choose submit, list, show, logs, stop or export (see gpulab jobs -h)",
@@ -362,7 +358,7 @@ def cmd_jobs(args) -> int:
             if args.follow:
                 args.user = None
                 args.name = job["name"]
-                follow_logs(args, lead_replica(job), True)
+                follow_logs(args, lead_replica(job["strategy"]), True)
                 job = _call(args, "GET", _job_path(args))
                 print(f"{job['name']}: {job['state']}: {job['reason']}")
                 return 0 if job["state"] == "Succeeded" else 1
@@ -383,7 +379,7 @@ def cmd_jobs(args) -> int:
             print(json.dumps(job, indent=2) if args.json else
                   f"{job['name']}: {job['state']}: {job['reason']}")
         elif args.action == "logs":
-            replica = args.replica or lead_replica(_call(args, "GET", _job_path(args)))
+            replica = args.replica or lead_replica(_call(args, "GET", _job_path(args))["strategy"])
             return follow_logs(args, replica, args.follow)
     except APIError as e:
         return fail_api(e)

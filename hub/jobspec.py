@@ -34,12 +34,11 @@ from traitlets import Float, Int, List, TraitError, Unicode, validate
 from traitlets.config import Configurable
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gpulab.extensions.contract import NAME_RE, ROLES, STRATEGIES
 from gpulab.spawner.cgroups import memory_bytes
 
 from .policy import MAX_GPUS
 
-NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-ROLES = ("chief", "ps", "worker", "evaluator")
 RESERVED_ENV = {"TF_CONFIG", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
                 "GRPC_FAIL_FAST", "TF_USE_LEGACY_KERAS", "JUPYTERHUB_API_TOKEN", "PYTHONPATH",
                 "LD_PRELOAD", "LD_LIBRARY_PATH", "PATH", "HOME", "USER"}
@@ -142,7 +141,7 @@ class Resources(Strict):
 
 class JobSpec(Strict):
     name: str = Field(..., description="DNS-1035 label: lower-case letters, digits and '-'")
-    strategy: Literal["parameter-server", "multi-worker-mirrored"]
+    strategy: Literal[STRATEGIES]
     replicas: Replicas = Field(default_factory=Replicas)
     resources: dict[Literal["chief", "ps", "worker", "evaluator"], Resources] = Field(
         default_factory=dict)

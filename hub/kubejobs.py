@@ -68,6 +68,14 @@ from sqlalchemy import select
 from traitlets import Dict, Float, List, Unicode, default
 from traitlets.config import LoggingConfigurable
 
+from gpulab.extensions.contract import (
+    ACTIVE,
+    EXIT_CONFIG,
+    EXIT_INFRA,
+    EXIT_PROGRAM,
+    FINAL,
+    lead_replica,
+)
 from gpulab.spawner.kube import (
     ALLOWED_EGRESS_HELP,
     APPLY,
@@ -87,7 +95,7 @@ from gpulab.spawner.kubeobjects import (
 )
 from gpulab.spawner.profiles import GPU_MODEL_LABEL, GPU_RESOURCE
 
-from .jobs import ACTIVE, FINAL, JobBackend, JobError, _job_view, _lead_replica, last_progress
+from .jobs import JobBackend, JobError, _job_view, last_progress
 from .jobspec import ROLES, JobSpec
 from .kubejobs_objects import (
     CONTAINER,
@@ -171,8 +179,9 @@ def pod_words(pod: dict, *, gpus: int, model: str | None) -> tuple[str, str, int
             return "Failed", "killed: out of memory (OOM); ask for more memory", code
         if why == "DeadlineExceeded":
             return "Failed", "stopped after max_runtime", code
-        words = {1: "the program raised an error (exit 1)", 2: "bad job configuration (exit 2)",
-                 75: "lost its cluster (a ps or peer went away)"}.get(code, f"exited {code}")
+        words = {EXIT_PROGRAM: f"the program raised an error (exit {EXIT_PROGRAM})",
+                 EXIT_CONFIG: f"bad job configuration (exit {EXIT_CONFIG})",
+                 EXIT_INFRA: "lost its cluster (a ps or peer went away)"}.get(code, f"exited {code}")
         return "Failed", words, code
     if phase == "Running":
         return "Running", "", None
@@ -415,7 +424,7 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         if cached and (view["state"] in FINAL
                        or time.monotonic() - cached[0] < self.progress_cache_seconds):
             return cached[1]
-        lead = _lead_replica(view["spec"])
+        lead = lead_replica(view["spec"]["strategy"])
         role, index = lead.rsplit("-", 1)
         ns = view["namespace"]
         pods = self._replica_pods(ns, view["name"]).get((role, int(index)))

@@ -5,6 +5,8 @@ A test checks that its paths and methods are exactly the handlers' (`make_app`).
 
 from __future__ import annotations
 
+from gpulab.extensions.contract import STATES
+
 from .policy import MAX_GPU_HOURS, MAX_GPUS, MAX_WINDOW_HOURS
 
 ERROR = {"$ref": "#/components/schemas/Error"}
@@ -75,7 +77,7 @@ def _jobspec_schemas() -> dict:
 
 JOB = {"type": "object", "properties": {
     "name": {"type": "string"}, "user": {"type": "string"}, "state": {
-        "type": "string", "enum": ["Admitted", "Starting", "Running", "Succeeded", "Failed", "Stopped"]},
+        "type": "string", "enum": list(STATES)},
     "reason": {"type": "string"}, "gpus": {"type": "integer"},
     "replicas": {"type": "array", "items": {"type": "object"}}, "spec": {"type": "object"},
     "progress": {"type": ["object", "null"], "description": "the last progress line of the "
