@@ -393,15 +393,6 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         """The user's safe name, a valid label value."""
         return self._expand_user_properties("{safe_username}")
 
-    def _restore_traits(self, names) -> None:
-        """Put back the configured values of the traits a start may change."""
-        pristine = self.__dict__.setdefault("_gpu_pristine", {})
-        for name in names:
-            if name not in pristine:
-                pristine[name] = copy.deepcopy(getattr(self, name))
-        for name, value in pristine.items():
-            setattr(self, name, copy.deepcopy(value))
-
     def _server_settings(self, profile: GPUProfile) -> dict[str, Any]:
         home = None
         if self.storage_pvc_ensure and self.home_mount_path:
@@ -425,8 +416,9 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         then admit them (or refuse)."""
         self._gpu_profile_list = await self._resolve_profile_list()
         selection = self.gpu_selection()  # SpawnRefused(400) for bad options
-        keys = {k for p in self.gpu_profiles() for k in _override_keys(p)}
-        self._restore_traits([*_MANAGED_TRAITS, *sorted(keys)])
+        self.gpu_undo_overrides()
+        before = self.gpu_traits_before({*_MANAGED_TRAITS, *selection.override_keys,
+                                         "extra_resource_limits", "node_selector"})
         try:
             for override in selection.overrides:
                 self._apply_overrides(copy.deepcopy(override))
@@ -434,11 +426,14 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
                                        "node_selector": self.node_selector},
                                       f"profile '{selection.profile.display_name}'")
         except (ValueError, TypeError) as e:  # a TraitError, a bad count from a choice
+            for name, value in before.items():
+                setattr(self, name, value)
             raise SpawnRefused(400, f"Profile '{selection.profile.display_name}' cannot start "
                                f"with the options chosen: {e}") from e
         profile = dataclasses.replace(selection.profile, gpus=gpus, model=model)
         for name, value in self._server_settings(profile).items():
             setattr(self, name, value)
+        self.gpu_record_overrides(before)
         self.gpu_profile = profile
         await self.admit_gpus(profile)  # SpawnRefused(409) when the quota is used up
 
@@ -596,16 +591,6 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
                                            self.user_label)
             except RuntimeError:  # no running loop (a hub that restores state synchronously)
                 pass
-
-
-def _override_keys(profile: GPUProfile) -> set[str]:
-    """Every trait a start with `profile` may override (its own, its options' choices)."""
-    keys = set(profile.override)
-    for option in profile.options.values():
-        for choice in option["choices"].values():
-            keys |= set(choice.get("kubespawner_override") or {})
-        keys |= set(option["unlisted_choice"].get("kubespawner_override") or {})
-    return keys
 
 
 async def _maybe_await(value):

@@ -484,10 +484,6 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
     def _apply_profile(self, selection: Selection) -> GPUProfile:
         """Set the overrides of the chosen profile and options, undoing those of a previous
         start first; returns the profile with the GPUs of the final overrides."""
-        if not hasattr(self, "_trait_defaults_before_profile"):
-            self._trait_defaults_before_profile = {
-                name: getattr(self, name) for name in _PROFILE_TRAITS}
-        pristine = self._trait_defaults_before_profile
         profile = selection.profile
         kube_only = sorted({k for o in selection.overrides[1:] for k in o}
                            - set(_PROFILE_TRAITS) - set(_GPU_KEYS))
@@ -495,17 +491,20 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             raise SpawnRefused(400, f"Profile '{profile.display_name}': the options chosen set "
                                f"{', '.join(kube_only)}, which only a server on Kubernetes can "
                                "use; this hub starts servers on its own machine.")
-        final = merge_overrides({**pristine, "extra_resource_limits": {}, "node_selector": {}},
+        self.gpu_undo_overrides()
+        before = self.gpu_traits_before(_PROFILE_TRAITS)
+        final = merge_overrides({**before, "extra_resource_limits": {}, "node_selector": {}},
                                 selection.overrides, evaluate=self)
         try:
             for name in _PROFILE_TRAITS:
                 setattr(self, name, final[name])
             gpus, model = gpu_request(final, f"profile '{profile.display_name}'")
         except (TraitError, ProfileError) as e:
-            for name, value in pristine.items():
+            for name, value in before.items():
                 setattr(self, name, value)
             raise SpawnRefused(400, f"Profile '{profile.display_name}' cannot start with the "
                                f"options chosen: {e}") from e
+        self.gpu_record_overrides(before)
         return dataclasses.replace(profile, gpus=gpus, model=model)
 
     def _prepare_account(self) -> None:

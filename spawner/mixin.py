@@ -13,6 +13,7 @@ the same shape) and ``gpu_probe()`` (how to tell that its server is still alive)
 from __future__ import annotations
 
 import asyncio
+import copy
 import html
 import inspect
 import logging
@@ -232,6 +233,24 @@ class GPUSpawnerMixin:
     def selected_profile(self, user_options: dict | None = None) -> GPUProfile:
         """The profile `user_options` choose (as configured, before its options apply)."""
         return self.gpu_selection(user_options).profile
+
+    # -- overrides: each start's own, undone before the next ---------------------------------
+
+    def gpu_undo_overrides(self) -> None:
+        """Put back the traits the previous start's profile changed, each to its value before
+        that start, unless something changed it since (the operator's `apply_user_options`,
+        group overrides or `pre_spawn_hook` of this start: theirs stays)."""
+        for name, (before, after) in self.__dict__.pop("_gpu_overridden", {}).items():
+            if _same(getattr(self, name), after):
+                setattr(self, name, before)
+
+    def gpu_traits_before(self, names) -> dict:
+        return {n: copy.deepcopy(getattr(self, n)) for n in names}
+
+    def gpu_record_overrides(self, before: dict) -> None:
+        """Remember the traits this start set (`before`: their values before it)."""
+        self._gpu_overridden = {n: (v, copy.deepcopy(getattr(self, n)))
+                                for n, v in before.items() if not _same(getattr(self, n), v)}
 
     # -- spawn form ------------------------------------------------------------------------
 
@@ -455,6 +474,13 @@ class GPUSpawnerMixin:
     def clear_state(self):
         super().clear_state()
         self.release_gpus()
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that cannot tell count as changed
+        return False
 
 
 def _release_late(ledger: Ledger, admitted: asyncio.Future) -> None:

@@ -406,12 +406,12 @@ def visible_profiles(profiles: list[GPUProfile], groups) -> list[GPUProfile]:
     return [p for p in profiles if p.allows(groups)]
 
 
-def _one(value, what: str):
+def _one(value, what: str, kind: str = "a choice's name or text"):
     """A value from the API or a passthrough form: a string, or a list of exactly one."""
     if isinstance(value, list) and len(value) == 1:
         value = value[0]
     if value is not None and not isinstance(value, str):
-        raise OptionError(f"{what} must be a name, got {value!r}.")
+        raise OptionError(f"{what} must be {kind}, got {value!r}.")
     return value
 
 
@@ -429,7 +429,7 @@ def select(profiles: list[GPUProfile], options: dict, *, groups=(), strict: bool
         raise OptionError("Server options must be a JSON object.")
     mine = visible_profiles(profiles, groups)
     names = ", ".join(p.slug for p in mine)
-    slug = _one(options.get("profile"), "'profile'") if "profile" in options else None
+    slug = _one(options.get("profile"), "'profile'", "a profile name") if "profile" in options else None
     if not mine:
         raise OptionError("No profile is available to you; ask the hub's admin.")
     if not slug:

@@ -194,3 +194,63 @@ async def test_options_kubespawner_would_fail_on_are_refused_with_a_reason(confi
         await gpu.load_user_options()
     assert e.value.status_code == 400 and message in e.value.jupyterhub_message
     assert not gpu.gpu_claim_id
+
+
+# -- the GPU allocation across starts ---------------------------------------------------------
+
+from gpulab.hub.ledger import Request  # noqa: E402
+from gpulab.spawner.mixin import hub_ledger  # noqa: E402
+
+
+async def test_a_start_after_a_failed_one_is_not_refused_for_its_leftover(config):
+    """An allocation an earlier start of the same server left open (a spawner JupyterHub
+    replaced after the failure, a hub that died) does not refuse the next start with
+    "notebook 'default' already holds GPUs": JupyterHub starts only a stopped server."""
+    gpu = KubeGPUSpawner(config=copy.deepcopy(config), _mock=True)
+    ledger = hub_ledger(gpu.config, assigns_devices=False)
+    left = ledger.admit(Request(user=gpu.user.name, kind="notebook", holder="default", gpus=1))
+    other = ledger.admit(Request(user=gpu.user.name, kind="notebook", holder="second", gpus=1))
+    gpu.user_options = {"profile": "test-choices"}
+    await gpu.load_user_options()
+    assert gpu.gpu_claim_id and gpu.gpu_claim_id != left.id
+    assert ledger.get(left.id).open is False
+    assert ledger.get(other.id).open  # another server of the same person keeps its GPUs
+    await gpu.release_gpus_async()
+    ledger.release(other.id)
+
+
+async def test_a_start_cancelled_while_admitted_releases_what_it_got(config, monkeypatch):
+    """JupyterHub's start_timeout cancels a start; an admission already running in its
+    thread still commits, and is then released rather than left open."""
+    import asyncio
+    import threading
+    import time
+
+    from gpulab.hub.ledger import Ledger
+
+    gpu = KubeGPUSpawner(config=copy.deepcopy(config), _mock=True)
+    ledger = hub_ledger(gpu.config, assigns_devices=False)
+    running, admit = threading.Event(), Ledger.admit
+
+    def slow_admit(self, req, now=None):  # the ledger's lock is busy for a moment
+        running.set()
+        time.sleep(0.3)
+        return admit(self, req, now)
+
+    monkeypatch.setattr(Ledger, "admit", slow_admit)
+    gpu.user_options = {"profile": "test-choices"}
+    task = asyncio.ensure_future(gpu.load_user_options())
+    assert await asyncio.to_thread(running.wait, 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(100):
+        if ledger.open_allocations(user=gpu.user.name):
+            break
+        await asyncio.sleep(0.02)
+    for _ in range(100):  # admitted after the cancellation, then released
+        if not ledger.open_allocations(user=gpu.user.name):
+            break
+        await asyncio.sleep(0.05)
+    assert ledger.open_allocations(user=gpu.user.name) == []
+    assert not gpu.gpu_claim_id

@@ -136,7 +136,7 @@ def test_options_choose_overrides_in_kubespawners_order(options, env, gpus):
     ({"profile": "gpu-1", "size--unlisted-choice": "9"}, "takes only one of: one, two"),
     ({"profile": "gpu-1", "image": "x"}, "Unknown server option(s): image"),
     ({"profile": "gpu-8"}, "There is no profile 'gpu-8'. Choose one of: gpu-1."),
-    ({"profile": 3}, "'profile' must be a name"),
+    ({"profile": 3}, "'profile' must be a profile name"),
     ([], "must be a JSON object"),
 ], ids=["regex", "no-such-choice", "unlisted-not-enabled", "unknown-key", "other-groups",
         "not-a-name", "not-an-object"])
