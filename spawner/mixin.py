@@ -345,7 +345,11 @@ class GPUSpawnerMixin:
                 for a in mine]
 
     def render_gpu_form(self) -> str:
-        return _templates.get_template("spawn_form.html").render(**self.gpu_form_context())
+        """The profiles form. Braces outside its script are written as entities (names and
+        saved choices may hold them; JupyterHub may render a form as a template again)."""
+        page = _templates.get_template("spawn_form.html").render(**self.gpu_form_context())
+        body, script, rest = page.partition("<script>")
+        return body.replace("{", "&#123;").replace("}", "&#125;") + script + rest
 
     def render_quota_summary(self) -> str:
         """The user's quota and what they hold now, as a paragraph above a spawn form. Braces
