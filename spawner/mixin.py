@@ -63,6 +63,10 @@ class SpawnRefused(web.HTTPError):
         self.jupyterhub_html_message = html.escape(message)
 
 
+class OptionRefused(SpawnRefused, ValueError):
+    """Bad ``user_options`` (400); a ValueError too, as KubeSpawner raises for them."""
+
+
 class GPULedger(SingletonConfigurable):
     """Where the hub keeps its quota ledger (quotas, GPU allocations, audit trail)."""
 
@@ -228,7 +232,7 @@ class GPUSpawnerMixin:
             return select(self.gpu_profiles(), options or {}, groups=self.user_groups,
                           strict=self.gpu_strict_options)
         except OptionError as e:
-            raise SpawnRefused(400, str(e)) from e
+            raise OptionRefused(400, str(e)) from e
 
     def selected_profile(self, user_options: dict | None = None) -> GPUProfile:
         """The profile `user_options` choose (as configured, before its options apply)."""

@@ -193,6 +193,7 @@ async def test_options_kubespawner_would_fail_on_are_refused_with_a_reason(confi
     with pytest.raises(SpawnRefused) as e:
         await gpu.load_user_options()
     assert e.value.status_code == 400 and message in e.value.jupyterhub_message
+    assert isinstance(e.value, ValueError)  # what KubeSpawner's own tests expect
     assert not gpu.gpu_claim_id
 
 
