@@ -8,8 +8,10 @@ It is KubeSpawner configured through its own traits and hooks, plus `GPUSpawnerM
 - the namespace's NetworkPolicies are applied at every spawn (server-side apply, so a policy
   deleted or edited by hand is put back): only the hub and the proxy reach the server, and the
   user's pods reach only DNS, the hub, the gpulab service and the operator's ``allowed_egress``;
-- the GPUs come from the chosen profile of ``profile_list`` (``extra_resource_limits``,
+- the GPUs come from the chosen profile of ``profile_list`` and its ``profile_options``
+  (KubeSpawner's, applied as KubeSpawner applies them: ``extra_resource_limits``,
   ``node_selector``; override keys are KubeSpawner trait names), plus the GPU toleration;
+  a profile's ``allowed_groups`` limits who sees and starts it;
 - the shared ReadWriteMany volume is mounted as the user's own sub-path read-write and the
   datasets read-only, next to KubeSpawner's home volume; no service-account token is mounted;
 - the quota ledger admits the GPUs before the pod is made; a 403 "exceeded quota" from the API
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -49,7 +52,13 @@ from .kubeobjects import (
     server_pod_settings,
 )
 from .mixin import GPUSpawnerMixin, SpawnRefused
-from .profiles import GPUProfile, ProfileError, default_profile_list, parse_profiles
+from .profiles import (
+    GPUProfile,
+    ProfileError,
+    default_profile_list,
+    gpu_request,
+    parse_profiles,
+)
 
 APPLY = "application/apply-patch+yaml"
 FIELD_MANAGER = "gpulab-hub"
@@ -221,11 +230,14 @@ class GPUQuotaMirror:
 class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
     """Starts each server as a pod in the user's namespace on the GPUs of the chosen profile.
 
-    ``profile_list`` is KubeSpawner's (z2jh ``singleuser.profileList``); each profile's
-    ``kubespawner_override`` sets KubeSpawner traits, its GPUs being
-    ``extra_resource_limits["nvidia.com/gpu"]`` and its model
-    ``node_selector["nvidia.com/gpu.product"]``. The only user option is ``profile``
-    (``profile_options`` are not supported). Overrides are undone before the next start.
+    ``profile_list`` is KubeSpawner's (z2jh ``singleuser.profileList``), with its
+    ``profile_options`` (choices, ``unlisted_choice`` with ``validation_regex``, overrides per
+    choice, callables) and ``user_options`` of KubeSpawner's shape, from the form or the API.
+    The GPUs are ``extra_resource_limits["nvidia.com/gpu"]`` and their model
+    ``node_selector["nvidia.com/gpu.product"]`` after all overrides. gpulab adds
+    ``allowed_groups`` per profile. Overrides are undone before the next start. An
+    operator's own ``options_form`` / ``options_from_form`` / ``apply_user_options`` are
+    used as KubeSpawner would use them.
 
     Use it with ``c.JupyterHub.spawner_class = "gpulab.spawner.kube.KubeGPUSpawner"``, the
     ledger's pool set with ``c.GPULedger.pool = "kubernetes"``, and the hub's ServiceAccount
@@ -314,25 +326,43 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
     @default("options_form")
     def _gpu_options_form_default(self):
         # rendered at every visit of the spawn page (KubeSpawner's own renders a static
-        # profile_list once), so that the quota and holdings shown are those of now
+        # profile_list once), so that the quota and what each profile could get are of now
         if not self.profile_list:
             return ""
-        return self._render_gpu_options_form
+        return self._gpu_form
 
-    async def _render_gpu_options_form(self, spawner) -> str:
-        """KubeSpawner's profile form (``profile_form_template`` and its template paths still
-        apply), below the user's GPU quota and what they hold now."""
-        profiles = self.profile_list
-        if callable(profiles):
-            profiles = await _maybe_await(profiles(spawner))
-        else:
-            profiles = self._sorted_dict_values(profiles)
-        return self.render_quota_summary() + self._render_options_form(profiles)
+    @default("options_from_form")
+    def _gpu_options_from_form_default(self):
+        return self._gpu_options_from_form
+
+    def _base_options_from_form(self, formdata):
+        return KubeSpawner._options_from_form(self, formdata)
+
+    async def _resolve_profile_list(self) -> list:
+        configured = self._sorted_dict_values(self.profile_list)
+        if callable(configured):
+            configured = await _maybe_await(configured(self))
+        if isinstance(configured, dict):
+            configured = self._sorted_dict_values(configured)
+        return list(configured or [])
+
+    async def _gpu_form(self, spawner) -> str:
+        """The user's GPU quota and holdings, then the profiles this user may use with their
+        options, each disabled with the reason where it could not start now. With
+        ``profile_form_template`` or ``additional_profile_form_template_paths`` set, that is
+        KubeSpawner's form of those profiles instead."""
+        self._gpu_profile_list = await self._resolve_profile_list()
+        if self.profile_form_template or self.additional_profile_form_template_paths:
+            visible = {p.slug for p in self.gpu_visible_profiles()}
+            raw = [e for e, p in zip(self._gpu_profile_list, self.gpu_profiles())
+                   if p.slug in visible]
+            return self.render_quota_summary() + self._render_options_form(raw)
+        return self.render_quota_summary() + self.render_gpu_form()
 
     @default("apply_user_options")
     def _apply_user_options_default(self):
         # user_options are validated and applied in load_user_options(), as KubeSpawner does
-        return lambda spawner, user_options: None
+        return self._gpu_apply_user_options
 
     # -- profiles and settings ------------------------------------------------------------
 
@@ -347,16 +377,12 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
                 raise ProfileError("A callable profile_list is resolved when the server starts.")
         return parse_profiles(list(configured) or default_profile_list(0))
 
-    def options_from_form(self, formdata):
-        """One ``profile`` field; checked against ``profile_list`` here unless that is a
-        callable (then when the server starts, in `load_user_options`)."""
+    def gpu_check_form_options(self, options: dict) -> None:
+        """Checked against ``profile_list`` here unless that is a callable not resolved yet
+        (then when the server starts, in `load_user_options`)."""
         if callable(self.profile_list) and self._gpu_profile_list is None:
-            extra = sorted(k for k in formdata if k not in ("profile", "_xsrf"))
-            values = formdata.get("profile") or []
-            if extra or len(values) != 1:
-                raise SpawnRefused(400, "Choose exactly one profile.")
-            return {"profile": values[0]}
-        return super().options_from_form(formdata)
+            return
+        super().gpu_check_form_options(options)
 
     @property
     def gpu_inventory(self):
@@ -366,15 +392,6 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
     def user_label(self) -> str:
         """The user's safe name, a valid label value."""
         return self._expand_user_properties("{safe_username}")
-
-    def _restore_traits(self, names) -> None:
-        """Put back the configured values of the traits a start may change."""
-        pristine = self.__dict__.setdefault("_gpu_pristine", {})
-        for name in names:
-            if name not in pristine:
-                pristine[name] = copy.deepcopy(getattr(self, name))
-        for name, value in pristine.items():
-            setattr(self, name, copy.deepcopy(value))
 
     def _server_settings(self, profile: GPUProfile) -> dict[str, Any]:
         home = None
@@ -394,16 +411,29 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         )
 
     async def load_user_options(self):
-        """Validate ``user_options``, apply the profile, then admit its GPUs (or refuse)."""
-        configured = self._sorted_dict_values(self.profile_list)
-        if callable(configured):
-            configured = await _maybe_await(configured(self))
-        self._gpu_profile_list = list(configured or [])
-        profile = self.selected_profile()  # SpawnRefused(400) for bad options
-        self._restore_traits([*_MANAGED_TRAITS, *profile.override])
-        self._apply_overrides(copy.deepcopy(profile.override))
+        """Validate ``user_options``, apply the profile and its options' overrides (in
+        KubeSpawner's order, through its `_apply_overrides`), count the GPUs of the result,
+        then admit them (or refuse)."""
+        self._gpu_profile_list = await self._resolve_profile_list()
+        selection = self.gpu_selection()  # SpawnRefused(400) for bad options
+        self.gpu_undo_overrides()
+        before = self.gpu_traits_before({*_MANAGED_TRAITS, *selection.override_keys,
+                                         "extra_resource_limits", "node_selector"})
+        try:
+            for override in selection.overrides:
+                self._apply_overrides(copy.deepcopy(override))
+            gpus, model = gpu_request({"extra_resource_limits": self.extra_resource_limits,
+                                       "node_selector": self.node_selector},
+                                      f"profile '{selection.profile.display_name}'")
+        except (ValueError, TypeError) as e:  # a TraitError, a bad count from a choice
+            for name, value in before.items():
+                setattr(self, name, value)
+            raise SpawnRefused(400, f"Profile '{selection.profile.display_name}' cannot start "
+                               f"with the options chosen: {e}") from e
+        profile = dataclasses.replace(selection.profile, gpus=gpus, model=model)
         for name, value in self._server_settings(profile).items():
             setattr(self, name, value)
+        self.gpu_record_overrides(before)
         self.gpu_profile = profile
         await self.admit_gpus(profile)  # SpawnRefused(409) when the quota is used up
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import pwd
@@ -11,7 +12,7 @@ import sys
 from pathlib import Path
 
 from jupyterhub.spawner import LocalProcessSpawner, set_user_setuid
-from traitlets import Bool, Callable, List, Unicode, Union, default
+from traitlets import Bool, Callable, List, TraitError, Unicode, Union, default
 
 from .accounts import (
     AccountConflict,
@@ -25,10 +26,13 @@ from .accounts import (
 from . import sandbox
 from .cgroups import Group, local_cgroups
 from .mixin import GPUSpawnerMixin, SpawnRefused, pid_alive
-from .profiles import GPUProfile
+from .profiles import GPUProfile, ProfileError, Selection, gpu_request, merge_overrides
 
-# Spawner traits a profile's kubespawner_override may set locally.
-_PROFILE_TRAITS = ("cpu_limit", "cpu_guarantee", "mem_limit", "mem_guarantee", "default_url")
+#: Spawner traits a profile's (or a profile option's) kubespawner_override sets locally
+_PROFILE_TRAITS = ("cpu_limit", "cpu_guarantee", "mem_limit", "mem_guarantee", "default_url",
+                   "environment", "cmd", "args")
+#: override keys that choose the GPUs (their count and model), not a trait of this spawner
+_GPU_KEYS = ("extra_resource_limits", "extra_resource_guarantees", "node_selector")
 
 
 class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
@@ -49,17 +53,30 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         default_value=[],
         help="""The GPU profiles offered in the spawn form, in KubeSpawner's ``profile_list``
         shape (``display_name``, ``slug``, ``description``, ``default``,
-        ``kubespawner_override``), so one list serves local and Kubernetes mode.
+        ``kubespawner_override``, ``profile_options``), plus gpulab's ``allowed_groups``, so
+        one list serves local and Kubernetes mode.
 
-        The GPU count is ``kubespawner_override.extra_resource_limits["nvidia.com/gpu"]``, the
-        GPU model ``kubespawner_override.node_selector["nvidia.com/gpu.product"]``. Empty
-        (default): "CPU only" plus 1, 2, 4 and 8 GPUs as far as the machine has them.
-        A callable takes the spawner and returns the list. Example::
+        The GPU count is ``extra_resource_limits["nvidia.com/gpu"]``, the GPU model
+        ``node_selector["nvidia.com/gpu.product"]``, both after the overrides of the profile
+        and of the chosen options. Locally an override sets ``environment`` (merged),
+        ``cmd``, ``args``, ``default_url``, ``cpu_limit``, ``mem_limit`` (and their
+        guarantees); other KubeSpawner keys (``image``, volumes…) are ignored in a profile's
+        own override and refused in an option's (the person chose something a local server
+        cannot do). ``allowed_groups``: only members of these groups see and may start the
+        profile. Empty (default): "CPU only" plus 1, 2, 4 and 8 GPUs as far as the machine
+        has them. A callable takes the spawner and returns the list. Example::
 
             c.LocalGPUSpawner.profile_list = [
                 {"display_name": "CPU only", "slug": "cpu"},
                 {"display_name": "1 GPU", "slug": "gpu-1", "default": True,
-                 "kubespawner_override": {"extra_resource_limits": {"nvidia.com/gpu": "1"}}},
+                 "kubespawner_override": {"extra_resource_limits": {"nvidia.com/gpu": "1"}},
+                 "profile_options": {"interface": {"display_name": "Interface", "choices": {
+                     "lab": {"display_name": "JupyterLab",
+                             "kubespawner_override": {"default_url": "/lab"}},
+                     "classic": {"display_name": "Notebook",
+                                 "kubespawner_override": {"default_url": "/tree"}}}}}},
+                {"display_name": "4 GPUs", "slug": "gpu-4", "allowed_groups": ["ml-team"],
+                 "kubespawner_override": {"extra_resource_limits": {"nvidia.com/gpu": "4"}}},
             ]
         """,
     ).tag(config=True)
@@ -196,11 +213,19 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
     @default("apply_user_options")
     def _apply_user_options_default(self):
         # user_options are validated and applied in start(), as KubeSpawner does
-        return lambda spawner, user_options: None
+        return self._gpu_apply_user_options
 
     @default("options_form")
     def _options_form_default(self):
-        return lambda spawner: spawner.render_gpu_form()
+        return self._gpu_form
+
+    @default("options_from_form")
+    def _options_from_form_default(self):
+        return self._gpu_options_from_form
+
+    def _gpu_form(self, spawner) -> str:
+        """The GPU profiles with what each would get now (rendered at every visit)."""
+        return self.render_gpu_form()
 
     @default("notebook_dir")
     def _notebook_dir_default(self):
@@ -456,20 +481,31 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
     def gpu_probe(self):
         return lambda: pid_alive(self.pid)
 
-    def _apply_profile(self, profile: GPUProfile) -> None:
-        """Set the profile's overrides, undoing those of a previous start first."""
-        if not hasattr(self, "_trait_defaults_before_profile"):
-            self._trait_defaults_before_profile = {
-                name: getattr(self, name) for name in _PROFILE_TRAITS + ("environment",)
-            }
-        for name, value in self._trait_defaults_before_profile.items():
-            setattr(self, name, value)
-        override = profile.override
-        for name in _PROFILE_TRAITS:
-            if name in override:
-                setattr(self, name, override[name])
-        if "environment" in override:
-            self.environment = {**self.environment, **override["environment"]}
+    def _apply_profile(self, selection: Selection) -> GPUProfile:
+        """Set the overrides of the chosen profile and options, undoing those of a previous
+        start first; returns the profile with the GPUs of the final overrides."""
+        profile = selection.profile
+        kube_only = sorted({k for o in selection.overrides[1:] for k in o}
+                           - set(_PROFILE_TRAITS) - set(_GPU_KEYS))
+        if kube_only:
+            raise SpawnRefused(400, f"Profile '{profile.display_name}': the options chosen set "
+                               f"{', '.join(kube_only)}, which only a server on Kubernetes can "
+                               "use; this hub starts servers on its own machine.")
+        self.gpu_undo_overrides()
+        before = self.gpu_traits_before(_PROFILE_TRAITS)
+        final = merge_overrides({**before, "extra_resource_limits": {}, "node_selector": {}},
+                                selection.overrides, evaluate=self)
+        try:
+            for name in _PROFILE_TRAITS:
+                setattr(self, name, final[name])
+            gpus, model = gpu_request(final, f"profile '{profile.display_name}'")
+        except (TraitError, ProfileError) as e:
+            for name, value in before.items():
+                setattr(self, name, value)
+            raise SpawnRefused(400, f"Profile '{profile.display_name}' cannot start with the "
+                               f"options chosen: {e}") from e
+        self.gpu_record_overrides(before)
+        return dataclasses.replace(profile, gpus=gpus, model=model)
 
     def _prepare_account(self) -> None:
         owner = None
@@ -498,8 +534,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         # popen_kwargs still win)
         self.popen_kwargs = {"stdin": subprocess.DEVNULL, **self.popen_kwargs}
         self._assign_server_ip()
-        profile = self.selected_profile()
-        self._apply_profile(profile)
+        profile = self._apply_profile(self.gpu_selection())
         gpus = await self.admit_gpus(profile)
         try:
             await self._prepare_account_or_refuse()

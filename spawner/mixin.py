@@ -1,6 +1,7 @@
 """`GPUSpawnerMixin`: what the local and the Kubernetes spawner share.
 
-It turns a server's ``user_options`` into one GPU profile, admits the profile's GPUs before
+It turns a server's ``user_options`` (KubeSpawner's shape: a profile and its options' choices)
+into one GPU profile and its overrides, admits the resulting GPUs before
 the server starts (all of them or none, refused at once with a message a person can act on),
 keeps the assignment in the spawner's state so that a hub restart restores it, and releases
 it whenever JupyterHub clears that state: on stop, when the server died, when it was culled.
@@ -12,8 +13,10 @@ the same shape) and ``gpu_probe()`` (how to tell that its server is still alive)
 from __future__ import annotations
 
 import asyncio
+import copy
 import html
 import inspect
+import logging
 import os
 from pathlib import Path
 
@@ -28,20 +31,24 @@ from gpulab.hub.ledger import AdmissionRefused, Allocation, DeviceInfo, Ledger, 
 from .gpuusage import device_usage
 from .inventory import GPU, GPUInventory, gpus_json, model_matches
 from .profiles import (
+    UNLISTED_SUFFIX,
     GPUProfile,
+    OptionError,
     ProfileError,
-    choose_profile,
+    Selection,
     default_profile_list,
+    options_from_formdata,
     parse_profiles,
+    select,
+    visible_profiles,
 )
+
+log = logging.getLogger(__name__)
 
 _templates = Environment(
     loader=FileSystemLoader(Path(__file__).parent / "templates"),
     autoescape=select_autoescape(["html"]),
 )
-
-#: the only key a user may put in ``user_options`` (form or REST API)
-USER_OPTION_KEYS = {"profile"}
 
 
 class SpawnRefused(web.HTTPError):
@@ -54,6 +61,10 @@ class SpawnRefused(web.HTTPError):
         super().__init__(status_code, "%s", message)
         self.jupyterhub_message = message
         self.jupyterhub_html_message = html.escape(message)
+
+
+class OptionRefused(SpawnRefused, ValueError):
+    """Bad ``user_options`` (400); a ValueError too, as KubeSpawner raises for them."""
 
 
 class GPULedger(SingletonConfigurable):
@@ -128,9 +139,19 @@ def reap_dead_servers(ledger: Ledger) -> int:
     return n
 
 
-def _admit(ledger: Ledger, request: Request) -> Allocation:
+def _admit(ledger: Ledger, request: Request, keep: str = "") -> Allocation:
     """One admission (in a worker thread): servers found gone are reaped and it is tried again
-    once, so that they do not keep GPUs from anyone."""
+    once, so that they do not keep GPUs from anyone.
+
+    JupyterHub starts a server only when it holds it stopped, so an allocation still open for
+    the same server (an earlier start that failed before it could release, a spawner replaced
+    after a failure) is left over: it is closed first (all but ``keep``)."""
+    for old in ledger.open_allocations(user=request.user, kind=request.kind):
+        if old.holder == request.holder and old.id != keep:
+            _probes.pop(old.id, None)
+            if ledger.release(old.id, "left by an earlier start of the same server"):
+                log.warning("Closed allocation %s of %s/%s, left by an earlier start",
+                            old.id, request.user, request.holder)
     try:
         return ledger.admit(request)
     except AdmissionRefused:
@@ -172,46 +193,89 @@ class GPUSpawnerMixin:
             configured = default_profile_list(len(self.gpu_inventory))
         return parse_profiles(configured)
 
-    def selected_profile(self, user_options: dict | None = None) -> GPUProfile:
-        """Validate `user_options` and return the profile they name (400 when they are bad)."""
+    def gpu_visible_profiles(self) -> list[GPUProfile]:
+        """The profiles this server's user may see and start (``allowed_groups``)."""
+        return visible_profiles(self.gpu_profiles(), self.user_groups)
+
+    # -- whose options: gpulab's form, or the operator's own ------------------------------
+
+    #: JupyterHub's ``options_from_form`` of the base class, used beside an operator's form
+    def _base_options_from_form(self, formdata):
+        return formdata
+
+    def _is_gpu_hook(self, name: str, method: str) -> bool:
+        """Whether trait `name` still has gpulab's default, the bound method `method`."""
+        return getattr(getattr(self, name), "__func__", None) is getattr(type(self), method)
+
+    @property
+    def gpu_operator_form(self) -> bool:
+        """Whether the operator configured an ``options_form`` of their own."""
+        return bool(self.options_form) and not self._is_gpu_hook("options_form", "_gpu_form")
+
+    @property
+    def gpu_strict_options(self) -> bool:
+        """Whether ``user_options`` are gpulab's alone (its form, its ``options_from_form``, no
+        ``apply_user_options`` of the operator's): then any other key is refused. Otherwise
+        keys gpulab does not know are the operator's, and left to their hooks."""
+        return (not self.gpu_operator_form
+                and self._is_gpu_hook("options_from_form", "_gpu_options_from_form")
+                and self._is_gpu_hook("apply_user_options", "_gpu_apply_user_options"))
+
+    def _gpu_apply_user_options(self, spawner, user_options):
+        """gpulab applies ``user_options`` when the server starts (as KubeSpawner does)."""
+
+    def gpu_selection(self, user_options: dict | None = None) -> Selection:
+        """Check `user_options` and return the profile and overrides they choose (400 when
+        they are bad). Keys the operator's own hooks handle are left alone."""
         options = self.user_options if user_options is None else user_options
-        if options is None:
-            options = {}
-        if not isinstance(options, dict):
-            raise SpawnRefused(400, "Server options must be a JSON object.")
-        profiles = self.gpu_profiles()
-        unknown = sorted(set(options) - USER_OPTION_KEYS)
-        if unknown:
-            raise SpawnRefused(
-                400,
-                f"Unknown server option(s): {', '.join(unknown)}. Choose a profile "
-                f"('profile': one of {', '.join(p.slug for p in profiles)}).",
-            )
-        slug = options.get("profile")
-        if slug is not None and not isinstance(slug, str):
-            raise SpawnRefused(400, f"'profile' must be a profile name, got {slug!r}.")
         try:
-            return choose_profile(profiles, slug or None)
-        except LookupError:
-            raise SpawnRefused(
-                400,
-                f"There is no profile {slug!r}. Choose one of: "
-                f"{', '.join(p.slug for p in profiles)}.",
-            ) from None
+            return select(self.gpu_profiles(), options or {}, groups=self.user_groups,
+                          strict=self.gpu_strict_options)
+        except OptionError as e:
+            raise OptionRefused(400, str(e)) from e
+
+    def selected_profile(self, user_options: dict | None = None) -> GPUProfile:
+        """The profile `user_options` choose (as configured, before its options apply)."""
+        return self.gpu_selection(user_options).profile
+
+    # -- overrides: each start's own, undone before the next ---------------------------------
+
+    def gpu_undo_overrides(self) -> None:
+        """Put back the traits the previous start's profile changed, each to its value before
+        that start, unless something changed it since (the operator's `apply_user_options`,
+        group overrides or `pre_spawn_hook` of this start: theirs stays)."""
+        for name, (before, after) in self.__dict__.pop("_gpu_overridden", {}).items():
+            if _same(getattr(self, name), after):
+                setattr(self, name, before)
+
+    def gpu_traits_before(self, names) -> dict:
+        return {n: copy.deepcopy(getattr(self, n)) for n in names}
+
+    def gpu_record_overrides(self, before: dict) -> None:
+        """Remember the traits this start set (`before`: their values before it)."""
+        self._gpu_overridden = {n: (v, copy.deepcopy(getattr(self, n)))
+                                for n, v in before.items() if not _same(getattr(self, n), v)}
 
     # -- spawn form ------------------------------------------------------------------------
 
-    def options_from_form(self, formdata):
-        """The form posts one field, ``profile``; anything else is refused with 400."""
-        extra = sorted(k for k in formdata if k not in ("profile", "_xsrf"))
-        if extra:
-            raise SpawnRefused(400, f"Unknown form field(s): {', '.join(extra)}.")
-        values = formdata.get("profile") or []
-        if len(values) != 1:
+    def _gpu_options_from_form(self, formdata):
+        """The form's fields as KubeSpawner reads them: ``{"profile": <slug>, <option>:
+        <choice>, "<option>--unlisted-choice": <text>}``. Beside an operator's own
+        ``options_form``, the base class's reading (their fields, and a ``profile`` among
+        them still chooses the GPU profile). Other fields are refused with 400."""
+        if self.gpu_operator_form:
+            return self._base_options_from_form(formdata)
+        if len(formdata.get("profile") or []) > 1:
             raise SpawnRefused(400, "Choose exactly one profile.")
-        options = {"profile": values[0]}
-        self.selected_profile(options)  # refuse a tampered value before anything starts
+        options, other = options_from_formdata(formdata)
+        if other:
+            raise SpawnRefused(400, f"Unknown form field(s): {', '.join(other)}.")
+        self.gpu_check_form_options(options)  # no profile: the default one, as KubeSpawner
         return options
+
+    def gpu_check_form_options(self, options: dict) -> None:
+        """Refuse a tampered form before anything starts."""
+        self.gpu_selection(options)
 
     def gpu_form_context(self) -> dict:
         ledger = self.gpu_ledger
@@ -223,7 +287,8 @@ class GPUSpawnerMixin:
         quota, source = ledger.effective(self.user.name, self.user_groups)
         mine_gpus = sum(a.gpus for a in mine)
         rows = []
-        for p in self.gpu_profiles():
+        saved = self.user_options if isinstance(self.user_options, dict) else {}
+        for p in self.gpu_visible_profiles():
             matching = [g for g in gpus if model_matches(p.model, g.model)]
             free = [g for g in matching if g.index not in held]
             if p.gpus == 0:
@@ -244,8 +309,14 @@ class GPUSpawnerMixin:
             else:
                 available, why = True, ""
             rows.append({"profile": p, "free": len(free), "total": len(matching),
-                         "available": available, "why": why})
-        if not any(r["profile"].default and r["available"] for r in rows):
+                         "available": available, "why": why,
+                         "options": _option_rows(p, saved if saved.get("profile") == p.slug
+                                                 else {})})
+        again = next((r for r in rows if r["profile"].slug == saved.get("profile")
+                      and r["available"]), None)
+        if again is not None:  # the profile of the last start, as KubeSpawner's form does
+            checked = again["profile"].slug
+        elif not any(r["profile"].default and r["available"] for r in rows):
             first = next((r for r in rows if r["available"]), rows[0] if rows else None)
             checked = first["profile"].slug if first else None
         else:
@@ -253,6 +324,7 @@ class GPUSpawnerMixin:
         return {
             "rows": rows,
             "checked": checked,
+            "machine": self.gpu_assigns_devices,
             "mine": self._held(mine),
             "free_total": len(gpus) - len(held),
             "total": len(gpus),
@@ -277,7 +349,11 @@ class GPUSpawnerMixin:
                 for a in mine]
 
     def render_gpu_form(self) -> str:
-        return _templates.get_template("spawn_form.html").render(**self.gpu_form_context())
+        """The profiles form. Braces outside its script are written as entities (names and
+        saved choices may hold them; JupyterHub may render a form as a template again)."""
+        page = _templates.get_template("spawn_form.html").render(**self.gpu_form_context())
+        body, script, rest = page.partition("<script>")
+        return body.replace("{", "&#123;").replace("}", "&#125;") + script + rest
 
     def render_quota_summary(self) -> str:
         """The user's quota and what they hold now, as a paragraph above a spawn form. Braces
@@ -313,11 +389,18 @@ class GPUSpawnerMixin:
         request = Request(user=self.user.name, kind="notebook", holder=self.gpu_holder_name,
                           gpus=profile.gpus, groups=self.user_groups, model=profile.model,
                           model_matches=model_matches)
+        ledger = self.gpu_ledger
+        # the admission commits in its thread whatever happens here: a start cancelled
+        # meanwhile (JupyterHub's start_timeout) must still release what it admitted
+        admitted = asyncio.ensure_future(asyncio.to_thread(_admit, ledger, request))
         try:
-            allocation = await asyncio.to_thread(_admit, self.gpu_ledger, request)
+            allocation = await asyncio.shield(admitted)
         except AdmissionRefused as e:
             raise SpawnRefused(e.status, f"Cannot start with profile '{profile.display_name}'. "
                                + e.message) from e
+        except asyncio.CancelledError:
+            admitted.add_done_callback(lambda f: _release_late(ledger, f))
+            raise
         self._adopt(allocation, probe=None)
         return self.assigned_gpus
 
@@ -399,6 +482,45 @@ class GPUSpawnerMixin:
     def clear_state(self):
         super().clear_state()
         self.release_gpus()
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that cannot tell count as changed
+        return False
+
+
+def _release_late(ledger: Ledger, admitted: asyncio.Future) -> None:
+    """Release an allocation admitted for a start that was cancelled meanwhile."""
+    if admitted.cancelled() or admitted.exception() is not None:
+        return
+    alloc = admitted.result()
+    _probes.pop(alloc.id, None)
+    asyncio.ensure_future(asyncio.to_thread(ledger.release, alloc.id, "server did not start"))
+
+
+def _option_rows(profile: GPUProfile, saved: dict) -> list[dict]:
+    """A profile's options as the form shows them, the saved choices (of the last start with
+    this profile) selected, else the defaults."""
+    rows = []
+    for key, option in profile.options.items():
+        unlisted = option["unlisted_choice"]
+        typed = saved.get(key + UNLISTED_SUFFIX) if unlisted.get("enabled") else None
+        typed = typed if isinstance(typed, str) else ""
+        chosen = saved.get(key)
+        if chosen not in option["choices"]:
+            chosen = next((k for k, c in option["choices"].items() if c.get("default")), None)
+        rows.append({
+            "key": key,
+            "display_name": option.get("display_name") or key,
+            "choices": [(k, c.get("display_name") or k, k == chosen and not typed)
+                        for k, c in option["choices"].items()],
+            "unlisted": unlisted if unlisted.get("enabled") else None,
+            "typed": typed,
+            "other_selected": bool(typed) or not option["choices"],
+        })
+    return rows
 
 
 def _describe(a: Allocation) -> str:

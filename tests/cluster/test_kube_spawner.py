@@ -414,8 +414,11 @@ async def test_spawn_form_shows_quota_and_holdings_of_now(make_spawner, ledger):
     led.set_quota("user", s.user.name, Quota(max_gpus=3), actor="admin")
     form = await s.get_options_form()
     assert "Your GPU quota: 3 GPUs at once; 0 in use now." in form_text(form)
-    # KubeSpawner's own profile form follows
+    # the profiles follow, each with what it would get; one over the quota is disabled
     assert 'value="h100-2"' in form and "2 H100" in form_text(form)
+    assert re.search(r'id="profile-h100-9" value="h100-9"\s+disabled', form), form
+    assert "9 H100 — 9 GPUs (NVIDIA-H100), 2 CPUs, 4G memory — unavailable: over your quota " \
+        "(3 at once, 0 in use: stop a server or job first)" in form_text(form)
     # what the user holds now (a job, and a server whose name looks like a template)
     job = led.admit(Request(user=s.user.name, kind="job", holder="digits", gpus=2))
     odd = led.admit(Request(user=s.user.name, kind="notebook", holder="x{{ 7*7 }}", gpus=1))
@@ -431,7 +434,10 @@ async def test_spawn_form_shows_quota_and_holdings_of_now(make_spawner, ledger):
 async def test_spawn_form_takes_one_known_profile(make_spawner):
     s = make_spawner()
     assert s.options_from_form({"profile": ["h100-2"], "_xsrf": ["x"]}) == {"profile": "h100-2"}
-    for bad in ({"profile": ["nope"]}, {"profile": ["cpu"], "privileged": ["1"]}, {}):
+    # no profile: the default one, as KubeSpawner reads such a form
+    assert s.options_from_form({"_xsrf": ["x"]}) == {}
+    for bad in ({"profile": ["nope"]}, {"profile": ["cpu"], "privileged": ["1"]},
+                {"profile": ["cpu", "h100-2"]}):
         with pytest.raises(SpawnRefused) as e:
             s.options_from_form(bad)
         assert e.value.status_code == 400, bad
@@ -453,3 +459,114 @@ async def test_an_async_profile_list_is_resolved_at_start(control_plane, make_sp
     with pytest.raises(SpawnRefused) as e:
         await asyncio.wait_for(s.start(), 60)
     assert e.value.status_code == 400 and "There is no profile 'yours'" in e.value.jupyterhub_message
+
+
+# -- KubeSpawner's profile_options: the same pod as a stock KubeSpawner's, plus GPUs ---------
+
+OPTION_PROFILES = [
+    {"display_name": "CPU only", "slug": "cpu"},
+    {"display_name": "H100 with a choice of image", "slug": "h100", "default": True,
+     "kubespawner_override": {"extra_resource_limits": {"nvidia.com/gpu": "1"},
+                              "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100"},
+                              "cpu_limit": 1, "mem_limit": "1G"},
+     "profile_options": {
+         "image": {"display_name": "Image", "choices": {
+             "base": {"display_name": "base", "kubespawner_override": {
+                 "image": "quay.io/jupyter/base-notebook:2025-01-01"}},
+             "torch": {"display_name": "PyTorch", "default": True, "kubespawner_override": {
+                 "image": "quay.io/jupyter/pytorch-notebook:cuda12-2025-01-01",
+                 "environment": {"FRAMEWORK": "torch"}}}},
+             "unlisted_choice": {"enabled": True, "display_name": "Other image",
+                                 "validation_regex": "^quay\\.io/jupyter/.+:.+$",
+                                 "kubespawner_override": {
+                                     "image": "{value}",
+                                     "extra_labels": {"gpulab-test/typed": "yes"}}}},
+         "gpus": {"display_name": "GPUs", "choices": {
+             "one": {"display_name": "1"},
+             "four": {"display_name": "4", "kubespawner_override": {
+                 "extra_resource_limits": {"nvidia.com/gpu": "4"},
+                 "cpu_limit": 2}}}}}},
+    {"display_name": "Free image", "slug": "free",
+     "kubespawner_override": {"extra_resource_limits": {"nvidia.com/gpu": "1"}},
+     "profile_options": {"image": {"display_name": "Image", "unlisted_choice": {
+         "enabled": True, "kubespawner_override": {"image": "{value}"}}}}},
+]
+
+OPTION_CASES = [
+    ("default-profile", None, {}, 1),
+    ("choices", {"profile": ["h100"], "profile-option-h100--image": ["base"],
+                 "profile-option-h100--gpus": ["four"]},
+     {"profile": "h100", "image": "base", "gpus": "four"}, 4),
+    ("unlisted-with-regex",
+     {"profile": ["h100"],
+      "profile-option-h100--image--unlisted-choice": ["quay.io/jupyter/scipy-notebook:x"]},
+     {"profile": "h100", "image--unlisted-choice": "quay.io/jupyter/scipy-notebook:x"}, 1),
+    ("unlisted-without-regex",
+     {"profile": ["free"], "profile-option-free--image--unlisted-choice": ["example.org/any:1"]},
+     {"profile": "free", "image--unlisted-choice": "example.org/any:1"}, 1),
+]
+
+
+@pytest.mark.parametrize("case", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
+@pytest.mark.parametrize("via", ["form", "api"])
+async def test_profile_options_make_kubespawners_pod_plus_the_gpu_parts(
+        control_plane, make_spawner, ledger, case, via):
+    """A KubeGPUSpawner configured exactly like a KubeSpawner with profile_options: the pod
+    the API server stores has the image, limits, labels and environment a stock KubeSpawner's
+    `get_pod_manifest` gives for the same form or API options, plus gpulab's GPU parts."""
+    from kubernetes_asyncio.client import ApiClient
+    from kubespawner import KubeSpawner
+
+    _, form, api, gpus = case
+    cp = control_plane
+    s = make_spawner(profile_list=OPTION_PROFILES, storage_pvc_ensure=False)
+    stock_config = Config()
+    stock_config.KubeSpawner.profile_list = OPTION_PROFILES
+    stock = KubeSpawner(config=stock_config, _mock=True)
+    for sp in (s, stock):
+        if via == "form":
+            sp.user_options = sp.options_from_form({**(form or {}), "_xsrf": ["x"]})
+        else:
+            sp.user_options = dict(api)
+    assert s.user_options == stock.user_options
+    await stock.load_user_options()
+    want = ApiClient().sanitize_for_serialization(await stock.get_pod_manifest())
+    await asyncio.wait_for(s.start(), 60)
+    try:
+        pod = get(cp, f"/api/v1/namespaces/{s.namespace}/pods/{s.pod_name}")
+        (c,) = pod["spec"]["containers"]
+        (w,) = want["spec"]["containers"]
+        assert c["image"] == w["image"]
+        # the same quantities (the API server writes them as strings)
+        assert ({k: float(v) for k, v in c["resources"]["limits"].items()}
+                == {k: float(v) for k, v in w["resources"]["limits"].items()})
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == str(gpus)
+        env, wenv = ({e["name"]: e.get("value") for e in x["env"]} for x in (c, w))
+        for name in ("FRAMEWORK", "CPU_LIMIT", "MEM_LIMIT"):
+            assert env.get(name) == wenv.get(name), name
+        typed = want["metadata"]["labels"].get("gpulab-test/typed")
+        assert pod["metadata"]["labels"].get("gpulab-test/typed") == typed
+        assert pod["spec"].get("nodeSelector") == want["spec"].get("nodeSelector")
+        # gpulab's parts: the GPU toleration, the ledger's allocation of the final count
+        assert GPU_TOLERATION in pod["spec"]["tolerations"]
+        (alloc,) = s.gpu_ledger.open_allocations(user=s.user.name)
+        assert alloc.gpus == gpus
+    finally:
+        await s.stop()
+        s.clear_state()
+
+
+async def test_profiles_of_other_groups_are_not_offered_nor_started(make_spawner):
+    profiles = [{"display_name": "CPU only", "slug": "cpu"},
+                {"display_name": "2 H100 (ml)", "slug": "ml", "allowed_groups": ["ml"],
+                 "kubespawner_override": {"extra_resource_limits": {"nvidia.com/gpu": "2"}}}]
+    s = make_spawner(profile_list=profiles)
+    form = await s.get_options_form()
+    assert 'value="cpu"' in form and 'value="ml"' not in form and "2 H100" not in form
+    s.user_options = {"profile": "ml"}
+    with pytest.raises(SpawnRefused) as e:
+        await s.start()
+    assert e.value.status_code == 400
+    assert "There is no profile 'ml'. Choose one of: cpu." in e.value.jupyterhub_message
+    s.user.groups = [SimpleNamespace(name="ml")]
+    assert 'value="ml"' in await s.get_options_form()

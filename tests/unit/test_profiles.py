@@ -75,3 +75,115 @@ def test_local_profiles_do_not_load_the_kubernetes_client():
             "print('kubespawner' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr
+
+
+# -- profile_options, allowed_groups, overrides (KubeSpawner's semantics) --------------------
+
+from gpulab.spawner.profiles import (  # noqa: E402
+    OptionError,
+    format_value,
+    merge_overrides,
+    options_from_formdata,
+    select,
+)
+
+ENVS = {
+    "display_name": "1 GPU", "slug": "gpu-1", "default": True,
+    "kubespawner_override": {"extra_resource_limits": {"nvidia.com/gpu": "1"},
+                             "environment": {"A": "1"}},
+    "profile_options": {
+        "env": {"display_name": "Environment", "choices": {
+            "tf": {"display_name": "TensorFlow", "kubespawner_override": {
+                "environment": {"CONDA_DEFAULT_ENV": "tf"}}},
+            "torch": {"display_name": "PyTorch", "default": True, "kubespawner_override": {
+                "environment": {"CONDA_DEFAULT_ENV": "torch", "A": None}}}},
+            "unlisted_choice": {"enabled": True, "validation_regex": "^[a-z]+$",
+                                "kubespawner_override": {
+                                    "environment": {"CONDA_DEFAULT_ENV": "{value}"}}}},
+        "size": {"display_name": "GPUs", "choices": {
+            "one": {"display_name": "one"},
+            "two": {"display_name": "two", "kubespawner_override": {
+                "extra_resource_limits": {"nvidia.com/gpu": "2"}}}}},
+    },
+}
+TEAM = {"display_name": "8 GPUs", "slug": "gpu-8", "allowed_groups": ["ml"],
+        "kubespawner_override": {"extra_resource_limits": {"nvidia.com/gpu": "8"}}}
+
+
+def final(sel):
+    return merge_overrides({"environment": {"B": "2"}}, sel.overrides)
+
+
+@pytest.mark.parametrize("options,env,gpus", [
+    ({}, {"B": "2", "CONDA_DEFAULT_ENV": "torch"}, 1),
+    ({"profile": "gpu-1", "env": "tf"}, {"A": "1", "B": "2", "CONDA_DEFAULT_ENV": "tf"}, 1),
+    ({"profile": "gpu-1", "env--unlisted-choice": "jax", "size": "two"},
+     {"A": "1", "B": "2", "CONDA_DEFAULT_ENV": "jax"}, 2),
+    ({"profile": ["gpu-1"], "env": ["tf"]}, {"A": "1", "B": "2", "CONDA_DEFAULT_ENV": "tf"}, 1),
+], ids=["defaults", "choice", "unlisted-and-gpus", "passthrough-lists"])
+def test_options_choose_overrides_in_kubespawners_order(options, env, gpus):
+    sel = select(parse_profiles([ENVS, TEAM]), options)
+    out = final(sel)
+    assert out["environment"] == env
+    assert out["extra_resource_limits"] == {"nvidia.com/gpu": str(gpus)}
+    # the form shows each profile with its options' defaults
+    assert parse_profiles([ENVS])[0].gpus == 1
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"profile": "gpu-1", "env--unlisted-choice": "Bad Env"}, "must match ^[a-z]+$"),
+    ({"profile": "gpu-1", "env": "jax"}, "has no choice 'jax'"),
+    ({"profile": "gpu-1", "size--unlisted-choice": "9"}, "takes only one of: one, two"),
+    ({"profile": "gpu-1", "image": "x"}, "Unknown server option(s): image"),
+    ({"profile": "gpu-8"}, "There is no profile 'gpu-8'. Choose one of: gpu-1."),
+    ({"profile": 3}, "'profile' must be a profile name"),
+    ([], "must be a JSON object"),
+], ids=["regex", "no-such-choice", "unlisted-not-enabled", "unknown-key", "other-groups",
+        "not-a-name", "not-an-object"])
+def test_bad_options_are_refused_in_words(options, message):
+    with pytest.raises(OptionError) as e:
+        select(parse_profiles([ENVS, TEAM]), options, groups=("students",))
+    assert message in str(e.value)
+
+
+def test_allowed_groups_hide_and_allow():
+    profiles = parse_profiles([ENVS, TEAM])
+    assert select(profiles, {"profile": "gpu-8"}, groups=("ml",)).profile.slug == "gpu-8"
+    # only team profiles, none default: the first the person may use is the default
+    only_team = parse_profiles([TEAM, {**TEAM, "slug": "gpu-4", "allowed_groups": ["x"]}])
+    assert select(only_team, {}, groups=("x",)).profile.slug == "gpu-4"
+    with pytest.raises(OptionError, match="No profile is available to you"):
+        select(only_team, {}, groups=())
+
+
+def test_keys_of_an_operators_own_form_are_left_to_them():
+    sel = select(parse_profiles([ENVS]), {"profile": "gpu-1", "flavour": ["x"], "_xsrf": ["t"]},
+                 strict=False)
+    assert sel.profile.slug == "gpu-1" and sel.choices == {"env": "torch", "size": "one"}
+
+
+def test_form_fields_read_as_kubespawner_reads_them():
+    form = {"profile": ["gpu-1"], "_xsrf": ["t"], "profile-option-gpu-1--env": ["tf"],
+            "profile-option-gpu-1--env--unlisted-choice": ["jax"],
+            "profile-option-gpu-8--x": ["y"], "gpus": ["3"]}
+    assert options_from_formdata(form) == (
+        {"profile": "gpu-1", "env": "tf", "env--unlisted-choice": "jax"}, ["gpus"])
+
+
+def test_unlisted_values_fill_only_value_fields():
+    assert format_value({"image": "{value}", "x": ["a-{value}", "{other}"], "n": 1},
+                        "pangeo/x:{y}") == {"image": "pangeo/x:{y}",
+                                             "x": ["a-pangeo/x:{y}", "{other}"], "n": 1}
+
+
+@pytest.mark.parametrize("entry,message", [
+    ({"display_name": "x", "profile_options": {"o": {"choices": {}}}}, "needs 'choices'"),
+    ({"display_name": "x", "profile_options": {"o": {"choices": {"a": {
+        "kubespawner_override": {"nodeSelector": {}}}}}}}, "nodeSelector"),
+    ({"display_name": "x", "profile_options": {"o": {"unlisted_choice": {
+        "enabled": True, "validation_regex": "("}}}}, "validation_regex"),
+    ({"display_name": "x", "allowed_groups": "ml"}, "allowed_groups"),
+], ids=["empty-option", "camelcase-in-choice", "bad-regex", "groups-not-a-list"])
+def test_bad_profile_options_are_configuration_errors(entry, message):
+    with pytest.raises(ProfileError, match=message):
+        parse_profiles([entry])

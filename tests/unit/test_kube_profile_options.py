@@ -1,0 +1,257 @@
+"""KubeGPUSpawner configured exactly like a stock KubeSpawner with ``profile_options``: the same
+``user_options`` from the same form, the same overrides on the same pod (image, limits,
+environment, …), from the form and from the API, plus gpulab's GPU parts. Both spawners are
+KubeSpawner's mock instances (``_mock=True``, no API server: `get_pod_manifest` is pure); the
+ledger is a real SQLite one. The pods themselves are created on a real API server in
+tests/cluster/test_kube_spawner.py."""
+
+import copy
+
+import pytest
+from kubernetes_asyncio.client import ApiClient
+from kubernetes_asyncio.config import kube_config
+from kubespawner import KubeSpawner
+from kubespawner.clients import load_config
+from traitlets.config import Config
+
+from gpulab.spawner.kube import KubeGPUSpawner
+from gpulab.spawner.mixin import GPULedger, SpawnRefused
+
+#: upstream KubeSpawner's own test profiles (tests/test_spawner.py), with GPUs in some choices
+PROFILES = [
+    {"display_name": "Training Env - Python", "slug": "training-python", "default": True,
+     "kubespawner_override": {"image": "training/python:label", "cpu_limit": 1,
+                              "mem_limit": 512 * 1024 * 1024,
+                              "environment": {"override": "override-value"}}},
+    {"display_name": "Training Env - R", "slug": "training-r",
+     "kubespawner_override": {"image": "training/r:label",
+                              "environment": {"override": "override-value",
+                                              "to-remove": None}}},
+    {"display_name": "Test choices", "slug": "test-choices",
+     "kubespawner_override": {"extra_resource_limits": {"nvidia.com/gpu": "1"}},
+     "profile_options": {
+         "image": {
+             "display_name": "Image",
+             "unlisted_choice": {"enabled": True, "display_name": "Image Location",
+                                 "validation_regex": "^pangeo/.*$",
+                                 "validation_message": "Must be a pangeo image",
+                                 "kubespawner_override": {
+                                     "image": "{value}",
+                                     "extra_labels": {"user-image": "{value}"}}},
+             "choices": {
+                 "pytorch": {"display_name": "PyTorch",
+                             "kubespawner_override": {"image": "pangeo/pytorch-notebook:master"}},
+                 "tf": {"display_name": "TF", "default": True,
+                        "kubespawner_override": {"image": "training/r:label"}},
+             }},
+         "gpus": {
+             "display_name": "GPUs",
+             "choices": {
+                 "one": {"display_name": "1 GPU"},
+                 "two": {"display_name": "2 GPUs (H100)", "kubespawner_override": {
+                     "extra_resource_limits": {"nvidia.com/gpu": "2"},
+                     "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100"},
+                     "environment": {"BIG": lambda spawner: f"for {spawner.user.name}"}}},
+             }},
+     }},
+    {"display_name": "Test choices no regex", "slug": "no-regex",
+     "profile_options": {"image": {
+         "display_name": "Image",
+         "unlisted_choice": {"enabled": True, "display_name": "Image Location",
+                             "kubespawner_override": {"image": "{value}"}},
+         "choices": {"tf": {"display_name": "TF",
+                            "kubespawner_override": {"image": "training/r:label"}}}}}},
+]
+
+CASES = [
+    # (id, form data, the same options sent to the API, GPUs)
+    ("default-profile", {}, {}, 0),
+    ("profile", {"profile": ["training-r"]}, {"profile": "training-r"}, 0),
+    ("default-choices", {"profile": ["test-choices"]}, {"profile": "test-choices"}, 1),
+    ("choices", {"profile": ["test-choices"], "profile-option-test-choices--image": ["pytorch"],
+                 "profile-option-test-choices--gpus": ["two"]},
+     {"profile": "test-choices", "image": "pytorch", "gpus": "two"}, 2),
+    ("unlisted-with-regex",
+     {"profile": ["test-choices"],
+      "profile-option-test-choices--image--unlisted-choice": ["pangeo/test:1.2.3"]},
+     {"profile": "test-choices", "image--unlisted-choice": "pangeo/test:1.2.3"}, 1),
+    ("unlisted-without-regex",
+     {"profile": ["no-regex"], "profile-option-no-regex--image--unlisted-choice": ["any/img:1"]},
+     {"profile": "no-regex", "image--unlisted-choice": "any/img:1"}, 0),
+]
+
+
+@pytest.fixture
+def config(tmp_path, monkeypatch):
+    # a client configuration is loaded when a spawner is made; no request is ever sent
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: none\n"
+        "clusters: [{name: none, cluster: {server: 'https://127.0.0.1:9'}}]\n"
+        "contexts: [{name: none, context: {cluster: none, user: none}}]\n"
+        "users: [{name: none, user: {token: none}}]\n")
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+    load_config.cache_clear()
+    c = Config()
+    c.KubeSpawner.profile_list = PROFILES
+    c.KubeSpawner.environment = {"existing": "existing-value", "to-remove": "x"}
+    c.KubeGPUSpawner.storage_pvc_ensure = False
+    c.GPULedger.db_url = f"sqlite:///{tmp_path / 'gpulab.sqlite'}"
+    c.GPULedger.pool = "kubernetes"
+    GPULedger.clear_instance()
+    yield c
+    GPULedger.clear_instance()
+    load_config.cache_clear()
+
+
+def pod_dict(pod) -> dict:
+    return ApiClient().sanitize_for_serialization(pod)
+
+
+async def manifests(config, options_of):
+    """The pods of a stock KubeSpawner and of KubeGPUSpawner, each given its user_options by
+    `options_of(spawner)`."""
+    stock = KubeSpawner(config=copy.deepcopy(config), _mock=True)
+    gpu = KubeGPUSpawner(config=copy.deepcopy(config), _mock=True)
+    out = []
+    for s in (stock, gpu):
+        s.user_options = options_of(s)
+        await s.load_user_options()
+        out.append(pod_dict(await s.get_pod_manifest()))
+    return stock, gpu, out
+
+
+def strip_gpulab(pod: dict, gpus: int) -> dict:
+    """`pod` less what gpulab adds to every pod (GPU toleration, shared volumes, no
+    service-account token), which the test checks apart."""
+    pod = copy.deepcopy(pod)
+    spec = pod["spec"]
+    tolerations = spec.pop("tolerations", [])
+    assert ({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+            in tolerations) == bool(gpus)
+    assert spec.pop("automountServiceAccountToken") is False
+    return pod
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("via", ["form", "api"])
+async def test_the_same_pod_as_kubespawner_plus_gpus(config, case, via):
+    _, form, api, gpus = case
+    if via == "form":
+        stock, gpu, (want, got) = await manifests(
+            config, lambda s: s.options_from_form({**form, "_xsrf": ["x"]}))
+        assert gpu.user_options == stock.user_options
+    else:
+        stock, gpu, (want, got) = await manifests(config, lambda s: dict(api))
+    assert gpu.gpu_profile.gpus == gpus
+    c_want, c_got = want["spec"]["containers"][0], got["spec"]["containers"][0]
+    assert c_got["image"] == c_want["image"]
+    assert c_got["resources"] == c_want["resources"]
+    if gpus:
+        assert c_got["resources"]["limits"]["nvidia.com/gpu"] == str(gpus)
+    env_want = {e["name"]: e.get("value") for e in c_want["env"]}
+    env_got = {e["name"]: e.get("value") for e in c_got["env"]}
+    assert {k: env_got.get(k) for k in env_want} == env_want
+    assert want["metadata"]["labels"].items() <= got["metadata"]["labels"].items()
+    assert got["spec"].get("nodeSelector") == want["spec"].get("nodeSelector")
+    strip_gpulab(got, gpus)
+    await gpu.release_gpus_async()
+
+
+async def test_a_second_start_undoes_the_first_starts_choices(config):
+    gpu = KubeGPUSpawner(config=copy.deepcopy(config), _mock=True)
+    gpu.user_options = {"profile": "test-choices", "gpus": "two",
+                        "image--unlisted-choice": "pangeo/x:1"}
+    await gpu.load_user_options()
+    assert (gpu.image, gpu.gpu_profile.gpus) == ("pangeo/x:1", 2)
+    assert gpu.node_selector == {"nvidia.com/gpu.product": "NVIDIA-H100"}
+    await gpu.release_gpus_async()
+    gpu.user_options = {}
+    await gpu.load_user_options()
+    stock = KubeSpawner(config=copy.deepcopy(config), _mock=True)
+    stock.user_options = {}
+    await stock.load_user_options()
+    for trait in ("image", "node_selector", "extra_labels",
+                  "extra_resource_limits", "cpu_limit", "mem_limit"):
+        assert getattr(gpu, trait) == getattr(stock, trait), trait
+    # gpulab adds the shared storage's folders (GPULAB_*) to the environment
+    assert {k: v for k, v in gpu.environment.items()
+            if not k.startswith("GPULAB_")} == stock.environment
+    await gpu.release_gpus_async()
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"profile": "test-choices", "image--unlisted-choice": "evil/x:1"}, "Must be a pangeo image"),
+    ({"profile": "test-choices", "image": "nope"}, "has no choice 'nope'"),
+    ({"profile": "training-r", "image--unlisted-choice": "pangeo/x"}, "Unknown server option"),
+    ({"profile": "test-choices", "volume_mounts": []}, "Unknown server option(s): volume_mounts"),
+], ids=["regex", "no-such-choice", "option-of-another-profile", "trait"])
+async def test_options_kubespawner_would_fail_on_are_refused_with_a_reason(config, options,
+                                                                           message):
+    gpu = KubeGPUSpawner(config=copy.deepcopy(config), _mock=True)
+    gpu.user_options = options
+    with pytest.raises(SpawnRefused) as e:
+        await gpu.load_user_options()
+    assert e.value.status_code == 400 and message in e.value.jupyterhub_message
+    assert isinstance(e.value, ValueError)  # what KubeSpawner's own tests expect
+    assert not gpu.gpu_claim_id
+
+
+# -- the GPU allocation across starts ---------------------------------------------------------
+
+from gpulab.hub.ledger import Request  # noqa: E402
+from gpulab.spawner.mixin import hub_ledger  # noqa: E402
+
+
+async def test_a_start_after_a_failed_one_is_not_refused_for_its_leftover(config):
+    """An allocation an earlier start of the same server left open (a spawner JupyterHub
+    replaced after the failure, a hub that died) does not refuse the next start with
+    "notebook 'default' already holds GPUs": JupyterHub starts only a stopped server."""
+    gpu = KubeGPUSpawner(config=copy.deepcopy(config), _mock=True)
+    ledger = hub_ledger(gpu.config, assigns_devices=False)
+    left = ledger.admit(Request(user=gpu.user.name, kind="notebook", holder="default", gpus=1))
+    other = ledger.admit(Request(user=gpu.user.name, kind="notebook", holder="second", gpus=1))
+    gpu.user_options = {"profile": "test-choices"}
+    await gpu.load_user_options()
+    assert gpu.gpu_claim_id and gpu.gpu_claim_id != left.id
+    assert ledger.get(left.id).open is False
+    assert ledger.get(other.id).open  # another server of the same person keeps its GPUs
+    await gpu.release_gpus_async()
+    ledger.release(other.id)
+
+
+async def test_a_start_cancelled_while_admitted_releases_what_it_got(config, monkeypatch):
+    """JupyterHub's start_timeout cancels a start; an admission already running in its
+    thread still commits, and is then released rather than left open."""
+    import asyncio
+    import threading
+    import time
+
+    from gpulab.hub.ledger import Ledger
+
+    gpu = KubeGPUSpawner(config=copy.deepcopy(config), _mock=True)
+    ledger = hub_ledger(gpu.config, assigns_devices=False)
+    running, admit = threading.Event(), Ledger.admit
+
+    def slow_admit(self, req, now=None):  # the ledger's lock is busy for a moment
+        running.set()
+        time.sleep(0.3)
+        return admit(self, req, now)
+
+    monkeypatch.setattr(Ledger, "admit", slow_admit)
+    gpu.user_options = {"profile": "test-choices"}
+    task = asyncio.ensure_future(gpu.load_user_options())
+    assert await asyncio.to_thread(running.wait, 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(100):
+        if ledger.open_allocations(user=gpu.user.name):
+            break
+        await asyncio.sleep(0.02)
+    for _ in range(100):  # admitted after the cancellation, then released
+        if not ledger.open_allocations(user=gpu.user.name):
+            break
+        await asyncio.sleep(0.05)
+    assert ledger.open_allocations(user=gpu.user.name) == []
+    assert not gpu.gpu_claim_id
