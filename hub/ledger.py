@@ -50,6 +50,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
@@ -545,7 +546,11 @@ _SEL_USED = select(_A.c.user, _A.c.gpus, _A.c.started_at, _USED_END).where(
     _A.c.gpus > 0, _A.c.started_at < bindparam("until", type_=Float),
     _USED_END > bindparam("since", type_=Float))
 _SEL_USED_OF = _SEL_USED.where(_A.c.user == bindparam("user"))
+#: a pool nobody declared, made by its first admission; on PostgreSQL two first admissions
+#: may run at once (different people; or one person's, whose lock statement read the pool's
+#: row in a snapshot taken before the lock was granted): the second finds the row made
 _INSERT_POOL = _P.insert()
+_INSERT_POOL_PG = pg_insert(_P).on_conflict_do_nothing(index_elements=[_P.c.name])
 #: PostgreSQL, the pool locked: the allocation with the first `gpus` of `candidates` that no
 #: open allocation holds, where there are that many. It starts at `started_at` (the admission's
 #: clock, read before the lock) or, where a device it takes was released later than that, at
@@ -616,7 +621,8 @@ class _Direct:
                           insert=_INSERT_ALLOCATION, close=_CLOSE)
         if self.pg:
             statements.update(lock_person=_LOCK_PERSON, lock_pool=_LOCK_POOL,
-                              quotas=_SEL_QUOTAS_PG, insert_first_free=_INSERT_FIRST_FREE_PG)
+                              quotas=_SEL_QUOTAS_PG, insert_first_free=_INSERT_FIRST_FREE_PG,
+                              insert_pool=_INSERT_POOL_PG)
         else:
             statements.update(quotas=_SEL_QUOTAS_SQLITE)
         self.sql = {name: _Sql(stmt, engine.dialect) for name, stmt in statements.items()}

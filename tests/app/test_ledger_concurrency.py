@@ -142,3 +142,65 @@ def test_admission_rules_on_postgresql(postgres):
     assert c.devices == () and other.get(c.id).open
     ledger.engine.dispose()
     other.engine.dispose()
+
+
+def _waiting(conn, dbname: str, n: int) -> list[int]:
+    """The pids of `n` backends of `dbname` waiting on a lock (polled until there are)."""
+    import time
+
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        pids = [r[0] for r in conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = %s AND wait_event_type = 'Lock'",
+            (dbname,)).fetchall()]
+        if len(pids) >= n:
+            return pids
+        time.sleep(0.02)
+    raise TimeoutError(f"fewer than {n} backends waiting on a lock")
+
+
+@pytest.mark.postgres
+def test_first_admissions_into_a_new_pool_on_postgresql(postgres):
+    """Two admissions of one person into a pool that has no row yet (a counting pool nobody
+    declared) at once: the person's lock serializes them, and the second finds the pool the
+    first made. Its lock statement read the pool's row before the lock was granted, so it too
+    tried to make the pool and failed with a raw unique violation (a 500)."""
+    import threading
+
+    import psycopg
+
+    from gpulab.hub.ledger import _person_key
+
+    url = postgres.create_database("newpool")
+    ledger = Ledger(url, pool="fresh")
+    ledger.migrate()
+    ledger.set_quota("user", "ann", Quota(2), actor="test")
+    ledger.set_quota("user", "bob", Quota(1), actor="test")
+    out: dict = {}
+    with psycopg.connect(f"dbname=newpool user=gpulab host={postgres.sock}",
+                         autocommit=True) as x:
+        keys = [_person_key("fresh", u) for u in ("ann", "bob")]
+        for k in keys:  # both people's admissions wait on their lock, then go at once
+            x.execute("SELECT pg_advisory_lock(%s)", (k,))
+
+        def admit(user, holder):
+            try:
+                out[user, holder] = ledger.admit(Request(user, "notebook", holder, 1))
+            except BaseException as e:  # noqa: BLE001 - the test looks at it
+                out[user, holder] = e
+
+        threads = [threading.Thread(target=admit, args=a)
+                   for a in (("ann", "a1"), ("ann", "a2"), ("bob", "b1"), ("bob", "b2"))]
+        for t in threads:
+            t.start()
+        _waiting(x, "newpool", 4)
+        for k in keys:
+            x.execute("SELECT pg_advisory_unlock(%s)", (k,))
+        for t in threads:
+            t.join()
+    assert [type(out["ann", h]).__name__ for h in ("a1", "a2")] == ["Allocation"] * 2, out
+    bobs = sorted(type(out["bob", h]).__name__ for h in ("b1", "b2"))
+    assert bobs == ["Allocation", "QuotaExceeded"], out
+    assert len(ledger.open_allocations()) == 3
+    ledger.engine.dispose()
+
