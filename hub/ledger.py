@@ -737,12 +737,13 @@ class _PgTx:
             self.c.commit()
 
     def close_and_commit(self, args: dict):
-        # one statement is a transaction of its own: no BEGIN nor COMMIT to send
-        self.c.autocommit = True
-        try:
-            return self.c.execute(*self.sql["close"](**args)).fetchone()
-        finally:
-            self.c.autocommit = False
+        # ``BEGIN``, the ``UPDATE`` and ``COMMIT`` in one round trip; not autocommitted: an
+        # autocommitted statement runs at the server's default isolation, not the engine's
+        # (`make_engine`), and the connection's autocommit flag would have to be put back
+        with self.c.pipeline():
+            closed = self.c.execute(*self.sql["close"](**args))
+            self.c.commit()
+        return closed.fetchone()
 
 
 def _person_key(pool: str, user: str) -> int:
@@ -894,7 +895,12 @@ def make_engine(url: str, echo: bool = False) -> Engine:
                 conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, echo=echo, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # read committed whatever the server's default (a DBA may make it repeatable read or
+    # serializable): admission reads after its locks, each statement in a snapshot of its own
+    # (`_Direct`); under one snapshot per transaction, taken before the pool's lock is granted,
+    # two admissions hand out one GPU
+    return create_engine(url, echo=echo, pool_pre_ping=True, pool_size=10, max_overflow=20,
+                         isolation_level="READ COMMITTED")
 
 
 def alembic_config(url: str):

@@ -204,3 +204,23 @@ def test_first_admissions_into_a_new_pool_on_postgresql(postgres):
     assert len(ledger.open_allocations()) == 3
     ledger.engine.dispose()
 
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("level", ["repeatable read", "serializable"])
+def test_contention_on_postgresql_whose_default_isolation_is_stricter(postgres, level):
+    """A DBA may make REPEATABLE READ (or SERIALIZABLE) the database's default. Admission reads
+    after its locks and relies on read committed's snapshot per statement: under a snapshot
+    taken at the transaction's first statement (before the pool's lock is granted) two
+    admissions handed out the same GPU (serializable: raw serialization failures, 500s). The
+    ledger's connections are read committed whatever the server's default."""
+    import psycopg
+
+    name = "strict_" + level.replace(" ", "_")
+    url = postgres.create_database(name)
+    with psycopg.connect(f"dbname={name} user=gpulab host={postgres.sock}",
+                         autocommit=True) as x:
+        x.execute(f"ALTER DATABASE {name} SET default_transaction_isolation TO '{level}'")
+    ledger, outcomes = run_contention(url)
+    rows = check_history(ledger)
+    assert outcomes.count("admitted") == len(rows) and len(rows) >= 20
+    ledger.engine.dispose()
