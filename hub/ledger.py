@@ -52,6 +52,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from .policy import Holding, Quota, QuotaError, effective_quota, refusal
@@ -630,18 +631,30 @@ class _Direct:
     @contextmanager
     def transaction(self):
         """A `_PgTx` or `_SqliteTx` on a connection of the pool; rolled back on any error (a
-        refusal too: nothing was written)."""
+        refusal too: nothing was written). The database's errors are raised as SQLAlchemy's
+        (``sqlalchemy.exc.IntegrityError``, ``OperationalError``, … with the driver's as
+        ``orig``), as a ``Connection`` raises them, and a lost connection is dropped."""
+        dialect = self.engine.dialect
         with self.lock:
             raw = self.engine.raw_connection()
             try:
                 tx = (_PgTx if self.pg else _SqliteTx)(raw.driver_connection, self.sql)
                 try:
                     yield tx
-                except BaseException:
-                    try:
-                        tx.c.rollback()
-                    except Exception:  # a broken connection: the pool drops it
-                        raw.invalidate()
+                except BaseException as e:
+                    from_db = isinstance(e, dialect.loaded_dbapi.Error)
+                    lost = from_db and dialect.is_disconnect(e, raw, None)
+                    if not lost:
+                        try:
+                            tx.c.rollback()
+                        except Exception:  # a broken connection
+                            lost = True
+                    if lost:  # the pool drops it
+                        raw.invalidate(e if isinstance(e, Exception) else None)
+                    if from_db:
+                        raise DBAPIError.instance(
+                            None, None, e, dialect.loaded_dbapi.Error, hide_parameters=True,
+                            connection_invalidated=lost, dialect=dialect) from e
                     raise
             finally:
                 raw.close()

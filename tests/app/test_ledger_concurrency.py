@@ -145,7 +145,8 @@ def test_admission_rules_on_postgresql(postgres):
 
 
 def _waiting(conn, dbname: str, n: int) -> list[int]:
-    """The pids of `n` backends of `dbname` waiting on a lock (polled until there are)."""
+    """The pids of `n` backends of `dbname` waiting on a lock (polled until there are; `conn`
+    autocommits: in a transaction pg_stat_activity is read once)."""
     import time
 
     deadline = time.time() + 30
@@ -223,4 +224,66 @@ def test_contention_on_postgresql_whose_default_isolation_is_stricter(postgres, 
     ledger, outcomes = run_contention(url)
     rows = check_history(ledger)
     assert outcomes.count("admitted") == len(rows) and len(rows) >= 20
+    ledger.engine.dispose()
+
+
+@pytest.mark.postgres
+def test_lost_connections_on_postgresql(postgres):
+    """The server ends the connection of a release (waiting on the allocation's row) and of an
+    admission (waiting on the pool's row): each fails with SQLAlchemy's OperationalError, its
+    connection is dropped, the next calls work, and every connection the ledger gives back to
+    the pool is idle, out of pipeline mode, not autocommitting."""
+    import threading
+
+    import psycopg
+    import sqlalchemy.exc
+    from psycopg.pq import PipelineStatus, TransactionStatus
+    from sqlalchemy import event
+
+    from gpulab.hub.ledger import QuotaExceeded
+
+    ledger = Ledger(postgres.create_database("lost"))
+    ledger.migrate()
+    ledger.sync_inventory(DeviceInfo(i) for i in range(2))
+    ledger.set_quota("user", "ann", Quota(1), actor="test")
+    returned = []
+
+    @event.listens_for(ledger.engine, "reset")
+    def _returned(dbapi_conn, _record, _state):  # before the pool's own rollback
+        returned.append((dbapi_conn.info.transaction_status, dbapi_conn.pgconn.pipeline_status,
+                         dbapi_conn.autocommit))
+
+    a = ledger.admit(Request("ann", "notebook", "a", 1))
+    with pytest.raises(QuotaExceeded):
+        ledger.admit(Request("ann", "job", "j", 1))
+    out = {}
+    dsn = f"dbname=lost user=gpulab host={postgres.sock}"
+    with psycopg.connect(dsn, autocommit=True) as x, psycopg.connect(dsn, autocommit=True) as y:
+        for what, lock, call in (
+                ("release", ("SELECT 1 FROM allocations WHERE id = %s FOR UPDATE", (a.id,)),
+                 lambda: ledger.release(a.id)),
+                ("admit", ("SELECT 1 FROM pools WHERE name = 'local' FOR UPDATE", ()),
+                 lambda: ledger.admit(Request("bob", "notebook", "b", 1)))):
+            x.execute("BEGIN")
+            x.execute(*lock)
+
+            def run(call=call, what=what):
+                try:
+                    out[what] = call()
+                except BaseException as e:  # noqa: BLE001 - the test looks at it
+                    out[what] = e
+
+            t = threading.Thread(target=run)
+            t.start()
+            (pid,) = _waiting(y, "lost", 1)
+            y.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            t.join()
+            x.execute("ROLLBACK")
+    for what in ("release", "admit"):
+        assert isinstance(out[what], sqlalchemy.exc.OperationalError), out[what]
+        assert isinstance(out[what].orig, psycopg.OperationalError)
+    assert ledger.release(a.id).ended_at is not None  # the release had not happened
+    assert ledger.admit(Request("bob", "notebook", "b", 1)).devices == (0,)
+    assert returned and all(r == (TransactionStatus.IDLE, PipelineStatus.OFF, False)
+                            for r in returned), returned
     ledger.engine.dispose()
