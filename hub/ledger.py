@@ -50,7 +50,9 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from .policy import Holding, Quota, QuotaError, effective_quota, refusal
@@ -545,7 +547,11 @@ _SEL_USED = select(_A.c.user, _A.c.gpus, _A.c.started_at, _USED_END).where(
     _A.c.gpus > 0, _A.c.started_at < bindparam("until", type_=Float),
     _USED_END > bindparam("since", type_=Float))
 _SEL_USED_OF = _SEL_USED.where(_A.c.user == bindparam("user"))
+#: a pool nobody declared, made by its first admission; on PostgreSQL two first admissions
+#: may run at once (different people; or one person's, whose lock statement read the pool's
+#: row in a snapshot taken before the lock was granted): the second finds the row made
 _INSERT_POOL = _P.insert()
+_INSERT_POOL_PG = pg_insert(_P).on_conflict_do_nothing(index_elements=[_P.c.name])
 #: PostgreSQL, the pool locked: the allocation with the first `gpus` of `candidates` that no
 #: open allocation holds, where there are that many. It starts at `started_at` (the admission's
 #: clock, read before the lock) or, where a device it takes was released later than that, at
@@ -616,7 +622,8 @@ class _Direct:
                           insert=_INSERT_ALLOCATION, close=_CLOSE)
         if self.pg:
             statements.update(lock_person=_LOCK_PERSON, lock_pool=_LOCK_POOL,
-                              quotas=_SEL_QUOTAS_PG, insert_first_free=_INSERT_FIRST_FREE_PG)
+                              quotas=_SEL_QUOTAS_PG, insert_first_free=_INSERT_FIRST_FREE_PG,
+                              insert_pool=_INSERT_POOL_PG)
         else:
             statements.update(quotas=_SEL_QUOTAS_SQLITE)
         self.sql = {name: _Sql(stmt, engine.dialect) for name, stmt in statements.items()}
@@ -624,18 +631,30 @@ class _Direct:
     @contextmanager
     def transaction(self):
         """A `_PgTx` or `_SqliteTx` on a connection of the pool; rolled back on any error (a
-        refusal too: nothing was written)."""
+        refusal too: nothing was written). The database's errors are raised as SQLAlchemy's
+        (``sqlalchemy.exc.IntegrityError``, ``OperationalError``, … with the driver's as
+        ``orig``), as a ``Connection`` raises them, and a lost connection is dropped."""
+        dialect = self.engine.dialect
         with self.lock:
             raw = self.engine.raw_connection()
             try:
                 tx = (_PgTx if self.pg else _SqliteTx)(raw.driver_connection, self.sql)
                 try:
                     yield tx
-                except BaseException:
-                    try:
-                        tx.c.rollback()
-                    except Exception:  # a broken connection: the pool drops it
-                        raw.invalidate()
+                except BaseException as e:
+                    from_db = isinstance(e, dialect.loaded_dbapi.Error)
+                    lost = from_db and dialect.is_disconnect(e, raw, None)
+                    if not lost:
+                        try:
+                            tx.c.rollback()
+                        except Exception:  # a broken connection
+                            lost = True
+                    if lost:  # the pool drops it
+                        raw.invalidate(e if isinstance(e, Exception) else None)
+                    if from_db:
+                        raise DBAPIError.instance(
+                            None, None, e, dialect.loaded_dbapi.Error, hide_parameters=True,
+                            connection_invalidated=lost, dialect=dialect) from e
                     raise
             finally:
                 raw.close()
@@ -731,12 +750,13 @@ class _PgTx:
             self.c.commit()
 
     def close_and_commit(self, args: dict):
-        # one statement is a transaction of its own: no BEGIN nor COMMIT to send
-        self.c.autocommit = True
-        try:
-            return self.c.execute(*self.sql["close"](**args)).fetchone()
-        finally:
-            self.c.autocommit = False
+        # ``BEGIN``, the ``UPDATE`` and ``COMMIT`` in one round trip; not autocommitted: an
+        # autocommitted statement runs at the server's default isolation, not the engine's
+        # (`make_engine`), and the connection's autocommit flag would have to be put back
+        with self.c.pipeline():
+            closed = self.c.execute(*self.sql["close"](**args))
+            self.c.commit()
+        return closed.fetchone()
 
 
 def _person_key(pool: str, user: str) -> int:
@@ -888,7 +908,12 @@ def make_engine(url: str, echo: bool = False) -> Engine:
                 conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, echo=echo, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # read committed whatever the server's default (a DBA may make it repeatable read or
+    # serializable): admission reads after its locks, each statement in a snapshot of its own
+    # (`_Direct`); under one snapshot per transaction, taken before the pool's lock is granted,
+    # two admissions hand out one GPU
+    return create_engine(url, echo=echo, pool_pre_ping=True, pool_size=10, max_overflow=20,
+                         isolation_level="READ COMMITTED")
 
 
 def alembic_config(url: str):

@@ -142,3 +142,148 @@ def test_admission_rules_on_postgresql(postgres):
     assert c.devices == () and other.get(c.id).open
     ledger.engine.dispose()
     other.engine.dispose()
+
+
+def _waiting(conn, dbname: str, n: int) -> list[int]:
+    """The pids of `n` backends of `dbname` waiting on a lock (polled until there are; `conn`
+    autocommits: in a transaction pg_stat_activity is read once)."""
+    import time
+
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        pids = [r[0] for r in conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = %s AND wait_event_type = 'Lock'",
+            (dbname,)).fetchall()]
+        if len(pids) >= n:
+            return pids
+        time.sleep(0.02)
+    raise TimeoutError(f"fewer than {n} backends waiting on a lock")
+
+
+@pytest.mark.postgres
+def test_first_admissions_into_a_new_pool_on_postgresql(postgres):
+    """Two admissions of one person into a pool that has no row yet (a counting pool nobody
+    declared) at once: the person's lock serializes them, and the second finds the pool the
+    first made. Its lock statement read the pool's row before the lock was granted, so it too
+    tried to make the pool and failed with a raw unique violation (a 500)."""
+    import threading
+
+    import psycopg
+
+    from gpulab.hub.ledger import _person_key
+
+    url = postgres.create_database("newpool")
+    ledger = Ledger(url, pool="fresh")
+    ledger.migrate()
+    ledger.set_quota("user", "ann", Quota(2), actor="test")
+    ledger.set_quota("user", "bob", Quota(1), actor="test")
+    out: dict = {}
+    with psycopg.connect(f"dbname=newpool user=gpulab host={postgres.sock}",
+                         autocommit=True) as x:
+        keys = [_person_key("fresh", u) for u in ("ann", "bob")]
+        for k in keys:  # both people's admissions wait on their lock, then go at once
+            x.execute("SELECT pg_advisory_lock(%s)", (k,))
+
+        def admit(user, holder):
+            try:
+                out[user, holder] = ledger.admit(Request(user, "notebook", holder, 1))
+            except BaseException as e:  # noqa: BLE001 - the test looks at it
+                out[user, holder] = e
+
+        threads = [threading.Thread(target=admit, args=a)
+                   for a in (("ann", "a1"), ("ann", "a2"), ("bob", "b1"), ("bob", "b2"))]
+        for t in threads:
+            t.start()
+        _waiting(x, "newpool", 4)
+        for k in keys:
+            x.execute("SELECT pg_advisory_unlock(%s)", (k,))
+        for t in threads:
+            t.join()
+    assert [type(out["ann", h]).__name__ for h in ("a1", "a2")] == ["Allocation"] * 2, out
+    bobs = sorted(type(out["bob", h]).__name__ for h in ("b1", "b2"))
+    assert bobs == ["Allocation", "QuotaExceeded"], out
+    assert len(ledger.open_allocations()) == 3
+    ledger.engine.dispose()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("level", ["repeatable read", "serializable"])
+def test_contention_on_postgresql_whose_default_isolation_is_stricter(postgres, level):
+    """A DBA may make REPEATABLE READ (or SERIALIZABLE) the database's default. Admission reads
+    after its locks and relies on read committed's snapshot per statement: under a snapshot
+    taken at the transaction's first statement (before the pool's lock is granted) two
+    admissions handed out the same GPU (serializable: raw serialization failures, 500s). The
+    ledger's connections are read committed whatever the server's default."""
+    import psycopg
+
+    name = "strict_" + level.replace(" ", "_")
+    url = postgres.create_database(name)
+    with psycopg.connect(f"dbname={name} user=gpulab host={postgres.sock}",
+                         autocommit=True) as x:
+        x.execute(f"ALTER DATABASE {name} SET default_transaction_isolation TO '{level}'")
+    ledger, outcomes = run_contention(url)
+    rows = check_history(ledger)
+    assert outcomes.count("admitted") == len(rows) and len(rows) >= 20
+    ledger.engine.dispose()
+
+
+@pytest.mark.postgres
+def test_lost_connections_on_postgresql(postgres):
+    """The server ends the connection of a release (waiting on the allocation's row) and of an
+    admission (waiting on the pool's row): each fails with SQLAlchemy's OperationalError, its
+    connection is dropped, the next calls work, and every connection the ledger gives back to
+    the pool is idle, out of pipeline mode, not autocommitting."""
+    import threading
+
+    import psycopg
+    import sqlalchemy.exc
+    from psycopg.pq import PipelineStatus, TransactionStatus
+    from sqlalchemy import event
+
+    from gpulab.hub.ledger import QuotaExceeded
+
+    ledger = Ledger(postgres.create_database("lost"))
+    ledger.migrate()
+    ledger.sync_inventory(DeviceInfo(i) for i in range(2))
+    ledger.set_quota("user", "ann", Quota(1), actor="test")
+    returned = []
+
+    @event.listens_for(ledger.engine, "reset")
+    def _returned(dbapi_conn, _record, _state):  # before the pool's own rollback
+        returned.append((dbapi_conn.info.transaction_status, dbapi_conn.pgconn.pipeline_status,
+                         dbapi_conn.autocommit))
+
+    a = ledger.admit(Request("ann", "notebook", "a", 1))
+    with pytest.raises(QuotaExceeded):
+        ledger.admit(Request("ann", "job", "j", 1))
+    out = {}
+    dsn = f"dbname=lost user=gpulab host={postgres.sock}"
+    with psycopg.connect(dsn, autocommit=True) as x, psycopg.connect(dsn, autocommit=True) as y:
+        for what, lock, call in (
+                ("release", ("SELECT 1 FROM allocations WHERE id = %s FOR UPDATE", (a.id,)),
+                 lambda: ledger.release(a.id)),
+                ("admit", ("SELECT 1 FROM pools WHERE name = 'local' FOR UPDATE", ()),
+                 lambda: ledger.admit(Request("bob", "notebook", "b", 1)))):
+            x.execute("BEGIN")
+            x.execute(*lock)
+
+            def run(call=call, what=what):
+                try:
+                    out[what] = call()
+                except BaseException as e:  # noqa: BLE001 - the test looks at it
+                    out[what] = e
+
+            t = threading.Thread(target=run)
+            t.start()
+            (pid,) = _waiting(y, "lost", 1)
+            y.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            t.join()
+            x.execute("ROLLBACK")
+    for what in ("release", "admit"):
+        assert isinstance(out[what], sqlalchemy.exc.OperationalError), out[what]
+        assert isinstance(out[what].orig, psycopg.OperationalError)
+    assert ledger.release(a.id).ended_at is not None  # the release had not happened
+    assert ledger.admit(Request("bob", "notebook", "b", 1)).devices == (0,)
+    assert returned and all(r == (TransactionStatus.IDLE, PipelineStatus.OFF, False)
+                            for r in returned), returned
+    ledger.engine.dispose()

@@ -146,3 +146,21 @@ def test_readers_take_no_write_lock(ledger):
     finally:
         done.set()
         t.join()
+
+
+def test_database_errors_are_sqlalchemys(tmp_path):
+    """Admission and release run on the DBAPI connection, but a database's error still reaches
+    callers as SQLAlchemy's (``sqlalchemy.exc.OperationalError``, ``IntegrityError``, … with
+    the driver's as ``orig``), as before: callers catch those, not sqlite3's or psycopg's."""
+    import sqlite3
+
+    import sqlalchemy.exc
+
+    lg = Ledger(f"sqlite:///{tmp_path / 'empty.sqlite'}")  # never migrated: no tables
+    with pytest.raises(sqlalchemy.exc.OperationalError, match="no such table") as e:
+        lg.admit(Request("ann", "notebook", "default", 1))
+    assert isinstance(e.value.orig, sqlite3.OperationalError)
+    with pytest.raises(sqlalchemy.exc.OperationalError, match="no such table"):
+        lg.release("nope")
+    lg.migrate()  # the connections went back to the pool in a usable state
+    assert lg.admit(Request("ann", "notebook", "default", 0)).gpus == 0
