@@ -135,11 +135,13 @@ def at_scale() -> None:
             pass
 
         h = H()
-        h.ledger, h.directory = ledger, StandInDirectory(users)
+        h.ledger, h.directory, h.settings = ledger, StandInDirectory(users), {}
         t0 = time.perf_counter()
         o = asyncio.run(service.overview(h))
-        html = service._pages.get_template("admin.html").render(
-            prefix="/services/gpulab/", hub_prefix="/hub/", user="admin", xsrf="x", o=o, admin=True)
+        ctx = service.page_context(hub_prefix="/hub/", service_prefix="/services/gpulab/",
+                                   model={"name": "admin", "admin": True}, xsrf="x", admin=True,
+                                   path="/services/gpulab/admin")
+        html = service._pages.get_template("admin.html").render(**ctx, o=o)
         took = time.perf_counter() - t0
         rss = proc.memory_info().rss
     print(f"service at scale: 1,000 users, 100,000 past allocations: RSS {rss / 2**20:.0f} MiB "
