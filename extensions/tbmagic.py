@@ -33,9 +33,11 @@ most make the magic show another key of the person's own folder.
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import os
 import shlex
+import shutil
 import stat
 import sys
 import tempfile
@@ -67,8 +69,11 @@ def launcher_script(python: str, folder: str) -> str:
 
 def make_magic_dir() -> str:
     """A fresh folder for the magic's sockets and launcher: 0700, the server's account
-    (``mkdtemp``), under the server's own temporary folder."""
-    return tempfile.mkdtemp(prefix="gpulab-tensorboard-magic-")
+    (``mkdtemp``), under the server's own temporary folder; removed when the server's
+    process exits (a stop ends the server normally; every start makes a new one)."""
+    folder = tempfile.mkdtemp(prefix="gpulab-tensorboard-magic-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def write_launcher(folder: str, python: str | None = None) -> str:

@@ -300,6 +300,9 @@ class GPUSpawnerMixin:
                     and p.gpus > quota.max_per_request:
                 available = False
                 why = f"your quota allows {quota.max_per_request} per server or job"
+            elif quota is not None and p.gpus > quota.max_gpus:
+                available = False  # never, whatever is stopped: say so, not "stop something"
+                why = f"more than your quota allows ({quota.max_gpus} at once)"
             elif quota is not None and mine_gpus + p.gpus > quota.max_gpus:
                 available = False
                 why = (f"over your quota ({quota.max_gpus} at once, {mine_gpus} in use: "

@@ -61,7 +61,8 @@ def test_spawn_form_disables_profiles_over_the_quota(users, hub, admin):
                                  r'[^>]*?(disabled)?>', page))
         assert radios["gpu-1"] == "" and radios["cpu"] == ""
         assert radios["gpu-2"] == "disabled" and radios["gpu-4"] == "disabled"
-        assert "over your quota (1 at once, 0 in use" in page
+        # more than the quota itself: no stop would help, and the reason says so
+        assert "more than your quota allows (1 at once)" in page
     finally:
         admin.service("DELETE", "quotas/users/carl")
 

@@ -417,8 +417,8 @@ async def test_spawn_form_shows_quota_and_holdings_of_now(make_spawner, ledger):
     # the profiles follow, each with what it would get; one over the quota is disabled
     assert 'value="h100-2"' in form and "2 H100" in form_text(form)
     assert re.search(r'id="profile-h100-9" value="h100-9"\s+disabled', form), form
-    assert "9 H100 — 9 GPUs (NVIDIA-H100), 2 CPUs, 4G memory — unavailable: over your quota " \
-        "(3 at once, 0 in use: stop a server or job first)" in form_text(form)
+    assert "9 H100 — 9 GPUs (NVIDIA-H100), 2 CPUs, 4G memory — unavailable: more than your " \
+        "quota allows (3 at once)" in form_text(form)
     # what the user holds now (a job, and a server whose name looks like a template)
     job = led.admit(Request(user=s.user.name, kind="job", holder="digits", gpus=2))
     odd = led.admit(Request(user=s.user.name, kind="notebook", holder="x{{ 7*7 }}", gpus=1))

@@ -73,7 +73,7 @@ def test_a_disabled_profile_says_why_and_an_option_reaches_the_server(page, hub,
     # over the quota: disabled, with the reason in words
     two = form.locator(".gpulab-profile[data-profile='gpu-2']")
     assert two.locator("input[type=radio]").is_disabled()
-    assert ("unavailable: over your quota (1 at once, 0 in use: stop a server or job first)"
+    assert ("unavailable: more than your quota allows (1 at once)"
             in " ".join(two.inner_text().split()))
 
     # an option inside the 1-GPU profile: "Other..." shows its text field
