@@ -385,6 +385,12 @@ class GPUSpawnerMixin:
 
         The ledger's transaction runs in a worker thread: the hub's event loop never waits
         for the ledger's lock (which the gpulab service, or another spawn, may hold)."""
+        if self.name == "default":
+            # the ledger knows the default server ('') as "default": a named server of that
+            # name would be taken for it (and an earlier start's allocation "of the same
+            # server" closed while the default server still runs on its GPUs)
+            raise SpawnRefused(400, "A named server cannot be called 'default': that is your "
+                               "default server's name here. Choose another name.")
         if self.gpu_claim_id:
             await self.release_gpus_async()
         if profile.gpus == 0:
@@ -485,6 +491,11 @@ class GPUSpawnerMixin:
     def clear_state(self):
         super().clear_state()
         self.release_gpus()
+        # the server stopped: its profile's and options' overrides go now, before the hooks
+        # of a next start run (a hook that writes a trait afresh at every start, such as an
+        # access token in `environment`, would otherwise keep a group profile's settings)
+        for name, (before, _after) in self.__dict__.pop("_gpu_overridden", {}).items():
+            setattr(self, name, before)
 
 
 def _same(a, b) -> bool:
@@ -510,9 +521,15 @@ def _option_rows(profile: GPUProfile, saved: dict) -> list[dict]:
     for key, option in profile.options.items():
         unlisted = option["unlisted_choice"]
         typed = saved.get(key + UNLISTED_SUFFIX) if unlisted.get("enabled") else None
+        # saved options are what was sent, also through the API: a list of one (a form's
+        # shape) or anything else must not break the page
+        if isinstance(typed, list) and len(typed) == 1:
+            typed = typed[0]
         typed = typed if isinstance(typed, str) else ""
         chosen = saved.get(key)
-        if chosen not in option["choices"]:
+        if isinstance(chosen, list) and len(chosen) == 1:
+            chosen = chosen[0]
+        if not isinstance(chosen, str) or chosen not in option["choices"]:
             chosen = next((k for k, c in option["choices"].items() if c.get("default")), None)
         rows.append({
             "key": key,

@@ -406,12 +406,28 @@ def visible_profiles(profiles: list[GPUProfile], groups) -> list[GPUProfile]:
     return [p for p in profiles if p.allows(groups)]
 
 
+#: the longest text a person may type for an option (an unlisted choice): checked before the
+#: operator's `validation_regex` runs on it, so that a regex with heavy backtracking meets
+#: short input only, and refusals never echo megabytes into the hub's log
+MAX_OPTION_TEXT = 256
+
+
+def _short(value, limit: int = 80) -> str:
+    """`value`'s repr for a message, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def _one(value, what: str, kind: str = "a choice's name or text"):
-    """A value from the API or a passthrough form: a string, or a list of exactly one."""
+    """A value from the API or a passthrough form: a string (at most `MAX_OPTION_TEXT`
+    characters), or a list of exactly one."""
     if isinstance(value, list) and len(value) == 1:
         value = value[0]
     if value is not None and not isinstance(value, str):
-        raise OptionError(f"{what} must be {kind}, got {value!r}.")
+        raise OptionError(f"{what} must be {kind}, got {_short(value)}.")
+    if value is not None and len(value) > MAX_OPTION_TEXT:
+        raise OptionError(f"{what} must be at most {MAX_OPTION_TEXT} characters, got "
+                          f"{len(value)}.")
     return value
 
 
@@ -437,7 +453,7 @@ def select(profiles: list[GPUProfile], options: dict, *, groups=(), strict: bool
     else:
         profile = next((p for p in mine if p.slug == slug), None)
         if profile is None:  # a profile of other groups is not named to others
-            raise OptionError(f"There is no profile {slug!r}. Choose one of: {names}.")
+            raise OptionError(f"There is no profile {_short(slug)}. Choose one of: {names}.")
     known = {"profile"}
     for key in profile.options:
         known |= {key, key + UNLISTED_SUFFIX}
@@ -448,7 +464,9 @@ def select(profiles: list[GPUProfile], options: dict, *, groups=(), strict: bool
             if profile.options:
                 hint += f"; for profile {profile.slug!r}: " + ", ".join(
                     repr(k) for k in profile.options)
-            raise OptionError(f"Unknown server option(s): {', '.join(map(str, unknown))}. "
+            raise OptionError(f"Unknown server option(s): "
+                              f"{', '.join(k if len(k) <= 40 else k[:39] + '…' for k in map(str, unknown[:10]))}"
+                              f"{' and more' if len(unknown) > 10 else ''}. "
                               f"Choose a profile ({hint}).")
     chosen: dict = {}
     overrides = [profile.override]
@@ -464,13 +482,13 @@ def select(profiles: list[GPUProfile], options: dict, *, groups=(), strict: bool
             regex = spec.get("validation_regex")
             if regex and not re.match(regex, unlisted):
                 why = spec.get("validation_message") or f"it must match {regex}"
-                raise OptionError(f"{unlisted!r} is not allowed for {label!r}: {why}.")
+                raise OptionError(f"{_short(unlisted)} is not allowed for {label!r}: {why}.")
             chosen[key] = (unlisted,)
             overrides.append(format_value(spec.get("kubespawner_override") or {}, unlisted))
         elif choice:
             if choice not in option["choices"]:
                 raise OptionError(f"{label!r} of profile {profile.slug!r} has no choice "
-                                  f"{choice!r}. Choose one of: {', '.join(option['choices'])}.")
+                                  f"{_short(choice)}. Choose one of: {', '.join(option['choices'])}.")
             chosen[key] = choice
             overrides.append(option["choices"][choice].get("kubespawner_override") or {})
         else:

@@ -255,3 +255,82 @@ async def test_a_start_cancelled_while_admitted_releases_what_it_got(config, mon
         await asyncio.sleep(0.05)
     assert ledger.open_allocations(user=gpu.user.name) == []
     assert not gpu.gpu_claim_id
+
+
+# -- what an attacker's review found (a second account's inputs) ------------------------------
+
+
+async def test_a_named_server_called_default_is_refused_and_leaves_the_default_servers_gpus(
+        config):
+    """The ledger names the default server "default": a named server of that name would be
+    taken for it, and its start would close the running default server's allocation (quota
+    exceeded, its GPUs handed to someone else)."""
+    running = KubeGPUSpawner(config=copy.deepcopy(config), _mock=True)
+    running.user_options = {"profile": "test-choices"}
+    await running.load_user_options()
+    held = running.gpu_claim_id
+    from types import SimpleNamespace
+
+    # POST /hub/api/users/<name>/servers/default
+    named = KubeGPUSpawner(config=copy.deepcopy(config), _mock=True, user=running.user,
+                           orm_spawner=SimpleNamespace(name="default", server=None,
+                                                        state=None, user_options=None))
+    named.user_options = {"profile": "test-choices"}
+    with pytest.raises(SpawnRefused) as e:
+        await named.load_user_options()
+    assert e.value.status_code == 400 and "cannot be called 'default'" in \
+        e.value.jupyterhub_message
+    ledger = hub_ledger(running.config, assigns_devices=False)
+    assert ledger.get(held).open and not named.gpu_claim_id
+    await running.release_gpus_async()
+
+
+async def test_typed_option_text_is_bounded_before_the_operators_regex_runs(config):
+    """An operator's validation_regex may backtrack badly (``^([a-z0-9]+[-_.]?)*$`` takes
+    minutes on 40 characters): typed text over the bound is refused before it is matched, and
+    the refusal does not echo it."""
+    import time
+
+    from gpulab.spawner.profiles import MAX_OPTION_TEXT
+
+    cfg = copy.deepcopy(config)
+    profiles = copy.deepcopy(PROFILES)
+    profiles[2]["profile_options"]["image"]["unlisted_choice"]["validation_regex"] = \
+        "^([a-z0-9]+[-_.]?)*$"
+    cfg.KubeSpawner.profile_list = profiles
+    gpu = KubeGPUSpawner(config=cfg, _mock=True)
+    gpu.user_options = {"profile": "test-choices",
+                        "image--unlisted-choice": "a" * (MAX_OPTION_TEXT + 1) + "!"}
+    t0 = time.monotonic()
+    with pytest.raises(SpawnRefused) as e:
+        await gpu.load_user_options()
+    assert time.monotonic() - t0 < 1
+    assert e.value.status_code == 400
+    assert f"at most {MAX_OPTION_TEXT} characters" in e.value.jupyterhub_message
+    assert len(e.value.jupyterhub_message) < 300
+
+
+async def test_a_stopped_servers_overrides_are_gone_before_the_next_starts_hooks(config):
+    """A hook that writes a trait afresh at every start (an access token in `environment`)
+    must not keep the previous start's profile settings in it."""
+    gpu = KubeGPUSpawner(config=copy.deepcopy(config), _mock=True)
+    gpu.user_options = {"profile": "test-choices", "gpus": "two"}
+    await gpu.load_user_options()
+    assert gpu.environment["BIG"]
+    await gpu.release_gpus_async()
+    gpu.clear_state()  # JupyterHub, after the server stopped
+    gpu.environment = {**gpu.environment, "ACCESS_TOKEN": "fresh"}  # the next start's hook
+    gpu.user_options = {"profile": "training-r"}
+    await gpu.load_user_options()
+    assert "BIG" not in gpu.environment and gpu.environment["ACCESS_TOKEN"] == "fresh"
+    await gpu.release_gpus_async()
+
+
+@pytest.mark.parametrize("saved", [{"image": ["tf"]}, {"image": ["a", "b"]},
+                                   {"image": {"x": 1}}, {"image--unlisted-choice": [{"x": 1}]}])
+async def test_odd_saved_options_do_not_break_the_spawn_page(config, saved):
+    """Options are saved as sent (also through the API): the next spawn page still renders."""
+    gpu = KubeGPUSpawner(config=copy.deepcopy(config), _mock=True)
+    gpu.user_options = {"profile": "test-choices", **saved}
+    form = await gpu.get_options_form()
+    assert 'value="test-choices"' in form
