@@ -1,8 +1,9 @@
 """Profiles per group and the closing of a server's leftover GPUs, attacked as another account
 (issue 15): eve, not in group ``ml``, tries to start vic's team profile through the API, a
 tampered form, a pass-through list, and her own hub token from her terminal; and she starts
-servers named like vic's, hoping that closing "leftovers" of the same server name closes
-vic's GPUs. Each fails and vic's server keeps its GPUs."""
+servers named like vic's (and a named server "default" beside her own default one), hoping
+that closing "leftovers" of the same server name closes someone's GPUs. Each fails and the
+servers keep their GPUs."""
 
 import pytest
 
@@ -62,9 +63,16 @@ def test_eve_cannot_start_or_see_the_groups_profile(hub, team, vic, eve):
 def test_eves_servers_named_like_vics_leave_vics_gpus_alone(hub, team, vic, eve):
     before = holdings(vic)
     assert [h[1:4] for h in before] == [("notebook", "default", 3)]
-    for name in ("", "default"):
-        r = eve.start_server(name, {"profile": "gpu-1"})
-        assert r.status_code in (201, 202), r.text
-        eve.stop_server(name)
+    r = eve.start_server("", {"profile": "gpu-1"})
+    assert r.status_code in (201, 202), r.text
+    mine = holdings(eve)
+    assert [h[1:4] for h in mine] == [("notebook", "default", 1)]
+    # a named server called "default" would be taken for her default server by the ledger
+    # (and its start would close that server's allocation while it runs: more GPUs than her
+    # quota, its GPU handed to the next person): refused, and nothing of hers or vic's moves
+    r = eve.start_server("default", {"profile": "gpu-1"})
+    assert r.status_code == 400 and "cannot be called 'default'" in r.text, r.text
+    assert holdings(eve) == mine
+    eve.stop_server("")
     assert holdings(vic) == before
     assert vic.api("GET", "/users/vic").json()["servers"][""]["ready"]
