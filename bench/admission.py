@@ -32,8 +32,8 @@ from sqlalchemy import Column, Integer, MetaData, String, Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpulab.hub.ledger import AdmissionRefused, AllocationRow, DeviceInfo, Ledger, Request  # noqa: E402
-from gpulab.hub.policy import Quota  # noqa: E402
+from gpulab.hub.quota.ledger import AdmissionRefused, AllocationRow, DeviceInfo, Ledger, Request  # noqa: E402
+from gpulab.hub.quota.policy import Quota  # noqa: E402
 
 
 def p99(xs):
@@ -106,7 +106,7 @@ class StandInDirectory:
 
 
 def at_scale() -> None:
-    from gpulab.hub import service
+    from gpulab.hub.service import app as service
 
     proc = psutil.Process()
     base = proc.memory_info().rss

@@ -68,7 +68,7 @@ async def wait(check, timeout=120.0):
 
 async def direct_create(backend, spec, ns: str, user: str) -> None:
     """The same objects, made directly: Service, then the role Jobs owned by it."""
-    from gpulab.hub.kubejobs_objects import make_training_job_objects
+    from gpulab.hub.jobs.kubeobjects import make_training_job_objects
 
     common = dict(spec=spec, namespace=ns, user_label=backend.user_label(user),
                   image=backend.image, program=f"/gpulab/shared/users/{user}/train.py",
@@ -83,10 +83,10 @@ async def bench(args, kubeconfig: str, db: str) -> None:
     from kubernetes_asyncio.config import kube_config
     from traitlets.config import Config
 
-    from gpulab.hub.jobspec import parse_spec
-    from gpulab.hub.kubejobs import KubeJobBackend
-    from gpulab.hub.ledger import Ledger
-    from gpulab.hub.policy import Quota
+    from gpulab.hub.jobs.spec import parse_spec
+    from gpulab.hub.jobs.kube import KubeJobBackend
+    from gpulab.hub.quota.ledger import Ledger
+    from gpulab.hub.quota.policy import Quota
 
     kube_config.KUBE_CONFIG_DEFAULT_LOCATION = kubeconfig
     ledger = Ledger(f"sqlite:///{db}", pool="kubernetes")

@@ -102,7 +102,7 @@ async def bench(args, kubeconfig: str, db: str) -> None:
     from kubespawner import KubeSpawner
     from traitlets.config import Config
 
-    from gpulab.hub.policy import Quota
+    from gpulab.hub.quota.policy import Quota
     from gpulab.spawner.mixin import hub_ledger
 
     kube_config.KUBE_CONFIG_DEFAULT_LOCATION = kubeconfig

@@ -37,8 +37,8 @@ from kubespawner import KubeSpawner
 from kubespawner.clients import shared_client
 from traitlets import Dict, Float, List, Unicode, default
 
-from gpulab.hub.ledger import Ledger
-from gpulab.hub.policy import Holding, Quota, effective_quota, refusal
+from gpulab.hub.quota.ledger import Ledger
+from gpulab.hub.quota.policy import Holding, Quota, effective_quota, refusal
 
 from .kubeobjects import (
     POD_SECURITY_LEVELS,

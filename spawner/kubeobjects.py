@@ -130,7 +130,7 @@ def make_user_network_policies(
       <server_component>`` pods) on ``server_port``, and nobody else.
 
     A training job's replicas reach each other through the job's own policy
-    (`gpulab.hub.kubejobs_objects.make_job_network_policy`). NetworkPolicies add up: a pod
+    (`gpulab.hub.jobs.kubeobjects.make_job_network_policy`). NetworkPolicies add up: a pod
     accepts what any policy selecting it allows, so these two never open replicas to others.
     """
     rules = [dict(rule) for rule in allowed_egress]

@@ -161,7 +161,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         127.0.0.x, where the hub, the proxy's API and the gpulab service listen), instead of
         `ip`. With ``c.JupyterHub.internal_ssl`` each server's certificate (which its
         account can read) then names only that address (see
-        `gpulab.hub.config.server_alt_names`), so no user's certificate is valid for another
+        `gpulab.hub.deploy.local.server_alt_names`), so no user's certificate is valid for another
         user's server: whoever binds a port on another server's address after it died gets
         no request from the proxy. Linux routes all of 127.0.0.0/8 to ``lo``.
 

@@ -26,7 +26,7 @@ from tornado import web
 from traitlets import Float, Unicode
 from traitlets.config import SingletonConfigurable
 
-from gpulab.hub.ledger import AdmissionRefused, Allocation, DeviceInfo, Ledger, Request
+from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, DeviceInfo, Ledger, Request
 
 from .gpuusage import device_usage
 from .inventory import GPU, GPUInventory, gpus_json, model_matches

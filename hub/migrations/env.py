@@ -1,9 +1,10 @@
-"""Alembic environment of the gpulab ledger (run through `gpulab.hub.ledger.Ledger.migrate`)."""
+"""Alembic environment of the gpulab ledger (run through `gpulab.hub.quota.ledger.Ledger.migrate`)."""
 
 from alembic import context
 from sqlalchemy import create_engine
 
-from gpulab.hub.ledger import Base
+from gpulab.hub.db import Base
+import gpulab.hub.quota.ledger  # noqa: F401  the tables
 
 config = context.config
 target_metadata = Base.metadata

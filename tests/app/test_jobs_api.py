@@ -17,7 +17,7 @@ import psutil
 import pytest
 import requests
 
-from gpulab.hub.jobs import TMP_ROOT
+from gpulab.hub.jobs.local import TMP_ROOT
 from gpulab.spawner.cgroups import Cgroups
 from gpulab.spawner.sandbox import NETNS_DIR
 
@@ -359,7 +359,7 @@ def _service_process(hub) -> psutil.Process:
     for p in psutil.process_iter(["cmdline", "environ"]):
         cmd = p.info["cmdline"] or []
         env = p.info["environ"] or {}
-        if "gpulab.hub.service" in cmd and str(hub.data_dir) in env.get("GPULAB_LEDGER_URL", ""):
+        if "gpulab.hub.service.app" in cmd and str(hub.data_dir) in env.get("GPULAB_LEDGER_URL", ""):
             return p
     raise LookupError("no gpulab service process")
 

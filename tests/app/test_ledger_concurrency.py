@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from gpulab.hub.ledger import AdmissionRefused, DeviceInfo, Ledger, Request
-from gpulab.hub.policy import Quota
+from gpulab.hub.quota.ledger import AdmissionRefused, DeviceInfo, Ledger, Request
+from gpulab.hub.quota.policy import Quota
 
 USERS = [f"u{i:02d}" for i in range(20)]
 QUOTA = {u: (1 if i % 3 == 0 else 2) for i, u in enumerate(USERS)}
@@ -51,7 +51,7 @@ def run_contention(url: str, devices: bool = True):
 def check_history(ledger: Ledger):
     from sqlalchemy import select
 
-    from gpulab.hub.ledger import Allocation, AllocationRow
+    from gpulab.hub.quota.ledger import Allocation, AllocationRow
 
     with ledger.Session() as s:
         rows = [Allocation.of(r) for r in s.scalars(select(AllocationRow))]
@@ -112,7 +112,7 @@ def test_contention_on_postgresql_counting_pool(postgres):
 def test_admission_rules_on_postgresql(postgres):
     """The PostgreSQL path has statements of its own (one round trip of locks and reads): the
     same rules as on SQLite (tests/unit/test_ledger.py) on a real server."""
-    from gpulab.hub.ledger import BadRequest, NotEnoughGPUs, QuotaExceeded
+    from gpulab.hub.quota.ledger import BadRequest, NotEnoughGPUs, QuotaExceeded
 
     ledger = Ledger(postgres.create_database("rules"))
     ledger.migrate()
@@ -170,7 +170,7 @@ def test_first_admissions_into_a_new_pool_on_postgresql(postgres):
 
     import psycopg
 
-    from gpulab.hub.ledger import _person_key
+    from gpulab.hub.quota.ledger import _person_key
 
     url = postgres.create_database("newpool")
     ledger = Ledger(url, pool="fresh")
@@ -240,7 +240,7 @@ def test_lost_connections_on_postgresql(postgres):
     from psycopg.pq import PipelineStatus, TransactionStatus
     from sqlalchemy import event
 
-    from gpulab.hub.ledger import QuotaExceeded
+    from gpulab.hub.quota.ledger import QuotaExceeded
 
     ledger = Ledger(postgres.create_database("lost"))
     ledger.migrate()

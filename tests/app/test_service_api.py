@@ -7,7 +7,7 @@ import time
 import requests
 import pytest
 
-from gpulab.hub.ledger import Ledger, Request
+from gpulab.hub.quota.ledger import Ledger, Request
 
 pytestmark = pytest.mark.app
 
@@ -160,8 +160,8 @@ def test_unknown_endpoint_is_json_404(admin):
 
 
 def test_openapi_document_matches_the_handlers(hub, admin):
-    from gpulab.hub.openapi import openapi_document
-    from gpulab.hub.service import make_app
+    from gpulab.hub.service.openapi import openapi_document
+    from gpulab.hub.service.app import make_app
 
     doc = requests.get(hub.service_api + "openapi.json").json()
     assert doc == openapi_document("/services/gpulab/")

@@ -20,12 +20,12 @@ from kubernetes_asyncio.config import kube_config
 from kubespawner.clients import load_config
 from traitlets.config import Config
 
-from gpulab.hub.cli import main as cli_main
-from gpulab.hub.jobs import JobError
-from gpulab.hub.jobspec import JobLimits, SpecError, parse_spec
-from gpulab.hub.kubejobs import KubeJobBackend
-from gpulab.hub.ledger import Ledger, QuotaExceeded, Request
-from gpulab.hub.policy import Quota
+from gpulab.hub.cli.up import main as cli_main
+from gpulab.hub.jobs.local import JobError
+from gpulab.hub.jobs.spec import JobLimits, SpecError, parse_spec
+from gpulab.hub.jobs.kube import KubeJobBackend
+from gpulab.hub.quota.ledger import Ledger, QuotaExceeded, Request
+from gpulab.hub.quota.policy import Quota
 from gpulab.spawner.kube import GPUQuotaMirror
 from tests.app.hubctl import Hub
 

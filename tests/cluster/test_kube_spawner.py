@@ -16,8 +16,8 @@ from kubernetes_asyncio.config import kube_config
 from kubespawner.clients import load_config
 from traitlets.config import Config
 
-from gpulab.hub.ledger import Request
-from gpulab.hub.policy import Quota
+from gpulab.hub.quota.ledger import Request
+from gpulab.hub.quota.policy import Quota
 from gpulab.spawner.kube import GPUQuotaMirror, KubeGPUSpawner
 from gpulab.spawner.kubeobjects import make_user_network_policies
 from gpulab.spawner.mixin import GPULedger, SpawnRefused, hub_ledger

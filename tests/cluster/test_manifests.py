@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpulab.hub.kubejobs_objects import make_job_network_policy
+from gpulab.hub.jobs.kubeobjects import make_job_network_policy
 from gpulab.spawner.kubeobjects import make_user_network_policies
 
 from .controlplane import KubectlError, wait_until

@@ -1,5 +1,5 @@
 """Login through a real OpenID Connect provider (oidc-provider-mock, on loopback) in Chromium:
-`gpulab up` with `gpulab.hub.oidc.oidc_config` in its gpulab_config.py sends the person to the
+`gpulab up` with `gpulab.hub.deploy.oidc.oidc_config` in its gpulab_config.py sends the person to the
 provider, they sign in there and land in the hub; their group from the token is their JupyterHub
 group and gives them that group's GPU quota. Someone outside the allowed groups is refused."""
 
@@ -63,7 +63,7 @@ def oidc_hub(workdir, prefix, provider):
     token = secrets.token_hex(16)
     config = data / "gpulab_config.py"
     config.write_text(f"""\
-from gpulab.hub.oidc import oidc_config
+from gpulab.hub.deploy.oidc import oidc_config
 
 oidc_config(c, issuer={provider!r}, client_id="gpulab", client_secret="not-a-secret",
             allowed_groups=["gpulab-users"], admin_groups=["gpulab-admins"],

@@ -38,7 +38,7 @@ from hypothesis.stateful import (
 )
 from schemathesis.openapi import from_dict
 
-from gpulab.hub.openapi import openapi_document
+from gpulab.hub.service.openapi import openapi_document
 from tests.conftest import hub_with_config
 
 pytestmark = pytest.mark.security

@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpulab.hub.jobs import ENV_ALLOW, ENV_ALLOW_PREFIXES, TMP_ROOT
+from gpulab.hub.jobs.local import ENV_ALLOW, ENV_ALLOW_PREFIXES, TMP_ROOT
 from gpulab.spawner import sandbox
 from gpulab.spawner.cgroups import Cgroups
 
@@ -224,7 +224,7 @@ def test_nothing_outside_a_job_reaches_its_tensorflow_servers(vic, eve, vic_job)
 def _service_environ(hub) -> dict[str, str]:
     for p in psutil.process_iter(["cmdline", "environ"]):
         env = p.info["environ"] or {}
-        if ("gpulab.hub.service" in (p.info["cmdline"] or [])
+        if ("gpulab.hub.service.app" in (p.info["cmdline"] or [])
                 and str(hub.data_dir) in env.get("GPULAB_LEDGER_URL", "")):
             return env
     raise LookupError("no gpulab service process")

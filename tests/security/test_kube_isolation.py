@@ -33,9 +33,9 @@ from kubernetes_asyncio.config import kube_config
 from kubespawner.clients import load_config
 from traitlets.config import Config
 
-from gpulab.hub.jobspec import parse_spec
-from gpulab.hub.kubejobs import KubeJobBackend
-from gpulab.hub.policy import Quota
+from gpulab.hub.jobs.spec import parse_spec
+from gpulab.hub.jobs.kube import KubeJobBackend
+from gpulab.hub.quota.policy import Quota
 from gpulab.spawner.kube import GPUQuotaMirror, KubeGPUSpawner
 from gpulab.spawner.kubeobjects import make_user_namespace
 from gpulab.spawner.mixin import GPULedger, hub_ledger

@@ -257,7 +257,7 @@ def test_nothing_in_the_data_folder_is_readable_by_another_account(hub, vic, eve
                f"ls {data} >/dev/null 2>&1 && echo LISTED; true")
     # (certipy, which JupyterHub's internal_ssl uses, makes its store folder 0755 and
     # certificates 0644 at every certificate it writes: the store lies inside <data>/tls/,
-    # 0700, see gpulab.hub.config.internal_certs_dir)
+    # 0700, see gpulab.hub.deploy.local.internal_certs_dir)
     assert r.stdout.strip() == "", "readable by another account:\n" + r.stdout
 
 

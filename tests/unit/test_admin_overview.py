@@ -3,9 +3,9 @@ changes were left out), rendered by the service's own template from a real SQLit
 
 import asyncio
 
-from gpulab.hub import service
-from gpulab.hub.ledger import DeviceInfo, Ledger
-from gpulab.hub.policy import Quota
+from gpulab.hub.service import app as service
+from gpulab.hub.quota.ledger import DeviceInfo, Ledger
+from gpulab.hub.quota.policy import Quota
 
 
 class Directory:  # the hub's user list, as the service reads it from the hub API

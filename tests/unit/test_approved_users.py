@@ -6,7 +6,7 @@ Approval through the page is tested against a real hub in tests/app/test_pages.p
 from jupyterhub import orm
 from nativeauthenticator.orm import UserInfo
 
-from gpulab.hub.auth import approved_without_hub_user
+from gpulab.hub.deploy.auth import approved_without_hub_user
 
 
 def test_only_approved_sign_ups_without_a_hub_user():

@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from gpulab.extensions.client import Client, with_chief
-from gpulab.hub.cli import build_parser, main
-from gpulab.hub.jobs_cli import job_times, print_job
+from gpulab.hub.cli.up import build_parser, main
+from gpulab.hub.cli.jobs import job_times, print_job
 
 CREATED = 1796393131.25  # 2026-12-04 14:05:31.25 UTC
 JOB = {"name": "digits", "user": "ann", "strategy": "parameter-server", "state": "Succeeded",

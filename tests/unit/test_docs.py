@@ -1,7 +1,7 @@
 from pathlib import Path
 
-from gpulab.hub.cli import build_parser
-from gpulab.hub.docs import MARK_END, MARK_START, config_reference
+from gpulab.hub.cli.up import build_parser
+from gpulab.hub.cli.docs import MARK_END, MARK_START, config_reference
 
 
 def test_readme_config_reference_matches_the_code():

@@ -12,8 +12,8 @@ from tornado.httpclient import AsyncHTTPClient
 from tornado.httpserver import HTTPServer
 from tornado.testing import bind_unused_port
 
-from gpulab.hub import service
-from gpulab.hub.ledger import Ledger
+from gpulab.hub.service import app as service
+from gpulab.hub.quota.ledger import Ledger
 
 PREFIX = "/services/gpulab/"
 ADMIN = {"kind": "user", "name": "root", "admin": True,

@@ -14,9 +14,9 @@ from kubespawner import KubeSpawner
 from traitlets import HasTraits
 from traitlets.config import Config
 
-from gpulab.hub.config import ADMIN_GROUP
-from gpulab.hub.kubeconfig import SERVICE_PORT
-from gpulab.hub.service import ADMIN_SCOPE, SERVICE_NAME
+from gpulab.hub.deploy.local import ADMIN_GROUP
+from gpulab.hub.deploy.kubernetes import SERVICE_PORT
+from gpulab.hub.service.app import ADMIN_SCOPE, SERVICE_NAME
 from gpulab.spawner.kube import KubeGPUSpawner
 from gpulab.spawner.mixin import GPULedger
 from gpulab.spawner.profiles import parse_profiles
@@ -32,8 +32,8 @@ def values():
 def test_spawner_settings_are_traits(values):
     config = values["hub"]["config"]
     assert config["JupyterHub"]["spawner_class"] == "gpulab.spawner.kube.KubeGPUSpawner"
-    from gpulab.hub.jobspec import GPUJobs
-    from gpulab.hub.kubejobs import KubeJobBackend
+    from gpulab.hub.jobs.spec import GPUJobs
+    from gpulab.hub.jobs.kube import KubeJobBackend
 
     obj = HasTraits()  # container traits validate against some instance
     for cls, section in ((KubeGPUSpawner, "KubeGPUSpawner"), (GPULedger, "GPULedger"),
@@ -239,7 +239,7 @@ def test_extra_config_adds_the_gpulab_service_and_its_roles(hub_config, values):
     assert set(services) == {"gpulab", "jupyterhub-idle-culler"}
     gpulab = services["gpulab"]
     assert gpulab["url"] == f"http://10.1.2.3:{SERVICE_PORT}"
-    assert gpulab["command"] == ["python3", "-m", "gpulab.hub.service"]
+    assert gpulab["command"] == ["python3", "-m", "gpulab.hub.service.app"]
     assert gpulab["api_token"] == "chart-generated-token"  # the chart's entry was completed
     env = gpulab["environment"]
     assert env["GPULAB_LEDGER_URL"] == LEDGER and env["GPULAB_LEDGER_POOL"] == "kubernetes"

@@ -175,7 +175,7 @@ def test_what_the_images_start_exists(image):
     else:
         # the chart's hub runs jupyterhub, which loads these from the values' extraConfig
         assert "jupyterhub" in scripts
-        from gpulab.hub.kubeconfig import kubernetes_config  # noqa: F401
+        from gpulab.hub.deploy.kubernetes import kubernetes_config  # noqa: F401
         from gpulab.spawner.kube import KubeGPUSpawner  # noqa: F401
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from gpulab.extensions import jobmodel as jm
 from gpulab.extensions import magics
-from gpulab.hub.jobspec import parse_spec
+from gpulab.hub.jobs.spec import parse_spec
 
 
 @pytest.fixture

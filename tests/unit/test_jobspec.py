@@ -2,7 +2,7 @@
 
 import pytest
 
-from gpulab.hub.jobspec import DEFAULT_LIMITS, JobLimits, SpecError, parse_spec
+from gpulab.hub.jobs.spec import DEFAULT_LIMITS, JobLimits, SpecError, parse_spec
 
 PS = {"name": "digits", "strategy": "parameter-server",
       "replicas": {"chief": 1, "ps": 1, "worker": 2},
@@ -108,7 +108,7 @@ def test_replica_bounds_are_settings_carried_to_the_service():
     from traitlets.config import Config
     from traitlets import TraitError
 
-    from gpulab.hub.jobspec import GPUJobs, Resources, limits_from_json
+    from gpulab.hub.jobs.spec import GPUJobs, Resources, limits_from_json
 
     assert DEFAULT_LIMITS.default_cpu == 2.0 and DEFAULT_LIMITS.default_memory == "8Gi"
     assert DEFAULT_LIMITS.max_replicas_per_user == 32

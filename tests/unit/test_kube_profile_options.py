@@ -199,7 +199,7 @@ async def test_options_kubespawner_would_fail_on_are_refused_with_a_reason(confi
 
 # -- the GPU allocation across starts ---------------------------------------------------------
 
-from gpulab.hub.ledger import Request  # noqa: E402
+from gpulab.hub.quota.ledger import Request  # noqa: E402
 from gpulab.spawner.mixin import hub_ledger  # noqa: E402
 
 
@@ -227,7 +227,7 @@ async def test_a_start_cancelled_while_admitted_releases_what_it_got(config, mon
     import threading
     import time
 
-    from gpulab.hub.ledger import Ledger
+    from gpulab.hub.quota.ledger import Ledger
 
     gpu = KubeGPUSpawner(config=copy.deepcopy(config), _mock=True)
     ledger = hub_ledger(gpu.config, assigns_devices=False)

@@ -5,8 +5,8 @@ import json
 import pytest
 from traitlets.config import Config
 
-from gpulab.hub.kubeconfig import gpulab_kube_service
-from gpulab.hub.kubejobs import (
+from gpulab.hub.deploy.kubernetes import gpulab_kube_service
+from gpulab.hub.jobs.kube import (
     KubeJobBackend,
     backend_settings,
     fit_replicas,
@@ -14,7 +14,7 @@ from gpulab.hub.kubejobs import (
     pod_words,
     unschedulable_words,
 )
-from gpulab.hub.ledger import Ledger
+from gpulab.hub.quota.ledger import Ledger
 
 
 @pytest.mark.parametrize("sizes,capacities,fits", [

@@ -1,10 +1,10 @@
-"""The Kubernetes objects of a training job (gpulab.hub.kubejobs_objects), as literal dicts."""
+"""The Kubernetes objects of a training job (gpulab.hub.jobs.kubeobjects), as literal dicts."""
 
 import json
 import re
 
-from gpulab.hub.jobspec import parse_spec
-from gpulab.hub.kubejobs_objects import (
+from gpulab.hub.jobs.spec import parse_spec
+from gpulab.hub.jobs.kubeobjects import (
     REPLICA_COMMAND,
     make_job_network_policy,
     make_tfjob,

@@ -3,7 +3,7 @@
 import pytest
 
 from gpulab.spawner.kube import effective_max_gpus
-from gpulab.hub.kubejobs_objects import make_job_network_policy
+from gpulab.hub.jobs.kubeobjects import make_job_network_policy
 from gpulab.spawner.kubeobjects import (
     escape_expansion,
     explain_unschedulable,

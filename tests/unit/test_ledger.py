@@ -4,7 +4,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from gpulab.hub.ledger import (
+from gpulab.hub.quota.ledger import (
     Base,
     BadRequest,
     DeviceInfo,
@@ -13,7 +13,7 @@ from gpulab.hub.ledger import (
     QuotaExceeded,
     Request,
 )
-from gpulab.hub.policy import Quota, QuotaError
+from gpulab.hub.quota.policy import Quota, QuotaError
 
 
 @pytest.fixture

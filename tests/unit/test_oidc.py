@@ -1,4 +1,4 @@
-"""gpulab.hub.oidc: GenericOAuthenticator settings from an issuer's discovery document."""
+"""gpulab.hub.deploy.oidc: GenericOAuthenticator settings from an issuer's discovery document."""
 
 import json
 import threading
@@ -8,7 +8,7 @@ import pytest
 from oauthenticator.generic import GenericOAuthenticator
 from traitlets.config import Config
 
-from gpulab.hub.oidc import DiscoveryError, discover, oidc_config
+from gpulab.hub.deploy.oidc import DiscoveryError, discover, oidc_config
 
 ISSUER = "https://keycloak.example.org/realms/lab"
 DOC = {

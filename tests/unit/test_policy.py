@@ -2,7 +2,7 @@
 
 import pytest
 
-from gpulab.hub.policy import Holding, Quota, QuotaError, effective_quota, parse_quota, refusal
+from gpulab.hub.quota.policy import Holding, Quota, QuotaError, effective_quota, parse_quota, refusal
 
 D = Quota(1)
 SMALL = Quota(2, max_per_request=1)

@@ -242,7 +242,7 @@ def test_wrapped_original_exception_is_followed():
 
 def test_exit_code_constants():
     assert (rt.EXIT_OK, rt.EXIT_PROGRAM, rt.EXIT_CONFIG, rt.EXIT_INFRA) == (0, 1, 2, 75)
-    from gpulab.hub import jobs
+    from gpulab.hub.jobs import local as jobs
     assert jobs.EXIT_INFRA == rt.EXIT_INFRA
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from gpulab.hub.jobs import replica_env
-from gpulab.hub.jobspec import JobSpec
+from gpulab.hub.jobs.local import replica_env
+from gpulab.hub.jobs.spec import JobSpec
 from gpulab.spawner import sandbox
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces need root")

@@ -52,7 +52,7 @@ class ApproveHandler(ToggleAuthorizationHandler):
 
 
 def approved_without_hub_user(db) -> list[str]:
-    """Names of approved sign-ups that are no hub user yet (`gpulab.hub.app.GpulabHub` makes
+    """Names of approved sign-ups that are no hub user yet (`gpulab.hub.deploy.localhub.GpulabHub` makes
     them at start-up)."""
     from jupyterhub import orm
 

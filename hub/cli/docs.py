@@ -72,9 +72,9 @@ def config_reference(parser) -> str:
     """The README's configuration reference: `gpulab up`'s flags (from `parser`, the CLI's
     own ``build_parser()``: passed in, so that this module never imports the CLI that
     imports it) and every configurable's documented traits."""
-    from gpulab.hub.auth import GpulabAuthenticator
-    from gpulab.hub.jobspec import GPUJobs
-    from gpulab.hub.kubejobs import KubeJobBackend
+    from gpulab.hub.deploy.auth import GpulabAuthenticator
+    from gpulab.hub.jobs.spec import GPUJobs
+    from gpulab.hub.jobs.kube import KubeJobBackend
     from gpulab.spawner.kube import KubeGPUSpawner
     from gpulab.spawner import GPUInventory, GPULedger, LocalGPUSpawner
 

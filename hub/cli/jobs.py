@@ -29,7 +29,7 @@ from urllib.parse import quote
 
 from gpulab.extensions.contract import STRATEGIES, lead_replica
 
-from .client_cli import EXIT_USAGE, APIError, _call, add_global_options, common, fail_api, table
+from gpulab.hub.cli.quota import EXIT_USAGE, APIError, _call, add_global_options, common, fail_api, table
 
 
 def add_jobs_parser(sub) -> None:
@@ -121,8 +121,8 @@ def export_tfjob(args) -> str:
     import yaml
     from kubespawner.slugs import safe_slug
 
-    from .jobspec import JobLimits, SpecError, parse_spec
-    from .kubejobs_objects import (SOURCE_PROGRAM, make_source_configmap, make_tfjob,
+    from gpulab.hub.jobs.spec import JobLimits, SpecError, parse_spec
+    from gpulab.hub.jobs.kubeobjects import (SOURCE_PROGRAM, make_source_configmap, make_tfjob,
                                    mount_source)
 
     raw = spec_from_args(args)
@@ -219,7 +219,7 @@ def read_source_files(paths: list[str], entry: str | None = None) -> tuple[str, 
     paths: files, and folders standing for their ``.py`` files (not hidden ones, not
     subfolders). The entry point is the file named `entry`, else the first file named, else a
     folder's ``main.py`` (or its only ``.py`` file). Files travel by their own names; the
-    service checks them (`gpulab.hub.jobspec.FILE_NAME_RE`)."""
+    service checks them (`gpulab.hub.jobs.spec.FILE_NAME_RE`)."""
     found: dict[str, Path] = {}
     first = None
     for raw in paths:

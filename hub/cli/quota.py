@@ -86,7 +86,7 @@ def apply_global_options(args) -> str | None:
 
 
 def add_client_parsers(sub) -> None:
-    from .jobs_cli import add_jobs_parser
+    from gpulab.hub.cli.jobs import add_jobs_parser
 
     q = sub.add_parser("quota", help="show or change GPU quotas (through the gpulab service)")
     add_global_options(q, "group")

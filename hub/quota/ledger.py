@@ -1,6 +1,6 @@
 """The quota ledger: quotas, GPU allocations and the audit trail, in one SQL database.
 
-SQLAlchemy 2 with Alembic migrations (``gpulab.hub:migrations``); SQLite in WAL mode by
+SQLAlchemy 2 with Alembic migrations (`gpulab.hub.db`); SQLite in WAL mode by
 default, PostgreSQL in production. Both the hub (notebook servers) and the gpulab service
 (training jobs, quota edits) write here.
 
@@ -26,7 +26,6 @@ import time
 import uuid
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterable
 
 from sqlalchemy import (
@@ -40,8 +39,6 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     any_,
-    create_engine,
-    event,
     exists,
     func,
     literal_column,
@@ -53,17 +50,14 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
-from .policy import Holding, Quota, QuotaError, effective_quota, refusal
+from gpulab.hub.db import Base, alembic_config, make_engine
+from gpulab.hub.quota.policy import Holding, Quota, QuotaError, effective_quota, refusal
 
 log = logging.getLogger("gpulab.ledger")
 
 KINDS = ("notebook", "job")
-
-
-class Base(DeclarativeBase):
-    pass
 
 
 class Pool(Base):
@@ -883,43 +877,3 @@ def _not_enough(req: Request, matching, free: list[int], open_rows) -> str:
         f"{'; '.join(parts)}. Stop one of your servers or jobs, ask for fewer GPUs, or try "
         "again later."
     )
-
-
-def make_engine(url: str, echo: bool = False) -> Engine:
-    if url.startswith("sqlite"):
-        engine = create_engine(url, echo=echo, connect_args={"timeout": 60})
-
-        @event.listens_for(engine, "connect")
-        def _sqlite_connect(dbapi_conn, _record):
-            dbapi_conn.isolation_level = None  # SQLAlchemy emits BEGIN itself (below)
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA busy_timeout=60000")
-            cur.execute("PRAGMA foreign_keys=ON")
-            cur.close()
-
-        @event.listens_for(engine, "begin")
-        def _sqlite_begin(conn):
-            # writers take the database lock at BEGIN: admission reads and writes atomically;
-            # `Ledger.Reader` sessions read a snapshot without it
-            if conn.get_execution_options().get("gpulab_read_only"):
-                conn.exec_driver_sql("BEGIN")
-            else:
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-        return engine
-    # read committed whatever the server's default (a DBA may make it repeatable read or
-    # serializable): admission reads after its locks, each statement in a snapshot of its own
-    # (`_Direct`); under one snapshot per transaction, taken before the pool's lock is granted,
-    # two admissions hand out one GPU
-    return create_engine(url, echo=echo, pool_pre_ping=True, pool_size=10, max_overflow=20,
-                         isolation_level="READ COMMITTED")
-
-
-def alembic_config(url: str):
-    from alembic.config import Config
-
-    cfg = Config()
-    cfg.set_main_option("script_location", str(Path(__file__).with_name("migrations")))
-    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
-    return cfg

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from gpulab.extensions.contract import STATES
 
-from .policy import MAX_GPU_HOURS, MAX_GPUS, MAX_WINDOW_HOURS
+from gpulab.hub.quota.policy import MAX_GPU_HOURS, MAX_GPUS, MAX_WINDOW_HOURS
 
 ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -68,7 +68,7 @@ NAME = {"name": "name", "in": "path", "required": True,
 
 
 def _jobspec_schemas() -> dict:
-    from .jobspec import JobSpec
+    from gpulab.hub.jobs.spec import JobSpec
 
     schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
     defs = schema.pop("$defs", {})

@@ -9,7 +9,7 @@ import re
 from jupyterhub.app import JupyterHub
 from traitlets.config import Config
 
-from .config import LocalSettings, local_defaults, local_essentials
+from gpulab.hub.deploy.local import LocalSettings, local_defaults, local_essentials
 
 LOG_FORMAT = "[%(levelname)1.1s %(asctime)s.%(msecs).03d %(name)s %(module)s:%(lineno)d] %(message)s"
 
@@ -31,7 +31,7 @@ def _merge_services(ours: list, theirs: list) -> list:
 
 #: the gpulab service's own certificate (in ``internal_certs_location``), signed by the hub's CA
 SERVICE_CERT_NAME = "gpulab-service"
-#: where the gpulab service finds it (`gpulab.hub.service.ssl_from_env`)
+#: where the gpulab service finds it (`gpulab.hub.service.app.ssl_from_env`)
 SERVICE_SSL_ENV = ("GPULAB_SSL_KEYFILE", "GPULAB_SSL_CERTFILE", "GPULAB_SSL_CLIENT_CA",
                    "GPULAB_SSL_HUB_CA")
 
@@ -111,7 +111,7 @@ class GpulabHub(JupyterHub):
         super().init_internal_ssl()
         if not self.internal_ssl:
             return
-        from .service import SERVICE_NAME
+        from gpulab.hub.service.app import SERVICE_NAME
 
         ssl_env = service_certificate(self.internal_certs_location,
                                       self.internal_trust_bundles, self.log)
@@ -139,14 +139,14 @@ class GpulabHub(JupyterHub):
             self.update_config(essentials)
         # the service checks job specs against the limits set in the operator's file, and
         # reconciles notebook allocations as often as it says
-        from .jobspec import GPUJobs
-        from .service import SERVICE_NAME
+        from gpulab.hub.jobs.spec import GPUJobs
+        from gpulab.hub.service.app import SERVICE_NAME
 
         from gpulab.spawner.mixin import GPULedger
 
         from gpulab.spawner.inventory import GPUInventory
 
-        from .service import RECONCILE_ENV, USAGE_ENV
+        from gpulab.hub.service.app import RECONCILE_ENV, USAGE_ENV
 
         jobs = GPUJobs(config=self.config)
         limits = jobs.limits_json()
@@ -166,9 +166,9 @@ class GpulabHub(JupyterHub):
 
     async def init_users(self):
         await super().init_users()
-        # approved sign-ups that never logged in are hub users too (gpulab.hub.auth): their
+        # approved sign-ups that never logged in are hub users too (gpulab.hub.deploy.auth): their
         # quota can be set before their first login
-        from .auth import GpulabAuthenticator, approved_without_hub_user
+        from gpulab.hub.deploy.auth import GpulabAuthenticator, approved_without_hub_user
 
         if isinstance(self.authenticator, GpulabAuthenticator):
             from jupyterhub import orm, roles
@@ -181,7 +181,7 @@ class GpulabHub(JupyterHub):
             self.db.commit()
 
     async def init_groups(self):
-        # With an identity provider that manages groups (gpulab.hub.oidc), the groups come from
+        # With an identity provider that manages groups (gpulab.hub.deploy.oidc), the groups come from
         # each login; gpulab's own group for the first admin would stop the hub (JupyterHub
         # refuses load_groups then). The first admin keeps the gpulab-admin role by name.
         if self.authenticator.manage_groups and self.load_groups:

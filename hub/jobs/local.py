@@ -13,7 +13,7 @@ as the user's own system account (the same one as their notebook server). The jo
 ``<shared>/users/<user>/jobs/<job>/``: ``source.py`` (when the spec gave code text; with
 ``files``, ``code/source.py`` and the files beside it in ``code/``, the entry point's folder
 and so on every replica's import path; written as root without following links, owned by
-the person, a name never more than one plain component: see `gpulab.hub.jobspec`),
+the person, a name never more than one plain component: see `gpulab.hub.jobs.spec`),
 ``logs/<role>-<index>.log`` (and ``logs/<role>-<index>.exit``, the exit code the runtime
 writes as it ends), and what the program writes through the runtime's helpers (TensorBoard
 summaries under ``tensorboard/``, checkpoints under ``checkpoints/``).
@@ -90,9 +90,9 @@ from gpulab.spawner import sandbox
 from gpulab.spawner.accounts import AccountError
 from gpulab.spawner.cgroups import local_cgroups, memory_bytes
 
-from . import safefs
-from .jobspec import DEFAULT_LIMITS, ROLES, SOURCE_NAME, JobLimits, JobSpec
-from .ledger import JobRow, Ledger, ReplicaRow, Request
+from gpulab.spawner import safefs
+from gpulab.hub.jobs.spec import DEFAULT_LIMITS, ROLES, SOURCE_NAME, JobLimits, JobSpec
+from gpulab.hub.quota.ledger import JobRow, Ledger, ReplicaRow, Request
 
 log = logging.getLogger("gpulab.jobs")
 
@@ -259,7 +259,7 @@ def runtime_problem(python: str) -> str | None:
 
 class JobBackend:
     """The job backend interface the service calls (`LocalJobBackend`, and
-    `gpulab.hub.kubejobs.KubeJobBackend`); the job history and its views come from the
+    `gpulab.hub.jobs.kube.KubeJobBackend`); the job history and its views come from the
     ledger's job tables, shared here.
 
     - ``async submit(user, groups, spec) -> view``: admit the job's GPUs whole (or raise the

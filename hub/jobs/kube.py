@@ -1,17 +1,17 @@
 """`KubeJobBackend`: training jobs as pods made by Kubernetes' own Job controller.
 
-The same interface as `gpulab.hub.jobs.LocalJobBackend` (``submit``, ``list``, ``get``,
+The same interface as `gpulab.hub.jobs.local.LocalJobBackend` (``submit``, ``list``, ``get``,
 ``read_log``, ``stop``, ``recover``, ``ensure_supervisor``, ``shutdown``) and the same views
 and states (Admitted, Starting, Running, Succeeded, Failed, Stopped, with reasons in words).
 
 Submit
-    The spec is checked (`gpulab.hub.jobspec`) before this backend sees it. The backend
+    The spec is checked (`gpulab.hub.jobs.spec`) before this backend sees it. The backend
     checks that the schedulable nodes of the GPU model can hold every replica at once (node
     allocatable, first fit), admits the job's GPUs whole through the ledger (the same quota as
     notebooks), makes sure the user's namespace and its GPU ResourceQuota exist (as
     `gpulab.spawner.kube.KubeGPUSpawner` does, with the namespace's NetworkPolicies; once per
     namespace per process), then creates the objects of
-    `gpulab.hub.kubejobs_objects.make_training_job_objects`: the parent headless Service, the
+    `gpulab.hub.jobs.kubeobjects.make_training_job_objects`: the parent headless Service, the
     job's NetworkPolicy (its replicas reach each other and nothing else reaches them), a
     ConfigMap with the code when the spec gave ``source``, and one Indexed Job per role, each
     owned by the Service. API requests per submit: roles + 2 (+1 with ``source``, +4 for a
@@ -26,7 +26,7 @@ Watching
 Lifecycle
     A failed replica is replaced by the Job controller while ``backoffLimit`` (the spec's
     ``retries``) lasts, except what the pod failure policy (`pod_failure_policy
-    <gpulab.hub.kubejobs_objects.pod_failure_policy>`) fails at once: a bad configuration,
+    <gpulab.hub.jobs.kubeobjects.pod_failure_policy>`) fails at once: a bad configuration,
     a parameter-server chief's own error. Unlike the local backend, a failed multi-worker
     replica is replaced alone; its peers, having lost it, exit with the runtime's lost-cluster
     code and are replaced in turn (resuming from the last checkpoint).
@@ -95,9 +95,9 @@ from gpulab.spawner.kubeobjects import (
 )
 from gpulab.spawner.profiles import GPU_MODEL_LABEL, GPU_RESOURCE
 
-from .jobs import JobBackend, JobError, _job_view, last_progress
-from .jobspec import ROLES, JobSpec
-from .kubejobs_objects import (
+from gpulab.hub.jobs.local import JobBackend, JobError, _job_view, last_progress
+from gpulab.hub.jobs.spec import ROLES, JobSpec
+from gpulab.hub.jobs.kubeobjects import (
     CONTAINER,
     INDEX_LABEL,
     JOB_LABEL,
@@ -110,7 +110,7 @@ from .kubejobs_objects import (
     mount_source,
     role_job_name,
 )
-from .ledger import JobRow, Ledger, ReplicaRow, Request
+from gpulab.hub.quota.ledger import JobRow, Ledger, ReplicaRow, Request
 
 log = logging.getLogger("gpulab.jobs.kube")
 

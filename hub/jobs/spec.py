@@ -19,7 +19,7 @@ names the field:
 `GPUJobs` holds the operator's limits (``c.GPUJobs.*``), carried to the gpulab service as JSON
 (`GPUJobs.limits_json`, `limits_from_json`): the spec limits checked here, and the bounds a
 backend applies as it admits a job (``default_cpu`` / ``default_memory`` for replicas whose
-role names none, ``max_replicas_per_user``: see `gpulab.hub.jobs`).
+role names none, ``max_replicas_per_user``: see `gpulab.hub.jobs.local`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from gpulab.extensions.contract import NAME_RE, ROLES, STRATEGIES
 from gpulab.spawner.cgroups import memory_bytes
 
-from .policy import MAX_GPUS
+from gpulab.hub.quota.policy import MAX_GPUS
 
 RESERVED_ENV = {"TF_CONFIG", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
                 "GRPC_FAIL_FAST", "TF_USE_LEGACY_KERAS", "JUPYTERHUB_API_TOKEN", "PYTHONPATH",

@@ -1,6 +1,6 @@
 """The gpulab service: quotas, GPU holdings and usage over REST, an admin page and a user page.
 
-A JupyterHub managed service at ``/services/gpulab/`` (``python -m gpulab.hub.service``),
+A JupyterHub managed service at ``/services/gpulab/`` (``python -m gpulab.hub.service.app``),
 tornado handlers authenticated by the hub (`HubOAuthenticated`: browser cookies through
 OAuth, or ``Authorization: token …``).
 
@@ -35,14 +35,12 @@ from tornado import httputil, web
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.ioloop import IOLoop, PeriodicCallback
 
-from .ledger import AdmissionRefused, Ledger
-from .policy import Quota, QuotaError, parse_quota
+from gpulab.hub.quota.ledger import AdmissionRefused, Ledger
+from gpulab.hub.quota.policy import Quota, QuotaError, parse_quota
 
 log = logging.getLogger("gpulab.service")
 
-ADMIN_SCOPE = "custom:gpulab:admin"
-SERVICE_NAME = "gpulab"
-ACCESS_SCOPE = f"access:services!service={SERVICE_NAME}"
+from gpulab.hub.service import ACCESS_SCOPE, ADMIN_SCOPE, SERVICE_NAME  # noqa: F401
 DAY = 24 * 3600
 MAX_BODY = 64 * 1024
 #: the largest request body the service reads at all (see `main`)
@@ -86,7 +84,7 @@ def check_json_values(value, path: str = "body", depth: int = 0) -> None:
 #: navigation), then JupyterHub's, also as ``templates/<name>`` (what gpulab's hub
 #: ``page.html`` extends). Their CSS and JavaScript come from the hub's static files
 #: (``<hub prefix>static/``, `ErrorPages.page_context`), which the proxy routes to the hub.
-_TEMPLATES = Path(__file__).parent / "templates"
+_TEMPLATES = Path(__file__).parent.parent / "templates"
 _HUB_TEMPLATES = Path(DATA_FILES_PATH) / "templates"
 _pages = Environment(
     loader=ChoiceLoader([
@@ -487,8 +485,8 @@ class JobsHandler(JobsBase):
         self.send({"jobs": self.backend.list(self.owner())})
 
     async def post(self):
-        from .jobs import JobError
-        from .jobspec import SpecError, parse_spec
+        from gpulab.hub.jobs.local import JobError
+        from gpulab.hub.jobs.spec import SpecError, parse_spec
 
         if self.backend.unavailable:
             raise web.HTTPError(503, self.backend.unavailable)
@@ -514,7 +512,7 @@ class JobHandler(JobsBase):
         job = await self.backend.detail(self.owner(), name)
         if job is None:
             raise web.HTTPError(404, f"You have no job named '{name}'.")
-        from .jobs import FINAL
+        from gpulab.hub.jobs.local import FINAL
 
         usage = _usage(self)
         if usage is not None and job.get("state") not in FINAL:
@@ -535,7 +533,7 @@ class JobLogsHandler(JobsBase):
     20 s for more while the job runs. ``offset`` in the answer is where to ask next."""
 
     async def get(self, name, replica):
-        from .jobs import JobError
+        from gpulab.hub.jobs.local import JobError
 
         offset = self.int_arg("offset", 0, 0, 2**62)
         follow = self.get_query_argument("follow", "") in ("1", "true")
@@ -559,7 +557,7 @@ class JobLogsHandler(JobsBase):
 
 class OpenAPIHandler(web.RequestHandler):
     def get(self):
-        from .openapi import openapi_document
+        from gpulab.hub.service.openapi import openapi_document
 
         self.set_header("Content-Type", "application/json; charset=utf-8")
         self.finish(json.dumps(openapi_document(self.settings["service_prefix"])))
@@ -713,7 +711,7 @@ def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirecto
     """The service's tornado application; with `tls`, its calls to the hub (token checks)
     go over mutual TLS with the service's own certificate, verifying the hub's; with
     `gpu_usage` (a `PoolUsage`), holdings and replicas say how busy their GPUs are."""
-    from .jobspec import DEFAULT_LIMITS
+    from gpulab.hub.jobs.spec import DEFAULT_LIMITS
 
     api = url_path_join(prefix, "api/v1")
     name = r"([^/]+)"
@@ -775,7 +773,7 @@ class ServiceTLS:
     """The service's side of the hub's internal TLS, from what the hub gives it.
 
     ``GPULAB_SSL_KEYFILE`` / ``GPULAB_SSL_CERTFILE``: the service's own key and certificate,
-    signed by the hub's CA (`gpulab.hub.app.service_certificate`), served to every client and
+    signed by the hub's CA (`gpulab.hub.deploy.localhub.service_certificate`), served to every client and
     shown to the hub as a client certificate; ``GPULAB_SSL_CLIENT_CA``: the bundle of the hub's
     internal CAs, the only clients accepted (the hub, the proxy, notebook servers' kernels with
     their server's certificate); ``GPULAB_SSL_HUB_CA``: the hub's CA alone, the only one that
@@ -886,7 +884,7 @@ def local_backend_from_env(ledger: Ledger):
         return None
     from gpulab.spawner.accounts import ensure_account, prepare_user_folder, safe_name, system_username
 
-    from .jobs import LocalJobBackend, UserAccount, runtime_problem
+    from gpulab.hub.jobs.local import LocalJobBackend, UserAccount, runtime_problem
 
     isolate = os.environ.get("GPULAB_ISOLATE") == "1"
     prefix = os.environ.get("GPULAB_USER_PREFIX", "jupyter-")
@@ -912,10 +910,10 @@ def local_backend_from_env(ledger: Ledger):
 
 def kube_backend_from_env(ledger: Ledger):
     """The Kubernetes job backend when the hub asks for it (``GPULAB_JOB_BACKEND=kubernetes``,
-    settings in ``GPULAB_KUBE_JOBS``, see `gpulab.hub.kubejobs.backend_settings`)."""
+    settings in ``GPULAB_KUBE_JOBS``, see `gpulab.hub.jobs.kube.backend_settings`)."""
     if os.environ.get("GPULAB_JOB_BACKEND") != "kubernetes":
         return None
-    from .kubejobs import SETTINGS_ENV, KubeJobBackend
+    from gpulab.hub.jobs.kube import SETTINGS_ENV, KubeJobBackend
 
     return KubeJobBackend.from_settings(ledger, os.environ.get(SETTINGS_ENV))
 
@@ -934,7 +932,7 @@ def main() -> None:
         tls.configure_http_client()
     directory = HubDirectory(os.environ["JUPYTERHUB_API_URL"], os.environ["JUPYTERHUB_API_TOKEN"])
     jobs = kube_backend_from_env(ledger) or local_backend_from_env(ledger)
-    from .jobspec import limits_from_json
+    from gpulab.hub.jobs.spec import limits_from_json
 
     app = make_app(ledger, prefix, hub_prefix, directory, jobs=jobs,
                    job_limits=limits_from_json(os.environ.get("GPULAB_JOB_LIMITS")), tls=tls,

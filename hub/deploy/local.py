@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 from traitlets.config import Config
 
-from .datadir import DataDir
+from gpulab.hub.deploy.datadir import DataDir
 
 from pathlib import Path
 
-from .service import ADMIN_SCOPE, SERVICE_NAME
+from gpulab.hub.service.app import ADMIN_SCOPE, SERVICE_NAME
 
 ADMIN_GROUP = "gpulab-admins"
 CULLER_SCOPES = ["list:users", "read:users:activity", "read:servers", "delete:servers"]
@@ -80,7 +80,7 @@ def culler_interval(idle_timeout: int) -> int:
 def local_defaults(s: LocalSettings) -> Config:
     c = Config()
     c.JupyterHub.spawner_class = "gpulab.spawner.LocalGPUSpawner"
-    c.JupyterHub.authenticator_class = "gpulab.hub.auth.GpulabAuthenticator"
+    c.JupyterHub.authenticator_class = "gpulab.hub.deploy.auth.GpulabAuthenticator"
     c.JupyterHub.allow_named_servers = True
     c.JupyterHub.named_server_limit_per_user = 5
     c.JupyterHub.cleanup_servers = True
@@ -91,7 +91,7 @@ def local_defaults(s: LocalSettings) -> Config:
     c.NativeAuthenticator.minimum_password_length = 8
     c.NativeAuthenticator.check_common_password = True
     # the hub's pages get a "GPUs" link to the gpulab service
-    c.JupyterHub.template_paths = [str(Path(__file__).parent / "templates" / "jupyterhub")]
+    c.JupyterHub.template_paths = [str(Path(__file__).parent.parent / "templates" / "jupyterhub")]
     c.Spawner.default_url = "/lab"
     c.Spawner.poll_interval = 10
     c.Spawner.start_timeout = 120
@@ -129,7 +129,7 @@ def local_essentials(s: LocalSettings) -> Config:
     c.LocalGPUSpawner.home_dir_template = str(d.homes_dir / "{username}")
     c.LocalGPUSpawner.server_log_dir = str(d.server_log_dir)
     # servers reach the service directly, over TLS, verifying its certificate (signed by the
-    # hub's CA, which their own CA bundle holds; see gpulab.hub.app.GpulabHub.init_internal_ssl)
+    # hub's CA, which their own CA bundle holds; see gpulab.hub.deploy.localhub.GpulabHub.init_internal_ssl)
     c.LocalGPUSpawner.service_url = f"https://127.0.0.1:{s.service_port}/services/{SERVICE_NAME}/"
     c.LocalGPUSpawner.ssl_alt_names = server_alt_names
     c.LocalGPUSpawner.ssl_alt_names_include_local = False
@@ -152,7 +152,7 @@ def local_essentials(s: LocalSettings) -> Config:
                 "command": [
                     sys.executable,
                     "-m",
-                    "gpulab.hub.culler",  # jupyterhub-idle-culler, ending with the hub
+                    "gpulab.hub.deploy.culler",  # jupyterhub-idle-culler, ending with the hub
                     f"--timeout={s.idle_timeout}",
                     f"--cull-every={every}",
                     # over mutual TLS with the hub's own certificate, verifying the hub
@@ -173,7 +173,7 @@ def gpulab_service(s: LocalSettings) -> list[dict]:
         {
             "name": SERVICE_NAME,
             "url": f"https://127.0.0.1:{s.service_port}",
-            "command": [sys.executable, "-m", "gpulab.hub.service"],
+            "command": [sys.executable, "-m", "gpulab.hub.service.app"],
             "environment": {
                 "GPULAB_LEDGER_URL": s.data.ledger_url,
                 "GPULAB_LEDGER_POOL": "local",

@@ -3,7 +3,7 @@
 The hub starts the culler as a managed service; if the hub itself dies (kill -9, a crash), the
 stock culler would go on retrying against a hub that is not there, and a new `gpulab up` would
 start a second one beside it. This wrapper watches its parent and exits with it, as the
-gpulab service does. ``python -m gpulab.hub.culler --timeout=3600 ...`` takes the culler's
+gpulab service does. ``python -m gpulab.hub.deploy.culler --timeout=3600 ...`` takes the culler's
 own arguments.
 """
 

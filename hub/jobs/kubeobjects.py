@@ -49,7 +49,7 @@ from typing import Any
 from gpulab.spawner.kubeobjects import MANAGED_BY, USER_LABEL, escape_expansion, server_pod_settings
 from gpulab.spawner.profiles import GPU_MODEL_LABEL, GPU_RESOURCE
 
-from .jobspec import ROLES, JobSpec
+from gpulab.hub.jobs.spec import ROLES, JobSpec
 
 JOB_LABEL = "gpulab.io/job"
 ROLE_LABEL = "gpulab.io/role"
@@ -345,7 +345,7 @@ def make_source_configmap(*, spec: JobSpec, namespace: str, user_label: str,
                           parent_uid: str | None = None) -> dict:
     """The ConfigMap ``<job>-source`` holding the code of a spec given as ``source``: the
     entry point as ``source.py`` and the spec's ``files`` beside it (plain names, valid keys:
-    `gpulab.hub.jobspec.FILE_NAME_RE`), all in `SOURCE_MOUNT`, the entry point's folder and
+    `gpulab.hub.jobs.spec.FILE_NAME_RE`), all in `SOURCE_MOUNT`, the entry point's folder and
     so on the replicas' import path."""
     meta: dict[str, Any] = {"name": f"{spec.name}-source", "namespace": namespace,
                             "labels": job_labels(user_label=user_label, job=spec.name)}

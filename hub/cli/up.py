@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gpulab.spawner.mixin import pid_alive
 
-from .datadir import DataDir, DataDirError
+from gpulab.hub.deploy.datadir import DataDir, DataDirError
 
 EXIT_USAGE = 2
 
@@ -108,7 +108,7 @@ def _check_port(name: str, value: int) -> str | None:
 
 
 def cmd_up(args) -> int:
-    from .config import LocalSettings
+    from gpulab.hub.deploy.local import LocalSettings
 
     for name, value in (("--port", args.port), ("--hub-port", args.hub_port),
                         ("--proxy-api-port", args.proxy_api_port),
@@ -244,7 +244,7 @@ def cmd_up(args) -> int:
         ]
     print("\n".join(banner), flush=True)
 
-    from .app import run_local_hub
+    from gpulab.hub.deploy.localhub import run_local_hub
 
     return run_local_hub(settings, log_level=args.log_level)
 
@@ -280,7 +280,7 @@ def _account() -> str:
 
 
 def cmd_config_reference(args) -> int:
-    from .docs import config_reference
+    from gpulab.hub.cli.docs import config_reference
 
     sys.stdout.write(config_reference(build_parser()))
     return 0
@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_up_parser(sub)
     sub.add_parser("config-reference", help="print the configuration reference (Markdown)")
-    from .client_cli import add_client_parsers, add_global_options
+    from gpulab.hub.cli.quota import add_client_parsers, add_global_options
 
     add_global_options(parser)  # --url, --token, --json also before the command
     add_client_parsers(sub)
@@ -299,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .client_cli import apply_global_options
+    from gpulab.hub.cli.quota import apply_global_options
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -311,11 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config-reference":
         return cmd_config_reference(args)
     if args.command in ("quota", "usage"):
-        from .client_cli import cmd_quota, cmd_usage
+        from gpulab.hub.cli.quota import cmd_quota, cmd_usage
 
         return (cmd_quota if args.command == "quota" else cmd_usage)(args)
     if args.command == "jobs":
-        from .jobs_cli import cmd_jobs
+        from gpulab.hub.cli.jobs import cmd_jobs
 
         return cmd_jobs(args)
     parser.print_help()

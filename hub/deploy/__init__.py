@@ -1,0 +1,3 @@
+"""Deployments: the configuration builders of the local hub (`local`, run by `localhub`) and of
+the z2jh chart's hub (`kubernetes`), gpulab's login (`auth`), OpenID Connect (`oidc`), the idle
+culler (`culler`) and the local data folder (`datadir`)."""

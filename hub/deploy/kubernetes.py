@@ -1,0 +1,178 @@
+"""The configuration builder for Kubernetes: what the z2jh chart's hub needs from gpulab.
+
+The chart builds the hub's configuration in its own ``jupyterhub_config.py`` (from ``hub.config``,
+``hub.services``, ``hub.loadRoles``, ``cull``, …) and then runs the ``hub.extraConfig`` snippets
+with ``c`` and ``get_config`` in scope. ``helm-values/values.yaml`` has one such snippet::
+
+    from gpulab.hub.deploy.kubernetes import kubernetes_config
+    gpulab = get_config("custom.gpulab", {})
+    kubernetes_config(c, first_admin=gpulab.get("firstAdmin"))
+
+`kubernetes_config` then adds what the local builder (`gpulab.hub.deploy.local`) gives ``gpulab up``:
+KubeGPUSpawner, the quota ledger on PostgreSQL, the gpulab service (run by the hub, in the hub
+pod) with its roles and scope, the hub's "GPUs" link, the first admin, and the service's
+address for notebook servers (``GPULAB_SERVICE_URL``). Services and
+roles the operator put in ``hub.services`` / ``hub.loadRoles`` under the same names are kept:
+service keys the operator set win, and role members and scopes are joined.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from traitlets.config import Config
+
+from gpulab.spawner.kubeobjects import GPULAB_SERVICE_PORT
+
+from gpulab.hub.deploy.local import gpulab_roles
+from gpulab.hub.service.app import ADMIN_SCOPE, RECONCILE_ENV, SERVICE_NAME
+
+SPAWNER_CLASS = "gpulab.spawner.kube.KubeGPUSpawner"
+#: the port of the gpulab service in the hub pod (the proxy reaches it at the pod's IP; the
+#: user namespaces' NetworkPolicies let user pods reach it)
+SERVICE_PORT = GPULAB_SERVICE_PORT
+LEDGER_URL_ENV = "GPULAB_LEDGER_URL"
+POD_IP_ENV = "POD_IP"
+POD_NAMESPACE_ENV = "POD_NAMESPACE"
+
+
+def gpulab_kube_service(*, ledger_url: str, service_ip: str, service_port: int = SERVICE_PORT,
+                        job_limits: str | None = None, kube_jobs: str | None = None,
+                        reconcile_interval: float | None = None,
+                        hub_namespace: str | None = None,
+                        python: str = "python3") -> dict:
+    """The gpulab service as a process the hub runs in its own pod.
+
+    It listens on the pod's IP (``service_ip``), where the proxy pod reaches it; the hub pod's
+    NetworkPolicy must let the proxy in on ``service_port`` (helm-values/values.yaml does).
+    ``hub_namespace`` (the release namespace) reaches the job backend as ``$POD_NAMESPACE``
+    (a service gets only the environment given here), for the user namespaces'
+    NetworkPolicies.
+    """
+    env = {
+        LEDGER_URL_ENV: ledger_url,
+        "GPULAB_LEDGER_POOL": "kubernetes",
+    }
+    if job_limits is not None:
+        env["GPULAB_JOB_LIMITS"] = job_limits
+    if reconcile_interval is not None:
+        env[RECONCILE_ENV] = str(reconcile_interval)
+    if hub_namespace:
+        env[POD_NAMESPACE_ENV] = hub_namespace
+    if kube_jobs is not None:  # training jobs as Kubernetes Jobs (gpulab.hub.jobs.kube)
+        env["GPULAB_JOB_BACKEND"] = "kubernetes"
+        env["GPULAB_KUBE_JOBS"] = kube_jobs
+    return {
+        "name": SERVICE_NAME,
+        "url": f"http://{service_ip}:{service_port}",
+        "command": [python, "-m", "gpulab.hub.service.app"],
+        "environment": env,
+        "oauth_client_allowed_scopes": [ADMIN_SCOPE],
+        "display": True,
+        "oauth_no_confirm": True,
+    }
+
+
+def _merge_service(ours: dict, theirs: dict) -> dict:
+    """``ours`` with the operator's keys on top (their environment added to ours)."""
+    merged = {**ours, **theirs}
+    merged["environment"] = {**ours.get("environment", {}), **theirs.get("environment", {})}
+    return merged
+
+
+def _merge_role(ours: dict, theirs: dict) -> dict:
+    """One role: the operator's fields win, but scopes and members are the union of both."""
+    merged = {**ours, **theirs}
+    for key in ("scopes", "users", "groups", "services"):
+        items = list(ours.get(key, []))
+        items += [x for x in theirs.get(key, []) if x not in items]
+        if items:
+            merged[key] = items
+    return merged
+
+
+def _merge_named(existing: list[dict], ours: list[dict], merge) -> list[dict]:
+    by_name = {entry.get("name"): entry for entry in existing}
+    out = [merge(entry, by_name.pop(entry["name"])) if entry["name"] in by_name else entry
+           for entry in ours]
+    return out + [e for e in existing if e.get("name") in by_name]
+
+
+def kubernetes_config(
+    c: Config,
+    *,
+    ledger_url: str | None = None,
+    first_admin: str | None = None,
+    service_ip: str | None = None,
+    service_port: int = SERVICE_PORT,
+) -> Config:
+    """Complete the hub configuration ``c`` (as the chart built it) for gpulab on Kubernetes.
+
+    ``ledger_url``: the quota ledger's SQLAlchemy URL, ``postgresql+psycopg://user:pw@host/db``
+    (default: ``$GPULAB_LEDGER_URL``, which the values fill from a Secret). ``first_admin``: a
+    hub admin who also holds the gpulab-admin role (GPU quotas), before any group says so.
+    ``service_ip``: where the gpulab service listens (default: ``$POD_IP``, the hub pod's IP from
+    the downward API). Returns ``c``.
+
+    Groups are not loaded here (``load_groups``): with an identity provider they come from the
+    login (``manage_groups``), and members of ``gpulab-admins`` get the gpulab-admin role.
+    """
+    ledger_url = ledger_url or os.environ.get(LEDGER_URL_ENV)
+    if not ledger_url:
+        raise ValueError(f"gpulab needs its quota ledger's database: set ${LEDGER_URL_ENV} "
+                         "(hub.extraEnv) or pass ledger_url, e.g. "
+                         "postgresql+psycopg://gpulab:PASSWORD@postgres.gpulab.svc:5432/gpulab")
+    service_ip = service_ip or os.environ.get(POD_IP_ENV) or "127.0.0.1"
+
+    c.JupyterHub.spawner_class = SPAWNER_CLASS
+    c.GPULedger.db_url = ledger_url
+    c.GPULedger.pool = "kubernetes"
+    # the hub's pages get a "GPUs" link to the gpulab service
+    templates = str(Path(__file__).parent.parent / "templates" / "jupyterhub")
+    paths = list(c.JupyterHub.get("template_paths", []))
+    if templates not in paths:
+        c.JupyterHub.template_paths = [templates, *paths]
+    scopes = dict(c.JupyterHub.get("custom_scopes", {}))
+    scopes.setdefault(ADMIN_SCOPE, {
+        "description": "Manage gpulab's GPU quotas and see everyone's GPU use."})
+    c.JupyterHub.custom_scopes = scopes
+
+    # the service checks job specs against the limits set in hub.config.GPUJobs
+    from gpulab.hub.jobs.spec import GPUJobs
+
+    from gpulab.hub.jobs.kube import backend_settings
+
+    from gpulab.spawner.mixin import GPULedger
+
+    limits = GPUJobs(config=c).limits_json()
+    service = gpulab_kube_service(ledger_url=ledger_url, service_ip=service_ip,
+                                  service_port=service_port, job_limits=limits,
+                                  kube_jobs=backend_settings(c),
+                                  reconcile_interval=GPULedger(config=c).reconcile_interval,
+                                  hub_namespace=os.environ.get(POD_NAMESPACE_ENV))
+    c.JupyterHub.services = _merge_named(list(c.JupyterHub.get("services", [])), [service],
+                                         _merge_service)
+    roles = gpulab_roles(first_admin or "")
+    if not first_admin:
+        roles[0]["users"] = []
+    c.JupyterHub.load_roles = _merge_named(list(c.JupyterHub.get("load_roles", [])), roles,
+                                           _merge_role)
+    if first_admin:
+        admins = set(c.Authenticator.get("admin_users", set()))
+        c.Authenticator.admin_users = admins | {first_admin}
+    # notebook servers (the gpulab client and widgets) reach the service through the hub's
+    # Service, whose extra port 8002 leads to the service in the hub pod (values.yaml:
+    # hub.service.extraPorts); not through the proxy, whose public side may be HTTPS only
+    env = dict(c.KubeSpawner.get("environment", {}))
+    env.setdefault("GPULAB_SERVICE_URL", service_url_for_servers(service_port))
+    c.KubeSpawner.environment = env
+    return c
+
+
+def service_url_for_servers(service_port: int = SERVICE_PORT, environ=None) -> str:
+    """``http://hub.<namespace>.svc.cluster.local:<port>/services/gpulab/``: the gpulab
+    service as pods in other namespaces reach it (``$POD_NAMESPACE`` is the chart's namespace,
+    set in the hub pod by the chart)."""
+    environ = os.environ if environ is None else environ
+    namespace = environ.get(POD_NAMESPACE_ENV, "default")
+    return f"http://hub.{namespace}.svc.cluster.local:{service_port}/services/{SERVICE_NAME}/"
