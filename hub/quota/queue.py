@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from gpulab.hub.quota.policy import Quota
 
@@ -59,6 +59,7 @@ class Running:
     max_runtime: float | None = None  # seconds; None: no limit (the end is unknown)
     preemptible: bool = False
     borrowed: bool = False  # started beyond its person's quota
+    stopping: bool = False  # being preempted: its GPUs are coming back
 
     @property
     def gpus(self) -> int:
@@ -66,6 +67,8 @@ class Running:
 
     def end(self, now: float) -> float:
         """When its GPUs come back at the latest (INF when unknown); never before `now`."""
+        if self.stopping:
+            return now
         if self.max_runtime is None:
             return INF
         return max(now, self.started_at + self.max_runtime)
@@ -179,10 +182,17 @@ def fair_share(people: Mapping[str, Person]) -> dict[str, float]:
     return out
 
 
+def exact_model(wanted: str | None, model: str) -> bool:
+    return wanted is None or wanted == model
+
+
 def refusal_now(gpus: int, model: str | None, quota: Quota | None,
-                devices: Iterable[Device]) -> str | None:
-    """Why a request can never run (refused at once, not queued), in words; None if it can."""
-    matching = sum(1 for d in devices if model is None or d.model == model)
+                devices: Iterable[Device], matches: Callable = exact_model,
+                borrows: bool = False) -> str | None:
+    """Why a request can never run (refused at once, not queued), in words; None if it can.
+    `borrows`: a preemptible job where borrowing is on, which may go beyond the quota's GPUs
+    (not beyond its per-request bound)."""
+    matching = sum(1 for d in devices if matches(model, d.model))
     of = f" of model '{model}'" if model else ""
     if gpus > matching:
         return (f"This request asks for {gpus} GPU{_s(gpus)}{of}; this machine has "
@@ -191,7 +201,7 @@ def refusal_now(gpus: int, model: str | None, quota: Quota | None,
         if quota.max_per_request is not None and gpus > quota.max_per_request:
             return (f"This request asks for {gpus} GPUs; your quota allows at most "
                     f"{quota.max_per_request} in one request. Ask for fewer, or ask an admin.")
-        if gpus > quota.max_gpus:
+        if gpus > quota.max_gpus and not borrows:
             return (f"This request asks for {gpus} GPU{_s(gpus)}; your quota is "
                     f"{quota.max_gpus} GPU{_s(quota.max_gpus)} at once. Ask for fewer, or ask "
                     "an admin for a larger quota.")
@@ -215,8 +225,10 @@ def order(queue: Iterable[Waiting], people: Mapping[str, Person]) -> list[Waitin
 
 
 def plan(devices: Iterable[Device], running: Iterable[Running], queue: Iterable[Waiting],
-         people: Mapping[str, Person], now: float, settings: Settings = Settings()) -> Plan:
-    """One scheduling pass (see the module's docstring)."""
+         people: Mapping[str, Person], now: float, settings: Settings = Settings(),
+         matches: Callable[[str | None, str], bool] = exact_model) -> Plan:
+    """One scheduling pass (see the module's docstring). `matches(wanted, model)` says
+    whether a device's model is what an entry asks for (default: equal, or any)."""
     devices = sorted(devices, key=lambda d: d.index)
     model_of = {d.index: d.model for d in devices}
     running = list(running)
@@ -251,7 +263,7 @@ def plan(devices: Iterable[Device], running: Iterable[Running], queue: Iterable[
             continue
         person = people.get(w.user, Person())
         quota = person.quota
-        matching = [d.index for d in devices if w.model is None or model_of[d.index] == w.model]
+        matching = [d.index for d in devices if matches(w.model, model_of[d.index])]
         of = f" of model '{w.model}'" if w.model else ""
         if quota is not None and quota.gpu_hours is not None \
                 and person.budget_used >= quota.gpu_hours:
@@ -307,10 +319,11 @@ def plan(devices: Iterable[Device], running: Iterable[Running], queue: Iterable[
         if reserved_until is None and not borrowing:
             # the head: reserve the GPUs that come back first, preempting borrowed work if
             # that is what stands in the way of work within quota
-            victims = _victims(w, matching, free_now, holder, preempting) if (
+            coming = [i for i in matching if i in holder and holder[i].stopping]
+            victims = _victims(w, matching, free_now + coming, holder, preempting) if (
                 settings.borrowing and within) else []
             if victims:
-                taken = set(free_now)
+                taken = set(free_now) | set(coming)
                 for v in victims:
                     preempting.add(v.id)
                     out.preempt.append(Preempt(v.id, (
@@ -377,7 +390,7 @@ def _victims(w: Waiting, matching: list[int], free_now: list[int], holder: dict[
     for i in matching:
         r = holder.get(i)
         if r is not None and r.borrowed and r.preemptible and r.kind == "job" \
-                and r.id not in preempting:
+                and not r.stopping and r.id not in preempting:
             seen[r.id] = r
     chosen, got = [], 0
     for r in sorted(seen.values(), key=lambda r: (-r.started_at, r.id)):

@@ -248,6 +248,17 @@ def test_preemption_order(name, running, queue, victims):
         assert all("a" not in v.reason.split() and "b" not in v.reason.split() for v in p.preempt)
 
 
+def test_work_being_preempted_is_not_preempted_twice_and_counts_as_coming_back():
+    running = [run("a-in", "a", [0, 1]), borrowed("old", "a", [2], -2 * H),
+               Running("new", "a", "job", (3,), NOW - H, preemptible=True, borrowed=True,
+                       stopping=True)]
+    people = {"a": Person(q(2)), "b": Person(q(2))}
+    p = plan(H100, running, [job("b1", "b", 1)], people, NOW)
+    assert p.preempt == [] and p.waiting["b1"].estimated_start == NOW
+    p = plan(H100, running, [job("b2", "b", 2)], people, NOW)
+    assert [v.id for v in p.preempt] == ["old"]
+
+
 def test_a_borrowing_entry_preempts_nobody():
     running = [run("a-in", "a", [0, 1]), borrowed("x", "a", [2, 3], -H)]
     queue = [job("c", "c", 1, preemptible=True)]  # c's quota is 0: it could only borrow
@@ -272,6 +283,13 @@ def test_what_can_never_run_is_refused_at_once(gpus, model, quota, expected):
         assert got is None
     else:
         assert expected in got
+
+
+def test_a_preemptible_job_may_ask_beyond_its_quota_but_not_beyond_the_machine():
+    assert refusal_now(3, None, q(2), H100, borrows=True) is None
+    assert "at most 2 in one request" in refusal_now(3, None, q(4, max_per_request=2), H100,
+                                                     borrows=True)
+    assert "this machine has 4" in refusal_now(5, None, q(2), H100, borrows=True)
 
 
 # ----------------------------------------------------------------------------- simulations

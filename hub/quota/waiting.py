@@ -1,0 +1,433 @@
+"""The GPU queue in the ledger's database: entries that wait for GPUs, and scheduling passes.
+
+Work that could run later but not now waits here instead of being refused. An entry is a
+`Request` of the ledger plus what the queue's policy needs (`gpulab.hub.quota.queue`:
+priority, time limit, preemptible, a notebook's longest wait); it lives in the
+``queue_entries`` table, so the line survives restarts of the service and of the hub.
+
+`Queue.schedule` is one pass, in one write transaction of the ledger (the same lock as an
+admission: on SQLite ``BEGIN IMMEDIATE``, on PostgreSQL the pool's row ``FOR UPDATE``): it reads
+the devices, the open allocations, the waiting entries, quotas and recent usage, runs
+`gpulab.hub.quota.queue.plan`, and writes the allocations of the entries that start in the same
+commit as their new state. Direct admissions (`Ledger.admit`) and passes therefore never hand a
+GPU out twice. What a pass decided to preempt is returned to the caller, which stops that work
+and calls `Queue.requeue` once its GPUs are released.
+
+Places in line, estimated starts and reasons are computed when read (`Queue.entries`: the same
+pure pass on a read-only snapshot), so they are never stale.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import uuid
+from dataclasses import asdict, dataclass, replace
+from typing import Callable, Mapping
+
+from sqlalchemy import Float, Index, Integer, String, Text, func, select
+from sqlalchemy.orm import Mapped, mapped_column
+
+from gpulab.hub.db import Base
+from gpulab.hub.quota import queue as policy
+from gpulab.hub.quota.ledger import (KINDS, Allocation, AllocationRow, AuditRow, BadRequest,
+                                     Device, Ledger, Pool, Request, _person_key,
+                                     _sum_gpu_hours)
+
+log = logging.getLogger("gpulab.queue")
+
+#: an entry's states: waiting in line; admitted (its allocation holds the GPUs); preempting
+#: (its work is being stopped to make room; it waits again once `requeue`d); cancelled;
+#: expired (a notebook's longest wait passed)
+STATES = ("waiting", "admitted", "preempting", "cancelled", "expired")
+ACTIONS = ("hold", "release", "top", "cancel")
+
+
+class QueueEntryRow(Base):
+    __tablename__ = "queue_entries"
+    __table_args__ = (
+        Index("ix_queue_entries_pool_state", "pool", "state"),
+        Index("ix_queue_entries_holder", "user", "kind", "holder"),
+        Index("ix_queue_entries_allocation", "allocation_id"),
+    )
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    pool: Mapped[str] = mapped_column(String(64))
+    user: Mapped[str] = mapped_column(String(255))
+    groups: Mapped[str] = mapped_column(Text, default="[]")  # JSON list, as of the request
+    kind: Mapped[str] = mapped_column(String(16))  # notebook | job
+    holder: Mapped[str] = mapped_column(String(255))
+    gpus: Mapped[int] = mapped_column(Integer)
+    model: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    submitted_at: Mapped[float] = mapped_column(Float)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    max_runtime: Mapped[float | None] = mapped_column(Float, nullable=True)
+    preemptible: Mapped[int] = mapped_column(Integer, default=0)
+    wait_until: Mapped[float | None] = mapped_column(Float, nullable=True)
+    held: Mapped[int] = mapped_column(Integer, default=0)
+    top_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    state: Mapped[str] = mapped_column(String(16))
+    allocation_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    borrowed: Mapped[int] = mapped_column(Integer, default=0)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+@dataclass(frozen=True)
+class Entry:
+    id: str
+    user: str
+    kind: str
+    holder: str
+    gpus: int
+    model: str | None
+    submitted_at: float
+    priority: int
+    max_runtime: float | None
+    preemptible: bool
+    wait_until: float | None
+    held: bool
+    top_at: float | None
+    state: str
+    allocation_id: str | None
+    borrowed: bool
+    reason: str
+    #: from the current pass, for waiting entries
+    position: int | None = None
+    estimated_start: float | None = None
+    ahead: int = 0
+    ahead_gpus: int = 0
+
+    @classmethod
+    def of(cls, r: QueueEntryRow) -> "Entry":
+        return cls(r.id, r.user, r.kind, r.holder, r.gpus, r.model, r.submitted_at, r.priority,
+                   r.max_runtime, bool(r.preemptible), r.wait_until, bool(r.held), r.top_at,
+                   r.state, r.allocation_id, bool(r.borrowed), r.reason)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Pass:
+    """What one scheduling pass did."""
+
+    started: list[tuple[Entry, Allocation]]
+    #: allocations whose work the caller stops, with the reason to show its owner
+    preempt: list[tuple[Allocation, str]]
+    expired: list[Entry]
+
+
+class QueueRefused(BadRequest):
+    """A request that can never run (more GPUs than the machine or the quota allows)."""
+
+
+class Queue:
+    """The queue of one ledger's pool. Thread-safe as the ledger is (a session per call)."""
+
+    def __init__(self, ledger: Ledger, *, half_life_hours: float = 168.0, borrowing: bool = True,
+                 group_shares: Mapping[str, float] | None = None,
+                 matches: Callable[[str | None, str], bool] = policy.exact_model):
+        if not half_life_hours > 0:
+            raise ValueError("half_life_hours must be positive")
+        self.ledger = ledger
+        self.pool = ledger.pool
+        self.half_life = half_life_hours * 3600.0
+        self.settings = policy.Settings(borrowing=borrowing)
+        self.group_shares = dict(group_shares or {})
+        self.matches = matches
+
+    # -- entries ---------------------------------------------------------------------------
+
+    def enqueue(self, req: Request, *, priority: int = 0, max_runtime: float | None = None,
+                preemptible: bool = False, wait_until: float | None = None,
+                now: float | None = None) -> Entry:
+        """Put `req` in line; `QueueRefused` where it can never run, `BadRequest` where the
+        same holder already waits or holds GPUs."""
+        if req.kind not in KINDS:
+            raise BadRequest(f"Unknown holder kind {req.kind!r}.")
+        if not isinstance(req.gpus, int) or isinstance(req.gpus, bool) or req.gpus < 1:
+            raise BadRequest(f"A queued request asks for 1 GPU or more (got {req.gpus!r}).")
+        if max_runtime is not None and not (isinstance(max_runtime, (int, float))
+                                            and math.isfinite(max_runtime) and max_runtime > 0):
+            raise BadRequest("max_runtime must be a positive number of seconds.")
+        now = time.time() if now is None else now
+        with self.ledger.Session.begin() as s:
+            self._lock(s)
+            devices = self._devices(s)
+            quota, _source = self.ledger.effective(req.user, req.groups, s)
+            borrows = bool(preemptible) and req.kind == "job" and self.settings.borrowing
+            why = policy.refusal_now(req.gpus, req.model, quota, devices, self.matches, borrows)
+            if why:
+                raise QueueRefused(why)
+            busy = s.scalar(select(QueueEntryRow.id).where(
+                QueueEntryRow.pool == self.pool, QueueEntryRow.user == req.user,
+                QueueEntryRow.kind == req.kind, QueueEntryRow.holder == req.holder,
+                QueueEntryRow.state.in_(("waiting", "preempting"))).limit(1))
+            holds = s.scalar(select(AllocationRow.id).where(
+                AllocationRow.pool == self.pool, AllocationRow.user == req.user,
+                AllocationRow.kind == req.kind, AllocationRow.holder == req.holder,
+                AllocationRow.ended_at.is_(None)).limit(1))
+            if busy or holds:
+                raise BadRequest(f"{req.kind} '{req.holder}' already "
+                                 f"{'waits for' if busy else 'holds'} GPUs.")
+            row = QueueEntryRow(
+                id=uuid.uuid4().hex, pool=self.pool, user=req.user,
+                groups=json.dumps(sorted(set(req.groups))), kind=req.kind, holder=req.holder,
+                gpus=req.gpus, model=req.model, submitted_at=now, priority=int(priority),
+                max_runtime=max_runtime, preemptible=int(bool(preemptible) and req.kind == "job"),
+                wait_until=wait_until, held=0, top_at=None, state="waiting", allocation_id=None,
+                borrowed=0, reason="", updated_at=now)
+            s.add(row)
+            s.flush()
+            entry = Entry.of(row)
+        log.info("Queued %s %s/%s: %d GPU(s)", req.kind, req.user, req.holder, req.gpus)
+        return entry
+
+    def get(self, entry_id: str) -> Entry | None:
+        with self.ledger.Reader() as s:
+            row = s.get(QueueEntryRow, entry_id)
+            return Entry.of(row) if row is not None and row.pool == self.pool else None
+
+    def entries(self, user: str | None = None, now: float | None = None) -> list[Entry]:
+        """The waiting, held and preempting entries in the order of the line, each with its
+        place, estimated start and the reason it waits (of everyone, or of `user`)."""
+        now = time.time() if now is None else now
+        with self.ledger.Reader() as s:
+            state = self._read(s, now)
+        plan = self._plan(state, now)
+        by_id = {e.id: e for e in state.entries}
+        starting = {st.id for st in plan.start}
+        out, position, ahead_gpus = [], 0, 0
+        for eid in plan.order:
+            e = by_id[eid]
+            place = plan.waiting.get(eid)
+            if eid in starting:  # its GPUs are free: the next pass starts it
+                position += 1
+                e = replace(e, position=position, estimated_start=now, ahead=position - 1,
+                            ahead_gpus=ahead_gpus,
+                            reason="Its GPUs are free: it starts in a moment.")
+            elif place.position is None:  # held
+                e = replace(e, reason=place.reason)
+            else:
+                position += 1
+                e = replace(e, position=position, estimated_start=place.estimated_start,
+                            ahead=position - 1, ahead_gpus=ahead_gpus,
+                            reason=_join(e.reason, place.reason))
+            if e.position is not None:
+                ahead_gpus += e.gpus
+            if user is None or e.user == user:
+                out.append(e)
+        return out
+
+    # -- a pass --------------------------------------------------------------------------
+
+    def schedule(self, now: float | None = None) -> Pass:
+        """One scheduling pass: start what may start, say what to preempt, expire notebooks
+        that waited past their longest wait."""
+        fixed = now
+        with self.ledger.Session.begin() as s:
+            locked = self._lock(s, people=True)
+            now = time.time() if fixed is None else fixed
+            expired = []
+            for row in s.scalars(select(QueueEntryRow).where(
+                    QueueEntryRow.pool == self.pool, QueueEntryRow.state == "waiting",
+                    QueueEntryRow.wait_until.is_not(None), QueueEntryRow.wait_until <= now)):
+                row.state, row.updated_at = "expired", now
+                row.reason = ("The longest wait chosen passed before GPUs were free; "
+                              "nothing was started.")
+                expired.append(Entry.of(row))
+            s.flush()
+            state = self._read(s, now, locked)
+            # the clock again after the reads: every release they saw ended before it, so the
+            # history never shows a GPU held twice at once (releases take no lock)
+            now = time.time() if fixed is None else fixed
+            plan = self._plan(state, now)
+            rows = {r.id: r for r in s.scalars(select(QueueEntryRow).where(
+                QueueEntryRow.id.in_([st.id for st in plan.start])))} if plan.start else {}
+            started = []
+            for st in plan.start:
+                row = rows[st.id]
+                alloc = AllocationRow(
+                    id=uuid.uuid4().hex, pool=self.pool, kind=row.kind, holder=row.holder,
+                    user=row.user, gpus=row.gpus, model=row.model,
+                    devices=json.dumps(list(st.devices)), started_at=now, ended_at=None,
+                    end_reason="")
+                s.add(alloc)
+                row.state, row.allocation_id, row.borrowed = "admitted", alloc.id, int(st.borrowed)
+                row.reason, row.updated_at = "", now
+                started.append((Entry.of(row), Allocation.of(alloc)))
+            preempt = []
+            if plan.preempt:
+                victims = {v.id: v.reason for v in plan.preempt}
+                for row in s.scalars(select(QueueEntryRow).where(
+                        QueueEntryRow.allocation_id.in_(list(victims)))):
+                    row.state, row.reason, row.updated_at = "preempting", victims[row.allocation_id], now
+                for a in s.scalars(select(AllocationRow).where(
+                        AllocationRow.id.in_(list(victims)))):
+                    preempt.append((Allocation.of(a), victims[a.id]))
+        for e, a in started:
+            log.info("Started from the queue: %s %s/%s on %s%s", e.kind, e.user, e.holder,
+                     list(a.devices), " (borrowed)" if e.borrowed else "")
+        for a, _why in preempt:
+            log.info("Preempting %s %s/%s", a.kind, a.user, a.holder)
+        return Pass(started, preempt, expired)
+
+    def requeue(self, entry_id: str, reason: str = "", now: float | None = None) -> Entry | None:
+        """Put preempted (or otherwise stopped) admitted work back in line, in its old place:
+        its submit time is kept. Its allocation must be released first."""
+        now = time.time() if now is None else now
+        with self.ledger.Session.begin() as s:
+            row = s.get(QueueEntryRow, entry_id)
+            if row is None or row.state not in ("admitted", "preempting"):
+                return None
+            row.state, row.allocation_id, row.borrowed = "waiting", None, 0
+            row.reason = reason or row.reason
+            row.updated_at = now
+            s.flush()
+            return Entry.of(row)
+
+    def done(self, entry_id: str) -> None:
+        """An admitted entry's work ended for good: it leaves the queue's view."""
+        with self.ledger.Session.begin() as s:
+            row = s.get(QueueEntryRow, entry_id)
+            if row is not None and row.state in ("admitted", "preempting"):
+                row.state, row.updated_at = "cancelled", time.time()
+
+    # -- people and admins ---------------------------------------------------------------
+
+    def cancel(self, entry_id: str, actor: str, reason: str = "Cancelled.") -> Entry | None:
+        """Take a waiting entry out of line (its owner, or an admin: audited when not the
+        owner). None when it is not waiting."""
+        return self._act(entry_id, actor, "cancel", reason)
+
+    def act(self, entry_id: str, action: str, actor: str) -> Entry | None:
+        """An admin's `hold`, `release`, `top` or `cancel` of a waiting entry, audited."""
+        if action not in ACTIONS:
+            raise BadRequest(f"Unknown action {action!r}; one of {', '.join(ACTIONS)}.")
+        return self._act(entry_id, actor, action, f"Cancelled by an admin ({actor}).")
+
+    def _act(self, entry_id: str, actor: str, action: str, reason: str) -> Entry | None:
+        now = time.time()
+        with self.ledger.Session.begin() as s:
+            row = s.get(QueueEntryRow, entry_id)
+            if row is None or row.pool != self.pool or row.state != "waiting":
+                return None
+            old = {"held": bool(row.held), "top_at": row.top_at, "state": row.state}
+            if action == "hold":
+                row.held = 1
+            elif action == "release":
+                row.held = 0
+            elif action == "top":
+                row.top_at, row.held = now, 0
+            else:
+                row.state, row.reason = "cancelled", reason
+            row.updated_at = now
+            if actor != row.user:
+                s.add(AuditRow(at=now, actor=actor, scope="queue",
+                               name=f"{row.user}/{row.kind}/{row.holder}",
+                               old=json.dumps(old), new=json.dumps(
+                                   {"action": action, "held": bool(row.held),
+                                    "top_at": row.top_at, "state": row.state})))
+            s.flush()
+            return Entry.of(row)
+
+    # -- reading -------------------------------------------------------------------------
+
+    def _lock(self, s, people: bool = False) -> set[str] | None:
+        """The admission locks in the transaction `s`. On SQLite the transaction's ``BEGIN
+        IMMEDIATE`` is the lock (None: everyone's). On PostgreSQL, with `people`, first the
+        person locks of everyone waiting (an admission holds its person's lock while it
+        checks their quota, and takes the pool's afterwards: taking them in the same order
+        cannot deadlock), then the pool's row, as an admission to a pool that hands out
+        devices takes it; returns the people locked (a pass starts only their entries)."""
+        locked = None
+        if people and s.bind.dialect.name == "postgresql":
+            users = sorted(s.scalars(select(QueueEntryRow.user).where(
+                QueueEntryRow.pool == self.pool, QueueEntryRow.state == "waiting").distinct()))
+            for user in users:
+                s.execute(select(func.pg_advisory_xact_lock(_person_key(self.pool, user))))
+            locked = set(users)
+        if s.execute(select(Pool.name).where(Pool.name == self.pool).with_for_update()).first() \
+                is None:
+            s.add(Pool(name=self.pool, assigns_devices=1))
+            s.flush()
+        return locked
+
+    def _devices(self, s) -> list[policy.Device]:
+        return [policy.Device(i, m) for i, m in s.execute(
+            select(Device.index, Device.model).where(Device.pool == self.pool)
+            .order_by(Device.index))]
+
+    def _read(self, s, now: float, locked: set[str] | None = None) -> "_State":
+        """What a pass decides on; with `locked`, only those people's entries wait (the
+        others, who came after the locks were taken, wait for the next pass)."""
+        devices = self._devices(s)
+        entry_rows = list(s.scalars(select(QueueEntryRow).where(
+            QueueEntryRow.pool == self.pool,
+            QueueEntryRow.state.in_(("waiting", "admitted", "preempting")))))
+        by_alloc = {r.allocation_id: r for r in entry_rows if r.allocation_id}
+        open_rows = list(s.scalars(select(AllocationRow).where(
+            AllocationRow.pool == self.pool, AllocationRow.ended_at.is_(None))))
+        running = []
+        for a in open_rows:
+            e = by_alloc.get(a.id)
+            running.append(policy.Running(
+                a.id, a.user, a.kind, tuple(json.loads(a.devices or "[]")), a.started_at,
+                e.max_runtime if e is not None else None,
+                bool(e.preemptible) if e is not None else False,
+                bool(e.borrowed) if e is not None else False,
+                stopping=e is not None and e.state == "preempting"))
+        if locked is not None:
+            entry_rows = [r for r in entry_rows if r.state != "waiting" or r.user in locked]
+        waiting = [r for r in entry_rows if r.state == "waiting"]
+        groups = {}
+        for r in sorted(entry_rows, key=lambda r: r.submitted_at):
+            groups[r.user] = json.loads(r.groups or "[]")
+        users = {r.user for r in waiting} | {a.user for a in open_rows}
+        since = now - 5 * self.half_life  # older use weighs less than 1/32
+        history = s.execute(select(AllocationRow.user, AllocationRow.gpus,
+                                   AllocationRow.started_at, AllocationRow.ended_at).where(
+            AllocationRow.gpus > 0,
+            (AllocationRow.ended_at.is_(None)) | (AllocationRow.ended_at > since))).all()
+        usage = policy.decayed_usage(((u, g, a, b) for u, g, a, b in history), now,
+                                     self.half_life)
+        people = {}
+        for user in users:
+            quota, _ = self.ledger.effective(user, groups.get(user, ()), s)
+            used = 0.0
+            if quota is not None and quota.gpu_hours is not None:
+                window_start = now - quota.window_hours * 3600
+                used = _sum_gpu_hours(
+                    ((u, g, a, now if b is None else b) for u, g, a, b in history if u == user),
+                    window_start, now)[user]
+                if window_start < since:  # the window reaches past the usage read above
+                    used = self.ledger.usage(window_start, now, user=user).get(user, 0.0)
+            shares = [self.group_shares[g] for g in groups.get(user, ()) if g in self.group_shares]
+            people[user] = policy.Person(quota, max(shares) if shares else None,
+                                         usage.get(user, 0.0), used)
+        entries = [Entry.of(r) for r in entry_rows if r.state in ("waiting",)]
+        return _State(devices, running, entries, people)
+
+    def _plan(self, state: "_State", now: float) -> policy.Plan:
+        line = [policy.Waiting(e.id, e.user, e.kind, e.gpus, e.submitted_at, e.model, e.priority,
+                               e.max_runtime, e.preemptible, e.held, e.top_at)
+                for e in state.entries]
+        return policy.plan(state.devices, state.running, line, state.people, now, self.settings,
+                           self.matches)
+
+
+@dataclass
+class _State:
+    devices: list[policy.Device]
+    running: list[policy.Running]
+    entries: list[Entry]
+    people: dict[str, policy.Person]
+
+
+def _join(old: str, new: str) -> str:
+    """A preempted entry keeps saying so while it waits again."""
+    return f"{old} {new}" if old and old.startswith("Preempted") else new
+
+
