@@ -336,10 +336,42 @@ def replica_rows(view: Mapping) -> list[dict]:
     return rows
 
 
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def queue_text(view: Mapping, now: float | None = None) -> str:
+    """Where a waiting job stands: ``2nd in line · starts in about 12 min (14:05)``,
+    ``next in line · start unknown``, ``held by an admin``; "" when it does not wait."""
+    q = view.get("queue") or None
+    if not isinstance(q, Mapping):
+        return ""
+    position = q.get("position")
+    if not isinstance(position, int):
+        return "held by an admin"
+    where = "next in line" if position == 1 else f"{_ordinal(position)} in line"
+    start = q.get("estimated_start")
+    if not isinstance(start, (int, float)):
+        return f"{where} · start unknown"
+    now = time.time() if now is None else now
+    wait = start - now
+    if wait <= 30:
+        return f"{where} · starts in a moment"
+    clock = time.strftime("%H:%M", time.localtime(start))
+    if wait < 3600:
+        return f"{where} · starts in about {max(1, round(wait / 60))} min ({clock})"
+    return f"{where} · starts in about {wait / 3600:.1f} h ({clock})"
+
+
 def state_line(view: Mapping, now: float | None = None) -> str:
-    """``Running · 4 GPUs · 1:02`` or ``Failed · chief-0 exited 1 · 3:10``."""
+    """``Running · 4 GPUs · 1:02``, ``Failed · chief-0 exited 1 · 3:10`` or
+    ``Queued · 2nd in line · starts in about 12 min (14:05) · 4 GPUs``."""
     parts = [view.get("state") or "?"]
-    if view.get("reason") and view.get("state") not in ("Running",):
+    waiting = queue_text(view, now)
+    if waiting:
+        parts.append(waiting)
+    if view.get("reason") and view.get("state") not in ("Running", "Queued"):
         parts.append(str(view["reason"]))
     if view.get("gpus"):
         parts.append(f"{view['gpus']} GPU{'s' if view['gpus'] != 1 else ''}")

@@ -693,3 +693,27 @@ def test_magic_in_a_real_shell_prints_one_line(capsys):
     magics.gpulab_train("--name b --workers 2 --no-view", "print(1)", client=client, shell=shell)
     assert shell.user_ns["_gpulab_job"].name == "b"
     assert capsys.readouterr().out == "gpulab: job b submitted: Starting\n"
+
+
+QUEUE_ROWS = [
+    ({"position": 1, "estimated_start": 1000.0}, 990.0, "next in line · starts in a moment"),
+    ({"position": 2, "estimated_start": 1720.0}, 1000.0, "2nd in line · starts in about 12 min"),
+    ({"position": 3, "estimated_start": None}, 1000.0, "3rd in line · start unknown"),
+    ({"position": 11, "estimated_start": 1000.0 + 3 * 3600}, 1000.0,
+     "11th in line · starts in about 3.0 h"),
+    ({"position": 22, "estimated_start": None}, 1000.0, "22nd in line · start unknown"),
+    ({"position": None, "estimated_start": None}, 1000.0, "held by an admin"),
+]
+
+
+@pytest.mark.parametrize("queue,now,expected", QUEUE_ROWS)
+def test_a_queued_jobs_place_in_words(queue, now, expected):
+    from gpulab.extensions import jobmodel
+
+    text = jobmodel.queue_text({"state": "Queued", "queue": queue}, now)
+    assert text.startswith(expected)
+    line = jobmodel.state_line({"state": "Queued", "gpus": 2, "queue": queue,
+                                "reason": "Waits for 2 GPUs at once"}, now)
+    assert line.startswith(f"Queued · {expected}") and "2 GPUs" in line
+    assert "Waits for" not in line  # the reason is shown apart, it is long
+    assert jobmodel.queue_text({"state": "Running"}, now) == ""
