@@ -5,4 +5,6 @@
 ``gpulab.hub.cli:main``); the modules, from the bottom: ``common`` (what the commands share),
 ``up``, ``quota``, ``jobs``, ``docs``, then ``main``, the only one that imports the others."""
 
-from gpulab.hub.cli.main import build_parser, main  # noqa: F401
+from gpulab.hub.cli.main import build_parser, main
+
+__all__ = ["build_parser", "main"]
