@@ -239,17 +239,18 @@ class Client(Configurable):
                 timeout: float | None = None):
         """One API call (``path`` below ``api/v1/``); the decoded JSON answer."""
         return self._send(method, self.url + API_PATH + path, body, params, timeout,
-                          what=f"The gpulab service at {self.url}", address=self.url)
+                          what=f"The gpulab service at {self.url}", address=self.url,
+                          who="The gpulab service")
 
     def call(self, method: str, url: str, body=None, params: Mapping | None = None,
              timeout: float | None = None):
         """One request with this client's token and TLS checks to any address of the hub
         (``url`` whole, e.g. the hub's REST API ``…/hub/api/user``); the decoded JSON answer,
         or `GpulabError` (its ``kind``, ``reason`` and ``address`` let the caller word it)."""
-        return self._send(method, url, body, params, timeout, what=url, address=url)
+        return self._send(method, url, body, params, timeout, what=url, address=url, who=url)
 
     def _send(self, method: str, url: str, body, params: Mapping | None,
-              timeout: float | None, *, what: str, address: str):
+              timeout: float | None, *, what: str, address: str, who: str):
         if not self.token:
             raise GpulabError("No hub API token: set GPULAB_TOKEN (make one on the hub's Token "
                               "page, /hub/token), or run this inside a hub server.",
@@ -268,7 +269,7 @@ class Client(Configurable):
                                         context=context) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
-            raise _api_error(e, address) from None
+            raise _api_error(e, address, who) from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", None) or e
             raise GpulabError(f"{what} cannot be reached: {reason}.", kind="unreachable",
@@ -406,7 +407,8 @@ class Job:
         return jobmodel.tensorboard_url(self.name, prefix=prefix)
 
 
-def _api_error(e: urllib.error.HTTPError, address: str | None = None) -> GpulabError:
+def _api_error(e: urllib.error.HTTPError, address: str | None = None,
+               who: str = "The gpulab service") -> GpulabError:
     try:
         raw = e.read()
     except OSError:
@@ -418,8 +420,8 @@ def _api_error(e: urllib.error.HTTPError, address: str | None = None) -> GpulabE
     if isinstance(body, dict) and body.get("message"):
         return GpulabError(str(body["message"]), e.code, body.get("field"), address=address)
     if e.code == 503 or e.code == 502:
-        return GpulabError(f"The gpulab service is not available right now (HTTP {e.code}); "
+        return GpulabError(f"{who} is not available right now (HTTP {e.code}); "
                            "try again in a moment, or ask the hub's admin.", e.code,
                            kind="status", reason=str(e.reason), address=address)
-    return GpulabError(f"The gpulab service refused the request (HTTP {e.code} {e.reason}).",
+    return GpulabError(f"{who} refused the request (HTTP {e.code} {e.reason}).",
                        e.code, kind="status", reason=str(e.reason), address=address)

@@ -1,9 +1,10 @@
 """``gpulab jobs``: submit, list, show, follow the logs of and stop training jobs.
 
-The same jobs API, through the same client (`gpulab.extensions.client.Client`, `Job`), as
-the notebook extension (``/services/gpulab/api/v1/jobs``), with the token and address of
-``gpulab quota`` (`gpulab.hub.cli.common`) (``--token``/``$GPULAB_TOKEN``/``$JUPYTERHUB_API_TOKEN``,
-``--url``/``$GPULAB_URL``, before or after the command: ``gpulab --url X jobs list``). A spec
+The jobs API the notebook extension uses (``/services/gpulab/api/v1/jobs``), through the same
+client (`gpulab.extensions.client.Client` and `Job`: requests, errors, log following), with
+the token and address of ``gpulab quota`` (`gpulab.hub.cli.common`: ``--token``/
+``$GPULAB_TOKEN``/``$JUPYTERHUB_API_TOKEN``, ``--url``/``$GPULAB_URL``, before or after the
+command: ``gpulab --url X jobs list``). A spec
 comes from a YAML (or JSON) file, from flags, or both: flags override the file's fields. The
 service checks the spec; its message names the bad field. ``show`` gives times as local date and
 time with how long the job waited or ran; ``--json`` keeps the API's Unix times.
