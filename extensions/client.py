@@ -66,11 +66,19 @@ class GpulabError(Exception):
     ``message`` is for people (the service's own words); ``status`` the HTTP status (None when
     the service could not be reached); ``field`` the part of the request at fault, when the
     service names one (``name``, ``replicas.worker``, ``resources``, ``script``…).
+
+    For callers that word errors their own way (the ``gpulab`` command), ``kind`` says what
+    went wrong: ``"refused"`` (an error answer with the service's own message), ``"status"``
+    (an error answer without one: ``reason`` is the HTTP reason phrase), ``"unreachable"``
+    (``reason`` is the network's), ``"not-json"``, ``"no-token"``; ``address`` is where the
+    request went (the service's base URL, or the URL given to `Client.call`).
     """
 
-    def __init__(self, message: str, status: int | None = None, field: str | None = None):
+    def __init__(self, message: str, status: int | None = None, field: str | None = None, *,
+                 kind: str = "refused", reason: str | None = None, address: str | None = None):
         super().__init__(message)
         self.message, self.status, self.field = message, status, field
+        self.kind, self.reason, self.address = kind, reason, address
 
     def __str__(self) -> str:
         return self.message
@@ -230,33 +238,47 @@ class Client(Configurable):
     def request(self, method: str, path: str, body=None, params: Mapping | None = None,
                 timeout: float | None = None):
         """One API call (``path`` below ``api/v1/``); the decoded JSON answer."""
+        return self._send(method, self.url + API_PATH + path, body, params, timeout,
+                          what=f"The gpulab service at {self.url}", address=self.url,
+                          who="The gpulab service")
+
+    def call(self, method: str, url: str, body=None, params: Mapping | None = None,
+             timeout: float | None = None):
+        """One request with this client's token and TLS checks to any address of the hub
+        (``url`` whole, e.g. the hub's REST API ``…/hub/api/user``); the decoded JSON answer,
+        or `GpulabError` (its ``kind``, ``reason`` and ``address`` let the caller word it)."""
+        return self._send(method, url, body, params, timeout, what=url, address=url, who=url)
+
+    def _send(self, method: str, url: str, body, params: Mapping | None,
+              timeout: float | None, *, what: str, address: str, who: str):
         if not self.token:
             raise GpulabError("No hub API token: set GPULAB_TOKEN (make one on the hub's Token "
-                              "page, /hub/token), or run this inside a hub server.")
-        url = self.url + API_PATH + path
+                              "page, /hub/token), or run this inside a hub server.",
+                              kind="no-token", address=address)
         query = {k: v for k, v in (params or {}).items() if v is not None}
         if query:
-            url += "?" + urlencode(query)
+            url += ("&" if "?" in url else "?") + urlencode(query)
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(url, data=data, method=method, headers={
             "Authorization": f"token {self.token}", "Content-Type": "application/json",
             "Accept": "application/json"})
         try:
+            # over https the certificate is checked in the handshake, before the token is sent
             context = self.tls_context() if url.startswith("https:") else None
             with urllib.request.urlopen(req, timeout=timeout or self.timeout,
                                         context=context) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
-            raise _api_error(e) from None
+            raise _api_error(e, address, who) from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", None) or e
-            raise GpulabError(f"The gpulab service at {self.url} cannot be reached: "
-                              f"{reason}.") from e
+            raise GpulabError(f"{what} cannot be reached: {reason}.", kind="unreachable",
+                              reason=str(reason), address=address) from e
         try:
             return json.loads(raw or b"null")
         except ValueError as e:
-            raise GpulabError(f"The gpulab service at {self.url} answered something that is "
-                              "not JSON; is this the right address?") from e
+            raise GpulabError(f"{what} answered something that is not JSON; is this the "
+                              "right address?", kind="not-json", address=address) from e
 
     # -- the person ----------------------------------------------------------------------
 
@@ -277,9 +299,11 @@ class Client(Configurable):
 
     # -- jobs ----------------------------------------------------------------------------
 
-    def jobs(self, user: str | None = None) -> list[dict]:
-        """This person's jobs, newest first (admins: another ``user``'s)."""
-        return self.request("GET", "jobs", params={"user": user}).get("jobs") or []
+    def jobs(self, user: str | None = None, *, everyone: bool = False) -> list[dict]:
+        """This person's jobs, newest first (admins: another ``user``'s, or with
+        ``everyone=True`` all people's)."""
+        params = {"user": user, "all": "1" if everyone else None}
+        return self.request("GET", "jobs", params=params).get("jobs") or []
 
     def job(self, name: str, user: str | None = None) -> "Job":
         """A handle on the job ``name`` (no request is made until it is used)."""
@@ -383,7 +407,8 @@ class Job:
         return jobmodel.tensorboard_url(self.name, prefix=prefix)
 
 
-def _api_error(e: urllib.error.HTTPError) -> GpulabError:
+def _api_error(e: urllib.error.HTTPError, address: str | None = None,
+               who: str = "The gpulab service") -> GpulabError:
     try:
         raw = e.read()
     except OSError:
@@ -393,9 +418,10 @@ def _api_error(e: urllib.error.HTTPError) -> GpulabError:
     except ValueError:
         body = None
     if isinstance(body, dict) and body.get("message"):
-        return GpulabError(str(body["message"]), e.code, body.get("field"))
+        return GpulabError(str(body["message"]), e.code, body.get("field"), address=address)
     if e.code == 503 or e.code == 502:
-        return GpulabError(f"The gpulab service is not available right now (HTTP {e.code}); "
-                           "try again in a moment, or ask the hub's admin.", e.code)
-    return GpulabError(f"The gpulab service refused the request (HTTP {e.code} {e.reason}).",
-                       e.code)
+        return GpulabError(f"{who} is not available right now (HTTP {e.code}); "
+                           "try again in a moment, or ask the hub's admin.", e.code,
+                           kind="status", reason=str(e.reason), address=address)
+    return GpulabError(f"{who} refused the request (HTTP {e.code} {e.reason}).",
+                       e.code, kind="status", reason=str(e.reason), address=address)

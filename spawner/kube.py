@@ -356,8 +356,8 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
             visible = {p.slug for p in self.gpu_visible_profiles()}
             raw = [e for e, p in zip(self._gpu_profile_list, self.gpu_profiles())
                    if p.slug in visible]
-            return self.render_quota_summary() + self._render_options_form(raw)
-        return self.render_quota_summary() + self.render_gpu_form()
+            return await self.render_quota_summary() + self._render_options_form(raw)
+        return await self.render_quota_summary() + await self.render_gpu_form()
 
     @default("apply_user_options")
     def _apply_user_options_default(self):

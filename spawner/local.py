@@ -223,9 +223,10 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
     def _options_from_form_default(self):
         return self._gpu_options_from_form
 
-    def _gpu_form(self, spawner) -> str:
-        """The GPU profiles with what each would get now (rendered at every visit)."""
-        return self.render_gpu_form()
+    async def _gpu_form(self, spawner) -> str:
+        """The GPU profiles with what each would get now (rendered at every visit; the
+        ledger is read in a worker thread, JupyterHub awaits an async ``options_form``)."""
+        return await self.render_gpu_form()
 
     @default("notebook_dir")
     def _notebook_dir_default(self):

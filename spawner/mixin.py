@@ -18,6 +18,8 @@ import html
 import inspect
 import logging
 import os
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
@@ -27,6 +29,7 @@ from traitlets import Float, Unicode
 from traitlets.config import SingletonConfigurable
 
 from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, DeviceInfo, Ledger, Request
+from gpulab.hub.quota.policy import Quota
 
 from .gpuusage import device_usage
 from .inventory import GPU, GPUInventory, gpus_json, model_matches
@@ -95,26 +98,52 @@ class GPULedger(SingletonConfigurable):
     _ledger: Ledger | None = None
 
 
+@dataclass(frozen=True)
+class LedgerView:
+    """What the spawn form and the quota summary show of the ledger, read in one go in a
+    worker thread (`GPUSpawnerMixin.gpu_ledger_view`): the open allocations (all, or the
+    user's), and the user's quota with where it comes from (``user``, ``group …``, ``default``,
+    ``none``)."""
+
+    allocations: list[Allocation]
+    quota: Quota | None
+    source: str
+
+
 #: allocation id -> callable telling whether its server still runs (this hub process)
 _probes: dict[str, object] = {}
 
 
+#: made once, by whichever thread asks first (the spawn form asks from a worker thread)
+_ledger_lock = threading.Lock()
+
+
 def hub_ledger(config=None, assigns_devices: bool = True) -> Ledger:
-    """The ledger of this hub process, migrated, with the machine's GPUs recorded."""
+    """The ledger of this hub process, migrated, with the machine's GPUs recorded.
+
+    Its first call migrates the database: the hub's event loop asks it through
+    `asyncio.to_thread` (`GPUSpawnerMixin.gpu_ledger_view`, `admit_gpus`)."""
     conf = GPULedger.instance(config=config)
-    if conf._ledger is None:
-        ledger = Ledger(conf.db_url, pool=conf.pool)
-        ledger.migrate()
-        if assigns_devices:
-            inventory = GPUInventory.instance(config=config)
-            ledger.sync_inventory(
-                DeviceInfo(g.index, g.uuid, g.model, g.memory_mib, g.simulated)
-                for g in inventory.gpus
-            )
-        else:
-            ledger.ensure_pool(assigns_devices=False)
-        conf._ledger = ledger
+    if conf._ledger is not None:
+        return conf._ledger
+    with _ledger_lock:
+        if conf._ledger is None:
+            conf._ledger = _open_ledger(conf, config, assigns_devices)
     return conf._ledger
+
+
+def _open_ledger(conf: GPULedger, config, assigns_devices: bool) -> Ledger:
+    ledger = Ledger(conf.db_url, pool=conf.pool)
+    ledger.migrate()
+    if assigns_devices:
+        inventory = GPUInventory.instance(config=config)
+        ledger.sync_inventory(
+            DeviceInfo(g.index, g.uuid, g.model, g.memory_mib, g.simulated)
+            for g in inventory.gpus
+        )
+    else:
+        ledger.ensure_pool(assigns_devices=False)
+    return ledger
 
 
 def adopted_allocations() -> set[str]:
@@ -277,14 +306,34 @@ class GPUSpawnerMixin:
         """Refuse a tampered form before anything starts."""
         self.gpu_selection(options)
 
-    def gpu_form_context(self) -> dict:
-        ledger = self.gpu_ledger
-        reap_dead_servers(ledger)
+    async def gpu_ledger_view(self, *, reap: bool = False, mine_only: bool = False) -> LedgerView:
+        """What the spawn form and the quota summary read of the ledger, read in a worker
+        thread: the hub's event loop never waits for the ledger (its lock may be held by the
+        gpulab service or by another spawn's admission). With `reap`, the allocations of
+        this hub's servers that are gone are closed first; with `mine_only`, only this
+        user's open allocations are read. The user's name and groups are read here, on the
+        loop (the hub's own database session is not for other threads)."""
+        user, groups = self.user.name, self.user_groups
+        config, assigns = self.config, self.gpu_assigns_devices
+
+        def read() -> LedgerView:
+            ledger = hub_ledger(config, assigns)
+            if reap:
+                reap_dead_servers(ledger)
+            allocations = ledger.open_allocations(user=user) if mine_only \
+                else ledger.open_allocations()
+            quota, source = ledger.effective(user, groups)
+            return LedgerView(allocations, quota, source)
+
+        return await asyncio.to_thread(read)
+
+    def gpu_form_context(self, view: LedgerView) -> dict:
+        """What the profiles form shows, from the ledger's `view` (no I/O of the ledger's)."""
         gpus = self.gpu_inventory
-        allocations = ledger.open_allocations()
+        allocations = view.allocations
         held = {i for a in allocations for i in a.devices}
         mine = [a for a in allocations if a.user == self.user.name and a.gpus]
-        quota, source = ledger.effective(self.user.name, self.user_groups)
+        quota, source = view.quota, view.source
         mine_gpus = sum(a.gpus for a in mine)
         rows = []
         saved = self.user_options if isinstance(self.user_options, dict) else {}
@@ -351,19 +400,23 @@ class GPUSpawnerMixin:
         return [(_describe(a), a.gpus, list(a.devices), [text(i) for i in a.devices])
                 for a in mine]
 
-    def render_gpu_form(self) -> str:
-        """The profiles form. Braces outside its script are written as entities (names and
-        saved choices may hold them; JupyterHub may render a form as a template again)."""
-        page = _templates.get_template("spawn_form.html").render(**self.gpu_form_context())
+    async def render_gpu_form(self) -> str:
+        """The profiles form, with each profile's availability now (the ledger read in a
+        worker thread, `gpu_ledger_view`). Braces outside its script are written as entities
+        (names and saved choices may hold them; JupyterHub may render a form as a template
+        again)."""
+        view = await self.gpu_ledger_view(reap=True)
+        page = _templates.get_template("spawn_form.html").render(**self.gpu_form_context(view))
         body, script, rest = page.partition("<script>")
         return body.replace("{", "&#123;").replace("}", "&#125;") + script + rest
 
-    def render_quota_summary(self) -> str:
-        """The user's quota and what they hold now, as a paragraph above a spawn form. Braces
-        are written as entities: JupyterHub renders an options form as a template again."""
-        ledger = self.gpu_ledger
-        mine = [a for a in ledger.open_allocations(user=self.user.name) if a.gpus]
-        quota, source = ledger.effective(self.user.name, self.user_groups)
+    async def render_quota_summary(self) -> str:
+        """The user's quota and what they hold now, as a paragraph above a spawn form (the
+        ledger read in a worker thread, `gpu_ledger_view`). Braces are written as entities:
+        JupyterHub renders an options form as a template again."""
+        view = await self.gpu_ledger_view(mine_only=True)
+        mine = [a for a in view.allocations if a.gpus]
+        quota, source = view.quota, view.source
         html = _templates.get_template("quota_summary.html").render(
             quota=quota.describe() if quota else "", quota_source=source,
             held=sum(a.gpus for a in mine),
@@ -398,7 +451,8 @@ class GPUSpawnerMixin:
         request = Request(user=self.user.name, kind="notebook", holder=self.gpu_holder_name,
                           gpus=profile.gpus, groups=self.user_groups, model=profile.model,
                           model_matches=model_matches)
-        ledger = self.gpu_ledger
+        # opened in a worker thread too: the first use migrates the database
+        ledger = await asyncio.to_thread(hub_ledger, self.config, self.gpu_assigns_devices)
         # the admission commits in its thread whatever happens here: a start cancelled
         # meanwhile (JupyterHub's start_timeout) must still release what it admitted
         admitted = asyncio.ensure_future(asyncio.to_thread(_admit, ledger, request))

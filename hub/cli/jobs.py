@@ -1,8 +1,10 @@
 """``gpulab jobs``: submit, list, show, follow the logs of and stop training jobs.
 
-The same jobs API the notebook extension uses (``/services/gpulab/api/v1/jobs``), with the
-token and address of ``gpulab quota`` (``--token``/``$GPULAB_TOKEN``/``$JUPYTERHUB_API_TOKEN``,
-``--url``/``$GPULAB_URL``, before or after the command: ``gpulab --url X jobs list``). A spec
+The jobs API the notebook extension uses (``/services/gpulab/api/v1/jobs``), through the same
+client (`gpulab.extensions.client.Client` and `Job`: requests, errors, log following), with
+the token and address of ``gpulab quota`` (`gpulab.hub.cli.common`: ``--token``/
+``$GPULAB_TOKEN``/``$JUPYTERHUB_API_TOKEN``, ``--url``/``$GPULAB_URL``, before or after the
+command: ``gpulab --url X jobs list``). A spec
 comes from a YAML (or JSON) file, from flags, or both: flags override the file's fields. The
 service checks the spec; its message names the bad field. ``show`` gives times as local date and
 time with how long the job waited or ran; ``--json`` keeps the API's Unix times.
@@ -25,11 +27,12 @@ import json
 import sys
 import time
 from pathlib import Path
-from urllib.parse import quote
 
+from gpulab.extensions.client import GpulabError, Job
 from gpulab.extensions.contract import STRATEGIES, lead_replica
 
-from gpulab.hub.cli.quota import EXIT_USAGE, APIError, _call, add_global_options, common, fail_api, table
+from gpulab.hub.cli.common import (EXIT_USAGE, add_global_options, common, fail_api, hub_client,
+                                   table)
 
 
 def add_jobs_parser(sub) -> None:
@@ -259,11 +262,6 @@ def read_source_files(paths: list[str], entry: str | None = None) -> tuple[str, 
     return texts.pop(name), texts
 
 
-def _job_path(args, *rest: str) -> str:
-    path = "jobs/" + "/".join(quote(p, safe="") for p in (args.name, *rest))
-    return path + (f"?user={quote(args.user, safe='')}" if args.user else "")
-
-
 def _duration(secs: float) -> str:
     secs = max(0, int(secs))
     return f"{secs // 3600}:{secs // 60 % 60:02d}:{secs % 60:02d}"
@@ -318,17 +316,17 @@ def print_job(job: dict, now: float | None = None) -> None:
             print(f"{r['name']}: {u['text']}")
 
 
-def follow_logs(args, replica: str, follow: bool) -> int:
-    offset = 0
-    while True:
-        q = f"offset={offset}" + ("&follow=1" if follow else "")
-        path = _job_path(args, "logs", replica)
-        chunk = _call(args, "GET", path + ("&" if "?" in path else "?") + q)
-        sys.stdout.write(chunk["text"])
+def follow_logs(job: Job, replica: str, follow: bool) -> int:
+    """Print a replica's log: with `follow`, new text as it comes until the job has ended;
+    else the piece the service gives now."""
+    if not follow:
+        sys.stdout.write(job.read_log(replica)["text"])
         sys.stdout.flush()
-        offset = chunk["offset"]
-        if not follow or (chunk["done"] and not chunk["text"]):
-            return 0
+        return 0
+    for text in job.logs(replica, follow=True):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    return 0
 
 
 def cmd_jobs(args) -> int:
@@ -343,28 +341,29 @@ def cmd_jobs(args) -> int:
             print(f"gpulab jobs export: error: {e}", file=sys.stderr)
             return EXIT_USAGE
         return 0
+    spec = None
+    if args.action == "submit":  # a bad spec is refused before the hub is asked anything
+        try:
+            spec = spec_from_args(args)
+        except UsageError as e:
+            print(f"gpulab jobs submit: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
     try:
+        client = hub_client(args)
         if args.action == "submit":
-            try:
-                spec = spec_from_args(args)
-            except UsageError as e:
-                print(f"gpulab jobs submit: error: {e}", file=sys.stderr)
-                return EXIT_USAGE
-            job = _call(args, "POST", "jobs", spec)
+            submitted = client.submit(spec)
+            job = submitted.view
             if args.json:
                 print(json.dumps(job, indent=2))
             else:
                 print(f"submitted {job['name']}: {job['state']} ({job['reason']})")
             if args.follow:
-                args.user = None
-                args.name = job["name"]
-                follow_logs(args, lead_replica(job["strategy"]), True)
-                job = _call(args, "GET", _job_path(args))
+                follow_logs(submitted, lead_replica(job["strategy"]), True)
+                job = submitted.status()
                 print(f"{job['name']}: {job['state']}: {job['reason']}")
                 return 0 if job["state"] == "Succeeded" else 1
         elif args.action == "list":
-            q = "?all=1" if args.all else (f"?user={quote(args.user, safe='')}" if args.user else "")
-            jobs = _call(args, "GET", "jobs" + q)["jobs"]
+            jobs = client.jobs(None if args.all else args.user, everyone=args.all)
             if args.json:
                 print(json.dumps(jobs, indent=2))
             else:
@@ -372,18 +371,18 @@ def cmd_jobs(args) -> int:
                               _elapsed(j), j["reason"]] for j in jobs],
                             ["NAME", "USER", "STRATEGY", "STATE", "GPUS", "ELAPSED", "REASON"]))
         elif args.action == "show":
-            job = _call(args, "GET", _job_path(args))
+            job = client.job(args.name, user=args.user).status()
             print(json.dumps(job, indent=2)) if args.json else print_job(job)
         elif args.action == "stop":
-            job = _call(args, "POST", _job_path(args, "stop"))
+            job = client.job(args.name, user=args.user).stop()
             print(json.dumps(job, indent=2) if args.json else
                   f"{job['name']}: {job['state']}: {job['reason']}")
         elif args.action == "logs":
-            replica = args.replica or lead_replica(_call(args, "GET", _job_path(args))["strategy"])
-            return follow_logs(args, replica, args.follow)
-    except APIError as e:
+            job = client.job(args.name, user=args.user)
+            replica = args.replica or lead_replica(job.status()["strategy"])
+            return follow_logs(job, replica, args.follow)
+    except GpulabError as e:
         return fail_api(e)
     except KeyboardInterrupt:
         return 130
     return 0
-

@@ -1,20 +1,10 @@
-"""``gpulab quota`` and ``gpulab usage``: the gpulab service's API from a terminal.
+"""``gpulab quota`` and ``gpulab usage``: quotas and GPU-hours through the gpulab service.
 
-They talk to ``<hub-url>/services/gpulab/api/v1/`` with a hub API token: ``--token``, else
-``$GPULAB_TOKEN``, else ``$JUPYTERHUB_API_TOKEN`` (set inside notebook servers). Make a token
-on the hub's Token page (``/hub/token``). ``--url`` is the hub's address; without it the
-service is found as the notebook client finds it (`gpulab.extensions.client.service_url_from_env`:
-inside a notebook server ``$GPULAB_SERVICE_URL``, the service itself; else ``$GPULAB_URL``,
-else ``http://127.0.0.1:8000``). Over ``https`` the service's certificate is verified as the
-notebook client does (`gpulab.extensions.client.ssl_context`) before the token is sent.
-
-``--url``, ``--token`` and ``--json`` go before the command or after it
-(``gpulab --url X jobs list`` and ``gpulab jobs list --url X``); given in both places, the
-later one wins (`add_global_options`, `apply_global_options`).
+The hub options, the token and the service's client are `gpulab.hub.cli.common`'s.
 
 ``gpulab quota set --user NAME`` (or ``--group``) first asks the hub's REST API
-(``/hub/api/users/NAME``, same token) whether the user or group exists, and refuses a name the
-hub does not know unless ``--force`` is given (`check_exists`).
+(``/hub/api/users/NAME``, same token, same TLS checks) whether the user or group exists, and
+refuses a name the hub does not know unless ``--force`` is given (`check_exists`).
 """
 
 from __future__ import annotations
@@ -22,72 +12,16 @@ from __future__ import annotations
 import json
 import os
 import sys
-import urllib.error
-import urllib.request
 from urllib.parse import quote
 
-EXIT_USAGE, EXIT_API = 2, 1
+from gpulab.extensions.client import DEFAULT_HUB_URL, GpulabError
 
-#: the options of every client command, also accepted before the command
-CLIENT_OPTIONS = ("url", "token", "json")
-#: the commands that call the hub (``jobs export`` does not)
-CLIENT_COMMANDS = ("quota", "usage", "jobs")
+from gpulab.hub.cli.common import (EXIT_USAGE, add_global_options, common, error_text, fail,
+                                   fail_api, hub_client, table)
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
-
-
-def common(p) -> None:
-    """The options every client command takes: where the hub is, the token, JSON output."""
-    p.add_argument("--url", default=None,
-                   help="the hub's address (default $GPULAB_URL, else http://127.0.0.1:8000)")
-    p.add_argument("--token", default=None,
-                   help="hub API token (default $GPULAB_TOKEN, else $JUPYTERHUB_API_TOKEN)")
-    p.add_argument("--json", action="store_true", help="print JSON for scripts")
-
-
-def add_global_options(p, level: str = "top") -> None:
-    """`common`'s options on a parser above the action (``gpulab --url X jobs list``,
-    ``gpulab jobs --url X list``), kept apart (``_top_url``…) so that `apply_global_options`
-    can let the later one win: argparse would otherwise let a sub-command's default
-    (``None``) overwrite a value given before it."""
-    g = p.add_argument_group("hub options (quota, usage, jobs; also after the command)")
-    g.add_argument("--url", dest=f"_{level}_url", default=None, metavar="URL",
-                   help="the hub's address (default $GPULAB_URL, else http://127.0.0.1:8000)")
-    g.add_argument("--token", dest=f"_{level}_token", default=None, metavar="TOKEN",
-                   help="hub API token (default $GPULAB_TOKEN, else $JUPYTERHUB_API_TOKEN)")
-    g.add_argument("--json", dest=f"_{level}_json", action="store_true",
-                   help="print JSON for scripts")
-
-
-def apply_global_options(args) -> str | None:
-    """Fold the options given before the action into ``args.url``, ``args.token`` and
-    ``args.json`` (the one nearest the end of the command line wins); what is wrong, in
-    words, when they were given to a command that does not call the hub."""
-    levels = ("action", "group", "top")  # the later on the command line, the earlier here
-    given = [name for name in CLIENT_OPTIONS
-             if any(getattr(args, f"_{lv}_{name}", None) for lv in levels[1:])]
-    calls_hub = args.command in CLIENT_COMMANDS and not (
-        args.command == "jobs" and getattr(args, "action", None) == "export")
-    if given and args.command and not calls_hub:
-        what = "gpulab " + args.command + (" export" if args.command == "jobs" else "")
-        return (f"--{given[0]} is an option of the commands that call the hub (quota, usage, "
-                f"jobs), not of `{what}`; see `{what} -h`.")
-    if not calls_hub:
-        return None
-    for name in CLIENT_OPTIONS:
-        values = [getattr(args, name, None)] + [getattr(args, f"_{lv}_{name}", None)
-                                                for lv in levels[1:]]
-        setattr(args, name, next((v for v in values if v), None if name != "json" else False))
-    return None
-
-
-def add_client_parsers(sub) -> None:
-    from gpulab.hub.cli.jobs import add_jobs_parser
-
+def add_quota_parsers(sub) -> None:
+    """``gpulab quota show|set|unset`` and ``gpulab usage``."""
     q = sub.add_parser("quota", help="show or change GPU quotas (through the gpulab service)")
     add_global_options(q, "group")
     qs = q.add_subparsers(dest="action", metavar="ACTION")
@@ -113,62 +47,11 @@ def add_client_parsers(sub) -> None:
     u = sub.add_parser("usage", help="GPU-hours per user and group")
     u.add_argument("--days", type=int, default=7, help="window in days (default 7)")
     common(u)
-    add_jobs_parser(sub)
-
-
-def fail_api(e: APIError) -> int:
-    print(f"gpulab: error: {e.message}" + (f" (HTTP {e.status})" if e.status else ""),
-          file=sys.stderr)
-    return EXIT_API
-
-
-def _token(args) -> str:
-    token = args.token or os.environ.get("GPULAB_TOKEN") or os.environ.get("JUPYTERHUB_API_TOKEN")
-    if not token:
-        raise APIError(0, "No token: pass --token, or set GPULAB_TOKEN (make one on the hub's "
-                       "Token page, /hub/token).")
-    return token
-
-
-def _http(args, method: str, url: str, body=None, what: str = ""):
-    """One request with the token; the decoded JSON answer, or `APIError`."""
-    from gpulab.extensions.client import Client
-
-    token = _token(args)
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Authorization": f"token {token}",
-                                          "Content-Type": "application/json"})
-    try:
-        context = Client(url=url, token=token).tls_context() if url.startswith("https:") else None
-        with urllib.request.urlopen(req, timeout=30, context=context) as resp:
-            raw = resp.read()
-            return json.loads(raw) if raw else None
-    except urllib.error.HTTPError as e:
-        try:
-            message = json.loads(e.read())["message"]
-        except Exception:
-            message = e.reason
-        raise APIError(e.code, message) from None
-    except (urllib.error.URLError, OSError) as e:
-        raise APIError(0, f"Cannot reach {what or url}: {getattr(e, 'reason', e)}.") from None
-    except ValueError:
-        raise APIError(0, f"{what or url} answered something that is not JSON; is this the "
-                       "right address?") from None
-
-
-def _call(args, method: str, path: str, body=None):
-    from gpulab.extensions.client import SERVICE_PATH, service_url_from_env
-
-    base = (args.url.rstrip("/") + "/" + SERVICE_PATH) if args.url else service_url_from_env()
-    return _http(args, method, f"{base}api/v1/{path}", body, what=base.rstrip("/"))
 
 
 def hub_url(args) -> str:
     """The hub's public address (ending in ``/``): --url, $GPULAB_URL, the public hub URL a
     notebook server is given, else ``http://127.0.0.1:8000/``."""
-    from gpulab.extensions.client import DEFAULT_HUB_URL
-
     hub = args.url or os.environ.get("GPULAB_URL")
     if not hub:
         public = os.environ.get("JUPYTERHUB_PUBLIC_HUB_URL", "").rstrip("/")
@@ -198,30 +81,22 @@ def check_exists(args, kind: str, name: str) -> tuple[bool | None, str]:
     api = hub_api_url(args)
     what = "the hub's API at " + api.rstrip("/")
     try:
-        me = _http(args, "GET", api + "user", what=what)
-    except APIError as e:
-        return None, f"the hub's API did not answer ({e.message})"
+        client = hub_client(args)
+        me = client.call("GET", api + "user")
+    except GpulabError as e:
+        return None, f"the hub's API did not answer ({error_text(e, what)})"
     if not isinstance(me, dict) or "scopes" not in me:
         return None, f"{api} is not the hub's API"
     if kind == "user" and me.get("name") == name:
         return True, ""
     try:
-        _http(args, "GET", api + ("users/" if kind == "user" else "groups/") + quote(name, safe=""),
-              what=what)
+        client.call("GET", api + ("users/" if kind == "user" else "groups/") + quote(name, safe=""))
         return True, ""
-    except APIError as e:
+    except GpulabError as e:
         if e.status == 404 and set(_READ_SCOPES[kind]) & set(me["scopes"]):
             return False, ""
         return None, (f"this token may not read the hub's {kind}s (a hub admin's may)"
-                      if e.status in (403, 404) else f"the hub's API did not answer ({e.message})")
-
-
-def table(rows: list[list], header: list[str]) -> str:
-    cells = [header] + [["" if c is None else str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+                      if e.status in (403, 404) else f"the hub's API did not answer ({error_text(e, what)})")
 
 
 def _dash(v):
@@ -251,11 +126,6 @@ def describe_quota(row: dict) -> str:
     return ", ".join(parts)
 
 
-def _refuse(message: str) -> int:
-    print(f"gpulab: error: {message}", file=sys.stderr)
-    return EXIT_USAGE
-
-
 def _check_target(args, kind: str, name: str) -> int | None:
     """Refuse (an exit code) a user or group the hub does not know; None to go on."""
     exists, why = check_exists(args, kind, name)
@@ -263,14 +133,14 @@ def _check_target(args, kind: str, name: str) -> int | None:
         return None
     page = hub_url(args) + ("services/gpulab/admin" if kind == "user" else "hub/admin")
     if exists is False:
-        return _refuse(f"the hub has no {kind} '{name}'. Check the name ({kind}s are listed at "
-                       f"{page}), or add --force to set it anyway.")
+        return fail(f"the hub has no {kind} '{name}'. Check the name ({kind}s are listed at "
+                    f"{page}), or add --force to set it anyway.")
     # the hub would not say: a token without the gpulab admin scope is refused by the
     # service anyway, with its own message, so only a gpulab admin is stopped here
-    if not _call(args, "GET", "me").get("admin"):
+    if not hub_client(args).me().get("admin"):
         return None
-    return _refuse(f"cannot check that the {kind} '{name}' exists: {why}. Check the name "
-                   f"({kind}s are listed at {page}), then add --force to set it.")
+    return fail(f"cannot check that the {kind} '{name}' exists: {why}. Check the name "
+                f"({kind}s are listed at {page}), then add --force to set it.")
 
 
 def cmd_quota(args) -> int:
@@ -281,12 +151,13 @@ def cmd_quota(args) -> int:
                   ("group", args.group) if getattr(args, "group", None) is not None else
                   ("default", ""))
     if kind != "default" and not name.strip():
-        return _refuse(f"--{kind} needs a name.")
+        return fail(f"--{kind} needs a name.")
     target = "default" if kind == "default" else f"{kind}s/{quote(name, safe='')}"
     label = "the default quota" if kind == "default" else f"the quota of {kind} '{name}'"
     try:
+        client = hub_client(args)
         if args.action == "show" and not args.all:
-            me = _call(args, "GET", "me")
+            me = client.me()
             if args.json:
                 print(json.dumps(me, indent=2))
                 return 0
@@ -299,7 +170,7 @@ def cmd_quota(args) -> int:
             u = me["usage_gpu_hours"]
             print(f"GPU-hours: {u['7d']} over 7 days, {u['30d']} over 30 days")
         elif args.action == "show":
-            quotas = _call(args, "GET", "quotas")["quotas"]
+            quotas = client.request("GET", "quotas")["quotas"]
             if args.json:
                 print(json.dumps(quotas, indent=2))
                 return 0
@@ -316,23 +187,23 @@ def cmd_quota(args) -> int:
             for k in ("max_per_request", "gpu_hours", "window_hours"):
                 if getattr(args, k) is not None:
                     body[k] = getattr(args, k)
-            row = _call(args, "PUT", f"quotas/{target}", body)
+            row = client.request("PUT", f"quotas/{target}", body)
             print(json.dumps(row, indent=2) if args.json else
                   f"set {row['scope']} quota{' ' + row['name'] if row['name'] else ''}: "
                   f"{describe_quota(row)}")
         else:
-            _call(args, "DELETE", f"quotas/{target}")
+            client.request("DELETE", f"quotas/{target}")
             print(json.dumps({"unset": "default" if kind == "default" else f"{kind}s/{name}"})
                   if args.json else f"unset {label}")
-    except APIError as e:
+    except GpulabError as e:
         return fail_api(e)
     return 0
 
 
 def cmd_usage(args) -> int:
     try:
-        usage = _call(args, "GET", f"usage?days={args.days}")
-    except APIError as e:
+        usage = hub_client(args).request("GET", "usage", params={"days": args.days})
+    except GpulabError as e:
         return fail_api(e)
     if args.json:
         print(json.dumps(usage, indent=2))

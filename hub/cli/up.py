@@ -1,12 +1,11 @@
-"""The ``gpulab`` command.
+"""``gpulab up``: the local deployment.
 
-``gpulab up`` runs the local deployment: JupyterHub with configurable-http-proxy, GPU-bound
+It runs JupyterHub with configurable-http-proxy, GPU-bound
 notebook servers, accounts in the hub, everything kept in one data folder.
 """
 
 from __future__ import annotations
 
-import argparse
 import errno
 import os
 import shutil
@@ -17,9 +16,8 @@ from pathlib import Path
 
 from gpulab.spawner.mixin import pid_alive
 
+from gpulab.hub.cli.common import fail
 from gpulab.hub.deploy.datadir import DataDir, DataDirError
-
-EXIT_USAGE = 2
 
 
 def default_data_dir() -> str:
@@ -55,11 +53,6 @@ def _pid_from(path: Path) -> int:
         return int(path.read_text().strip())
     except (OSError, ValueError):
         return 0
-
-
-def fail(message: str) -> int:
-    print(f"gpulab: error: {message}", file=sys.stderr)
-    return EXIT_USAGE
 
 
 def add_up_parser(sub) -> None:
@@ -277,50 +270,3 @@ def _account() -> str:
     import pwd
 
     return pwd.getpwuid(os.geteuid()).pw_name
-
-
-def cmd_config_reference(args) -> int:
-    from gpulab.hub.cli.docs import config_reference
-
-    sys.stdout.write(config_reference(build_parser()))
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpulab", description="gpulab: a JupyterHub for shared GPUs")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    add_up_parser(sub)
-    sub.add_parser("config-reference", help="print the configuration reference (Markdown)")
-    from gpulab.hub.cli.quota import add_client_parsers, add_global_options
-
-    add_global_options(parser)  # --url, --token, --json also before the command
-    add_client_parsers(sub)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    from gpulab.hub.cli.quota import apply_global_options
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    problem = apply_global_options(args)
-    if problem:
-        return fail(problem)
-    if args.command == "up":
-        return cmd_up(args)
-    if args.command == "config-reference":
-        return cmd_config_reference(args)
-    if args.command in ("quota", "usage"):
-        from gpulab.hub.cli.quota import cmd_quota, cmd_usage
-
-        return (cmd_quota if args.command == "quota" else cmd_usage)(args)
-    if args.command == "jobs":
-        from gpulab.hub.cli.jobs import cmd_jobs
-
-        return cmd_jobs(args)
-    parser.print_help()
-    return EXIT_USAGE
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

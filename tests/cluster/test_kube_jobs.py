@@ -20,7 +20,7 @@ from kubernetes_asyncio.config import kube_config
 from kubespawner.clients import load_config
 from traitlets.config import Config
 
-from gpulab.hub.cli.up import main as cli_main
+from gpulab.hub.cli import main as cli_main
 from gpulab.hub.jobs.local import JobError
 from gpulab.hub.jobs.spec import JobLimits, SpecError, parse_spec
 from gpulab.hub.jobs.kube import KubeJobBackend

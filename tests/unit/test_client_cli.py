@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from gpulab.extensions.client import Client, with_chief
-from gpulab.hub.cli.up import build_parser, main
+from gpulab.hub.cli import build_parser, main
 from gpulab.hub.cli.jobs import job_times, print_job
 
 CREATED = 1796393131.25  # 2026-12-04 14:05:31.25 UTC

@@ -11,7 +11,7 @@ import yaml
 from oauthenticator.generic import GenericOAuthenticator
 from oauthenticator.github import GitHubOAuthenticator
 
-from gpulab.hub.cli.up import build_parser
+from gpulab.hub.cli import build_parser
 
 from .test_helm_values import Z2JH, helm_merge, schema_errors
 

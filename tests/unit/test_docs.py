@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from gpulab.hub.cli.up import build_parser
+from gpulab.hub.cli import build_parser
 from gpulab.hub.cli.docs import MARK_END, MARK_START, config_reference
 
 

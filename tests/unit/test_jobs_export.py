@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from gpulab.hub.cli.up import main
+from gpulab.hub.cli import main
 
 SPEC = """\
 name: digits

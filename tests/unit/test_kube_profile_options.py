@@ -334,3 +334,27 @@ async def test_odd_saved_options_do_not_break_the_spawn_page(config, saved):
     gpu.user_options = {"profile": "test-choices", **saved}
     form = await gpu.get_options_form()
     assert 'value="test-choices"' in form
+
+
+async def test_the_spawn_form_reads_the_ledger_off_the_event_loop(config, monkeypatch):
+    """The spawn page's quota summary and profiles (each one's availability) read the ledger
+    in a worker thread: the hub's event loop never waits for the ledger's lock."""
+    import threading
+
+    from gpulab.hub.quota.ledger import Ledger
+
+    gpu = KubeGPUSpawner(config=copy.deepcopy(config), _mock=True)
+    hub_ledger(gpu.config, assigns_devices=False)
+    loop_thread, reads = threading.current_thread(), []
+    for name in ("open_allocations", "effective"):
+        real = getattr(Ledger, name)
+
+        def spy(self, *args, _real=real, _name=name, **kwargs):
+            reads.append((_name, threading.current_thread()))
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(Ledger, name, spy)
+    form = await gpu.get_options_form()
+    assert 'value="test-choices"' in form
+    assert {n for n, _ in reads} == {"open_allocations", "effective"}
+    assert all(thread is not loop_thread for _, thread in reads), reads

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from gpulab.extensions import runtime
-from gpulab.hub.cli.up import main
+from gpulab.hub.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "from-a-tensorflow-tutorial.md"
