@@ -130,7 +130,7 @@ def claim_key(folder: str, requested: int | None) -> tuple[int, int]:
 
 def server_factory(folder: str):
     """TensorBoard's ``server_class``: on a Unix socket in `folder`, under a claimed key."""
-    from gpulab.extensions.serverext import unix_socket_server_class
+    from gpulab.extensions.tbserver import unix_socket_server_class
 
     def make(wsgi_app, flags):
         key, lock = claim_key(folder, flags.port)
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     matches), served on a Unix socket in FOLDER."""
     from tensorboard import default, program
 
-    from gpulab.extensions.serverext import without_data_server
+    from gpulab.extensions.tbserver import without_data_server
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv:

@@ -8,10 +8,10 @@ import is a dependency all the same, only a later one):
    holds ``%load_ext gpulab``); nothing of ``gpulab.hub`` or ``gpulab.spawner``.
    ``gpulab.extensions.contract`` (the job contract both sides share) is the standard
    library alone.
-2. ``gpulab.hub.db`` (with its migrations; ``gpulab.hub``'s own ``__init__`` sits here)
+2. ``gpulab.hub.db`` (``gpulab.hub``'s own ``__init__`` sits here)
 3. ``gpulab.hub.quota``
 4. ``gpulab.spawner``
-5. ``gpulab.hub.jobs``
+5. ``gpulab.hub.jobs``, then ``gpulab.hub.migrations`` (Alembic's scripts need every table)
 6. ``gpulab.hub.service``
 7. ``gpulab.hub.deploy`` (with ``gpulab.hub.kubeconfig`` and ``gpulab.hub.oidc``, the names
    configurations use, public re-exports of deploy's); deploy may also import the package
@@ -38,10 +38,12 @@ ROOT = Path(__file__).resolve().parents[2]
 #: the layers, lowest first: (name, the module prefixes it holds)
 LAYERS = [
     ("extensions", ("gpulab.extensions",)),
-    ("db", ("gpulab.hub.db", "gpulab.hub.migrations")),
+    ("db", ("gpulab.hub.db",)),
     ("quota", ("gpulab.hub.quota",)),
     ("spawner", ("gpulab.spawner",)),
     ("jobs", ("gpulab.hub.jobs",)),
+    # Alembic's scripts, loaded by path (`gpulab.hub.db.alembic_config`), read every table
+    ("migrations", ("gpulab.hub.migrations",)),
     ("service", ("gpulab.hub.service",)),
     ("deploy", ("gpulab.hub.deploy", "gpulab.hub.kubeconfig", "gpulab.hub.oidc")),
     ("cli", ("gpulab.hub.cli",)),
