@@ -35,6 +35,8 @@ from pathlib import Path
 from jupyterhub.services.auth import HubOAuth
 from jupyterhub.utils import url_path_join
 from tornado import web
+from traitlets import Bool, Float, Unicode, default
+from traitlets.config import Application
 from tornado.ioloop import IOLoop, PeriodicCallback
 
 from gpulab.hub.quota.ledger import Ledger
@@ -115,32 +117,35 @@ def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirecto
 
 
 
-def usage_from_env(ledger: Ledger, env=None):
-    """A `PoolUsage` over the pool's real GPUs, read every ``GPULAB_USAGE_SECONDS`` (default
-    5; 0: not measured). A counting pool (Kubernetes: no device numbers, the GPUs are on the
-    nodes) has nothing this process can read."""
+def usage_from_env(ledger: Ledger, env=None, interval: float | None = None):
+    """A `PoolUsage` over the pool's real GPUs, read every `interval` seconds
+    (`GpulabService.usage_seconds`; without it ``GPULAB_USAGE_SECONDS``, default 5; 0: not
+    measured). A counting pool (Kubernetes: no device numbers, the GPUs are on the nodes) has
+    nothing this process can read."""
     from gpulab.spawner.gpuusage import PoolUsage
 
-    env = os.environ if env is None else env
-    interval = float(env.get(USAGE_ENV) or 5)
+    if interval is None:
+        env = os.environ if env is None else env
+        interval = float(env.get(USAGE_ENV) or 5)
     devices = ledger.devices()
     if not interval or not devices:
         return None
     return PoolUsage(devices, interval)
 
 
-
-def local_backend_from_env(ledger: Ledger):
-    """The local job backend, from what `gpulab up` passes in the environment."""
-    shared = os.environ.get("GPULAB_SHARED_DIR")
+def local_backend_from_env(ledger: Ledger, shared: str | None = None, isolate: bool | None = None,
+                           prefix: str | None = None, python: str | None = None):
+    """The local job backend, from the service's settings (`GpulabService.shared_dir`…; each
+    left None: what `gpulab up` passes in the environment)."""
+    shared = os.environ.get("GPULAB_SHARED_DIR") if shared is None else shared
     if not shared:
         return None
     from gpulab.spawner.accounts import ensure_account, prepare_user_folder, safe_name, system_username
 
     from gpulab.hub.jobs.local import LocalJobBackend, UserAccount, runtime_problem
 
-    isolate = os.environ.get("GPULAB_ISOLATE") == "1"
-    prefix = os.environ.get("GPULAB_USER_PREFIX", "jupyter-")
+    isolate = os.environ.get("GPULAB_ISOLATE") == "1" if isolate is None else isolate
+    prefix = os.environ.get("GPULAB_USER_PREFIX", "jupyter-") if prefix is None else prefix
 
     def account(user: str) -> UserAccount:
         # the spawner's mapping and checks (gpulab.spawner.accounts): an account or folder
@@ -153,7 +158,7 @@ def local_backend_from_env(ledger: Ledger):
         prepare_user_folder(folder, entry)
         return UserAccount(user, folder, entry.pw_uid, entry.pw_gid, entry.pw_dir)
 
-    python = os.environ.get("GPULAB_JOB_PYTHON") or sys.executable
+    python = python or os.environ.get("GPULAB_JOB_PYTHON") or sys.executable
     backend = LocalJobBackend(ledger, account, python=python)
     backend.unavailable = runtime_problem(python)
     if backend.unavailable:
@@ -161,65 +166,201 @@ def local_backend_from_env(ledger: Ledger):
     return backend
 
 
-def kube_backend_from_env(ledger: Ledger):
-    """The Kubernetes job backend when the hub asks for it (``GPULAB_JOB_BACKEND=kubernetes``,
-    settings in ``GPULAB_KUBE_JOBS``, see `gpulab.hub.jobs.kube.backend_settings`)."""
-    if os.environ.get("GPULAB_JOB_BACKEND") != "kubernetes":
+def kube_backend_from_env(ledger: Ledger, backend: str | None = None, settings: str | None = None):
+    """The Kubernetes job backend when the hub asks for it (`GpulabService.job_backend`
+    ``kubernetes``, settings in `GpulabService.kube_jobs`; each left None: from
+    ``GPULAB_JOB_BACKEND`` and ``GPULAB_KUBE_JOBS``, see `gpulab.hub.jobs.kube.backend_settings`)."""
+    backend = os.environ.get("GPULAB_JOB_BACKEND") if backend is None else backend
+    if backend != "kubernetes":
         return None
     from gpulab.hub.jobs.kube import SETTINGS_ENV, KubeJobBackend
 
-    return KubeJobBackend.from_settings(ledger, os.environ.get(SETTINGS_ENV))
+    return KubeJobBackend.from_settings(ledger, os.environ.get(SETTINGS_ENV) if settings is None
+                                        else settings)
 
 
-def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="[%(levelname)1.1s %(asctime)s gpulab-service] %(message)s")
-    from urllib.parse import urlparse
+def _env(name: str, fallback: str = "") -> str:
+    return os.environ.get(name) or fallback
 
-    url = urlparse(os.environ["JUPYTERHUB_SERVICE_URL"])
-    prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", f"/services/{SERVICE_NAME}/")
-    hub_prefix = os.environ.get("JUPYTERHUB_BASE_URL", "/") + "hub/"
-    ledger = Ledger(os.environ["GPULAB_LEDGER_URL"], pool=os.environ.get("GPULAB_LEDGER_POOL", "local"))
-    ledger.migrate()
-    tls = ServiceTLS.from_env()
-    if tls is not None:
-        tls.configure_http_client()
-    directory = HubDirectory(os.environ["JUPYTERHUB_API_URL"], os.environ["JUPYTERHUB_API_TOKEN"])
-    jobs = kube_backend_from_env(ledger) or local_backend_from_env(ledger)
-    from gpulab.hub.jobs.spec import limits_from_json
 
-    app = make_app(ledger, prefix, hub_prefix, directory, jobs=jobs,
-                   job_limits=limits_from_json(os.environ.get("GPULAB_JOB_LIMITS")), tls=tls,
-                   gpu_usage=usage_from_env(ledger))
-    if jobs is not None:
-        jobs.recover()
-        IOLoop.current().add_callback(jobs.ensure_supervisor)
-    start_notebook_reconciler(ledger, directory, float(os.environ.get(RECONCILE_ENV) or 60))
-    # tornado buffers a body whole before a handler sees it (100 MB by default): bound it.
-    # Up to this size an oversized body gets the handlers' clear 413 (`json_body`); past it
-    # tornado refuses the request from its Content-Length alone, before reading it
-    app.listen(url.port, url.hostname, max_body_size=MAX_BUFFERED_BODY,
-               ssl_options=tls.server_context() if tls is not None else None)
-    # The hub manages this process; if the hub dies (kill -9), go too, so that the next
-    # `gpulab up` finds the port free and starts a fresh service.
-    hub_pid = os.getppid()
+class GpulabService(Application):
+    """The gpulab service as a configurable application, as JupyterHub's own apps are.
 
-    def exit_if_orphaned():
-        if os.getppid() != hub_pid:
-            log.warning("The hub (pid %s) is gone; the gpulab service stops.", hub_pid)
+    Its settings are traits, set in a traitlets config file (``--config=<file>``, Python or
+    JSON: ``c.GpulabService.ledger_url = ...``) or on the command line; a trait set nowhere
+    falls back to the environment variable it replaces (named in its help), so a hub that
+    passes those keeps working. What JupyterHub itself gives every managed service
+    (``JUPYTERHUB_SERVICE_URL``, ``JUPYTERHUB_API_TOKEN``, ``JUPYTERHUB_SERVICE_PREFIX``,
+    ``JUPYTERHUB_BASE_URL``, ``JUPYTERHUB_API_URL``) stays in the environment.
+    """
+
+    name = "gpulab-service"
+    description = "The gpulab service: quotas, GPU holdings, usage and training jobs."
+
+    aliases = {"config": "GpulabService.config_file", "log-level": "Application.log_level"}
+
+    config_file = Unicode("", help="""A traitlets config file (``.py`` or ``.json``) with the
+        service's settings, loaded at start; empty: none (settings from the command line and
+        the environment). Example: ``python -m gpulab.hub.service --config=/srv/gpulab_service_config.py``.
+        """).tag(config=True)
+
+    ledger_url = Unicode(help="""The SQLAlchemy URL of the GPU ledger the service reads and
+        writes (the hub's ``c.GPULedger.url``). Default: ``$GPULAB_LEDGER_URL``. It may hold a
+        password: keep the file that sets it private.
+        Example: ``c.GpulabService.ledger_url = "sqlite:////srv/gpulab/ledger.sqlite"``.
+        """).tag(config=True)
+
+    @default("ledger_url")
+    def _ledger_url_default(self):
+        return _env("GPULAB_LEDGER_URL")
+
+    ledger_pool = Unicode(help="""The ledger's pool of GPUs this hub admits from (``local``:
+        this machine's devices). Default: ``$GPULAB_LEDGER_POOL``, else ``local``.
+        Example: ``c.GpulabService.ledger_pool = "local"``.""").tag(config=True)
+
+    @default("ledger_pool")
+    def _ledger_pool_default(self):
+        return _env("GPULAB_LEDGER_POOL", "local")
+
+    job_limits = Unicode(help="""The training jobs' limits as JSON (the hub's
+        ``c.GPUJobs.limits_json``, `gpulab.hub.jobs.spec.limits_from_json`); empty: the
+        defaults. Default: ``$GPULAB_JOB_LIMITS``.
+        Example: ``c.GpulabService.job_limits = '{"max_replicas_per_user": 4}'``.
+        """).tag(config=True)
+
+    @default("job_limits")
+    def _job_limits_default(self):
+        return _env("GPULAB_JOB_LIMITS")
+
+    reconcile_seconds = Float(help="""Seconds between two runs of the reconciler that closes
+        the notebook allocations of servers the hub no longer has (0: never). Default:
+        ``$GPULAB_RECONCILE_SECONDS``, else 60. Example: ``c.GpulabService.reconcile_seconds = 60``.
+        """).tag(config=True)
+
+    @default("reconcile_seconds")
+    def _reconcile_default(self):
+        return float(_env(RECONCILE_ENV, "60"))
+
+    usage_seconds = Float(help="""Seconds between two reads of the pool's GPUs' usage (NVML;
+        0: not measured). Default: ``$GPULAB_USAGE_SECONDS``, else 5.
+        Example: ``c.GpulabService.usage_seconds = 5``.""").tag(config=True)
+
+    @default("usage_seconds")
+    def _usage_default(self):
+        return float(_env(USAGE_ENV, "5"))
+
+    job_backend = Unicode(help="""``kubernetes``: training jobs run as Kubernetes objects
+        (settings in `kube_jobs`); anything else: the local backend when `shared_dir` is set.
+        Default: ``$GPULAB_JOB_BACKEND``. Example: ``c.GpulabService.job_backend = "kubernetes"``.
+        """).tag(config=True)
+
+    @default("job_backend")
+    def _job_backend_default(self):
+        return _env("GPULAB_JOB_BACKEND")
+
+    kube_jobs = Unicode(help="""The Kubernetes job backend's settings as JSON
+        (`gpulab.hub.jobs.kube.backend_settings` of the hub's ``c.KubeJobBackend``). Default:
+        ``$GPULAB_KUBE_JOBS``. Example: ``c.GpulabService.kube_jobs = '{"namespace": "gpulab"}'``.
+        """).tag(config=True)
+
+    @default("kube_jobs")
+    def _kube_jobs_default(self):
+        return _env("GPULAB_KUBE_JOBS")
+
+    shared_dir = Unicode(help="""The shared folder of the local job backend (people's folders
+        under ``users/``); empty: no local training jobs. Default: ``$GPULAB_SHARED_DIR``.
+        Example: ``c.GpulabService.shared_dir = "/srv/gpulab/shared"``.""").tag(config=True)
+
+    @default("shared_dir")
+    def _shared_dir_default(self):
+        return _env("GPULAB_SHARED_DIR")
+
+    isolate = Bool(help="""Whether local jobs run as each person's own system account (as the
+        spawner isolates servers). Default: ``$GPULAB_ISOLATE`` is ``1``.
+        Example: ``c.GpulabService.isolate = True``.""").tag(config=True)
+
+    @default("isolate")
+    def _isolate_default(self):
+        return os.environ.get("GPULAB_ISOLATE") == "1"
+
+    user_prefix = Unicode(help="""The prefix of the system accounts of isolated people.
+        Default: ``$GPULAB_USER_PREFIX``, else ``jupyter-``.
+        Example: ``c.GpulabService.user_prefix = "jupyter-"``.""").tag(config=True)
+
+    @default("user_prefix")
+    def _user_prefix_default(self):
+        return os.environ.get("GPULAB_USER_PREFIX", "jupyter-")
+
+    job_python = Unicode(help="""The Python that runs local training jobs. Default:
+        ``$GPULAB_JOB_PYTHON``, else the service's own.
+        Example: ``c.GpulabService.job_python = "/opt/tf/bin/python"``.""").tag(config=True)
+
+    @default("job_python")
+    def _job_python_default(self):
+        return _env("GPULAB_JOB_PYTHON", sys.executable)
+
+    def initialize(self, argv=None) -> None:
+        super().initialize(argv)
+        if self.config_file:
+            path = os.path.abspath(self.config_file)
+            self.load_config_file(os.path.basename(path), path=os.path.dirname(path))
+
+    def start(self) -> None:
+        logging.basicConfig(level=logging.INFO, format="[%(levelname)1.1s %(asctime)s gpulab-service] %(message)s")
+        from urllib.parse import urlparse
+
+        url = urlparse(os.environ["JUPYTERHUB_SERVICE_URL"])
+        prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", f"/services/{SERVICE_NAME}/")
+        hub_prefix = os.environ.get("JUPYTERHUB_BASE_URL", "/") + "hub/"
+        ledger = Ledger(self.ledger_url, pool=self.ledger_pool)
+        ledger.migrate()
+        tls = ServiceTLS.from_env()
+        if tls is not None:
+            tls.configure_http_client()
+        directory = HubDirectory(os.environ["JUPYTERHUB_API_URL"], os.environ["JUPYTERHUB_API_TOKEN"])
+        jobs = (kube_backend_from_env(ledger, self.job_backend, self.kube_jobs)
+                or local_backend_from_env(ledger, self.shared_dir, self.isolate, self.user_prefix,
+                                          self.job_python))
+        from gpulab.hub.jobs.spec import limits_from_json
+
+        app = make_app(ledger, prefix, hub_prefix, directory, jobs=jobs,
+                       job_limits=limits_from_json(self.job_limits), tls=tls,
+                       gpu_usage=usage_from_env(ledger, interval=self.usage_seconds))
+        if jobs is not None:
+            jobs.recover()
+            IOLoop.current().add_callback(jobs.ensure_supervisor)
+        start_notebook_reconciler(ledger, directory, self.reconcile_seconds)
+        # tornado buffers a body whole before a handler sees it (100 MB by default): bound it.
+        # Up to this size an oversized body gets the handlers' clear 413 (`json_body`); past it
+        # tornado refuses the request from its Content-Length alone, before reading it
+        app.listen(url.port, url.hostname, max_body_size=MAX_BUFFERED_BODY,
+                   ssl_options=tls.server_context() if tls is not None else None)
+        # The hub manages this process; if the hub dies (kill -9), go too, so that the next
+        # `gpulab up` finds the port free and starts a fresh service.
+        hub_pid = os.getppid()
+
+        def exit_if_orphaned():
+            if os.getppid() != hub_pid:
+                log.warning("The hub (pid %s) is gone; the gpulab service stops.", hub_pid)
+                IOLoop.current().stop()
+
+        PeriodicCallback(exit_if_orphaned, 500).start()
+
+        def stop(sig: signal.Signals) -> None:
+            # the hub stops its services with SIGINT (Ctrl-C reaches this process too): a line
+            # in the log, not a KeyboardInterrupt traceback; training jobs go on (see jobs.py)
+            log.info("gpulab service: %s, stopping", sig.name)
             IOLoop.current().stop()
 
-    PeriodicCallback(exit_if_orphaned, 500).start()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            IOLoop.current().asyncio_loop.add_signal_handler(sig, stop, sig)
+        log.info("gpulab service at %s%s (ledger %s)", url.geturl(), prefix, ledger.engine.url.render_as_string(hide_password=True))
+        IOLoop.current().start()
 
-    def stop(sig: signal.Signals) -> None:
-        # the hub stops its services with SIGINT (Ctrl-C reaches this process too): a line
-        # in the log, not a KeyboardInterrupt traceback; training jobs go on (see jobs.py)
-        log.info("gpulab service: %s, stopping", sig.name)
-        IOLoop.current().stop()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        IOLoop.current().asyncio_loop.add_signal_handler(sig, stop, sig)
-    log.info("gpulab service at %s%s (ledger %s)", url.geturl(), prefix, ledger.engine.url.render_as_string(hide_password=True))
-    IOLoop.current().start()
+def main(argv=None) -> None:
+    """``python -m gpulab.hub.service [--config=<file>]``."""
+    GpulabService.launch_instance(argv)
 
 
 if __name__ == "__main__":
