@@ -106,7 +106,8 @@ class StandInDirectory:
 
 
 def at_scale() -> None:
-    from gpulab.hub.service import app as service
+    from gpulab.hub.service.pages import _pages, page_context
+    from gpulab.hub.service.quotas import overview
 
     proc = psutil.Process()
     base = proc.memory_info().rss
@@ -137,11 +138,11 @@ def at_scale() -> None:
         h = H()
         h.ledger, h.directory, h.settings = ledger, StandInDirectory(users), {}
         t0 = time.perf_counter()
-        o = asyncio.run(service.overview(h))
-        ctx = service.page_context(hub_prefix="/hub/", service_prefix="/services/gpulab/",
-                                   model={"name": "admin", "admin": True}, xsrf="x", admin=True,
-                                   path="/services/gpulab/admin")
-        html = service._pages.get_template("admin.html").render(**ctx, o=o)
+        o = asyncio.run(overview(h))
+        ctx = page_context(hub_prefix="/hub/", service_prefix="/services/gpulab/",
+                           model={"name": "admin", "admin": True}, xsrf="x", admin=True,
+                           path="/services/gpulab/admin")
+        html = _pages.get_template("admin.html").render(**ctx, o=o)
         took = time.perf_counter() - t0
         rss = proc.memory_info().rss
     print(f"service at scale: 1,000 users, 100,000 past allocations: RSS {rss / 2**20:.0f} MiB "

@@ -25,7 +25,7 @@ from traitlets.config import Config
 from gpulab.spawner.kubeobjects import GPULAB_SERVICE_PORT
 
 from gpulab.hub.deploy.local import gpulab_roles
-from gpulab.hub.service.app import ADMIN_SCOPE, RECONCILE_ENV, SERVICE_NAME
+from gpulab.hub.service import ADMIN_SCOPE, RECONCILE_ENV, SERVICE_NAME
 
 SPAWNER_CLASS = "gpulab.spawner.kube.KubeGPUSpawner"
 #: the port of the gpulab service in the hub pod (the proxy reaches it at the pod's IP; the

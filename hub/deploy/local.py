@@ -16,7 +16,7 @@ from gpulab.hub.deploy.datadir import DataDir
 
 from pathlib import Path
 
-from gpulab.hub.service.app import ADMIN_SCOPE, SERVICE_NAME
+from gpulab.hub.service import ADMIN_SCOPE, SERVICE_NAME
 
 ADMIN_GROUP = "gpulab-admins"
 CULLER_SCOPES = ["list:users", "read:users:activity", "read:servers", "delete:servers"]

@@ -31,7 +31,7 @@ def _merge_services(ours: list, theirs: list) -> list:
 
 #: the gpulab service's own certificate (in ``internal_certs_location``), signed by the hub's CA
 SERVICE_CERT_NAME = "gpulab-service"
-#: where the gpulab service finds it (`gpulab.hub.service.app.ssl_from_env`)
+#: where the gpulab service finds it (`gpulab.hub.service.tls.ServiceTLS.from_env`)
 SERVICE_SSL_ENV = ("GPULAB_SSL_KEYFILE", "GPULAB_SSL_CERTFILE", "GPULAB_SSL_CLIENT_CA",
                    "GPULAB_SSL_HUB_CA")
 
@@ -111,7 +111,7 @@ class GpulabHub(JupyterHub):
         super().init_internal_ssl()
         if not self.internal_ssl:
             return
-        from gpulab.hub.service.app import SERVICE_NAME
+        from gpulab.hub.service import SERVICE_NAME
 
         ssl_env = service_certificate(self.internal_certs_location,
                                       self.internal_trust_bundles, self.log)
@@ -140,13 +140,13 @@ class GpulabHub(JupyterHub):
         # the service checks job specs against the limits set in the operator's file, and
         # reconciles notebook allocations as often as it says
         from gpulab.hub.jobs.spec import GPUJobs
-        from gpulab.hub.service.app import SERVICE_NAME
+        from gpulab.hub.service import SERVICE_NAME
 
         from gpulab.spawner.mixin import GPULedger
 
         from gpulab.spawner.inventory import GPUInventory
 
-        from gpulab.hub.service.app import RECONCILE_ENV, USAGE_ENV
+        from gpulab.hub.service import RECONCILE_ENV, USAGE_ENV
 
         jobs = GPUJobs(config=self.config)
         limits = jobs.limits_json()

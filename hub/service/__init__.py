@@ -10,3 +10,7 @@ SERVICE_NAME = "gpulab"
 #: the custom scope that lets a token see other people and change quotas
 ADMIN_SCOPE = "custom:gpulab:admin"
 ACCESS_SCOPE = f"access:services!service={SERVICE_NAME}"
+#: the environment variable with the seconds between two runs of the reconciler (0: never)
+RECONCILE_ENV = "GPULAB_RECONCILE_SECONDS"
+#: the environment variable with the seconds between two reads of GPU usage (0: not read)
+USAGE_ENV = "GPULAB_USAGE_SECONDS"

@@ -3,7 +3,8 @@ changes were left out), rendered by the service's own template from a real SQLit
 
 import asyncio
 
-from gpulab.hub.service import app as service
+from gpulab.hub.service.pages import _pages, page_context
+from gpulab.hub.service.quotas import overview
 from gpulab.hub.quota.ledger import DeviceInfo, Ledger
 from gpulab.hub.quota.policy import Quota
 
@@ -26,10 +27,10 @@ def test_audit_trail_shows_gpu_hours_and_unsets(tmp_path):
 
     h = Handler()
     h.ledger, h.directory, h.settings = ledger, Directory(), {}
-    o = asyncio.run(service.overview(h))
-    ctx = service.page_context(hub_prefix="/hub/", service_prefix="/services/gpulab/",
+    o = asyncio.run(overview(h))
+    ctx = page_context(hub_prefix="/hub/", service_prefix="/services/gpulab/",
                                model={"name": "admin", "admin": True}, xsrf="x", admin=True)
-    page = service._pages.get_template("admin.html").render(o=o, **ctx)
+    page = _pages.get_template("admin.html").render(o=o, **ctx)
     rows = page[page.index('<table id="audit"'):]
     assert ('<td class="old">2 GPUs at once</td><td class="new">2 GPUs at once, at most 1 per '
             'request, 100 GPU-hours per') in rows

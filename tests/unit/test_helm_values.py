@@ -16,7 +16,7 @@ from traitlets.config import Config
 
 from gpulab.hub.deploy.local import ADMIN_GROUP
 from gpulab.hub.deploy.kubernetes import SERVICE_PORT
-from gpulab.hub.service.app import ADMIN_SCOPE, SERVICE_NAME
+from gpulab.hub.service import ADMIN_SCOPE, SERVICE_NAME
 from gpulab.spawner.kube import KubeGPUSpawner
 from gpulab.spawner.mixin import GPULedger
 from gpulab.spawner.profiles import parse_profiles

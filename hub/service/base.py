@@ -1,0 +1,155 @@
+"""The handler base of the gpulab service: `Base` (the hub's authentication, the ledger and
+the hub directory of the application's settings), `APIHandler` (JSON in, JSON out, one place
+where errors become status codes and JSON bodies), `FieldError`, and the checks every JSON
+request body passes (`check_json_values`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+from jupyterhub.services.auth import HubOAuthenticated
+from tornado import web
+
+from gpulab.hub.quota.ledger import Ledger
+from gpulab.hub.service import ACCESS_SCOPE, ADMIN_SCOPE
+from gpulab.hub.service.hubapi import HubDirectory
+
+log = logging.getLogger("gpulab.service")
+
+DAY = 24 * 3600
+MAX_BODY = 64 * 1024
+#: the largest request body the service reads at all (see `main`)
+MAX_BUFFERED_BODY = 16 * 2**20
+#: the deepest nesting of lists and objects a request body may have
+MAX_JSON_DEPTH = 32
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def check_json_values(value, path: str = "body", depth: int = 0) -> None:
+    """Refuse (`FieldError` 400, naming the field) what JSON can carry but no field may hold:
+    nesting deeper than `MAX_JSON_DEPTH`, strings (keys too) with NUL or lone surrogates (not
+    UTF-8 text: nothing could store them), numbers that are not finite (``1e400``)."""
+    if depth > MAX_JSON_DEPTH:
+        raise FieldError(400, path, f"The request body is nested too deeply (at most "
+                         f"{MAX_JSON_DEPTH} levels).")
+    if isinstance(value, str):
+        if "\0" in value:
+            raise FieldError(400, path, f"'{path}' holds a NUL character.")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise FieldError(400, path, f"'{path}' is not valid Unicode text (a lone "
+                             "surrogate).") from None
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise FieldError(400, path, f"'{path}' must be a finite number.")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_json_values(k, path, depth + 1)
+            check_json_values(v, k if path == "body" else f"{path}.{k}", depth + 1)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_json_values(v, f"{path}[{i}]", depth + 1)
+
+#: gpulab's pages extend JupyterHub's own ``page.html`` (its navigation, Bootstrap 5 and dark
+#: mode), found as the hub finds it: gpulab's hub templates first (the "GPUs" link in the
+#: navigation), then JupyterHub's, also as ``templates/<name>`` (what gpulab's hub
+#: ``page.html`` extends). Their CSS and JavaScript come from the hub's static files
+#: (``<hub prefix>static/``, `ErrorPages.page_context`), which the proxy routes to the hub.
+
+
+class Base(HubOAuthenticated, web.RequestHandler):
+    @property
+    def ledger(self) -> Ledger:
+        return self.settings["ledger"]
+
+    @property
+    def directory(self) -> HubDirectory:
+        return self.settings["directory"]
+
+    @property
+    def hub_scopes(self):
+        return {ACCESS_SCOPE}
+
+    @property
+    def is_gpulab_admin(self) -> bool:
+        user = self.current_user
+        return bool(user) and bool(self.hub_auth.check_scopes({ADMIN_SCOPE}, user))
+
+
+class APIHandler(Base):
+    """JSON in, JSON out; every error is ``{"status": …, "message": …, "field"?: …}``."""
+
+    async def prepare(self):
+        model = await self.hub_auth.get_user(self, sync=False)
+        if not model:
+            raise web.HTTPError(401, "Log in to the hub, or send a hub API token "
+                                "(header 'Authorization: token <token>').")
+        if not self.hub_auth.check_scopes(self.hub_scopes, model):
+            raise web.HTTPError(403, f"This token lacks the scope {ACCESS_SCOPE}.")
+        self._hub_auth_user_cache = model
+        self.current_user = model
+
+    def set_default_headers(self):
+        self.set_header("Content-Type", "application/json; charset=utf-8")
+        self.set_header("Cache-Control", "no-store")
+
+    def write_error(self, status_code, **kwargs):
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        message = getattr(exc, "message", None)
+        if message is None and isinstance(exc, web.HTTPError) and exc.log_message:
+            message = exc.log_message % exc.args if exc.args else exc.log_message
+        message = message or self._reason
+        body = {"status": status_code, "message": message}
+        if getattr(exc, "field", None):
+            body["field"] = exc.field
+        if status_code >= 500 and status_code != 503:  # 503: a state said on purpose
+            body["message"] = "Internal error in the gpulab service; see its log."
+        self.finish(json.dumps(body))
+
+    def require_admin(self):
+        if not self.is_gpulab_admin:
+            raise web.HTTPError(403, f"This needs the scope {ADMIN_SCOPE} (a gpulab admin).")
+
+    def json_body(self, limit: int = MAX_BODY):
+        if len(self.request.body) > limit:
+            raise FieldError(413, "body", "The request body is too large.")
+        try:
+            body = json.loads(self.request.body or b"null", parse_constant=_no_constant)
+        except RecursionError:
+            raise FieldError(400, "body", "The request body is nested too deeply (at most "
+                             f"{MAX_JSON_DEPTH} levels).") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise FieldError(400, "body", f"The request body is not valid JSON: {e}.") from None
+        check_json_values(body)
+        return body
+
+    def send(self, obj, status=200):
+        self.set_status(status)
+        self.finish(json.dumps(obj))
+
+    def int_arg(self, name: str, default: int, lo: int, hi: int) -> int:
+        raw = self.get_query_argument(name, None)
+        if raw is None:
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise FieldError(400, name, f"'{name}' must be a whole number, got {raw!r}.") from None
+        if not lo <= value <= hi:
+            raise FieldError(400, name, f"'{name}' must be from {lo} to {hi}, got {value}.")
+        return value
+
+
+class FieldError(web.HTTPError):
+    """A 4xx whose ``message`` is for people and whose ``field`` names the bad input."""
+
+    def __init__(self, status: int, field: str, message: str):
+        super().__init__(status, "%s", message)
+        self.field = field
+        self.message = message

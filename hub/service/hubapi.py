@@ -1,0 +1,69 @@
+"""The hub API client of the gpulab service: `HubDirectory` reads the hub's users, groups
+and running servers with the service's own token, and caches them for a few seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from urllib.parse import quote
+
+from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+
+class HubDirectory:
+    """Users and groups as the hub knows them, read with the service's own token."""
+
+    def __init__(self, api_url: str, token: str, ttl: float = 5.0):
+        self.api_url, self.token, self.ttl = api_url.rstrip("/"), token, ttl
+        self._cache: tuple[float, list[dict]] | None = None
+        self._lock = asyncio.Lock()
+
+    async def _get(self, path: str):
+        req = HTTPRequest(self.api_url + path, headers={"Authorization": f"token {self.token}"},
+                          request_timeout=20)
+        resp = await AsyncHTTPClient().fetch(req)
+        return json.loads(resp.body)
+
+    async def _all_users(self) -> list[dict]:
+        """Every user model the hub lists, page by page (active servers only)."""
+        models, offset = [], 0
+        while True:
+            page = await self._get(f"/users?offset={offset}&limit=200&include_stopped_servers=0")
+            items = page["items"] if isinstance(page, dict) else page
+            models.extend(items)
+            if not isinstance(page, dict) or not page.get("_pagination", {}).get("next"):
+                return models
+            offset = page["_pagination"]["next"]["offset"]
+
+    async def users(self) -> list[dict]:
+        async with self._lock:
+            if self._cache and time.monotonic() - self._cache[0] < self.ttl:
+                return self._cache[1]
+            users = [{"name": u["name"], "groups": sorted(u.get("groups", [])),
+                      "admin": bool(u.get("admin"))} for u in await self._all_users()]
+            self._cache = (time.monotonic(), users)
+            return users
+
+    async def active_servers(self) -> set[tuple[str, str]] | None:
+        """``(user, server)`` of every server the hub has running or starting or stopping
+        (``"default"`` for a user's default server, as the ledger names it), or None when the
+        hub does not show servers to this service's token (no ``read:servers``)."""
+        active = set()
+        for u in await self._all_users():
+            if "servers" not in u:
+                return None
+            active.update((u["name"], name or "default") for name in u["servers"])
+        return active
+
+    async def groups_of(self, name: str) -> list[str]:
+        for u in await self.users():
+            if u["name"] == name:
+                return u["groups"]
+        try:
+            model = await self._get(f"/users/{quote(name, safe='')}")
+        except Exception:
+            return []
+        return sorted(model.get("groups", []))
+
+    def forget(self) -> None:
+        self._cache = None

@@ -1,0 +1,121 @@
+"""The training-job handlers of the gpulab service (``/jobs…``): HTTP only; the job logic
+is the configured backend's (`gpulab.hub.jobs`)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+
+from tornado import web
+
+from gpulab.hub.quota.ledger import AdmissionRefused
+from gpulab.hub.service.base import MAX_BODY, APIHandler, FieldError
+from gpulab.hub.service.quotas import _usage
+
+# -- training jobs -------------------------------------------------------------------------
+
+
+class JobsBase(APIHandler):
+    @property
+    def backend(self):
+        backend = self.settings.get("jobs")
+        if backend is None:
+            raise web.HTTPError(503, "Training jobs are not configured on this hub.")
+        return backend
+
+    def owner(self) -> str:
+        """Whose jobs: your own; an admin may name another user with ?user=."""
+        who = self.get_query_argument("user", None)
+        me = self.current_user["name"]
+        if who is None or who == me:
+            return me
+        if not self.is_gpulab_admin:
+            raise web.HTTPError(403, "You may only see and act on your own jobs.")
+        return who
+
+    async def job_or_404(self, name: str) -> dict:
+        # the backend reads the ledger's database: in a worker thread
+        job = await asyncio.to_thread(self.backend.get, self.owner(), name)
+        if job is None:
+            raise web.HTTPError(404, f"You have no job named '{name}'.")
+        return job
+
+
+class JobsHandler(JobsBase):
+    async def get(self):
+        if self.get_query_argument("all", "") in ("1", "true") :
+            self.require_admin()
+            self.send({"jobs": await asyncio.to_thread(self.backend.list)})
+            return
+        self.send({"jobs": await asyncio.to_thread(self.backend.list, self.owner())})
+
+    async def post(self):
+        from gpulab.hub.jobs.local import JobError
+        from gpulab.hub.jobs.spec import SpecError, parse_spec
+
+        if self.backend.unavailable:
+            raise web.HTTPError(503, self.backend.unavailable)
+        limits = self.settings["job_limits"]
+        body = self.json_body(limit=limits.max_source_bytes + MAX_BODY)
+        try:
+            spec = parse_spec(body, limits)
+        except SpecError as e:
+            raise FieldError(400, e.field, e.message) from None
+        me = self.current_user["name"]
+        groups = tuple(await self.directory.groups_of(me))
+        try:
+            job = await self.backend.submit(me, groups, spec)
+        except AdmissionRefused as e:
+            raise FieldError(e.status, "resources", f"Job '{spec.name}' was not started: {e.message}") from None
+        except JobError as e:
+            raise FieldError(e.status, e.field or "body", e.message) from None
+        self.send(job, 201)
+
+
+class JobHandler(JobsBase):
+    async def get(self, name):
+        job = await self.backend.detail(self.owner(), name)
+        if job is None:
+            raise web.HTTPError(404, f"You have no job named '{name}'.")
+        from gpulab.hub.jobs.local import FINAL
+
+        usage = _usage(self)
+        if usage is not None and job.get("state") not in FINAL:
+            for r in job.get("replicas", ()):
+                if r.get("devices"):  # how busy the replica's GPUs are now
+                    r["usage"] = usage.entries(r["devices"])
+        self.send(job)
+
+
+class JobStopHandler(JobsBase):
+    async def post(self, name):
+        await self.job_or_404(name)
+        self.send(await self.backend.stop(self.owner(), name, actor=self.current_user["name"]))
+
+
+class JobLogsHandler(JobsBase):
+    """A replica's log from ``offset`` (at most 1 MiB a call); with ``follow=1`` waits up to
+    20 s for more while the job runs. ``offset`` in the answer is where to ask next."""
+
+    async def get(self, name, replica):
+        from gpulab.hub.jobs.local import JobError
+
+        offset = self.int_arg("offset", 0, 0, 2**62)
+        follow = self.get_query_argument("follow", "") in ("1", "true")
+        owner = self.owner()
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if inspect.iscoroutinefunction(self.backend.read_log):
+                    text, size, done = await self.backend.read_log(owner, name, replica, offset)
+                else:  # in a thread: it reads a file in the person's folder (local backend)
+                    text, size, done = await asyncio.to_thread(
+                        self.backend.read_log, owner, name, replica, offset)
+            except JobError as e:
+                raise FieldError(e.status, e.field or "name", e.message) from None
+            if text or not follow or done or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        self.send({"replica": replica, "offset": offset + len(text), "size": size,
+                   "text": text.decode(errors="replace"), "done": done})

@@ -1,0 +1,224 @@
+"""Quotas, holdings, usage and the audit trail: the view builders the API and the pages
+share (`user_view`, `overview`, `inventory_view`) and the REST handlers ``/me``,
+``/quotas…``, ``/allocations``, ``/usage``, ``/audit``. Every ledger read and write runs in a
+worker thread, never on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tornado import web
+
+from gpulab.hub.quota.ledger import Ledger
+from gpulab.hub.quota.policy import Quota, QuotaError, parse_quota
+from gpulab.hub.service.base import DAY, APIHandler, Base, FieldError
+
+# -- views shared by the API and the pages ------------------------------------------------
+
+
+async def user_view(handler: Base, name: str, now: float | None = None) -> dict:
+    """One person's view (the user page, ``/me``); the ledger is read in a worker thread,
+    never on the event loop."""
+    now = time.time() if now is None else now
+    groups = await handler.directory.groups_of(name)
+    return await asyncio.to_thread(_user_view, handler.ledger, name, groups, _usage(handler), now)
+
+
+def _user_view(ledger: Ledger, name: str, groups: list, usage, now: float) -> dict:
+    quota, source = ledger.effective(name, groups)
+    held = ledger.open_allocations(user=name)
+    return {
+        "user": name,
+        "groups": groups,
+        "quota": quota.as_dict() if quota else None,
+        "quota_source": source,
+        "quota_text": quota.describe() if quota else "no limit but free GPUs",
+        "holdings": [_holding(a, usage) for a in held if a.gpus],
+        "gpus_held": sum(a.gpus for a in held),
+        "usage_gpu_hours": {
+            "7d": round(ledger.usage(now - 7 * DAY, now, user=name).get(name, 0.0), 3),
+            "30d": round(ledger.usage(now - 30 * DAY, now, user=name).get(name, 0.0), 3),
+        },
+    }
+
+
+def _usage(handler: Base):
+    """The service's `PoolUsage` (None: GPU usage is not measured by this service)."""
+    return handler.settings.get("gpu_usage")
+
+
+def _holding(a, usage=None) -> dict:
+    """One open allocation; with `usage`, how busy each of its devices is now (NVML)."""
+    return {"id": a.id, "kind": a.kind, "name": a.holder, "gpus": a.gpus,
+            "devices": list(a.devices), "since": a.started_at,
+            "usage": usage.entries(a.devices) if usage is not None else []}
+
+
+def inventory_view(ledger: Ledger, usage=None) -> dict:
+    devices = ledger.devices()
+    held = {i for a in ledger.open_allocations() for i in a.devices}
+    return {"total": len(devices), "free": len([d for d in devices if d.index not in held]),
+            "simulated": any(d.simulated for d in devices),
+            # whether real GPUs' usage is read (NVML on this machine)
+            "usage_measured": usage is not None and usage.sampler is not None}
+
+
+async def overview(handler: Base) -> dict:
+    """Everything the admin page shows: users, groups, default quota, audit trail. The
+    ledger is read in a worker thread, never on the event loop."""
+    users = await handler.directory.users()
+    return await asyncio.to_thread(_overview, handler.ledger, users, _usage(handler), time.time())
+
+
+def _overview(ledger: Ledger, users: list, usage, now: float) -> dict:
+    open_allocs = ledger.open_allocations()
+    models = {d.index: d.model for d in ledger.devices()}
+    u7 = ledger.usage(now - 7 * DAY, now)
+    u30 = ledger.usage(now - 30 * DAY, now)
+    rows = {q["scope"] + ":" + q["name"]: q for q in ledger.quotas()}
+    known = {u["name"] for u in users}
+    # people the hub no longer lists but who still hold GPUs or have history stay visible
+    for name in sorted(({a.user for a in open_allocs} | set(u30)) - known):
+        users.append({"name": name, "groups": [], "admin": False})
+    out_users = []
+    groups: dict[str, dict] = {}
+    for u in users:
+        quota, source = ledger.effective(u["name"], u["groups"])
+        mine = [a for a in open_allocs if a.user == u["name"] and a.gpus]
+        out_users.append({
+            "name": u["name"], "groups": u["groups"],
+            "quota": quota.as_dict() if quota else None, "quota_source": source,
+            "quota_text": quota.describe() if quota else "no limit",
+            "override": rows.get("user:" + u["name"]),
+            # which devices, of which models: the admin sees who holds GPU 3
+            "holdings": [{**_holding(a, usage), "models": sorted({models[i] for i in a.devices
+                                                            if models.get(i)})}
+                         for a in mine],
+            "gpus_held": sum(a.gpus for a in mine),
+            "gpu_hours_7d": round(u7.get(u["name"], 0.0), 2),
+            "gpu_hours_30d": round(u30.get(u["name"], 0.0), 2),
+        })
+        for g in u["groups"]:
+            entry = groups.setdefault(g, {"name": g, "members": [], "gpus_held": 0,
+                                          "gpu_hours_7d": 0.0, "gpu_hours_30d": 0.0})
+            entry["members"].append(u["name"])
+            entry["gpus_held"] += sum(a.gpus for a in mine)
+            entry["gpu_hours_7d"] += u7.get(u["name"], 0.0)
+            entry["gpu_hours_30d"] += u30.get(u["name"], 0.0)
+    for key, q in rows.items():
+        if q["scope"] == "group":
+            groups.setdefault(q["name"], {"name": q["name"], "members": [], "gpus_held": 0,
+                                          "gpu_hours_7d": 0.0, "gpu_hours_30d": 0.0})
+    for g in groups.values():
+        g["quota"] = rows.get("group:" + g["name"])
+        g["gpu_hours_7d"] = round(g["gpu_hours_7d"], 2)
+        g["gpu_hours_30d"] = round(g["gpu_hours_30d"], 2)
+    return {
+        "users": sorted(out_users, key=lambda u: u["name"]),
+        "groups": sorted(groups.values(), key=lambda g: g["name"]),
+        "default": rows.get("default:"),
+        "inventory": inventory_view(ledger, usage),
+        # every field of a change (GPU-hours too), in the words of the quota column
+        "audit": [{**a, "old_text": Quota(**a["old"]).describe() if a["old"] else "—",
+                   "new_text": Quota(**a["new"]).describe() if a["new"] else "unset"}
+                  for a in ledger.audit(50)],
+    }
+
+
+# -- REST API ------------------------------------------------------------------------------
+
+
+class MeHandler(APIHandler):
+    async def get(self):
+        view = await user_view(self, self.current_user["name"])
+        view["inventory"] = await asyncio.to_thread(inventory_view, self.ledger, _usage(self))
+        view["admin"] = self.is_gpulab_admin
+        backend = self.settings.get("jobs")
+        view["jobs"] = None if backend is None else {
+            "backend": backend.name, "images": list(self.settings["job_limits"].allowed_images),
+            "available": not backend.unavailable, "reason": backend.unavailable or ""}
+        self.send(view)
+
+
+class QuotasHandler(APIHandler):
+    async def get(self):
+        self.require_admin()
+        self.send({"quotas": await asyncio.to_thread(self.ledger.quotas)})
+
+
+class QuotaHandler(APIHandler):
+    """``/quotas/default``, ``/quotas/users/<name>``, ``/quotas/groups/<name>``."""
+
+    def _target(self, kind: str, name: str | None) -> tuple[str, str]:
+        self.require_admin()
+        scope = {"default": "default", "users": "user", "groups": "group"}[kind]
+        name = name or ""
+        if scope != "default" and not 1 <= len(name) <= 255:
+            raise FieldError(400, "name", f"A {scope} name must have 1 to 255 characters.")
+        return scope, name
+
+    async def get(self, kind, name=None):
+        scope, name = self._target(kind, name)
+        q = await asyncio.to_thread(self.ledger.quota_of, scope, name)
+        if q is None:
+            raise web.HTTPError(404, f"No {scope} quota is set" + (f" for '{name}'." if name else "."))
+        self.send({"scope": scope, "name": name, **q.as_dict()})
+
+    async def put(self, kind, name=None):
+        scope, name = self._target(kind, name)
+        try:
+            quota = parse_quota(self.json_body())
+            # writes wait for the ledger's lock: in a worker thread, never on the event loop
+            row = await asyncio.to_thread(self.ledger.set_quota, scope, name, quota,
+                                          self.current_user["name"])
+        except QuotaError as e:
+            raise FieldError(400, e.field, e.message) from None
+        self.settings["on_quota_change"](scope, name)
+        self.send(row)
+
+    async def delete(self, kind, name=None):
+        scope, name = self._target(kind, name)
+        if not await asyncio.to_thread(self.ledger.unset_quota, scope, name,
+                                       self.current_user["name"]):
+            raise web.HTTPError(404, f"No {scope} quota is set" + (f" for '{name}'." if name else "."))
+        self.settings["on_quota_change"](scope, name)
+        self.set_status(204)
+        self.finish()
+
+
+class AllocationsHandler(APIHandler):
+    async def get(self):
+        who = self.get_query_argument("user", None)
+        if not self.is_gpulab_admin:
+            if who not in (None, self.current_user["name"]):
+                raise web.HTTPError(403, "You may only see your own allocations.")
+            who = self.current_user["name"]
+        allocs = await asyncio.to_thread(self.ledger.open_allocations, user=who)
+        self.send({"allocations": [a.as_dict() for a in allocs]})
+
+
+class UsageHandler(APIHandler):
+    async def get(self):
+        days = self.int_arg("days", 7, 1, 366)
+        now = time.time()
+        if not self.is_gpulab_admin:
+            name = self.current_user["name"]
+            hours = (await asyncio.to_thread(self.ledger.usage, now - days * DAY, now,
+                                             user=name)).get(name, 0.0)
+            self.send({"days": days, "users": {name: round(hours, 3)}, "groups": {}})
+            return
+        users = await asyncio.to_thread(self.ledger.usage, now - days * DAY, now)
+        groups: dict[str, float] = {}
+        for u in await self.directory.users():
+            for g in u["groups"]:
+                groups[g] = groups.get(g, 0.0) + users.get(u["name"], 0.0)
+        self.send({"days": days, "users": {k: round(v, 3) for k, v in sorted(users.items())},
+                   "groups": {k: round(v, 3) for k, v in sorted(groups.items())}})
+
+
+class AuditHandler(APIHandler):
+    async def get(self):
+        self.require_admin()
+        limit = self.int_arg("limit", 100, 1, 1000)
+        self.send({"audit": await asyncio.to_thread(self.ledger.audit, limit)})

@@ -1,0 +1,72 @@
+"""The reconciler: closes the notebook allocations of servers the hub no longer has."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tornado.ioloop import PeriodicCallback
+
+from gpulab.hub.quota.ledger import Ledger
+from gpulab.hub.service.base import log
+from gpulab.hub.service.hubapi import HubDirectory
+
+async def close_orphaned_notebooks(ledger: Ledger, directory: HubDirectory,
+                                   grace: float) -> list | None:
+    """Close the open notebook allocations whose server the hub no longer has.
+
+    A hub that stops or crashes in the middle of a spawn (a ``helm upgrade`` while a GPU image
+    is being pulled, the hub pod evicted) never learns that the server it was starting is gone,
+    so the GPUs admitted for it would stay held for ever. The hub's own list of servers is the
+    truth: an allocation whose ``(user, server)`` the hub does not list as running, starting or
+    stopping is closed. An allocation younger than ``grace`` seconds is left alone (it may
+    belong to a spawn that began after the hub's list was read). Returns the closed
+    allocations, or None when the hub's list could not be read (then nothing is closed).
+    """
+    try:
+        active = await directory.active_servers()
+    except Exception as e:  # the hub restarting: try again next time
+        log.warning("Could not list the hub's servers (%s); no notebook allocation closed", e)
+        return None
+    if active is None:
+        log.warning("The hub does not show servers to the gpulab service (no read:servers "
+                    "scope); notebook allocations of vanished servers are not closed")
+        return None
+    now = time.time()
+    closed = []
+    for a in await asyncio.to_thread(ledger.open_allocations, kind="notebook"):
+        if (a.user, a.holder) in active or now - a.started_at < grace:
+            continue
+        done = await asyncio.to_thread(ledger.release, a.id,
+                                       "server gone: the hub no longer has it")
+        if done is not None:
+            log.warning("Closed the allocation of %s's server '%s' (%d GPUs): the hub no "
+                        "longer has that server", a.user, a.holder, a.gpus)
+            closed.append(done)
+    return closed
+
+
+def start_notebook_reconciler(ledger: Ledger, directory: HubDirectory,
+                              interval: float) -> PeriodicCallback | None:
+    """Run `close_orphaned_notebooks` every ``interval`` seconds (0: never); the grace for
+    young allocations is the interval, at least 30 s."""
+    if interval <= 0:
+        return None
+    grace = max(30.0, interval)
+    busy = False
+
+    async def tick():
+        nonlocal busy
+        if busy:
+            return
+        busy = True
+        try:
+            await close_orphaned_notebooks(ledger, directory, grace)
+        except Exception:
+            log.exception("Notebook allocation reconciler failed; retrying")
+        finally:
+            busy = False
+
+    pc = PeriodicCallback(tick, interval * 1000)
+    pc.start()
+    return pc
