@@ -435,7 +435,7 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
                     _request_timeout=self.request_timeout)
                 data = await resp.read()
                 if resp.status < 400:
-                    value = last_progress(data) or value
+                    value = last_progress(data.decode(errors="replace")) or value
             except Exception as e:  # progress is a nicety: never fail a status read for it
                 log.info("Progress of %s/%s not read: %s", ns, view["name"], e)
         self._progress[view["id"]] = (time.monotonic(), value)
