@@ -144,8 +144,8 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
     shared_volume = Dict(
         None,
         allow_none=True,
-        help="""The team's shared ReadWriteMany storage, as a pod volume source, or None (default)
-        for none. Each server mounts the user's own sub-path (``user_subpath_template``)
+        help="""The team's shared ReadWriteMany storage, as a pod volume source, or ``{}``
+        (default) for none. Each server mounts the user's own sub-path (``user_subpath_template``)
         read-write and ``datasets_subpath`` read-only under ``shared_mount_path``.
         Example (NFS, allowed by the ``baseline`` Pod Security level)::
 
