@@ -1,8 +1,10 @@
-"""`KubeJobBackend`: training jobs as pods made by Kubernetes' own Job controller.
+"""`KubeJobBackend`: the Kubernetes driver of the job workflow; training jobs as pods made by
+Kubernetes' own Job controller.
 
-The same interface as `gpulab.hub.jobs.local.LocalJobBackend` (``submit``, ``list``, ``get``,
-``read_log``, ``stop``, ``recover``, ``ensure_supervisor``, ``shutdown``) and the same views
-and states (Admitted, Starting, Running, Succeeded, Failed, Stopped, with reasons in words).
+The workflow (`gpulab.hub.jobs.base.JobBackend`: ``submit``, ``list``, ``get``, ``read_log``,
+``stop``, ``recover``, ``ensure_supervisor``, ``shutdown``) is the local driver's; so are the
+views and states (Admitted, Starting, Running, Succeeded, Failed, Stopped, with reasons in
+words). The outcome of a pass is `gpulab.hub.jobs.rules.decide_kube`'s.
 
 Submit
     The spec is checked (`gpulab.hub.jobs.spec`) before this backend sees it. The backend
@@ -58,23 +60,19 @@ import calendar
 import json
 import logging
 import time
-import uuid
 
 from kubernetes_asyncio.client.rest import ApiException
 from kubespawner.clients import load_config, shared_client
 from kubespawner.reflector import MultiNamespaceResourceReflector
 from kubespawner.slugs import safe_slug
-from sqlalchemy import select
 from traitlets import Dict, Float, List, Unicode, default
 from traitlets.config import LoggingConfigurable
 
 from gpulab.extensions.contract import (
-    ACTIVE,
     EXIT_CONFIG,
     EXIT_INFRA,
     EXIT_PROGRAM,
     FINAL,
-    lead_replica,
 )
 from gpulab.spawner.kube import (
     ALLOWED_EGRESS_HELP,
@@ -90,7 +88,9 @@ from gpulab.spawner.namespaces import (
 )
 from gpulab.spawner.profiles import GPU_MODEL_LABEL, GPU_RESOURCE
 
-from gpulab.hub.jobs.local import JobBackend, JobError, _job_view, last_progress
+from gpulab.extensions.contract import last_progress
+from gpulab.hub.jobs.base import JobBackend, JobError, job_view, lead_of
+from gpulab.hub.jobs.rules import RoleJob, decide_kube
 from gpulab.hub.jobs.spec import ROLES, JobSpec
 from gpulab.hub.jobs.kubeobjects import (
     CONTAINER,
@@ -105,7 +105,8 @@ from gpulab.hub.jobs.kubeobjects import (
     mount_source,
     role_job_name,
 )
-from gpulab.hub.quota.ledger import JobRow, Ledger, ReplicaRow, Request
+from gpulab.hub.jobs.store import JobRow
+from gpulab.hub.quota.ledger import Allocation, Ledger
 
 log = logging.getLogger("gpulab.jobs.kube")
 
@@ -324,13 +325,14 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
             setattr(c.KubeJobBackend, k, v)
         return cls(ledger, config=c)
 
+    #: a job whose objects could not be created is kept as Failed, with the cluster's reason
+    keeps_failed_launches = True
+
     def __init__(self, ledger: Ledger, **kwargs):
         super().__init__(**kwargs)
-        self.ledger = ledger
+        self._setup_workflow(ledger)
         self._ready_ns: set[str] = set()
-        self._creating: set[str] = set()
         self._nodes: tuple[float, list[dict]] = (0.0, [])
-        self._task: asyncio.Task | None = None
         self._jobs_r: _JobReflector | None = None
         self._pods_r: _PodReflector | None = None
         self._started = asyncio.Lock()
@@ -366,25 +368,21 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
                 await pods.start()
                 self._jobs_r, self._pods_r = jobs, pods
 
-    def ensure_supervisor(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
+    # -- supervision: the workflow's hooks -------------------------------------------------
 
-    async def _run(self) -> None:
+    @property
+    def supervise_interval(self) -> float:
+        return self.reconcile_interval
+
+    async def _start_supervising(self) -> None:
         await self.start_watches()
-        while True:
-            try:
-                await self.reconcile()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("Kubernetes job reconciler failed; retrying")
-            await asyncio.sleep(self.reconcile_interval)
 
-    async def shutdown(self) -> None:
+    async def _supervise_pass(self) -> bool:
+        await self.reconcile()
+        return True
+
+    async def _stop_supervising(self) -> None:
         """Stop watching; the jobs keep running (a restarted service picks them up)."""
-        if self._task:
-            self._task.cancel()
         for r in (self._jobs_r, self._pods_r):
             if r is not None:
                 await r.stop()
@@ -404,14 +402,14 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
     # -- queries -------------------------------------------------------------------------
 
     def _view(self, job, reps, detail: bool = False) -> dict:
-        view = _job_view(job, reps)  # progress: only in `detail` (it costs a log request)
+        view = job_view(job, reps)  # progress: only in `detail` (it costs a log request)
         view["progress"] = None
         view["namespace"] = self.namespace_of(job.user)
         return view
 
     async def detail(self, user: str, name: str) -> dict | None:
         """`get`, with the job's progress from its lead replica's log (cached)."""
-        view = self.get(user, name)
+        view = await asyncio.to_thread(self.get, user, name)
         if view is None:
             return None
         view["progress"] = await self._read_progress(view)
@@ -422,10 +420,8 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         if cached and (view["state"] in FINAL
                        or time.monotonic() - cached[0] < self.progress_cache_seconds):
             return cached[1]
-        lead = lead_replica(view["spec"]["strategy"])
-        role, index = lead.rsplit("-", 1)
         ns = view["namespace"]
-        pods = self._replica_pods(ns, view["name"]).get((role, int(index)))
+        pods = self._replica_pods(ns, view["name"]).get(lead_of(view["spec"]))
         value = cached[1] if cached else None
         if pods and pods[-1].get("status", {}).get("phase") in ("Running", "Succeeded",
                                                                  "Failed"):
@@ -463,21 +459,14 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
                                      p["metadata"]["name"]))
         return out
 
-    async def read_log(self, user: str, name: str, replica: str, offset: int = 0,
-                       limit: int = 1 << 20) -> tuple[bytes, int, bool]:
+    async def _read_replica_log(self, job: JobRow, replica: str, offset: int,
+                                limit: int) -> tuple[bytes, int, bool]:
         """(up to ``limit`` bytes of the replica's current pod's log from ``offset``, the
         bytes known so far, job finished), through the pod log API."""
-        job = self.get(user, name)
-        if job is None:
-            raise JobError(f"You have no job named '{name}'.", 404)
-        names = [r["name"] for r in job["replicas"]]
-        if replica not in names:
-            raise JobError(f"Job '{name}' has no replica '{replica}'; it has "
-                           f"{', '.join(sorted(names))}.", 404, "replica")
         role, index = replica.rsplit("-", 1)
-        ns = self.namespace_of(user)
-        pods = self._replica_pods(ns, name).get((role, int(index)))
-        done = job["state"] in FINAL
+        ns = self.namespace_of(job.user)
+        pods = self._replica_pods(ns, job.name).get((role, int(index)))
+        done = job.state in FINAL
         if not pods:
             return b"", 0, done
         data = b""
@@ -497,7 +486,7 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
                 why = json.loads(data)["message"]
             except Exception:
                 why = api_message(e)
-            log.warning("Log of %s/%s %s: %s %s", ns, name, replica, e.status, why)
+            log.warning("Log of %s/%s %s: %s %s", ns, job.name, replica, e.status, why)
             raise JobError(f"The log of {replica} cannot be read now ({e.status}).", 502,
                            "replica") from e
         return data[offset:], len(data), done
@@ -558,50 +547,41 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         self._ready_ns.add(ns)
         return ns
 
-    async def submit(self, user: str, groups: tuple[str, ...], spec: JobSpec) -> dict:
-        self._check_new_name(user, spec.name)
+    # -- submit: the workflow's hooks ------------------------------------------------------
+
+    async def _prepare(self, user: str, groups: tuple[str, ...], spec: JobSpec) -> None:
         await self.check_capacity(spec)
-        # the per-person replica bound, then admission and the rows: no await in between, so
-        # concurrent submits of one person cannot pass the bound together
-        self._check_replica_bound(user, spec)
-        allocation = self.ledger.admit(Request(user=user, kind="job", holder=spec.name,
-                                               gpus=spec.total_gpus, groups=groups))
+
+    def _user_dir(self, user: str) -> str:
+        return (f"{self.shared_mount_path.rstrip('/')}/"
+                f"{self._expand(self.user_subpath_template, user)}")
+
+    def _job_dir(self, user: str, spec: JobSpec, prepared) -> str:
+        return f"{self._user_dir(user)}/jobs/{spec.name}"
+
+    def _replica_rows(self, spec: JobSpec, allocation: Allocation) -> list[dict]:
+        return [dict(role=role, index=index, state="Pending", reason="waiting for its pod",
+                     devices="[]") for role, index in spec.replica_names()]
+
+    async def _launch(self, job_id: str, user: str, groups: tuple[str, ...], spec: JobSpec,
+                      prepared) -> None:
         ns = self.namespace_of(user)
-        user_dir = f"{self.shared_mount_path.rstrip('/')}/{self._expand(self.user_subpath_template, user)}"
-        job_dir = f"{user_dir}/jobs/{spec.name}"
-        job_id = uuid.uuid4().hex
-        self._creating.add(job_id)
-        try:
-            now = time.time()
-            try:
-                with self.ledger.Session.begin() as s:
-                    s.add(JobRow(id=job_id, user=user, name=spec.name, backend=self.name,
-                                 spec=spec.model_dump_json(), state="Admitted",
-                                 reason=f"{spec.total_gpus} GPU(s) admitted",
-                                 allocation_id=allocation.id, job_dir=job_dir, created_at=now))
-                    s.flush()
-                    for role, index in spec.replica_names():
-                        s.add(ReplicaRow(job_id=job_id, role=role, index=index, state="Pending",
-                                         reason="waiting for its pod", devices="[]"))
-            except Exception as e:
-                self.ledger.release(allocation.id, "job not recorded")
-                raise JobError(f"name: you already have a job named '{spec.name}'.", 409,
-                               "name") from e
-            try:
-                await self._create_objects(user, groups, spec, ns, user_dir, job_dir)
-            except Exception as e:
-                message = self._refusal_words(e)
-                log.warning("Job %s/%s could not be created: %s", ns, spec.name, message)
-                await self._delete_parent(ns, spec.name)
-                self._finish(job_id, "Failed", f"could not be created: {message}")
-                raise JobError(f"The job could not be created: {message}",
-                               409 if isinstance(e, ApiException) and e.status == 403 else 502
-                               ) from e
-        finally:
-            self._creating.discard(job_id)
+        await self._create_objects(user, groups, spec, ns, self._user_dir(user),
+                                   self._job_dir(user, spec, prepared))
         log.info("Job %s/%s created (%d GPUs)", ns, spec.name, spec.total_gpus)
-        self.ensure_supervisor()
-        return self.get(user, spec.name)
+
+    async def _unlaunch(self, job_id: str, user: str, spec: JobSpec) -> None:
+        # the parent: garbage collection removes whatever else was created
+        await self._delete_parent(self.namespace_of(user), spec.name)
+
+    def _launch_error(self, e: BaseException, spec: JobSpec) -> JobError:
+        if isinstance(e, JobError):
+            return e
+        message = self._refusal_words(e)
+        log.warning("Job %s could not be created: %s", spec.name, message)
+        return JobError(f"The job could not be created: {message}",
+                        409 if isinstance(e, ApiException) and e.status == 403 else 502,
+                        reason=message)
 
     @staticmethod
     def _refusal_words(e: Exception) -> str:
@@ -674,29 +654,8 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         """Delete the job's parent Service: garbage collection removes everything else."""
         await self._delete(self.core.delete_namespaced_service, name, ns)
 
-    async def stop(self, user: str, name: str, actor: str | None = None) -> dict:
-        job = self.get(user, name)
-        if job is None:
-            raise JobError(f"No job '{name}'.", 404)
-        if job["state"] in FINAL:
-            return job
-        await self._delete_parent(self.namespace_of(user), name)
-        self._finish(job["id"], "Stopped", "stopped by " + (actor or user))
-        return self.get(user, name)
-
-    def _finish(self, job_id: str, state: str, reason: str) -> None:
-        with self.ledger.Session.begin() as s:
-            job, reps = self._load(s, job_id)
-            if job is None or job.state in FINAL:
-                return
-            job.state, job.reason, job.finished_at = state, reason, time.time()
-            for r in reps:
-                if r.state in ("Pending", "Starting", "Running"):
-                    r.state, r.reason = "Stopped", "stopped with the job"
-            alloc = job.allocation_id
-        if alloc:
-            self.ledger.release(alloc, f"job {state.lower()}")
-        log.info("Job %s: %s (%s)", job_id, state, reason)
+    async def _halt(self, view: dict) -> None:
+        await self._delete_parent(self.namespace_of(view["user"]), view["name"])
 
     # -- reconciling -----------------------------------------------------------------------
 
@@ -704,25 +663,23 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         """One pass over the active jobs, from the shared watches' caches."""
         if self._jobs_r is None:
             return
-        with self.ledger.Reader() as s:
-            active = s.scalars(select(JobRow.id).where(JobRow.state.in_(ACTIVE),
-                                                       JobRow.backend == self.name)).all()
-        for job_id in active:
-            if job_id not in self._creating:
-                await self._reconcile_job(job_id)
+        for job_id in await asyncio.to_thread(self._active_to_supervise):
+            await self._reconcile_job(job_id)
 
     async def _reconcile_job(self, job_id: str) -> None:
-        with self.ledger.Reader() as s:
-            job, reps = self._load(s, job_id)
-            spec = JobSpec.model_validate_json(job.spec)
-            user, name, created = job.user, job.name, job.created_at
+        job, _ = await asyncio.to_thread(self.store.read, job_id)
+        if job is None:
+            return
+        spec = JobSpec.model_validate_json(job.spec)
+        user, name, created = job.user, job.name, job.created_at
         ns = self.namespace_of(user)
         jobs = {role: self._jobs_r.resources.get(f"{ns}/{role_job_name(name, role)}")
                 for role in ROLES if spec.count(role)}
         pods = self._replica_pods(ns, name)
         if not any(jobs.values()):
             if time.time() - created > 30:  # the watch has long seen what submit created
-                self._finish(job_id, "Failed", "lost: its Kubernetes objects are gone")
+                await asyncio.to_thread(self._finish, job_id, "Failed",
+                                        "lost: its Kubernetes objects are gone")
             return
         now = time.time()
         outcome: tuple[str, str] | None = None
@@ -756,31 +713,13 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
                 outcome = ("Failed", f"{role}-{index} {why} within {self.unschedulable_timeout:g} "
                            "s; the whole job was removed")
                 delete_all = True
-        lead = "chief" if spec.strategy == "parameter-server" else "worker"
         if outcome is None:
-            for role, obj in jobs.items():
-                if obj is not None and job_finished(obj) == "Failed":
-                    c = _condition(obj, "Failed")
-                    if c.get("reason") == "DeadlineExceeded":
-                        outcome = ("Failed", f"stopped after max_runtime ({spec.max_runtime} s)")
-                    elif c.get("reason") == "PodFailurePolicy":  # not worth a retry
-                        failed = [(f"{r}-{i}", v[1].removeprefix("restarting after: "))
-                                  for (r, i), v in sorted(states.items())
-                                  if r == role and (v[0] == "Failed" or "after:" in v[1])]
-                        who, why = failed[0] if failed else (f"{role}-0", "failed")
-                        outcome = ("Failed", f"{who} failed: {why}; this is not retried "
-                                   f"(see its log: gpulab jobs logs {name} {who})")
-                    else:
-                        failed = [f"{r}-{i}: {v[1].removeprefix('restarting after: ')}"
-                                  for (r, i), v in states.items()
-                                  if r == role and (v[0] == "Failed" or "after:" in v[1])]
-                        outcome = ("Failed", f"the {role} replicas failed and the "
-                                   f"{spec.retries} retries are used up"
-                                   + (f" ({failed[-1]})" if failed else ""))
-                    break
-        if outcome is None and jobs.get(lead) is not None and job_finished(jobs[lead]) == "Complete":
-            outcome = ("Succeeded", "the chief finished" if lead == "chief"
-                       else "all workers finished")
+            roles = {role: None if obj is None else RoleJob(
+                         job_finished(obj), (_condition(obj, "Failed") or {}).get("reason", ""))
+                     for role, obj in jobs.items()}
+            outcome = decide_kube(spec.strategy, name, roles,
+                                  {k: (v[0], v[1]) for k, v in states.items()},
+                                  retries=spec.retries, max_runtime=spec.max_runtime)
         if outcome is not None:
             if delete_all:
                 await self._delete_parent(ns, name)
@@ -790,9 +729,13 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
                         delete_roles.append(role)
                         await self._delete(self.batch.delete_namespaced_job,
                                            role_job_name(name, role), ns)
+        await asyncio.to_thread(self._record_states, job_id, states, outcome, delete_roles, now)
+
+    def _record_states(self, job_id: str, states, outcome, delete_roles, now: float) -> None:
+        """What a reconcile pass saw, in the job's rows (in a thread), and its end if any."""
         with self.ledger.Session.begin() as s:
-            job, reps = self._load(s, job_id)
-            if job.state in FINAL:
+            job, reps = self.store.load(s, job_id)
+            if job is None or job.state in FINAL:
                 return
             for r in reps:
                 st, why, code, restarts = states[(r.role, r.index)]
@@ -812,12 +755,3 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
                     job.reason = "; ".join(waiting[:3])
         if outcome is not None:
             self._finish(job_id, *outcome)
-
-    # -- recovery after a restart of the service -------------------------------------------
-
-    def recover(self) -> None:
-        """Close the job allocations of no active job; active jobs are picked up by the
-        reconciler from the shared watches (and marked lost if their objects are gone)."""
-        with self.ledger.Reader() as s:
-            keep = set(s.scalars(select(JobRow.allocation_id).where(JobRow.state.in_(ACTIVE))))
-        self.ledger.close_orphans("job", keep, "job gone at service start-up")

@@ -1,8 +1,9 @@
-"""Training jobs: the backend interface and the local backend (one process per replica).
+"""The local driver of the job workflow: one process per replica on this machine.
 
-The service validates a `JobSpec`, then a backend admits the job's GPUs through the ledger as
-one request (the sum over replicas: all or nothing), starts the replicas, supervises them and
-releases the GPUs when the job ends in any way.
+The workflow (`gpulab.hub.jobs.base.JobBackend`) admits the job's GPUs through the ledger as
+one request (the sum over replicas: all or nothing), records it and releases the GPUs when the
+job ends in any way; this driver starts the replicas, watches their exits and acts on what
+`gpulab.hub.jobs.rules.decide_local` decides.
 
 Local backend
 -------------
@@ -42,7 +43,8 @@ Admission also bounds a person's active replicas across their jobs
 admission undoes everything in one place (`LocalJobBackend._undo`): processes, sandbox, rows,
 GPUs; nothing stays "Admitted".
 
-Supervision (every half second, over this process's own children):
+Supervision (every half second, over this process's own children; the rules are
+`gpulab.hub.jobs.rules.decide_local`):
 
 - parameter-server: the job succeeds when the chief exits 0 (ps and workers are then
   stopped). A worker that dies is restarted while retries last. A ps that dies is restarted,
@@ -69,52 +71,45 @@ import json
 import logging
 import os
 import pwd
-import re
 import signal
 import socket
 import subprocess
 import sys
 import time
-import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-from sqlalchemy import delete, select
-from sqlalchemy.exc import IntegrityError
 
 from gpulab.extensions import contract
-from gpulab.extensions.contract import ACTIVE, EXIT_INFRA, FINAL, PROGRESS_PREFIX, lead_replica
+from gpulab.extensions.contract import lead_replica
 from gpulab.spawner import sandbox
 from gpulab.spawner.accounts import AccountError
 from gpulab.spawner.cgroups import local_cgroups, memory_bytes
 
 from gpulab.spawner import safefs
-from gpulab.hub.jobs.spec import DEFAULT_LIMITS, ROLES, SOURCE_NAME, JobLimits, JobSpec
-from gpulab.hub.quota.ledger import JobRow, Ledger, ReplicaRow, Request
+from gpulab.hub.jobs.base import JobBackend, JobError, job_view
+from gpulab.hub.jobs.rules import (
+    EXIT_UNKNOWN,
+    PROGRAM_ERRORS,
+    decide_local,
+    error_summary,
+    exit_words,
+    names,
+)
+from gpulab.hub.jobs.spec import SOURCE_NAME, JobLimits, JobSpec
+from gpulab.hub.jobs.store import JobRow
+from gpulab.hub.quota.ledger import Allocation, Ledger
 
 log = logging.getLogger("gpulab.jobs")
 
-#: a replica adopted after a service restart that is gone: its exit code cannot be known
-EXIT_UNKNOWN = -1000
 #: variables a replica takes from the service's environment (nothing else is copied: the
 #: service's own hub token and settings must never reach a person's program)
 ENV_ALLOW = ("PATH", "LANG", "LANGUAGE", "TZ")
 ENV_ALLOW_PREFIXES = ("LC_",)
 #: the private /tmp folders of running jobs (root's, mode 0700; one folder per job)
 TMP_ROOT = Path("/var/lib/gpulab/tmp")
-
-
-class JobError(Exception):
-    status = 400
-
-    def __init__(self, message: str, status: int | None = None, field: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.field = field
-        if status:
-            self.status = status
 
 
 @dataclass
@@ -204,27 +199,6 @@ def replica_env(base: dict[str, str], *, spec: JobSpec, job_name: str, job_dir: 
     return env
 
 
-def _job_view(job: JobRow, replicas: list[ReplicaRow], progress: bool = False) -> dict:
-    spec = json.loads(job.spec)
-    view = {
-        "id": job.id, "name": job.name, "user": job.user, "backend": job.backend,
-        "strategy": spec["strategy"], "state": job.state, "reason": job.reason,
-        "gpus": JobSpec.model_validate(spec).total_gpus,
-        "created_at": job.created_at, "started_at": job.started_at,
-        "finished_at": job.finished_at, "job_dir": job.job_dir,
-        "replicas": [
-            {"role": r.role, "index": r.index, "name": f"{r.role}-{r.index}", "state": r.state,
-             "reason": r.reason, "restarts": r.restarts, "exit_code": r.exit_code,
-             "devices": json.loads(r.devices)}
-            for r in sorted(replicas, key=lambda r: (ROLES.index(r.role), r.index))
-        ],
-        "spec": spec,
-    }
-    if progress:
-        view["progress"] = read_progress(job, lead_replica(spec["strategy"]))
-    return view
-
-
 #: what a training replica imports, and how a person calls it
 _RUNTIME_MODULES = {"gpulab.extensions.runtime": "gpulab", "tensorflow": "TensorFlow",
                     "tf_keras": "tf-keras"}
@@ -257,82 +231,6 @@ def runtime_problem(python: str) -> str | None:
             f"gpulab[tf]), or `{python} -m pip install 'gpulab[tf]'`, then restarts gpulab.")
 
 
-class JobBackend:
-    """The job backend interface the service calls (`LocalJobBackend`, and
-    `gpulab.hub.jobs.kube.KubeJobBackend`); the job history and its views come from the
-    ledger's job tables, shared here.
-
-    - ``async submit(user, groups, spec) -> view``: admit the job's GPUs whole (or raise the
-      ledger's refusal, or `JobError`), start it;
-    - ``list(user | None)``, ``get(user, name) -> view | None``: from the ledger;
-      ``async detail(user, name)``: the view of one job someone is looking at;
-    - ``read_log(user, name, replica, offset, limit) -> (bytes, size, done)`` (may be async);
-    - ``async stop(user, name, actor) -> view``; ``recover()`` at start-up;
-      ``ensure_supervisor()`` (with a running event loop); ``async shutdown()``.
-    """
-
-    name = ""
-    ledger: Ledger
-    #: the operator's job limits (``c.GPUJobs``), set by the service (`make_app`)
-    limits: JobLimits = DEFAULT_LIMITS
-    #: why no job can run here (said by the API, the launcher and the CLI), or None
-    unavailable: str | None = None
-
-    def _load(self, s, job_id: str):
-        job = s.get(JobRow, job_id)
-        reps = s.scalars(select(ReplicaRow).where(ReplicaRow.job_id == job_id)).all()
-        return job, reps
-
-    def _view(self, job: JobRow, replicas: list[ReplicaRow], detail: bool = False) -> dict:
-        """A job's view; ``detail``: for one job (``get``), not the list."""
-        return _job_view(job, replicas, progress=detail)
-
-    def list(self, user: str | None = None) -> list[dict]:
-        with self.ledger.Reader() as s:
-            q = select(JobRow).where(JobRow.backend == self.name).order_by(JobRow.created_at.desc())
-            if user is not None:
-                q = q.where(JobRow.user == user)
-            return [self._view(j, self._load(s, j.id)[1]) for j in s.scalars(q)]
-
-    def get(self, user: str, name: str) -> dict | None:
-        with self.ledger.Reader() as s:
-            job = s.scalar(select(JobRow).where(JobRow.user == user, JobRow.name == name,
-                                                JobRow.backend == self.name))
-            if job is None:
-                return None
-            replicas = self._load(s, job.id)[1]
-        # the view reads the lead replica's log (progress): after the transaction, never in it
-        return self._view(job, replicas, detail=True)
-
-    async def detail(self, user: str, name: str) -> dict | None:
-        """One job's view for someone looking at it (``GET jobs/<name>``): `get`, plus what
-        only such a look is worth fetching (a backend may override it). In a thread: it reads
-        a file in the person's folder."""
-        return await asyncio.to_thread(self.get, user, name)
-
-    def _check_new_name(self, user: str, name: str) -> None:
-        with self.ledger.Reader() as s:
-            if s.scalar(select(JobRow.id).where(JobRow.user == user, JobRow.name == name)):
-                raise JobError(f"name: you already have a job named '{name}' (jobs are "
-                               "kept as history); choose another name.", 409, "name")
-
-    def _check_replica_bound(self, user: str, spec: JobSpec) -> None:
-        """Refuse a job that would take `user`'s active replicas (all backends, all their
-        jobs) over ``max_replicas_per_user``. Call it where admissions are serialized."""
-        bound = self.limits.max_replicas_per_user
-        if not bound:
-            return
-        with self.ledger.Reader() as s:
-            specs = s.scalars(select(JobRow.spec).where(JobRow.user == user,
-                                                        JobRow.state.in_(ACTIVE))).all()
-        active = sum(JobSpec.model_validate_json(x).replica_count for x in specs)
-        if active + spec.replica_count > bound:
-            raise JobError(f"replicas: at most {bound} replicas of your jobs may run at once; "
-                           f"{active} are active now and this job has {spec.replica_count}. "
-                           "Wait for a job to finish, stop one, or ask for fewer replicas.",
-                           409, "replicas")
-
-
 class LocalJobBackend(JobBackend):
     name = "local"
 
@@ -340,7 +238,7 @@ class LocalJobBackend(JobBackend):
                  poll_interval: float = 0.5, stop_grace: float = 10.0,
                  limits: JobLimits | None = None, sandboxed: bool | None = None,
                  tmp_root: Path = TMP_ROOT, netns_root: Path = sandbox.NETNS_DIR):
-        self.ledger = ledger
+        self._setup_workflow(ledger)
         self.accounts = accounts  # callable: user name -> UserAccount
         self.python = python
         self.poll_interval = poll_interval
@@ -351,37 +249,37 @@ class LocalJobBackend(JobBackend):
         self.sandboxed = os.geteuid() == 0 if sandboxed is None else sandboxed
         self.tmp_root = Path(tmp_root)
         self.netns_root = Path(netns_root)
+        # the processes of this service's replicas; the supervisor's thread, launches and
+        # stops use it under the workflow's lock
         self._procs: dict[tuple[str, str, int], psutil.Popen | psutil.Process] = {}
-        self._task: asyncio.Task | None = None
-        self._lock = asyncio.Lock()
+
+    @property
+    def supervise_interval(self) -> float:
+        return self.poll_interval
 
     # -- queries -------------------------------------------------------------------------
 
-    def read_log(self, user: str, name: str, replica: str, offset: int = 0,
-                 limit: int = 1 << 20) -> tuple[bytes, int, bool]:
-        """(up to `limit` bytes of a replica's log from `offset`, its size, job finished)."""
-        with self.ledger.Reader() as s:
-            job = s.scalar(select(JobRow).where(JobRow.user == user, JobRow.name == name))
-            if job is None:
-                raise JobError(f"You have no job named '{name}'.", 404)
-            names = [f"{r.role}-{r.index}" for r in self._load(s, job.id)[1]]
-            job_dir, done = job.job_dir, job.state in FINAL
-        if replica not in names:
-            raise JobError(f"Job '{name}' has no replica '{replica}'; it has "
-                           f"{', '.join(sorted(names))}.", 404, "replica")
-        # the file is read after the transaction (a slow or hostile file never holds the
-        # ledger), and the service calls this in a thread
+    def _view(self, job: JobRow, replicas, detail: bool = False) -> dict:
+        view = job_view(job, replicas)
+        if detail:  # the lead replica's progress, from its log in the person's folder
+            view["progress"] = read_progress(job, lead_replica(view["strategy"]))
+        return view
+
+    def _read_replica_log(self, job: JobRow, replica: str, offset: int,
+                          limit: int) -> tuple[bytes, int, bool]:
+        # in a thread, after the transaction: a slow or hostile file never holds the ledger
         try:
-            data, size = safefs.read_bytes(*_in_job(job_dir, "logs", f"{replica}.log"),
+            data, size = safefs.read_bytes(*_in_job(job.job_dir, "logs", f"{replica}.log"),
                                            offset, limit)
         except OSError as e:
             raise JobError(f"The log of {replica} cannot be read: {e.strerror}.", 409,
                            "replica") from None
-        return data, size, done
+        return data, size, contract.is_final(job.state)
 
-    # -- submit --------------------------------------------------------------------------
+    # -- submit: the workflow's hooks ------------------------------------------------------
 
-    async def submit(self, user: str, groups: tuple[str, ...], spec: JobSpec) -> dict:
+    async def _prepare(self, user: str, groups: tuple[str, ...],
+                       spec: JobSpec) -> tuple[UserAccount, Path | None]:
         try:  # may create the account (useradd): in a thread
             account = await asyncio.to_thread(self.accounts, user)
         except AccountError as e:  # e.g. the mapped account belongs to someone else
@@ -394,69 +292,47 @@ class LocalJobBackend(JobBackend):
             if not script.is_file():
                 raise JobError(f"script: there is no file {spec.script} in your folder.",
                                field="script")
-        async with self._lock:  # the supervisor thread reads the same process table
-            # admissions are serialized here: the per-person replica bound and the name
-            # cannot be raced (a second submit of one name is told so, not refused GPUs)
-            self._check_new_name(user, spec.name)
-            self._check_replica_bound(user, spec)
-            await asyncio.to_thread(self._admit_and_start, user, groups, spec, account, script)
-        self.ensure_supervisor()
-        return self.get(user, spec.name)
+        return account, script
 
-    def _admit_and_start(self, user, groups, spec: JobSpec, account: UserAccount, script) -> None:
-        # admission: the whole job's GPUs in one transaction, or nothing at all
-        allocation = self.ledger.admit(Request(user=user, kind="job", holder=spec.name,
-                                               gpus=spec.total_gpus, groups=groups))
-        job_dir = account.folder / "jobs" / spec.name
-        job_id = uuid.uuid4().hex
-        try:
-            self._prepare_dir(account, spec)
-            devices = list(allocation.devices)
-            now = time.time()
-            with self.ledger.Session.begin() as s:
-                s.add(JobRow(id=job_id, user=user, name=spec.name, backend=self.name,
-                             spec=spec.model_dump_json(), state="Admitted",
-                             reason=f"{spec.total_gpus} GPU(s) admitted",
-                             allocation_id=allocation.id, job_dir=str(job_dir), created_at=now))
-                s.flush()
-                for role, index in spec.replica_names():
-                    n = spec.gpus_of(role)
-                    mine, devices = devices[:n], devices[n:]
-                    s.add(ReplicaRow(job_id=job_id, role=role, index=index, port=free_port(),
-                                     devices=json.dumps(mine)))
-            self._make_sandbox(job_id, account)
-            self._start_all(job_id, script)
-        except BaseException as e:
-            self._undo(job_id, allocation.id, spec)
-            if isinstance(e, JobError):
-                raise
-            if isinstance(e, safefs.UnsafePath):
-                raise JobError(f"name: jobs/{spec.name} in your folder holds a link or "
-                               f"something that is not a folder or plain file ({e.strerror}); "
-                               "gpulab does not follow links there. Remove it, or choose "
-                               "another name.", 409, "name") from None
-            if isinstance(e, IntegrityError):  # a concurrent submit took the name first
-                raise JobError(f"name: you already have a job named '{spec.name}'; choose "
-                               "another name.", 409, "name") from None
-            log.exception("Job %s/%s failed to start", user, spec.name)
-            raise JobError(f"The job could not be started: {e}", 500) from e
+    def _job_dir(self, user: str, spec: JobSpec, prepared) -> str:
+        account, _ = prepared
+        return str(account.folder / "jobs" / spec.name)
 
-    def _undo(self, job_id: str, allocation_id: str, spec: JobSpec) -> None:
-        """Everything a submit did after admission, undone (the one place for it): its
-        processes and their groups, its sandbox, its rows and its GPUs. The job folder stays
-        (it is the person's, and may have been there before)."""
-        try:
-            self._kill_job_processes(job_id)
-            self._remove_groups(job_id, spec)
-            self._remove_sandbox(job_id)
-            with self.ledger.Session.begin() as s:
-                s.execute(delete(ReplicaRow).where(ReplicaRow.job_id == job_id))
-                s.execute(delete(JobRow).where(JobRow.id == job_id))
-        except Exception:
-            log.exception("Undoing job %s failed; it is marked failed instead", job_id)
-            self._finish(job_id, "Failed", "could not start")
-        finally:
-            self.ledger.release(allocation_id, "job failed to start")
+    def _replica_rows(self, spec: JobSpec, allocation: Allocation) -> list[dict]:
+        rows, devices = [], list(allocation.devices)
+        for role, index in spec.replica_names():
+            n = spec.gpus_of(role)
+            mine, devices = devices[:n], devices[n:]
+            rows.append(dict(role=role, index=index, port=free_port(), devices=json.dumps(mine)))
+        return rows
+
+    async def _launch(self, job_id: str, user: str, groups, spec: JobSpec, prepared) -> None:
+        account, script = prepared
+        async with self._lock:  # the supervisor's thread reads the same process table
+            await asyncio.to_thread(self._start_job, job_id, account, spec, script)
+
+    def _start_job(self, job_id: str, account: UserAccount, spec: JobSpec, script) -> None:
+        self._prepare_dir(account, spec)
+        self._make_sandbox(job_id, account)
+        self._start_all(job_id, script)
+
+    def _launch_error(self, e: BaseException, spec: JobSpec) -> JobError:
+        if isinstance(e, safefs.UnsafePath):
+            return JobError(f"name: jobs/{spec.name} in your folder holds a link or "
+                            f"something that is not a folder or plain file ({e.strerror}); "
+                            "gpulab does not follow links there. Remove it, or choose "
+                            "another name.", 409, "name")
+        return super()._launch_error(e, spec)
+
+    async def _unlaunch(self, job_id: str, user: str, spec: JobSpec) -> None:
+        """Its processes and their groups, its sandbox."""
+        async with self._lock:
+            await asyncio.to_thread(self._unlaunch_now, job_id, spec)
+
+    def _unlaunch_now(self, job_id: str, spec: JobSpec) -> None:
+        self._kill_job_processes(job_id)
+        self._remove_groups(job_id, spec)
+        self._remove_sandbox(job_id)
 
     def _prepare_dir(self, account: UserAccount, spec: JobSpec) -> None:
         """The job's folder in the user's own folder, owned by them (never through a link)."""
@@ -476,7 +352,7 @@ class LocalJobBackend(JobBackend):
 
     def _start_all(self, job_id: str, script: Path | None, only: set | None = None) -> None:
         with self.ledger.Session.begin() as s:
-            job, reps = self._load(s, job_id)
+            job, reps = self.store.load(s, job_id)
             spec = JobSpec.model_validate_json(job.spec)
             account = self.accounts(job.user)
             cluster = {}
@@ -629,22 +505,11 @@ class LocalJobBackend(JobBackend):
         for role, index in spec.replica_names():
             self._kill_group(job_id, role, index)
 
-    # -- supervision ---------------------------------------------------------------------
+    # -- supervision: the workflow's hooks -------------------------------------------------
 
-    def ensure_supervisor(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._supervise_forever())
-
-    async def _supervise_forever(self) -> None:
-        while True:
-            try:
-                async with self._lock:
-                    if not await asyncio.to_thread(self._supervise_once):
-                        self._task = None
-                        return
-            except Exception:
-                log.exception("Job supervision failed; retrying")
-            await asyncio.sleep(self.poll_interval)
+    async def _supervise_pass(self) -> bool:
+        # in a thread: stopping a replica (up to stop_grace seconds) never stalls the API
+        return await asyncio.to_thread(self._supervise_once)
 
     def _exit_of(self, key, job_dir: str) -> int | None:
         """None while the replica runs, else its exit code (`EXIT_UNKNOWN` if unknowable)."""
@@ -667,9 +532,7 @@ class LocalJobBackend(JobBackend):
 
     def _supervise_once(self) -> bool:
         """One pass over the active jobs; returns whether any job is still active."""
-        with self.ledger.Reader() as s:
-            active = s.scalars(select(JobRow.id).where(JobRow.state.in_(ACTIVE),
-                                                       JobRow.backend == self.name)).all()
+        active = self._active_to_supervise()
         for job_id in active:
             try:
                 self._supervise_job(job_id)
@@ -677,14 +540,21 @@ class LocalJobBackend(JobBackend):
                 log.exception("Supervising job %s failed; next pass tries again", job_id)
         return bool(active)
 
+    def _exit_reason(self, job_id: str, spec: JobSpec, r) -> str:
+        """A replica's exit in words, an out-of-memory kill named with its limit."""
+        if r.exit_code == -signal.SIGKILL and self._oom_killed(job_id, r.role, r.index):
+            res = spec.resources.get(r.role)
+            whose = (f"the {r.role} role's memory limit"
+                     if res is not None and res.memory is not None
+                     else "the default memory limit of replicas")
+            return f"killed: out of memory ({whose} is {self.limits.memory_of(res)})"
+        return exit_words(r.exit_code)
+
     def _supervise_job(self, job_id: str) -> None:
-        restart: set[tuple[str, int]] = set()
-        outcome = None
-        blame = None  # the replica whose program error fails the job
+        """Record the exits of a job's replicas, ask the rules what follows, and do it."""
         with self.ledger.Session.begin() as s:
-            job, reps = self._load(s, job_id)
+            job, reps = self.store.load(s, job_id)
             spec = JobSpec.model_validate_json(job.spec)
-            by = {(r.role, r.index): r for r in reps}
             for r in reps:
                 if r.state != "Running":
                     continue
@@ -693,115 +563,51 @@ class LocalJobBackend(JobBackend):
                     continue
                 r.exit_code = code
                 r.state = "Succeeded" if code == 0 else "Failed"
-                r.reason = _exit_words(code)
-                if code == -signal.SIGKILL and self._oom_killed(job_id, r.role, r.index):
-                    res = spec.resources.get(r.role)
-                    whose = (f"the {r.role} role's memory limit"
-                             if res is not None and res.memory is not None
-                             else "the default memory limit of replicas")
-                    r.reason = (f"killed: out of memory ({whose} is "
-                                f"{self.limits.memory_of(res)})")
+                r.reason = self._exit_reason(job_id, spec, r)
                 log.info("Job %s/%s replica %s-%s exited %s", job.user, job.name, r.role,
                          r.index, code)
-            if spec.strategy == "parameter-server":
-                # each replica restarted is a retry (they fail and restart one by one)
-                can_retry = sum(r.restarts for r in reps) < spec.retries
-                chief = by[("chief", 0)]
-                dead_ps = [k for k, r in by.items() if k[0] == "ps" and r.state != "Running"]
-                if chief.state == "Succeeded":
-                    outcome = ("Succeeded", "the chief finished")
-                elif chief.state == "Failed" and chief.exit_code != EXIT_INFRA and not dead_ps:
-                    outcome = ("Failed", f"the chief failed: {chief.reason}; see its log "
-                               "(logs/chief-0.log)")
-                    blame = "chief-0"
-                else:
-                    wanted = set(dead_ps)
-                    if chief.state == "Failed":
-                        wanted.add(("chief", 0))
-                    wanted |= {k for k, r in by.items() if k[0] == "worker" and r.state == "Failed"}
-                    if wanted:
-                        if can_retry:
-                            restart = wanted
-                        elif dead_ps or chief.state == "Failed" or all(
-                                r.state == "Failed" for k, r in by.items() if k[0] == "worker"):
-                            # (with workers left the coordinator trains on without the dead)
-                            outcome = ("Failed", f"out of retries ({spec.retries}) after "
-                                       f"{', '.join(f'{a}-{b}' for a, b in sorted(wanted))} failed")
-            else:
-                workers = [r for r in reps if r.role == "worker"]
-                # all workers restart together: one restart of them all is one retry
-                rounds = max((r.restarts for r in workers), default=0)
-                failed = [r for r in workers if r.state == "Failed"]
-                raised = [r for r in failed if r.exit_code in PROGRAM_ERRORS]
-                if all(r.state == "Succeeded" for r in workers):
-                    outcome = ("Succeeded", "all workers finished")
-                elif raised:  # the program's own error: running it again would raise again
-                    r = raised[0]
-                    outcome = ("Failed", f"worker-{r.index} failed: {r.reason}; see its log "
-                               f"(logs/worker-{r.index}.log)")
-                    blame = f"worker-{r.index}"
-                elif failed:  # killed, or lost its peers: the workers restart together
-                    if rounds < spec.retries:
-                        restart = {(r.role, r.index) for r in workers}
-                    else:
-                        names = ", ".join(f"worker-{r.index}" for r in failed)
-                        outcome = ("Failed", f"{names} failed ({failed[0].reason}) after "
-                                   f"{rounds} restart{'s' if rounds != 1 else ''} of the "
-                                   f"workers (retries: {spec.retries})")
-            started = job.started_at or job.created_at
-            if outcome is None and spec.max_runtime and time.time() > started + spec.max_runtime:
-                outcome = ("Failed", f"stopped after max_runtime ({spec.max_runtime} s)")
-            if restart and outcome is None:
-                for k in restart:
+            decision = decide_local(spec.strategy, {(r.role, r.index): r for r in reps},
+                                    retries=spec.retries,
+                                    started=job.started_at or job.created_at,
+                                    max_runtime=spec.max_runtime, now=time.time())
+            if decision.restart and decision.outcome is None:
+                by = {(r.role, r.index): r for r in reps}
+                for k in decision.restart:
                     by[k].restarts += 1
-                job.reason = f"restarting {', '.join(f'{a}-{b}' for a, b in sorted(restart))}"
-        if outcome is not None:
-            if blame is not None:  # read after the transaction: the log is the person's file
+                job.reason = f"restarting {names(decision.restart)}"
+        if decision.outcome is not None:
+            state, reason = decision.outcome
+            if decision.blame is not None:  # after the transaction: the log is the person's file
                 try:
                     error = error_summary(safefs.read_tail(
-                        *_in_job(job.job_dir, "logs", f"{blame}.log"), 64 * 1024))
+                        *_in_job(job.job_dir, "logs", f"{decision.blame}.log"), 64 * 1024))
                 except OSError:  # a link or a FIFO in its place: the job fails all the same
                     error = ""
                 if error:
-                    outcome = (outcome[0], f"{outcome[1]}. {error}")
+                    reason = f"{reason}. {error}"
             self._kill_job_processes(job_id)
-            self._finish(job_id, *outcome)
-        elif restart:
-            for k in restart:  # MWMS restarts all workers: stop the survivors first
-                self._kill((job_id, *k), grace=2)
-            try:
-                self._start_all(job_id, None, only=restart)
-            except Exception as e:  # e.g. the job folder was swapped for a link meanwhile
-                log.warning("Job %s: a restart failed: %s", job_id, e)
-                why = (f"its folder holds a link or something that is not a folder or plain "
-                       f"file ({e.strerror})" if isinstance(e, safefs.UnsafePath)
-                       else getattr(e, "message", None) or str(e))
-                self._kill_job_processes(job_id)
-                self._finish(job_id, "Failed", f"could not restart "
-                             f"{', '.join(f'{a}-{b}' for a, b in sorted(restart))}: {why}")
+            self._finish(job_id, state, reason)
+        elif decision.restart:
+            self._restart(job_id, decision.restart)
 
-    def _finish(self, job_id: str, state: str, reason: str) -> None:
-        if not job_id:
-            return
-        with self.ledger.Reader() as s:
-            job = s.get(JobRow, job_id)
-            if job is None:
-                return
-            spec = JobSpec.model_validate_json(job.spec)
-        # first everything the job left (its groups: setsid daemons too) is ended, then the
-        # job is final and its GPUs free in one commit: nobody sees a finished job that still
-        # holds GPUs, nor free GPUs that a process of the job still uses
-        self._remove_groups(job_id, spec)
-        self._remove_sandbox(job_id)
-        with self.ledger.Session.begin() as s:
-            job, reps = self._load(s, job_id)
-            job.state, job.reason, job.finished_at = state, reason, time.time()
-            for r in reps:
-                if r.state == "Running":
-                    r.state, r.reason = "Stopped", "stopped with the job"
-            if job.allocation_id:
-                self.ledger.release(job.allocation_id, f"job {state.lower()}", session=s)
-        log.info("Job %s: %s (%s)", job_id, state, reason)
+    def _restart(self, job_id: str, restart) -> None:
+        for k in restart:  # MWMS restarts all workers: stop the survivors first
+            self._kill((job_id, *k), grace=2)
+        try:
+            self._start_all(job_id, None, only=set(restart))
+        except Exception as e:  # e.g. the job folder was swapped for a link meanwhile
+            log.warning("Job %s: a restart failed: %s", job_id, e)
+            why = (f"its folder holds a link or something that is not a folder or plain "
+                   f"file ({e.strerror})" if isinstance(e, safefs.UnsafePath)
+                   else getattr(e, "message", None) or str(e))
+            self._kill_job_processes(job_id)
+            self._finish(job_id, "Failed", f"could not restart {names(restart)}: {why}")
+
+    def _release(self, job: JobRow, spec: JobSpec) -> None:
+        # everything the job left (its groups: setsid daemons too) is ended before the job
+        # is final and its GPUs free: nobody sees free GPUs that a process of the job uses
+        self._remove_groups(job.id, spec)
+        self._remove_sandbox(job.id)
 
     def _kill(self, key, grace: float | None = None) -> None:
         proc = self._procs.pop(key, None)
@@ -839,56 +645,38 @@ class LocalJobBackend(JobBackend):
         for key in [k for k in self._procs if k[0] == job_id]:
             self._kill(key)
 
-    async def stop(self, user: str, name: str, actor: str | None = None) -> dict:
-        job = self.get(user, name)
-        if job is None:
-            raise JobError(f"No job '{name}'.", 404)
-        if job["state"] in FINAL:
-            return job
-        async with self._lock:
-            await asyncio.to_thread(self._kill_job_processes, job["id"])
-            await asyncio.to_thread(self._finish, job["id"], "Stopped",
-                                    "stopped by " + (actor or user))
-        return await asyncio.to_thread(self.get, user, name)
+    async def _halt(self, view: dict) -> None:
+        # under the workflow's lock (stop): no supervision pass restarts what is killed
+        await asyncio.to_thread(self._kill_job_processes, view["id"])
 
     # -- recovery after a restart of the service -------------------------------------------
 
-    def recover(self) -> None:
-        with self.ledger.Reader() as s:
-            jobs = s.scalars(select(JobRow).where(JobRow.state.in_(ACTIVE),
-                                                  JobRow.backend == self.name)).all()
-            plans = []
-            for job in jobs:
-                reps = self._load(s, job.id)[1]
-                plans.append((job.id, job.name, [(r.role, r.index, r.pid, r.pid_started, r.state)
-                                                 for r in reps]))
-        for job_id, name, reps in plans:
+    def _recover_active(self) -> None:
+        """Re-adopt each active job whose replicas all still run (by pid and start time);
+        any other is Failed (lost), its survivors killed. Then the sandboxes left by ended
+        jobs are removed."""
+        for job, reps in self.store.active():
             live, gone = {}, []
-            for role, index, pid, started, state in reps:
-                if state != "Running":
+            for r in reps:
+                if r.state != "Running":
                     continue
                 try:
-                    p = psutil.Process(pid)
-                    if abs(p.create_time() - started) < 1 and p.status() != psutil.STATUS_ZOMBIE:
-                        live[(job_id, role, index)] = p
+                    p = psutil.Process(r.pid)
+                    if (abs(p.create_time() - r.pid_started) < 1
+                            and p.status() != psutil.STATUS_ZOMBIE):
+                        live[(job.id, r.role, r.index)] = p
                         continue
                 except psutil.NoSuchProcess:
                     pass
-                gone.append(f"{role}-{index}")
+                gone.append(f"{r.role}-{r.index}")
+            self._procs.update(live)
             if gone:
-                self._procs.update(live)
-                self._kill_job_processes(job_id)
-                self._finish(job_id, "Failed", "lost: the gpulab service restarted and "
+                self._kill_job_processes(job.id)
+                self._finish(job.id, "Failed", "lost: the gpulab service restarted and "
                              f"{', '.join(gone)} had stopped meanwhile")
             else:
-                self._procs.update(live)
-                log.info("Re-adopted job %s with %d running replicas", name, len(live))
+                log.info("Re-adopted job %s with %d running replicas", job.name, len(live))
         self._clean_sandboxes()
-        # allocations of jobs that no longer run (e.g. the service died between admission
-        # and writing the job) are closed: nothing leaks
-        with self.ledger.Reader() as s:
-            keep = set(s.scalars(select(JobRow.allocation_id).where(JobRow.state.in_(ACTIVE))))
-        self.ledger.close_orphans("job", keep, "job gone at service start-up")
 
     def _clean_sandboxes(self) -> None:
         """Remove the namespaces and /tmp folders left by this ledger's jobs that no longer
@@ -900,73 +688,10 @@ class LocalJobBackend(JobBackend):
             tmps = os.listdir(self.tmp_root)
         except FileNotFoundError:
             tmps = []
-        names = set(sandbox.netns_names(self.netns_root)) | set(tmps)
-        if not names:
-            return
-        with self.ledger.Reader() as s:
-            ended = s.scalars(select(JobRow.id).where(JobRow.id.in_(names),
-                                                      JobRow.state.not_in(ACTIVE))).all()
-        for job_id in ended:
+        for job_id in self.store.ended_among(set(sandbox.netns_names(self.netns_root)) | set(tmps)):
             log.info("Removing the sandbox left by job %s", job_id)
             self._remove_sandbox(job_id)
 
-    async def shutdown(self) -> None:
-        """Leave replicas running (a restarted service re-adopts them)."""
-        if self._task:
-            self._task.cancel()
 
-
-#: exit codes of the runtime that mean the program itself failed (1: it raised, 2: bad
-#: configuration), which no restart mends: the job fails at once
-PROGRAM_ERRORS = (1, 2)
-
-
-#: frames of a traceback that are not the person's code: installed packages, Python's own, and
-#: gpulab's runtime (its own path: a person's files live below a data folder that is often
-#: ``/var/lib/gpulab``, and on Kubernetes below ``/gpulab/job-source``, so "/gpulab/" is theirs)
-_NOT_THEIR_CODE = ("site-packages", "dist-packages", "/usr/lib/python", "<frozen",
-                   "/gpulab/extensions/", "/extensions/runtime.py")
-
-
-def error_summary(log: bytes, limit: int = 400) -> str:
-    """The error at the end of a replica's log, for the job's reason: the exception line of
-    the last Python traceback and the line of the person's code it came from, e.g.
-    ``ModuleNotFoundError: No module named 'mnist_setup' (source.py, line 3)``; '' if the
-    log ends without one."""
-    lines = [ln for ln in log.decode(errors="replace").splitlines()
-             if not ln.startswith((PROGRESS_PREFIX, "gpulab runtime:"))]
-    start = max((i for i, ln in enumerate(lines)
-                 if ln.startswith("Traceback (most recent call last):")), default=None)
-    if start is None:
-        return ""
-    where, error = "", ""
-    for ln in lines[start + 1:]:
-        m = re.match(r'\s*File "([^"]+)", line (\d+)', ln)
-        if m and not any(x in m.group(1) for x in _NOT_THEIR_CODE):  # the person's frame
-            where = f"{Path(m.group(1)).name}, line {m.group(2)}"
-        elif ln and not ln[0].isspace():
-            error = ln.strip()  # the last such line: the exception raised
-    if not error:
-        return ""
-    text = f"{error} ({where})" if where else error
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _exit_words(code: int | None) -> str:
-    if code is None:
-        return "running"
-    if code == 0:
-        return "exited 0"
-    if code == EXIT_INFRA:
-        return "lost its cluster (a ps or peer went away)"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return "gone (exit code unknown)"
-    if code == 1:
-        return "the program raised an error (exit 1)"
-    if code == 2:
-        return "bad job configuration (exit 2)"
-    return f"exited {code}"
-
+__all__ = ["EXIT_UNKNOWN", "PROGRAM_ERRORS", "JobError", "LocalJobBackend", "UserAccount",
+           "error_summary", "replica_env", "runtime_problem"]

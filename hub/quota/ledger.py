@@ -126,40 +126,6 @@ class AllocationRow(Base):
     end_reason: Mapped[str] = mapped_column(String(255), default="")
 
 
-class JobRow(Base):
-    """A training job and its history (kept after it ends)."""
-
-    __tablename__ = "jobs"
-    __table_args__ = (UniqueConstraint("user", "name", name="uq_jobs_user_name"),)
-    id: Mapped[str] = mapped_column(String(32), primary_key=True)
-    user: Mapped[str] = mapped_column(String(255), index=True)
-    name: Mapped[str] = mapped_column(String(64))
-    backend: Mapped[str] = mapped_column(String(32))
-    spec: Mapped[str] = mapped_column(Text)  # JSON
-    state: Mapped[str] = mapped_column(String(16))
-    reason: Mapped[str] = mapped_column(Text, default="")
-    allocation_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
-    job_dir: Mapped[str] = mapped_column(Text, default="")
-    created_at: Mapped[float] = mapped_column(Float)
-    started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
-    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
-
-
-class ReplicaRow(Base):
-    __tablename__ = "job_replicas"
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
-    role: Mapped[str] = mapped_column(String(16), primary_key=True)
-    index: Mapped[int] = mapped_column(Integer, primary_key=True)
-    state: Mapped[str] = mapped_column(String(16), default="Pending")
-    reason: Mapped[str] = mapped_column(Text, default="")
-    pid: Mapped[int] = mapped_column(Integer, default=0)
-    pid_started: Mapped[float] = mapped_column(Float, default=0.0)  # guards against pid reuse
-    port: Mapped[int] = mapped_column(Integer, default=0)
-    devices: Mapped[str] = mapped_column(Text, default="[]")
-    restarts: Mapped[int] = mapped_column(Integer, default=0)
-    exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
-
-
 @dataclass(frozen=True)
 class Allocation:
     id: str

@@ -4,7 +4,6 @@ is the configured backend's (`gpulab.hub.jobs`)."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 
 from tornado import web
@@ -51,7 +50,7 @@ class JobsHandler(JobsBase):
         self.send({"jobs": await asyncio.to_thread(self.backend.list, self.owner())})
 
     async def post(self):
-        from gpulab.hub.jobs.local import JobError
+        from gpulab.hub.jobs.base import JobError
         from gpulab.hub.jobs.spec import SpecError, parse_spec
 
         if self.backend.unavailable:
@@ -78,7 +77,7 @@ class JobHandler(JobsBase):
         job = await self.backend.detail(self.owner(), name)
         if job is None:
             raise web.HTTPError(404, f"You have no job named '{name}'.")
-        from gpulab.hub.jobs.local import FINAL
+        from gpulab.extensions.contract import FINAL
 
         usage = _usage(self)
         if usage is not None and job.get("state") not in FINAL:
@@ -99,7 +98,7 @@ class JobLogsHandler(JobsBase):
     20 s for more while the job runs. ``offset`` in the answer is where to ask next."""
 
     async def get(self, name, replica):
-        from gpulab.hub.jobs.local import JobError
+        from gpulab.hub.jobs.base import JobError
 
         offset = self.int_arg("offset", 0, 0, 2**62)
         follow = self.get_query_argument("follow", "") in ("1", "true")
@@ -107,11 +106,8 @@ class JobLogsHandler(JobsBase):
         deadline = time.monotonic() + 20
         while True:
             try:
-                if inspect.iscoroutinefunction(self.backend.read_log):
-                    text, size, done = await self.backend.read_log(owner, name, replica, offset)
-                else:  # in a thread: it reads a file in the person's folder (local backend)
-                    text, size, done = await asyncio.to_thread(
-                        self.backend.read_log, owner, name, replica, offset)
+                # the workflow finds the replica, the driver reads its log off the loop
+                text, size, done = await self.backend.read_log(owner, name, replica, offset)
             except JobError as e:
                 raise FieldError(e.status, e.field or "name", e.message) from None
             if text or not follow or done or time.monotonic() > deadline:

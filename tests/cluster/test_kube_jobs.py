@@ -21,7 +21,7 @@ from kubespawner.clients import load_config
 from traitlets.config import Config
 
 from gpulab.hub.cli import main as cli_main
-from gpulab.hub.jobs.local import JobError
+from gpulab.hub.jobs.base import JobError
 from gpulab.hub.jobs.spec import JobLimits, SpecError, parse_spec
 from gpulab.hub.jobs.kube import KubeJobBackend
 from gpulab.hub.quota.ledger import Ledger, QuotaExceeded, Request

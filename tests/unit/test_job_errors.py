@@ -1,6 +1,6 @@
 """The error a failed job's reason quotes from its replica's log (gpulab.hub.jobs.local)."""
 
-from gpulab.hub.jobs.local import error_summary
+from gpulab.hub.jobs.rules import error_summary
 
 
 def test_the_last_exception_and_the_persons_line_are_quoted():

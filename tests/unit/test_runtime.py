@@ -242,8 +242,10 @@ def test_wrapped_original_exception_is_followed():
 
 def test_exit_code_constants():
     assert (rt.EXIT_OK, rt.EXIT_PROGRAM, rt.EXIT_CONFIG, rt.EXIT_INFRA) == (0, 1, 2, 75)
-    from gpulab.hub.jobs import local as jobs
-    assert jobs.EXIT_INFRA == rt.EXIT_INFRA
+    from gpulab.hub.jobs import rules
+    # the exits the hub never retries are the runtime's program and configuration errors
+    assert rules.PROGRAM_ERRORS == (rt.EXIT_PROGRAM, rt.EXIT_CONFIG)
+    assert rules.exit_words(rt.EXIT_INFRA).startswith("lost its cluster")
 
 
 # -- main: bad configuration exits 2 with one line, before TensorFlow --------------------------

@@ -1,0 +1,187 @@
+"""The job tables (``jobs``, ``job_replicas``) and every SQL statement on them, in one place.
+
+A job row keeps the spec (JSON), its state and reason in words, the allocation holding its
+GPUs and its folder; a replica row its state, exit code, restarts and, locally, its process
+(pid and start time, which guard against pid reuse), port and devices. Jobs are kept as
+history after they end: a person's job names are unique for good (``uq_jobs_user_name``).
+
+`JobStore` is what the job workflow (`gpulab.hub.jobs.base`) and its drivers use: short
+transactions, never held across a process start, an API request or a read of a person's
+file. The tables are created by the ledger's migrations (``0002_jobs``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+from sqlalchemy import Float, ForeignKey, Integer, String, Text, UniqueConstraint, delete, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Mapped, mapped_column
+
+from gpulab.extensions.contract import ACTIVE, FINAL
+from gpulab.hub.db import Base
+from gpulab.hub.jobs.spec import JobSpec
+from gpulab.hub.quota.ledger import Allocation, Ledger
+
+
+class JobRow(Base):
+    """A training job and its history (kept after it ends)."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (UniqueConstraint("user", "name", name="uq_jobs_user_name"),)
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    user: Mapped[str] = mapped_column(String(255), index=True)
+    name: Mapped[str] = mapped_column(String(64))
+    backend: Mapped[str] = mapped_column(String(32))
+    spec: Mapped[str] = mapped_column(Text)  # JSON
+    state: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    allocation_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    job_dir: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class ReplicaRow(Base):
+    __tablename__ = "job_replicas"
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    role: Mapped[str] = mapped_column(String(16), primary_key=True)
+    index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    state: Mapped[str] = mapped_column(String(16), default="Pending")
+    reason: Mapped[str] = mapped_column(Text, default="")
+    pid: Mapped[int] = mapped_column(Integer, default=0)
+    pid_started: Mapped[float] = mapped_column(Float, default=0.0)  # guards against pid reuse
+    port: Mapped[int] = mapped_column(Integer, default=0)
+    devices: Mapped[str] = mapped_column(Text, default="[]")
+    restarts: Mapped[int] = mapped_column(Integer, default=0)
+    exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+#: replica states a job's end turns into "Stopped"
+LIVE_REPLICA_STATES = ("Pending", "Starting", "Running")
+
+
+class NameTaken(Exception):
+    """The person already has a job of that name (a concurrent submit took it first)."""
+
+
+class JobStore:
+    """The SQL of one backend's jobs (``backend`` is its ``name``) over the ledger's
+    database. Queries by a person's job name look at that backend's jobs; the name rule and
+    the replica bound look at all of the person's jobs."""
+
+    def __init__(self, ledger: Ledger, backend: str):
+        self.ledger = ledger
+        self.backend = backend
+
+    # -- reads ---------------------------------------------------------------------------
+
+    @staticmethod
+    def load(s, job_id: str) -> tuple[JobRow | None, list[ReplicaRow]]:
+        """A job and its replicas, in session ``s``."""
+        job = s.get(JobRow, job_id)
+        reps = s.scalars(select(ReplicaRow).where(ReplicaRow.job_id == job_id)).all()
+        return job, list(reps)
+
+    def read(self, job_id: str) -> tuple[JobRow | None, list[ReplicaRow]]:
+        with self.ledger.Reader() as s:
+            return self.load(s, job_id)
+
+    def find(self, user: str, name: str) -> tuple[JobRow | None, list[ReplicaRow]]:
+        """A person's job by name (this backend's), with its replicas."""
+        with self.ledger.Reader() as s:
+            job = s.scalar(select(JobRow).where(JobRow.user == user, JobRow.name == name,
+                                                JobRow.backend == self.backend))
+            if job is None:
+                return None, []
+            return job, self.load(s, job.id)[1]
+
+    def all(self, user: str | None = None) -> list[tuple[JobRow, list[ReplicaRow]]]:
+        """This backend's jobs (a person's, or everyone's), newest first."""
+        with self.ledger.Reader() as s:
+            q = (select(JobRow).where(JobRow.backend == self.backend)
+                 .order_by(JobRow.created_at.desc()))
+            if user is not None:
+                q = q.where(JobRow.user == user)
+            return [(j, self.load(s, j.id)[1]) for j in s.scalars(q)]
+
+    def active(self) -> list[tuple[JobRow, list[ReplicaRow]]]:
+        """This backend's active jobs with their replicas."""
+        with self.ledger.Reader() as s:
+            q = select(JobRow).where(JobRow.state.in_(ACTIVE), JobRow.backend == self.backend)
+            return [(j, self.load(s, j.id)[1]) for j in s.scalars(q)]
+
+    def active_ids(self) -> list[str]:
+        with self.ledger.Reader() as s:
+            return list(s.scalars(select(JobRow.id).where(JobRow.state.in_(ACTIVE),
+                                                          JobRow.backend == self.backend)))
+
+    def name_taken(self, user: str, name: str) -> bool:
+        """Whether the person has a job of that name, on any backend, ended or not."""
+        with self.ledger.Reader() as s:
+            return s.scalar(select(JobRow.id).where(JobRow.user == user,
+                                                    JobRow.name == name)) is not None
+
+    def active_replicas(self, user: str) -> int:
+        """The replicas of the person's active jobs, on every backend."""
+        with self.ledger.Reader() as s:
+            specs = s.scalars(select(JobRow.spec).where(JobRow.user == user,
+                                                        JobRow.state.in_(ACTIVE))).all()
+        return sum(JobSpec.model_validate_json(x).replica_count for x in specs)
+
+    def active_allocations(self) -> set[str]:
+        """The allocations held by active jobs (of every backend)."""
+        with self.ledger.Reader() as s:
+            return set(s.scalars(select(JobRow.allocation_id).where(JobRow.state.in_(ACTIVE))))
+
+    def ended_among(self, job_ids: Iterable[str]) -> list[str]:
+        """Those of ``job_ids`` that are known and no longer active."""
+        ids = list(job_ids)
+        if not ids:
+            return []
+        with self.ledger.Reader() as s:
+            return list(s.scalars(select(JobRow.id).where(JobRow.id.in_(ids),
+                                                          JobRow.state.not_in(ACTIVE))))
+
+    # -- writes --------------------------------------------------------------------------
+
+    def record(self, *, job_id: str, user: str, spec: JobSpec, allocation: Allocation,
+               job_dir: str, replicas: list[dict], now: float | None = None) -> None:
+        """A newly admitted job and its replicas (``replicas``: the columns of each replica
+        row besides ``job_id``, in `JobSpec.replica_names` order). Raises `NameTaken` when a
+        concurrent submit took the name first."""
+        try:
+            with self.ledger.Session.begin() as s:
+                s.add(JobRow(id=job_id, user=user, name=spec.name, backend=self.backend,
+                             spec=spec.model_dump_json(), state="Admitted",
+                             reason=f"{spec.total_gpus} GPU(s) admitted",
+                             allocation_id=allocation.id, job_dir=job_dir,
+                             created_at=time.time() if now is None else now))
+                s.flush()
+                for columns in replicas:
+                    s.add(ReplicaRow(job_id=job_id, **columns))
+        except IntegrityError as e:
+            raise NameTaken(spec.name) from e
+
+    def remove(self, job_id: str) -> None:
+        """A job that never started, forgotten (its submit was undone)."""
+        with self.ledger.Session.begin() as s:
+            s.execute(delete(ReplicaRow).where(ReplicaRow.job_id == job_id))
+            s.execute(delete(JobRow).where(JobRow.id == job_id))
+
+    def finish(self, job_id: str, state: str, reason: str) -> bool:
+        """The job final, its live replicas stopped and its GPUs released, in one commit:
+        nobody sees a finished job that still holds GPUs. False when it was already final."""
+        with self.ledger.Session.begin() as s:
+            job, reps = self.load(s, job_id)
+            if job is None or job.state in FINAL:
+                return False
+            job.state, job.reason, job.finished_at = state, reason, time.time()
+            for r in reps:
+                if r.state in LIVE_REPLICA_STATES:
+                    r.state, r.reason = "Stopped", "stopped with the job"
+            if job.allocation_id:
+                self.ledger.release(job.allocation_id, f"job {state.lower()}", session=s)
+        return True
