@@ -21,7 +21,7 @@ from kubespawner.clients import load_config
 from traitlets.config import Config
 
 from gpulab.hub.jobs.kube import SHARED_WITH_SPAWNER, KubeJobBackend
-from gpulab.hub.jobs.local import JobError
+from gpulab.hub.jobs.base import JobError
 from gpulab.hub.quota.ledger import Ledger, Request
 from gpulab.hub.quota.policy import Quota
 from gpulab.spawner.kube import KubeGPUSpawner
