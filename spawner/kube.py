@@ -488,5 +488,7 @@ async def _maybe_await(value):
     return value
 
 
-__all__ = ["GPUQuotaMirror", "KubeGPUSpawner", "apply_network_policies", "effective_max_gpus",
-           "hub_namespace_default"]
+# GPUQuotaMirror, apply_network_policies, effective_max_gpus, api_message, APPLY and
+# FIELD_MANAGER live in gpulab.spawner.namespaces; their names here keep working
+__all__ = ["APPLY", "FIELD_MANAGER", "GPUQuotaMirror", "KubeGPUSpawner", "api_message",
+           "apply_network_policies", "effective_max_gpus", "hub_namespace_default"]
