@@ -2,12 +2,15 @@
 
 It is KubeSpawner configured through its own traits and hooks, plus `GPUSpawnerMixin`:
 
-- each user gets a namespace (``enable_user_namespaces``) labelled for Pod Security
-  ``baseline`` enforcement, with a ResourceQuota on ``requests.nvidia.com/gpu`` that mirrors the
-  user's effective gpulab quota (`GPUQuotaMirror` keeps it current when an admin edits quotas);
+- each user gets a namespace (``enable_user_namespaces``, ``gpulab-{username}`` as the job
+  backend's) labelled for Pod Security ``baseline`` enforcement, with a ResourceQuota on
+  ``requests.nvidia.com/gpu`` that mirrors the user's effective gpulab quota (`GPUQuotaMirror`
+  keeps it current when an admin edits quotas);
 - the namespace's NetworkPolicies are applied at every spawn (server-side apply, so a policy
   deleted or edited by hand is put back): only the hub and the proxy reach the server, and the
-  user's pods reach only DNS, the hub, the gpulab service and the operator's ``allowed_egress``;
+  user's pods reach only DNS, the hub, the gpulab service and the operator's ``allowed_egress``
+  (the namespace is prepared by `gpulab.spawner.namespaces.prepare_user_namespace`, as
+  training jobs' is);
 - the GPUs come from the chosen profile of ``profile_list`` and its ``profile_options``
   (KubeSpawner's, applied as KubeSpawner applies them: ``extra_resource_limits``,
   ``node_selector``; override keys are KubeSpawner trait names), plus the GPU toleration;
@@ -28,30 +31,38 @@ import asyncio
 import copy
 import dataclasses
 import json
-import logging
 import os
 from typing import Any
 
 from kubernetes_asyncio.client.rest import ApiException
 from kubespawner import KubeSpawner
-from kubespawner.clients import shared_client
 from traitlets import Dict, Float, List, Unicode, default
 
-from gpulab.hub.quota.ledger import Ledger
-from gpulab.hub.quota.policy import Holding, Quota, effective_quota, refusal
+from gpulab.hub.quota.policy import Holding, Quota, refusal
 
 from .kubeobjects import (
-    POD_SECURITY_LEVELS,
-    QUOTA_NAME,
     explain_unschedulable,
     free_gpus_by_node,
-    make_gpu_quota,
-    make_user_namespace,
-    make_user_network_policies,
     parse_quota_refusal,
     server_pod_settings,
 )
-from .mixin import GPUSpawnerMixin, SpawnRefused
+from .mixin import GPUSpawnerMixin, LedgerView, SpawnRefused, hub_ledger
+from .namespaces import (
+    APPLY,
+    DATASETS_SUBPATH,
+    FIELD_MANAGER,
+    GPU_QUOTA_SYNC_INTERVAL,
+    POD_SECURITY_LEVEL,
+    SHARED_MOUNT_PATH,
+    USER_NAMESPACE_TEMPLATE,
+    USER_SUBPATH_TEMPLATE,
+    GPUQuotaMirror,
+    NamespaceSettingsError,
+    api_message,
+    apply_network_policies,
+    effective_max_gpus,
+    prepare_user_namespace,
+)
 from .profiles import (
     GPUProfile,
     ProfileError,
@@ -60,8 +71,6 @@ from .profiles import (
     parse_profiles,
 )
 
-APPLY = "application/apply-patch+yaml"
-FIELD_MANAGER = "gpulab-hub"
 #: where a pod finds its own namespace (the hub's, when the hub runs in the cluster)
 SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
@@ -104,129 +113,6 @@ ALLOWED_EGRESS_HELP = """Where else the pods of user namespaces (notebook server
 _MANAGED_TRAITS = ("tolerations", "volumes", "volume_mounts", "environment")
 
 
-def api_message(e: ApiException) -> str:
-    """The ``message`` of an API server error (its Status body), or the raw body."""
-    try:
-        return str(json.loads(e.body).get("message", e.body))
-    except (TypeError, ValueError, AttributeError):
-        return str(e.body or e.reason)
-
-
-def effective_max_gpus(quota_rows: list[dict], user: str, groups: tuple[str, ...]) -> int | None:
-    """The ``max_gpus`` of the quota that applies to ``user`` (None: no quota), from
-    ``Ledger.quotas()`` rows, as `Ledger.effective` decides it."""
-    def q(r: dict) -> Quota:
-        return Quota(r["max_gpus"], r.get("max_per_request"), r.get("gpu_hours"), r.get("window_hours"))
-
-    default_q = next((q(r) for r in quota_rows if r["scope"] == "default"), None)
-    mine = next((q(r) for r in quota_rows if r["scope"] == "user" and r["name"] == user), None)
-    by_group = {r["name"]: q(r) for r in quota_rows if r["scope"] == "group" and r["name"] in groups}
-    quota, _ = effective_quota(default_q, by_group, mine)
-    return None if quota is None else quota.max_gpus
-
-
-async def apply_network_policies(policies: list[dict]) -> int:
-    """Make each of ``policies`` exactly so; returns how many had to be replaced.
-
-    Server-side apply (one request each) makes a missing policy and takes back gpulab's fields;
-    but it leaves alone what another field manager added (an extra rule, a label in a
-    selector), so a policy whose stored ``spec`` still differs is then replaced whole.
-    """
-    api = shared_client("NetworkingV1Api")
-
-    async def one(policy: dict) -> int:
-        name, namespace = policy["metadata"]["name"], policy["metadata"]["namespace"]
-        stored = await api.patch_namespaced_network_policy(
-            name, namespace, policy, field_manager=FIELD_MANAGER, force=True,
-            _content_type=APPLY)
-        stored = api.api_client.sanitize_for_serialization(stored)
-        if stored.get("spec") == policy["spec"]:
-            return 0
-        body = copy.deepcopy(policy)
-        body["metadata"]["resourceVersion"] = stored["metadata"]["resourceVersion"]
-        await api.replace_namespaced_network_policy(name, namespace, body,
-                                                    field_manager=FIELD_MANAGER)
-        return 1
-
-    return sum(await asyncio.gather(*(one(p) for p in policies)))
-
-
-class GPUQuotaMirror:
-    """Keeps each user namespace's ResourceQuota equal to the user's effective gpulab quota.
-
-    One per hub process and event loop: spawners register their user's namespace; every
-    ``interval`` seconds the mirror reads all quotas from the ledger (one query) and writes
-    only the ResourceQuotas whose limit changed (no API request otherwise).
-    """
-
-    _instances: dict[Any, GPUQuotaMirror] = {}
-
-    def __init__(self, ledger: Ledger, api, interval: float, log: logging.Logger):
-        self.ledger, self.api, self.interval, self.log = ledger, api, interval, log
-        self.users: dict[str, tuple[str, tuple[str, ...], str]] = {}  # ns -> user, groups, label
-        self.applied: dict[str, int | None] = {}  # ns -> max_gpus written last
-        self._task: asyncio.Task | None = None
-
-    @classmethod
-    def for_loop(cls, ledger: Ledger, api, interval: float, log: logging.Logger) -> GPUQuotaMirror:
-        loop = asyncio.get_running_loop()
-        mirror = cls._instances.get(loop)
-        if mirror is None or mirror.ledger is not ledger:
-            if mirror is not None and mirror._task is not None:
-                mirror._task.cancel()
-            mirror = cls._instances[loop] = cls(ledger, api, interval, log)
-        return mirror
-
-    def register(self, namespace: str, user: str, groups: tuple[str, ...], label: str) -> None:
-        self.users[namespace] = (user, groups, label)
-        if self._task is None or self._task.done():
-            self._task = asyncio.ensure_future(self._run())
-
-    async def apply(self, namespace: str, max_gpus: int | None) -> None:
-        """Write (or, for None, delete) the ResourceQuota of ``namespace``."""
-        user, _, label = self.users[namespace]
-        if max_gpus is None:
-            try:
-                await self.api.delete_namespaced_resource_quota(QUOTA_NAME, namespace)
-            except ApiException as e:
-                if e.status != 404:
-                    raise
-        else:
-            body = make_gpu_quota(namespace=namespace, max_gpus=max_gpus, user_label=label)
-            await self.api.patch_namespaced_resource_quota(
-                QUOTA_NAME, namespace, body, field_manager=FIELD_MANAGER, force=True,
-                _content_type=APPLY)
-        self.applied[namespace] = max_gpus
-        self.log.info("GPU quota of %s (namespace %s): %s", user, namespace,
-                      "none" if max_gpus is None else max_gpus)
-
-    async def sync(self) -> int:
-        """Write the ResourceQuotas that differ from the ledger; returns how many."""
-        rows = self.ledger.quotas()
-        n = 0
-        for ns, (user, groups, _) in list(self.users.items()):
-            want = effective_max_gpus(rows, user, groups)
-            if ns in self.applied and self.applied[ns] == want:
-                continue
-            try:
-                await self.apply(ns, want)
-                n += 1
-            except ApiException as e:
-                self.log.warning("Could not update the GPU quota of namespace %s: %s %s",
-                                 ns, e.status, api_message(e))
-        return n
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            try:
-                await self.sync()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a ledger or API hiccup must not end the mirror
-                self.log.exception("GPU quota mirror: sync failed")
-
-
 class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
     """Starts each server as a pod in the user's namespace on the GPUs of the chosen profile.
 
@@ -247,7 +133,7 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
     gpu_assigns_devices = False
 
     pod_security_level = Unicode(
-        "baseline",
+        POD_SECURITY_LEVEL,
         help="""Pod Security Standard enforced in each user namespace (label
         ``pod-security.kubernetes.io/enforce``): ``baseline`` (default: no privileged pods,
         host paths or host namespaces) or ``restricted``. The label is applied at every spawn.
@@ -258,8 +144,8 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
     shared_volume = Dict(
         None,
         allow_none=True,
-        help="""The team's shared ReadWriteMany storage, as a pod volume source, or None (default)
-        for none. Each server mounts the user's own sub-path (``user_subpath_template``)
+        help="""The team's shared ReadWriteMany storage, as a pod volume source, or ``{}``
+        (default) for none. Each server mounts the user's own sub-path (``user_subpath_template``)
         read-write and ``datasets_subpath`` read-only under ``shared_mount_path``.
         Example (NFS, allowed by the ``baseline`` Pod Security level)::
 
@@ -268,20 +154,20 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
     ).tag(config=True)
 
     shared_mount_path = Unicode(
-        "/gpulab/shared",
+        SHARED_MOUNT_PATH,
         help="""Where the shared storage's folders appear in the server (default
         ``/gpulab/shared``): ``<path>/users/<name>`` and ``<path>/datasets``, also given to the
         server as ``GPULAB_USER_DIR`` and ``GPULAB_DATASETS_DIR``.""",
     ).tag(config=True)
 
     user_subpath_template = Unicode(
-        "users/{username}",
+        USER_SUBPATH_TEMPLATE,
         help="""The user's own folder on the shared storage (a sub-path of it; KubeSpawner's
         template fields, default ``users/{username}``). Only this folder is writable.""",
     ).tag(config=True)
 
     datasets_subpath = Unicode(
-        "datasets",
+        DATASETS_SUBPATH,
         help="""The shared datasets folder on the shared storage, mounted read-only (default
         ``datasets``; '' for none).""",
     ).tag(config=True)
@@ -302,14 +188,21 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
     allowed_egress = List(Dict(), help=ALLOWED_EGRESS_HELP).tag(config=True)
 
     gpu_quota_sync_interval = Float(
-        3.0,
-        help="""Seconds between two comparisons of the ledger's quotas with the users'
-        ResourceQuotas (default 3); an admin's quota edit reaches the cluster within that.""",
+        GPU_QUOTA_SYNC_INTERVAL,
+        help=f"""Seconds between two comparisons of the ledger's quotas with the users'
+        ResourceQuotas (default {GPU_QUOTA_SYNC_INTERVAL:g}); an admin's quota edit reaches the
+        cluster within that. The gpulab service's `KubeJobBackend` takes it too.
+        Example: ``c.KubeGPUSpawner.gpu_quota_sync_interval = 10``""",
     ).tag(config=True)
 
     @default("enable_user_namespaces")
     def _enable_user_namespaces_default(self):
         return True
+
+    @default("user_namespace_template")
+    def _user_namespace_template_default(self):
+        # KubeJobBackend's ``namespace_template``: a user's jobs run in their servers' namespace
+        return USER_NAMESPACE_TEMPLATE
 
     @default("automount_service_account_token")
     def _automount_default(self):
@@ -446,31 +339,20 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
 
     async def _ensure_namespace(self):
         """Create or update the user's namespace (Pod Security labels), then its
-        NetworkPolicies and quota."""
-        if self.pod_security_level not in POD_SECURITY_LEVELS:
-            raise SpawnRefused(500, f"pod_security_level {self.pod_security_level!r} is not "
-                               f"one of {', '.join(POD_SECURITY_LEVELS)}.")
-        ns = make_user_namespace(name=self.namespace, user_label=self.user_label,
-                                 pod_security=self.pod_security_level)
+        NetworkPolicies and quota (`prepare_user_namespace`, as the job backend does)."""
+        # opened by admit_gpus already; the first call would migrate, so not on the loop
+        ledger = await asyncio.to_thread(hub_ledger, self.config, self.gpu_assigns_devices)
         try:
-            policies = make_user_network_policies(
-                namespace=self.namespace, user_label=self.user_label,
-                hub_namespace=self.hub_namespace, server_port=self.port,
-                server_component=self.component_label, allowed_egress=self.allowed_egress)
-        except ValueError as e:
-            raise SpawnRefused(500, f"The server's network settings are wrong: {e}") from e
-        await asyncio.wait_for(
-            self.api.patch_namespace(self.namespace, ns, field_manager=FIELD_MANAGER,
-                                     force=True, _content_type=APPLY),
-            self.k8s_api_request_timeout,
-        )
-        # before any pod of the namespace exists, and at every spawn (put back if edited)
-        await asyncio.wait_for(apply_network_policies(policies), self.k8s_api_request_timeout)
-        mirror = self.quota_mirror
-        mirror.register(self.namespace, self.user.name, self.user_groups, self.user_label)
-        want = effective_max_gpus(self.gpu_ledger.quotas(), self.user.name, self.user_groups)
-        if mirror.applied.get(self.namespace, "unknown") != want:
-            await asyncio.wait_for(mirror.apply(self.namespace, want), self.k8s_api_request_timeout)
+            await prepare_user_namespace(
+                api=self.api, ledger=ledger, namespace=self.namespace, user=self.user.name,
+                groups=self.user_groups, user_label=self.user_label,
+                pod_security_level=self.pod_security_level, hub_namespace=self.hub_namespace,
+                allowed_egress=self.allowed_egress, sync_interval=self.gpu_quota_sync_interval,
+                request_timeout=self.k8s_api_request_timeout, log=self.log,
+                server_port=self.port, server_component=self.component_label)
+        except NamespaceSettingsError as e:
+            raise SpawnRefused(500, f"The server's network settings are wrong: {e}"
+                               if e.network else str(e)) from e
 
     async def _make_create_pod_request(self, pod, request_timeout):
         try:
@@ -498,7 +380,7 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
             url = await inner
         except ApiException as e:
             await self.release_gpus_async("server did not start")
-            raise self._translate(e) from e
+            raise await self._translate(e) from e
         except BaseException:
             await self.release_gpus_async("server did not start")
             raise
@@ -509,25 +391,29 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
                       self.gpu_profile.gpus if self.gpu_profile else 0)
         return url
 
-    def _translate(self, e: ApiException) -> Exception:
+    async def _translate(self, e: ApiException) -> Exception:
         """A refusal by the API server as a message for the person (else ``e`` itself)."""
         message = api_message(e)
         numbers = parse_quota_refusal(message) if e.status == 403 else None
         if numbers:
-            return SpawnRefused(403, self.quota_message(**numbers))
+            # the user's quota and holdings, read in a worker thread (never on the loop)
+            view = await self.gpu_ledger_view(mine_only=True)
+            return SpawnRefused(403, self.quota_message(view, **numbers))
         if e.status == 403 and "violates PodSecurity" in message:
             return SpawnRefused(403, "The cluster refused this server's pod because it breaks "
                                 f"the namespace's security policy: {message}")
         return e
 
-    def quota_message(self, *, requested: int, used: int, limited: int) -> str:
-        """The ledger's quota message for a refusal by the namespace's ResourceQuota."""
-        ledger = self.gpu_ledger
-        quota, source = ledger.effective(self.user.name, self.user_groups)
+    def quota_message(self, view: LedgerView, *, requested: int, used: int,
+                      limited: int) -> str:
+        """The ledger's quota message for a refusal by the namespace's ResourceQuota, from
+        ``view`` (`gpu_ledger_view` with ``mine_only``: this user's quota and allocations;
+        no ledger read here)."""
+        quota, source = view.quota, view.source
         if quota is None or quota.max_gpus != limited:
             source = "your namespace's ResourceQuota"
-        holdings = [Holding(a.kind, a.holder, a.gpus)
-                    for a in ledger.open_allocations(user=self.user.name) if a.gpus]
+        holdings = [Holding(a.kind, a.holder, a.gpus) for a in view.allocations
+                    if a.user == self.user.name and a.gpus]
         other = used - sum(h.gpus for h in holdings)
         if other > 0:
             holdings.append(Holding("other pods in namespace", self.namespace, other))
@@ -583,6 +469,9 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         return alive
 
     def load_state(self, state):
+        # synchronous, as JupyterHub calls it (User._new_spawner, when it makes the spawner):
+        # the mixin's read of the server's allocation stays here, and registering with the
+        # mirror reads nothing (its syncs read the ledger in a worker thread)
         super().load_state(state)
         # a server that runs since before a hub restart: keep its quota mirrored
         if state and state.get("pod_name") and self.enable_user_namespaces:
@@ -599,5 +488,7 @@ async def _maybe_await(value):
     return value
 
 
-__all__ = ["GPUQuotaMirror", "KubeGPUSpawner", "apply_network_policies", "effective_max_gpus",
-           "hub_namespace_default"]
+# GPUQuotaMirror, apply_network_policies, effective_max_gpus, api_message, APPLY and
+# FIELD_MANAGER live in gpulab.spawner.namespaces; their names here keep working
+__all__ = ["APPLY", "FIELD_MANAGER", "GPUQuotaMirror", "KubeGPUSpawner", "api_message",
+           "apply_network_policies", "effective_max_gpus", "hub_namespace_default"]

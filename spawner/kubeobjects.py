@@ -201,7 +201,7 @@ def server_pod_settings(
     - ``home`` (``{"claim": <PVC name>, "mount": <path>}``; None: none) mounts the user's home
       volume.
     - ``shared_volume`` (a pod volume source, e.g. ``{"persistentVolumeClaim": {"claimName":
-      "gpulab-shared"}}``; None: no shared storage) is mounted twice: ``user_subpath``
+      "gpulab-shared"}}``; None or ``{}``, the traits' default: no shared storage) is mounted twice: ``user_subpath``
       read-write at ``<shared_mount>/<user_subpath>`` and ``datasets_subpath`` read-only at
       ``<shared_mount>/<datasets_subpath>``; ``GPULAB_*_DIR`` variables name the folders.
     """
@@ -217,7 +217,7 @@ def server_pod_settings(
             "name": "home", "persistentVolumeClaim": {"claimName": home["claim"]}})
         out["volume_mounts"] = _with(out["volume_mounts"], "gpulab-home", {
             "name": "home", "mountPath": home["mount"]})
-    if shared_volume is None:
+    if not shared_volume:  # an empty source would be defaulted to an emptyDir by the cluster
         return out
     if not user_subpath or user_subpath.startswith("/") or ".." in user_subpath.split("/"):
         raise ValueError(f"user_subpath must be a relative path inside the share, got {user_subpath!r}")

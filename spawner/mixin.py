@@ -530,6 +530,9 @@ class GPUSpawnerMixin:
         saved = state.get("gpulab_claim") if state else None
         if not saved:
             return
+        # a ledger read on the hub's thread, by necessity: JupyterHub calls load_state
+        # synchronously when it makes the spawner (User._new_spawner), so it cannot wait for
+        # a worker thread; one read by primary key, once per server after a hub restart
         allocation = self.gpu_ledger.get(saved.get("id", ""))
         if allocation is None or not allocation.open:
             self.log.error("Not restoring GPUs of %s: its allocation %s is %s in the ledger",

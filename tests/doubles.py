@@ -10,6 +10,13 @@ Index:
   tests/app/test_client.py.
 - `FakeJob`: a job of `FakeClient` whose ``status()`` walks through a scripted list of views
   (the last one repeats) and whose logs are canned text per replica.
+- `FakeKubeAPI`: stands in for kubernetes_asyncio's ``CoreV1Api`` and ``NetworkingV1Api`` in
+  the unit tests of a user namespace's preparation (tests/unit/test_namespaces.py): it
+  answers the writes `gpulab.spawner.namespaces` makes (server-side apply of a namespace, a
+  NetworkPolicy, a ResourceQuota; a policy's replacement; a quota's deletion) with what an API
+  server would store, keeping the ``spec`` fields another field manager added to a policy
+  (``foreign``), and records each call. The real API server (bound by the hub's RBAC) is in
+  tests/cluster/test_kube_spawner.py and test_kube_jobs.py.
 """
 
 from __future__ import annotations
@@ -111,4 +118,54 @@ class FakeClient:
         return job
 
 
-__all__ = ["FakeClient", "FakeJob", "job_view", "ME", "GpulabError"]
+class FakeKubeAPI:
+    def __init__(self, foreign: dict[tuple[str, str], dict] | None = None):
+        #: (namespace, policy name) -> spec fields another field manager owns there
+        self.foreign = dict(foreign or {})
+        self.stored: dict[tuple[str, str, str], dict] = {}  # (kind, namespace, name) -> object
+        self.calls: list[tuple[str, str]] = []  # (method, namespace/name)
+        self.api_client = self  # for api.api_client.sanitize_for_serialization
+        self._version = 0
+
+    def sanitize_for_serialization(self, obj):
+        return copy.deepcopy(obj)
+
+    def _store(self, kind: str, namespace: str, name: str, body: dict) -> dict:
+        self._version += 1
+        obj = copy.deepcopy(body)
+        obj.setdefault("metadata", {})["resourceVersion"] = str(self._version)
+        self.stored[(kind, namespace, name)] = obj
+        return copy.deepcopy(obj)
+
+    async def patch_namespace(self, name, body, **kwargs):
+        assert kwargs.get("_content_type") == "application/apply-patch+yaml"
+        self.calls.append(("patch_namespace", name))
+        return self._store("Namespace", "", name, body)
+
+    async def patch_namespaced_network_policy(self, name, namespace, body, **kwargs):
+        assert kwargs.get("_content_type") == "application/apply-patch+yaml"
+        self.calls.append(("patch_namespaced_network_policy", f"{namespace}/{name}"))
+        obj = copy.deepcopy(body)
+        obj["spec"].update(copy.deepcopy(self.foreign.get((namespace, name), {})))
+        return self._store("NetworkPolicy", namespace, name, obj)
+
+    async def replace_namespaced_network_policy(self, name, namespace, body, **kwargs):
+        self.calls.append(("replace_namespaced_network_policy", f"{namespace}/{name}"))
+        self.foreign.pop((namespace, name), None)  # a replacement drops the others' fields
+        return self._store("NetworkPolicy", namespace, name, body)
+
+    async def patch_namespaced_resource_quota(self, name, namespace, body, **kwargs):
+        assert kwargs.get("_content_type") == "application/apply-patch+yaml"
+        self.calls.append(("patch_namespaced_resource_quota", f"{namespace}/{name}"))
+        return self._store("ResourceQuota", namespace, name, body)
+
+    async def delete_namespaced_resource_quota(self, name, namespace, **kwargs):
+        from kubernetes_asyncio.client.rest import ApiException
+
+        self.calls.append(("delete_namespaced_resource_quota", f"{namespace}/{name}"))
+        if self.stored.pop(("ResourceQuota", namespace, name), None) is None:
+            raise ApiException(status=404, reason="Not Found")
+        return {"status": "Success"}
+
+
+__all__ = ["FakeClient", "FakeJob", "FakeKubeAPI", "job_view", "ME", "GpulabError"]

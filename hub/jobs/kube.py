@@ -76,20 +76,15 @@ from gpulab.extensions.contract import (
 )
 from gpulab.spawner.kube import (
     ALLOWED_EGRESS_HELP,
-    APPLY,
-    FIELD_MANAGER,
     HUB_NAMESPACE_HELP,
-    GPUQuotaMirror,
     api_message,
-    apply_network_policies,
-    effective_max_gpus,
     hub_namespace_default,
 )
-from gpulab.spawner.kubeobjects import (
-    POD_SECURITY_LEVELS,
-    make_user_namespace,
-    make_user_network_policies,
-    parse_quota_refusal,
+from gpulab.spawner.kubeobjects import parse_quota_refusal
+from gpulab.spawner.namespaces import (
+    GPU_QUOTA_SYNC_INTERVAL,
+    NamespaceSettingsError,
+    prepare_user_namespace,
 )
 from gpulab.spawner.profiles import GPU_MODEL_LABEL, GPU_RESOURCE
 
@@ -232,7 +227,8 @@ SHARED_WITH_SPAWNER = {"namespace_template": "user_namespace_template",
                        "user_subpath_template": "user_subpath_template",
                        "datasets_subpath": "datasets_subpath",
                        "pod_security_level": "pod_security_level",
-                       "hub_namespace": "hub_namespace", "allowed_egress": "allowed_egress"}
+                       "hub_namespace": "hub_namespace", "allowed_egress": "allowed_egress",
+                       "gpu_quota_sync_interval": "gpu_quota_sync_interval"}
 #: the environment variable by which the hub hands these settings to the gpulab service
 SETTINGS_ENV = "GPULAB_KUBE_JOBS"
 
@@ -307,9 +303,11 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         no API request unless something must be done).""").tag(config=True)
     node_cache_seconds = Float(30.0, help="""
         Seconds a list of the nodes (GPU capacity) is reused (default 30).""").tag(config=True)
-    gpu_quota_sync_interval = Float(30.0, help="""
-        Seconds between syncs of the namespaces' GPU ResourceQuotas with the ledger
-        (default 30; as KubeGPUSpawner's).""").tag(config=True)
+    gpu_quota_sync_interval = Float(GPU_QUOTA_SYNC_INTERVAL, help=f"""
+        Seconds between two comparisons of the ledger's quotas with the users' ResourceQuotas
+        (default {GPU_QUOTA_SYNC_INTERVAL:g}); an admin's quota edit reaches the cluster within
+        that. Taken from ``c.KubeGPUSpawner.gpu_quota_sync_interval`` unless set here.
+        Example: ``c.KubeJobBackend.gpu_quota_sync_interval = 10``""").tag(config=True)
     request_timeout = Float(30.0, help="Seconds an API request may take (default 30).").tag(
         config=True)
     progress_cache_seconds = Float(5.0, help="""
@@ -535,30 +533,17 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         ns = self.namespace_of(user)
         if ns in self._ready_ns:
             return ns
-        if self.pod_security_level not in POD_SECURITY_LEVELS:
-            raise JobError(f"pod_security_level {self.pod_security_level!r} is not one of "
-                           f"{', '.join(POD_SECURITY_LEVELS)}.", 500)
-        label = self.user_label(user)
-        body = make_user_namespace(name=ns, user_label=label, pod_security=self.pod_security_level)
         try:
-            policies = make_user_network_policies(
-                namespace=ns, user_label=label, hub_namespace=self.hub_namespace,
-                allowed_egress=self.allowed_egress)
-        except ValueError as e:
-            raise JobError(f"The cluster's network settings are wrong: {e}", 500) from e
-        self.api_requests += 1
-        await self.core.patch_namespace(ns, body, field_manager=FIELD_MANAGER, force=True,
-                                        _content_type=APPLY, _request_timeout=self.request_timeout)
-        # before the namespace's first replica: nothing outside the job reaches it
-        self.api_requests += len(policies)
-        self.api_requests += await asyncio.wait_for(apply_network_policies(policies),
-                                                    self.request_timeout)
-        mirror = GPUQuotaMirror.for_loop(self.ledger, self.core, self.gpu_quota_sync_interval, log)
-        mirror.register(ns, user, groups, label)
-        want = effective_max_gpus(self.ledger.quotas(), user, groups)
-        if mirror.applied.get(ns, "unknown") != want:
-            self.api_requests += 1
-            await mirror.apply(ns, want)
+            # before the namespace's first replica: nothing outside the job reaches it
+            self.api_requests += await prepare_user_namespace(
+                api=self.core, ledger=self.ledger, namespace=ns, user=user, groups=groups,
+                user_label=self.user_label(user), pod_security_level=self.pod_security_level,
+                hub_namespace=self.hub_namespace, allowed_egress=self.allowed_egress,
+                sync_interval=self.gpu_quota_sync_interval,
+                request_timeout=self.request_timeout, log=log, networking=self.networking)
+        except NamespaceSettingsError as e:
+            raise JobError(f"The cluster's network settings are wrong: {e}" if e.network
+                           else str(e), 500) from e
         self._ready_ns.add(ns)
         return ns
 

@@ -5,6 +5,7 @@ import asyncio
 import copy
 import html
 import re
+import threading
 import time
 import uuid
 from types import SimpleNamespace
@@ -16,7 +17,7 @@ from kubernetes_asyncio.config import kube_config
 from kubespawner.clients import load_config
 from traitlets.config import Config
 
-from gpulab.hub.quota.ledger import Request
+from gpulab.hub.quota.ledger import Ledger, Request
 from gpulab.hub.quota.policy import Quota
 from gpulab.spawner.kube import GPUQuotaMirror, KubeGPUSpawner
 from gpulab.spawner.kubeobjects import make_user_network_policies
@@ -259,6 +260,33 @@ async def test_spawn_makes_and_keeps_the_namespaces_network_policies(control_pla
         assert stored[name]["spec"] == policy["spec"], name
     await s.stop()
     s.clear_state()
+
+
+async def test_the_namespace_is_prepared_with_the_ledger_read_off_the_event_loop(
+        control_plane, make_spawner, ledger, monkeypatch):
+    """The quota read of a namespace's preparation (and of the mirror's syncs) runs in a
+    worker thread: the hub's event loop never waits for the ledger's lock."""
+    cp = control_plane
+    _, led = ledger
+    s = make_spawner(storage_pvc_ensure=False, hub_namespace=HUB_NAMESPACE)
+    led.set_quota("user", s.user.name, Quota(max_gpus=2), actor="admin")
+    reads, real = [], Ledger.quotas
+
+    def spy(self):
+        reads.append(threading.current_thread())
+        return real(self)
+
+    monkeypatch.setattr(Ledger, "quotas", spy)
+    await asyncio.wait_for(s._ensure_namespace(), 30)
+    assert quota_of(cp, s.namespace)["spec"]["hard"] == {"requests.nvidia.com/gpu": "2"}
+    labels = get(cp, f"/api/v1/namespaces/{s.namespace}")["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "baseline"
+    assert sorted(policies_of(cp, s.namespace)) == ["gpulab-servers", "gpulab-user-pods"]
+    led.set_quota("user", s.user.name, Quota(max_gpus=3), actor="admin")
+    await eventually(lambda: quota_of(cp, s.namespace)["spec"]["hard"]
+                     == {"requests.nvidia.com/gpu": "3"}, timeout=10, what="the mirror's sync")
+    assert len(reads) >= 2
+    assert all(thread is not threading.current_thread() for thread in reads), reads
 
 
 async def test_user_options_cannot_change_the_pod(make_spawner):

@@ -91,9 +91,11 @@ def test_server_settings_with_gpus_home_and_shared_storage():
     }
 
 
-def test_server_settings_without_gpus_or_storage_keep_the_configured_values():
+@pytest.mark.parametrize("no_storage", [None, {}], ids=["none", "empty-the-traits-default"])
+def test_server_settings_without_gpus_or_storage_keep_the_configured_values(no_storage):
     configured_tolerations = [{"key": "x", "operator": "Exists"}]
-    out = settings(gpus=0, tolerations=configured_tolerations, home=None, shared_volume=None)
+    out = settings(gpus=0, tolerations=configured_tolerations, home=None,
+                   shared_volume=no_storage)
     assert out == {
         "tolerations": [{"key": "x", "operator": "Exists"}],
         "volumes": [],

@@ -1,0 +1,255 @@
+"""A user's Kubernetes namespace, prepared one way for notebook servers and training jobs.
+
+`KubeGPUSpawner <gpulab.spawner.kube.KubeGPUSpawner>` (at every spawn) and `KubeJobBackend
+<gpulab.hub.jobs.kube.KubeJobBackend>` (once per namespace per service process) both call
+`prepare_user_namespace`, which:
+
+1. applies the namespace, labelled for Pod Security enforcement (server-side apply);
+2. makes its NetworkPolicies exactly so (`apply_network_policies`), before any pod of the
+   namespace runs;
+3. registers the namespace with this event loop's `GPUQuotaMirror` and writes its GPU
+   ResourceQuota if it differs from the user's effective gpulab quota.
+
+The ledger's quotas are read in a worker thread (`asyncio.to_thread`), here and in the
+mirror's periodic sync: the event loop never waits for the ledger's lock.
+
+The defaults of the settings the two classes share (``SHARED_WITH_SPAWNER`` in
+`gpulab.hub.jobs.kube`, which fills the backend's from ``c.KubeGPUSpawner``) are defined
+here once, so that they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+from typing import Any
+
+from kubernetes_asyncio.client.rest import ApiException
+from kubespawner.clients import shared_client
+
+from gpulab.hub.quota.ledger import Ledger
+from gpulab.hub.quota.policy import Quota, effective_quota
+
+from .kubeobjects import (
+    POD_SECURITY_LEVELS,
+    QUOTA_NAME,
+    make_gpu_quota,
+    make_user_namespace,
+    make_user_network_policies,
+)
+
+APPLY = "application/apply-patch+yaml"
+FIELD_MANAGER = "gpulab-hub"
+
+# -- the defaults KubeGPUSpawner and KubeJobBackend share (one namespace, quota and folder
+#    per user, whichever of the two made them)
+
+#: the user's namespace (KubeSpawner's template fields; the backend knows ``{username}``)
+USER_NAMESPACE_TEMPLATE = "gpulab-{username}"
+#: Pod Security Standard enforced in user namespaces
+POD_SECURITY_LEVEL = "baseline"
+#: seconds between two comparisons of the ledger's quotas with the ResourceQuotas
+GPU_QUOTA_SYNC_INTERVAL = 3.0
+#: where the shared storage appears in servers and replicas
+SHARED_MOUNT_PATH = "/gpulab/shared"
+#: the user's own folder on the shared storage
+USER_SUBPATH_TEMPLATE = "users/{username}"
+#: the read-only datasets folder on the shared storage ('' for none)
+DATASETS_SUBPATH = "datasets"
+
+
+class NamespaceSettingsError(ValueError):
+    """A setting of the namespace is wrong (found before any API request). ``network``:
+    the NetworkPolicies' settings (``allowed_egress``), else ``pod_security_level``. Each
+    caller words it for its own readers."""
+
+    def __init__(self, message: str, *, network: bool = False):
+        super().__init__(message)
+        self.network = network
+
+
+def api_message(e: ApiException) -> str:
+    """The ``message`` of an API server error (its Status body), or the raw body."""
+    try:
+        return str(json.loads(e.body).get("message", e.body))
+    except (TypeError, ValueError, AttributeError):
+        return str(e.body or e.reason)
+
+
+def effective_max_gpus(quota_rows: list[dict], user: str, groups: tuple[str, ...]) -> int | None:
+    """The ``max_gpus`` of the quota that applies to ``user`` (None: no quota), from
+    ``Ledger.quotas()`` rows, as `Ledger.effective` decides it."""
+    def q(r: dict) -> Quota:
+        return Quota(r["max_gpus"], r.get("max_per_request"), r.get("gpu_hours"), r.get("window_hours"))
+
+    default_q = next((q(r) for r in quota_rows if r["scope"] == "default"), None)
+    mine = next((q(r) for r in quota_rows if r["scope"] == "user" and r["name"] == user), None)
+    by_group = {r["name"]: q(r) for r in quota_rows if r["scope"] == "group" and r["name"] in groups}
+    quota, _ = effective_quota(default_q, by_group, mine)
+    return None if quota is None else quota.max_gpus
+
+
+async def apply_network_policies(policies: list[dict], api=None) -> int:
+    """Make each of ``policies`` exactly so; returns how many had to be replaced.
+
+    Server-side apply (one request each) makes a missing policy and takes back gpulab's fields;
+    but it leaves alone what another field manager added (an extra rule, a label in a
+    selector), so a policy whose stored ``spec`` still differs is then replaced whole.
+    ``api``: a ``NetworkingV1Api`` (default: kubespawner's shared one).
+    """
+    api = api or shared_client("NetworkingV1Api")
+
+    async def one(policy: dict) -> int:
+        name, namespace = policy["metadata"]["name"], policy["metadata"]["namespace"]
+        stored = await api.patch_namespaced_network_policy(
+            name, namespace, policy, field_manager=FIELD_MANAGER, force=True,
+            _content_type=APPLY)
+        stored = api.api_client.sanitize_for_serialization(stored)
+        if stored.get("spec") == policy["spec"]:
+            return 0
+        body = copy.deepcopy(policy)
+        body["metadata"]["resourceVersion"] = stored["metadata"]["resourceVersion"]
+        await api.replace_namespaced_network_policy(name, namespace, body,
+                                                    field_manager=FIELD_MANAGER)
+        return 1
+
+    return sum(await asyncio.gather(*(one(p) for p in policies)))
+
+
+class GPUQuotaMirror:
+    """Keeps each user namespace's ResourceQuota equal to the user's effective gpulab quota.
+
+    One per process and event loop: `prepare_user_namespace` registers each user namespace;
+    every ``interval`` seconds the mirror reads all quotas from the ledger (one query, in a
+    worker thread) and writes only the ResourceQuotas whose limit changed (no API request
+    otherwise).
+    """
+
+    _instances: dict[Any, GPUQuotaMirror] = {}
+
+    def __init__(self, ledger: Ledger, api, interval: float, log: logging.Logger):
+        self.ledger, self.api, self.interval, self.log = ledger, api, interval, log
+        self.users: dict[str, tuple[str, tuple[str, ...], str]] = {}  # ns -> user, groups, label
+        self.applied: dict[str, int | None] = {}  # ns -> max_gpus written last
+        self._task: asyncio.Task | None = None
+
+    @classmethod
+    def for_loop(cls, ledger: Ledger, api, interval: float, log: logging.Logger) -> GPUQuotaMirror:
+        loop = asyncio.get_running_loop()
+        mirror = cls._instances.get(loop)
+        if mirror is None or mirror.ledger is not ledger:
+            if mirror is not None and mirror._task is not None:
+                mirror._task.cancel()
+            mirror = cls._instances[loop] = cls(ledger, api, interval, log)
+        return mirror
+
+    def register(self, namespace: str, user: str, groups: tuple[str, ...], label: str) -> None:
+        self.users[namespace] = (user, groups, label)
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+
+    async def apply(self, namespace: str, max_gpus: int | None) -> None:
+        """Write (or, for None, delete) the ResourceQuota of ``namespace`` (one request)."""
+        user, _, label = self.users[namespace]
+        if max_gpus is None:
+            try:
+                await self.api.delete_namespaced_resource_quota(QUOTA_NAME, namespace)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+        else:
+            body = make_gpu_quota(namespace=namespace, max_gpus=max_gpus, user_label=label)
+            await self.api.patch_namespaced_resource_quota(
+                QUOTA_NAME, namespace, body, field_manager=FIELD_MANAGER, force=True,
+                _content_type=APPLY)
+        self.applied[namespace] = max_gpus
+        self.log.info("GPU quota of %s (namespace %s): %s", user, namespace,
+                      "none" if max_gpus is None else max_gpus)
+
+    async def sync(self) -> int:
+        """Write the ResourceQuotas that differ from the ledger; returns how many."""
+        rows = await asyncio.to_thread(self.ledger.quotas)
+        n = 0
+        for ns, (user, groups, _) in list(self.users.items()):
+            want = effective_max_gpus(rows, user, groups)
+            if ns in self.applied and self.applied[ns] == want:
+                continue
+            try:
+                await self.apply(ns, want)
+                n += 1
+            except ApiException as e:
+                self.log.warning("Could not update the GPU quota of namespace %s: %s %s",
+                                 ns, e.status, api_message(e))
+        return n
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.sync()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a ledger or API hiccup must not end the mirror
+                self.log.exception("GPU quota mirror: sync failed")
+
+
+async def prepare_user_namespace(
+    *,
+    api,
+    ledger: Ledger,
+    namespace: str,
+    user: str,
+    groups: tuple[str, ...],
+    user_label: str,
+    pod_security_level: str,
+    hub_namespace: str,
+    allowed_egress: list[dict],
+    sync_interval: float,
+    request_timeout: float,
+    log: logging.Logger,
+    server_port: int = 8888,
+    server_component: str = "singleuser-server",
+    networking=None,
+) -> int:
+    """Create or update ``namespace`` for ``user``: Pod Security labels, NetworkPolicies,
+    GPU ResourceQuota (see the module's docstring). Returns how many API requests it made.
+
+    ``api`` is a ``CoreV1Api``, ``networking`` a ``NetworkingV1Api`` (default: kubespawner's
+    shared one). ``server_port`` and ``server_component`` are the notebook servers'
+    (KubeSpawner's ``port`` and ``component_label``), for the policy that lets the hub and
+    the proxy reach them. Each request may take ``request_timeout`` seconds
+    (``asyncio.TimeoutError`` otherwise); ``sync_interval`` is the mirror's period when
+    this call starts it. Raises `NamespaceSettingsError` for a bad ``pod_security_level``
+    or ``allowed_egress`` before any request, and the API's ``ApiException`` as it comes.
+    """
+    if pod_security_level not in POD_SECURITY_LEVELS:
+        raise NamespaceSettingsError(f"pod_security_level {pod_security_level!r} is not one "
+                                     f"of {', '.join(POD_SECURITY_LEVELS)}.")
+    body = make_user_namespace(name=namespace, user_label=user_label,
+                               pod_security=pod_security_level)
+    try:
+        policies = make_user_network_policies(
+            namespace=namespace, user_label=user_label, hub_namespace=hub_namespace,
+            server_port=server_port, server_component=server_component,
+            allowed_egress=allowed_egress)
+    except ValueError as e:
+        raise NamespaceSettingsError(str(e), network=True) from e
+    await asyncio.wait_for(
+        api.patch_namespace(namespace, body, field_manager=FIELD_MANAGER, force=True,
+                            _content_type=APPLY),
+        request_timeout)
+    requests = 1
+    # before any pod of the namespace exists, and at every call (put back if edited)
+    replaced = await asyncio.wait_for(apply_network_policies(policies, networking),
+                                      request_timeout)
+    requests += len(policies) + replaced
+    mirror = GPUQuotaMirror.for_loop(ledger, api, sync_interval, log)
+    mirror.register(namespace, user, groups, user_label)
+    rows = await asyncio.to_thread(ledger.quotas)  # the ledger's lock: never on the loop
+    want = effective_max_gpus(rows, user, groups)
+    if mirror.applied.get(namespace, "unknown") != want:
+        await asyncio.wait_for(mirror.apply(namespace, want), request_timeout)
+        requests += 1
+    return requests
