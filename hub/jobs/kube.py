@@ -271,7 +271,7 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         Pod Security level of user namespaces the backend creates (as KubeGPUSpawner's
         ``pod_security_level``; default ``baseline``).""").tag(config=True)
     shared_volume = Dict(None, allow_none=True, help="""
-        The shared ReadWriteMany storage as a pod volume source (as KubeGPUSpawner's); None
+        The shared ReadWriteMany storage as a pod volume source (as KubeGPUSpawner's); ``{}``
         (default): none (then ``source`` specs work and ``script`` paths are inside the
         image). Example: ``c.KubeJobBackend.shared_volume = {"nfs": {"server": "nfs", "path": "/gpulab"}}``
         """).tag(config=True)

@@ -334,7 +334,7 @@ def test_claims_are_read_from_help_texts():
 #: ``Dict(None, allow_none=True)``, whose first argument is the value trait, not the default:
 #: its default is {} (no shared storage, as None), its help says None; hub/jobs/kube.py's
 #: traits are being reworked in another branch, the one-word fix is left to it.
-KNOWN_WRONG_CLAIMS = {("KubeJobBackend", "shared_volume"): "None"}
+KNOWN_WRONG_CLAIMS: dict[tuple[str, str], str] = {}
 
 
 async def test_shared_settings_have_one_default_in_both_classes(config, tmp_path):
