@@ -14,13 +14,13 @@ therefore the service, then renamed over the old one, so that the service never 
 a file.
 
 Precedence. A trait set in the file wins over the environment variable it replaces
-(`gpulab.hub.service.SETTINGS_ENV`). An operator who sets one of those variables in the gpulab
-service's ``environment`` keeps what that did before the file existed: `service_config` leaves
-out of the file every trait whose variable is in ``keep_env`` (the Kubernetes builder passes
-the operator's ``environment``, which always won there), so the service reads the operator's
-value from its environment. The local hub passes nothing: there gpulab's own settings always
-won over the operator's ``environment`` (the hub and the service must agree on the ledger and
-the shared folder), and they still do.
+(`gpulab.hub.service.ENV_FALLBACKS`). An operator who sets one of those variables in the
+gpulab service's ``environment`` keeps what that did before the file existed: `service_config`
+leaves out of the file every trait whose variable is in ``keep_env`` (the Kubernetes builder
+passes the operator's ``environment``, which always won there), so the service reads the
+operator's value from its environment. The local hub passes nothing: there gpulab's own
+settings always won over the operator's ``environment`` (the hub and the service must agree on
+the ledger and the shared folder), and they still do.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from gpulab.hub.service import SETTINGS_ENV
+from gpulab.hub.service import ENV_FALLBACKS
 
 #: the config file's name in the folder the hub writes it to
 SERVICE_CONFIG_NAME = "gpulab_service_config.json"
@@ -51,13 +51,13 @@ def service_config(settings: Mapping, *, keep_env: Mapping | None = None) -> dic
     `keep_env` (the operator's environment for the service, which stays in charge of them)
     and without those whose value is None. A name that is not a setting of the service is a
     `ValueError` (a builder's mistake, caught by the tests)."""
-    unknown = sorted(set(settings) - set(SETTINGS_ENV))
+    unknown = sorted(set(settings) - set(ENV_FALLBACKS))
     if unknown:
         raise ValueError(f"Not settings of the gpulab service: {', '.join(unknown)}; "
-                         f"known: {', '.join(sorted(SETTINGS_ENV))}.")
+                         f"known: {', '.join(sorted(ENV_FALLBACKS))}.")
     keep_env = keep_env or {}
     return {SECTION: {name: value for name, value in settings.items()
-                      if value is not None and SETTINGS_ENV[name] not in keep_env}}
+                      if value is not None and ENV_FALLBACKS[name] not in keep_env}}
 
 
 def write_service_config(path: str | os.PathLike, settings: Mapping, *,

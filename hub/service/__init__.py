@@ -17,7 +17,7 @@ RECONCILE_ENV = "GPULAB_RECONCILE_SECONDS"
 USAGE_ENV = "GPULAB_USAGE_SECONDS"
 #: each setting of the service (a `gpulab.hub.service.app.GpulabService` trait) and the
 #: environment variable it falls back to when no config file or command line sets it
-SETTINGS_ENV = {
+ENV_FALLBACKS = {
     "ledger_url": "GPULAB_LEDGER_URL",
     "ledger_pool": "GPULAB_LEDGER_POOL",
     "job_limits": "GPULAB_JOB_LIMITS",

@@ -137,7 +137,7 @@ def usage_from_env(ledger: Ledger, env=None, interval: float | None = None):
 def local_backend_from_env(ledger: Ledger, shared: str | None = None, isolate: bool | None = None,
                            prefix: str | None = None, python: str | None = None):
     """The local job backend, from the service's settings (`GpulabService.shared_dir`…; each
-    left None: what `gpulab up` passes in the environment)."""
+    left None: from the environment variable it replaces)."""
     shared = os.environ.get("GPULAB_SHARED_DIR") if shared is None else shared
     if not shared:
         return None
@@ -190,7 +190,7 @@ class GpulabService(Application):
     Its settings are traits, set in a traitlets config file (``--config=<file>``, Python or
     JSON: ``c.GpulabService.ledger_url = ...``) or on the command line; a trait set nowhere
     falls back to the environment variable it replaces (named in its help,
-    `gpulab.hub.service.SETTINGS_ENV`), so a hub that passes those keeps working: a value in
+    `gpulab.hub.service.ENV_FALLBACKS`), so a hub that passes those keeps working: a value in
     the config file wins over the variable. Both deployments write the file
     (`gpulab.hub.deploy.serviceconfig`). What JupyterHub itself gives every managed service
     (``JUPYTERHUB_SERVICE_URL``, ``JUPYTERHUB_API_TOKEN``, ``JUPYTERHUB_SERVICE_PREFIX``,

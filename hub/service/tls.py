@@ -7,7 +7,7 @@ import ssl
 
 from tornado.httpclient import AsyncHTTPClient
 
-from gpulab.hub.service import SETTINGS_ENV
+from gpulab.hub.service import ENV_FALLBACKS
 
 class ServiceTLS:
     """The service's side of the hub's internal TLS, from what the hub gives it
@@ -33,7 +33,7 @@ class ServiceTLS:
         values = (keyfile, certfile, client_ca, hub_ca)
         if not any(values):
             return None
-        missing = [f"GpulabService.ssl_{n} (${SETTINGS_ENV['ssl_' + n]})"
+        missing = [f"GpulabService.ssl_{n} (${ENV_FALLBACKS['ssl_' + n]})"
                    for n, v in zip(("keyfile", "certfile", "client_ca", "hub_ca"), values) if not v]
         if missing:
             raise RuntimeError("Incomplete TLS settings for the gpulab service: "
@@ -43,7 +43,7 @@ class ServiceTLS:
     @classmethod
     def from_env(cls, env=None) -> "ServiceTLS | None":
         env = os.environ if env is None else env
-        return cls.from_settings(*(env.get(SETTINGS_ENV["ssl_" + n], "")
+        return cls.from_settings(*(env.get(ENV_FALLBACKS["ssl_" + n], "")
                                    for n in ("keyfile", "certfile", "client_ca", "hub_ca")))
 
     def server_context(self):

@@ -20,7 +20,7 @@ import requests
 
 from gpulab.hub.deploy.serviceconfig import SERVICE_CONFIG_NAME
 from gpulab.hub.jobs.local import TMP_ROOT
-from gpulab.hub.service import SETTINGS_ENV
+from gpulab.hub.service import ENV_FALLBACKS
 from gpulab.spawner.cgroups import Cgroups
 from gpulab.spawner.sandbox import NETNS_DIR
 
@@ -397,7 +397,7 @@ def test_the_service_reads_its_settings_from_its_private_config_file(hub):
                for n in ("keyfile", "certfile", "client_ca", "hub_ca"))
     env = service.environ()
     assert env.get("JUPYTERHUB_API_TOKEN")  # what the hub gives every service stays there
-    assert not set(SETTINGS_ENV.values()) & set(env), sorted(env)
+    assert not set(ENV_FALLBACKS.values()) & set(env), sorted(env)
 
 
 def test_service_killed_mid_job_recovers_state_and_gpus(hub, users):

@@ -28,7 +28,7 @@ import pytest
 
 from gpulab.hub.deploy.serviceconfig import SERVICE_CONFIG_NAME
 from gpulab.hub.jobs.local import ENV_ALLOW, ENV_ALLOW_PREFIXES, TMP_ROOT
-from gpulab.hub.service import SETTINGS_ENV
+from gpulab.hub.service import ENV_FALLBACKS
 from gpulab.spawner import sandbox
 from gpulab.spawner.cgroups import Cgroups
 
@@ -232,7 +232,7 @@ def _service_environ(hub) -> dict[str, str]:
         if "gpulab.hub.service" in cmd and f"--config={config}" in cmd:
             settings = json.loads(config.read_text())["GpulabService"]
             return {**(p.info["environ"] or {}),
-                    **{SETTINGS_ENV[k]: (str(int(v)) if isinstance(v, bool) else str(v))
+                    **{ENV_FALLBACKS[k]: (str(int(v)) if isinstance(v, bool) else str(v))
                        for k, v in settings.items()}}
     raise LookupError("no gpulab service process")
 

@@ -19,7 +19,7 @@ from gpulab.hub.deploy.kubernetes import kubernetes_config
 from gpulab.hub.deploy.local import LocalSettings, gpulab_service_settings, local_essentials
 from gpulab.hub.deploy.serviceconfig import (SERVICE_CONFIG_NAME, service_config,
                                              write_service_config)
-from gpulab.hub.service import SETTINGS_ENV
+from gpulab.hub.service import ENV_FALLBACKS
 from gpulab.hub.service.app import GpulabService
 
 #: a value for every setting, none of them its default
@@ -45,7 +45,7 @@ SETTINGS = {
 @pytest.fixture
 def clean_env(monkeypatch):
     """No GPULAB_* setting in this process's environment; returns a setter for some."""
-    for name in SETTINGS_ENV.values():
+    for name in ENV_FALLBACKS.values():
         monkeypatch.delenv(name, raising=False)
 
     def set_env(env: dict) -> None:
@@ -65,9 +65,9 @@ def load_service(config_file) -> GpulabService:
 
 def test_every_setting_is_a_trait_with_its_environment_fallback(clean_env):
     traits = GpulabService.class_traits(config=True)
-    assert set(SETTINGS) == set(SETTINGS_ENV)
-    assert set(SETTINGS_ENV) <= set(traits)
-    env = {SETTINGS_ENV[name]: ("1" if name == "isolate" else str(value))
+    assert set(SETTINGS) == set(ENV_FALLBACKS)
+    assert set(ENV_FALLBACKS) <= set(traits)
+    env = {ENV_FALLBACKS[name]: ("1" if name == "isolate" else str(value))
            for name, value in SETTINGS.items()}
     clean_env(env)
     app = GpulabService()
