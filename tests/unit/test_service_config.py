@@ -174,7 +174,8 @@ def test_the_local_hub_gathers_the_operators_settings_and_keeps_its_environment(
         "c.GPULedger.reconcile_interval = 30\n"
         "c.GPUJobs.python = '/opt/tf/bin/python'\n"
         "c.JupyterHub.services = [{'name': 'gpulab', 'environment': {\n"
-        "    'TEAM': 'vision', 'GPULAB_LEDGER_URL': 'sqlite:////elsewhere.sqlite'}}]\n")
+        "    'TEAM': 'vision', 'GPULAB_LEDGER_URL': 'sqlite:////elsewhere.sqlite',\n"
+        "    'GPULAB_JOB_BACKEND': 'kubernetes', 'GPULAB_KUBE_JOBS': '{}'}}]\n")
     hub = GpulabHub()
     hub.gpulab_essentials = local_essentials(s)
     hub.gpulab_service_config = data.service_config_file
@@ -183,7 +184,8 @@ def test_the_local_hub_gathers_the_operators_settings_and_keeps_its_environment(
     gpulab = next(e for e in hub.services if e["name"] == "gpulab")
     assert gpulab["command"][-1] == f"--config={data.service_config_file}"
     env = gpulab["environment"]
-    assert env == {"TEAM": "vision", "GPULAB_LEDGER_URL": "sqlite:////elsewhere.sqlite"}
+    assert env == {"TEAM": "vision", "GPULAB_LEDGER_URL": "sqlite:////elsewhere.sqlite",
+                   "GPULAB_JOB_BACKEND": "kubernetes", "GPULAB_KUBE_JOBS": "{}"}
     # what init_services writes before it starts the service
     path = write_service_config(hub.gpulab_service_config, hub._service_settings)
     clean_env(env)
@@ -192,6 +194,9 @@ def test_the_local_hub_gathers_the_operators_settings_and_keeps_its_environment(
     assert app.reconcile_seconds == 30.0 and app.job_python == "/opt/tf/bin/python"
     assert json.loads(app.job_limits)["max_replicas_per_user"] >= 1
     assert app.shared_dir == str(data.shared) and app.ledger_pool == "local"
+    # settings gpulab up leaves unset come from the operator's variables (tests/cluster runs
+    # the local hub's jobs on Kubernetes so)
+    assert app.job_backend == "kubernetes" and app.kube_jobs == "{}"
 
 
 def test_kubernetes_keeps_the_operators_service_environment_in_charge(tmp_path, clean_env,
