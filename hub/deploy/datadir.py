@@ -10,6 +10,8 @@
         proxy_token             0600  generated once
         admin_password          0600  the first admin's generated password
         gpulab_config.py        0600  optional settings for the operator to edit
+        gpulab_service_config.json  0600  the gpulab service's settings, written by the hub at
+                                      each start (`gpulab.hub.deploy.serviceconfig`)
         logs/                   0700  hub.log and servers/<user>.<server>.log (0600)
         homes/                  0700  servers' homes when users are not isolated
         shared/                 0755  default shared storage (see below)
@@ -35,6 +37,8 @@ import stat
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+
+from gpulab.hub.deploy.serviceconfig import SERVICE_CONFIG_NAME
 
 
 class DataDirError(Exception):
@@ -123,6 +127,7 @@ class DataDir:
     proxy_token_file = property(lambda self: self.path / "proxy_token")
     admin_password_file = property(lambda self: self.path / "admin_password")
     config_file = property(lambda self: self.path / "gpulab_config.py")
+    service_config_file = property(lambda self: self.path / SERVICE_CONFIG_NAME)
     log_dir = property(lambda self: self.path / "logs")
     server_log_dir = property(lambda self: self.path / "logs" / "servers")
     homes_dir = property(lambda self: self.path / "homes")

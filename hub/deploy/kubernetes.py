@@ -10,7 +10,8 @@ with ``c`` and ``get_config`` in scope. ``helm-values/values.yaml`` has one such
 
 `kubernetes_config` then adds what the local builder (`gpulab.hub.deploy.local`) gives ``gpulab up``:
 KubeGPUSpawner, the quota ledger on PostgreSQL, the gpulab service (run by the hub, in the hub
-pod) with its roles and scope, the hub's "GPUs" link, the first admin, and the service's
+pod, with its settings in a private config file written at the hub's start) with its roles
+and scope, the hub's "GPUs" link, the first admin, and the service's
 address for notebook servers (``GPULAB_SERVICE_URL``). Services and
 roles the operator put in ``hub.services`` / ``hub.loadRoles`` under the same names are kept:
 service keys the operator set win, and role members and scopes are joined.
@@ -19,13 +20,17 @@ service keys the operator set win, and role members and scopes are joined.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
+
 from traitlets.config import Config
 
 from gpulab.spawner.kubeobjects import GPULAB_SERVICE_PORT
 
 from gpulab.hub.deploy.local import gpulab_roles
-from gpulab.hub.service import ADMIN_SCOPE, RECONCILE_ENV, SERVICE_NAME
+from gpulab.hub.deploy.serviceconfig import (SERVICE_CONFIG_NAME, private_folder,
+                                             service_command, write_service_config)
+from gpulab.hub.service import ADMIN_SCOPE, SERVICE_NAME
 
 SPAWNER_CLASS = "gpulab.spawner.kube.KubeGPUSpawner"
 #: the port of the gpulab service in the hub pod (the proxy reaches it at the pod's IP; the
@@ -36,12 +41,23 @@ POD_IP_ENV = "POD_IP"
 POD_NAMESPACE_ENV = "POD_NAMESPACE"
 
 
-def gpulab_kube_service(*, ledger_url: str, service_ip: str, service_port: int = SERVICE_PORT,
-                        job_limits: str | None = None, kube_jobs: str | None = None,
-                        reconcile_interval: float | None = None,
-                        hub_namespace: str | None = None,
+def gpulab_kube_settings(*, ledger_url: str, job_limits: str | None = None,
+                         kube_jobs: str | None = None,
+                         reconcile_interval: float | None = None) -> dict:
+    """The gpulab service's settings (`gpulab.hub.service.app.GpulabService` traits) in the hub
+    pod, for its config file (`gpulab.hub.deploy.serviceconfig`); None: left unset."""
+    settings = {"ledger_url": ledger_url, "ledger_pool": "kubernetes",
+                "job_limits": job_limits, "reconcile_seconds": reconcile_interval}
+    if kube_jobs is not None:  # training jobs as Kubernetes Jobs (gpulab.hub.jobs.kube)
+        settings.update(job_backend="kubernetes", kube_jobs=kube_jobs)
+    return settings
+
+
+def gpulab_kube_service(*, config_file: str | os.PathLike, service_ip: str,
+                        service_port: int = SERVICE_PORT, hub_namespace: str | None = None,
                         python: str = "python3") -> dict:
-    """The gpulab service as a process the hub runs in its own pod.
+    """The gpulab service as a process the hub runs in its own pod, reading its settings from
+    ``config_file`` (`gpulab_kube_settings`, written by `kubernetes_config`).
 
     It listens on the pod's IP (``service_ip``), where the proxy pod reaches it; the hub pod's
     NetworkPolicy must let the proxy in on ``service_port`` (helm-values/values.yaml does).
@@ -49,23 +65,11 @@ def gpulab_kube_service(*, ledger_url: str, service_ip: str, service_port: int =
     (a service gets only the environment given here), for the user namespaces'
     NetworkPolicies.
     """
-    env = {
-        LEDGER_URL_ENV: ledger_url,
-        "GPULAB_LEDGER_POOL": "kubernetes",
-    }
-    if job_limits is not None:
-        env["GPULAB_JOB_LIMITS"] = job_limits
-    if reconcile_interval is not None:
-        env[RECONCILE_ENV] = str(reconcile_interval)
-    if hub_namespace:
-        env[POD_NAMESPACE_ENV] = hub_namespace
-    if kube_jobs is not None:  # training jobs as Kubernetes Jobs (gpulab.hub.jobs.kube)
-        env["GPULAB_JOB_BACKEND"] = "kubernetes"
-        env["GPULAB_KUBE_JOBS"] = kube_jobs
+    env = {POD_NAMESPACE_ENV: hub_namespace} if hub_namespace else {}
     return {
         "name": SERVICE_NAME,
         "url": f"http://{service_ip}:{service_port}",
-        "command": [python, "-m", "gpulab.hub.service.app"],
+        "command": service_command(python, config_file),
         "environment": env,
         "oauth_client_allowed_scopes": [ADMIN_SCOPE],
         "display": True,
@@ -105,6 +109,7 @@ def kubernetes_config(
     first_admin: str | None = None,
     service_ip: str | None = None,
     service_port: int = SERVICE_PORT,
+    config_dir: str | os.PathLike | None = None,
 ) -> Config:
     """Complete the hub configuration ``c`` (as the chart built it) for gpulab on Kubernetes.
 
@@ -112,7 +117,14 @@ def kubernetes_config(
     (default: ``$GPULAB_LEDGER_URL``, which the values fill from a Secret). ``first_admin``: a
     hub admin who also holds the gpulab-admin role (GPU quotas), before any group says so.
     ``service_ip``: where the gpulab service listens (default: ``$POD_IP``, the hub pod's IP from
-    the downward API). Returns ``c``.
+    the downward API). ``config_dir``: the folder, made 0700 if missing, where the gpulab
+    service's config file is written now, at the hub's config load (it holds the ledger's URL
+    and password; default: a new private temporary folder, gone with the pod). Returns ``c``.
+
+    The service's settings go in that file (`gpulab.hub.deploy.serviceconfig`), not in its
+    environment; a ``GPULAB_*`` variable the operator sets in the ``environment`` of the
+    gpulab entry of ``hub.services`` still wins, as before the file: the file leaves that
+    setting out, and the service reads the variable.
 
     Groups are not loaded here (``load_groups``): with an identity provider they come from the
     login (``manage_groups``), and members of ``gpulab-admins`` get the gpulab-admin role.
@@ -145,13 +157,20 @@ def kubernetes_config(
     from gpulab.spawner.mixin import GPULedger
 
     limits = GPUJobs(config=c).limits_json()
-    service = gpulab_kube_service(ledger_url=ledger_url, service_ip=service_ip,
-                                  service_port=service_port, job_limits=limits,
-                                  kube_jobs=backend_settings(c),
-                                  reconcile_interval=GPULedger(config=c).reconcile_interval,
+    settings = gpulab_kube_settings(ledger_url=ledger_url, job_limits=limits,
+                                    kube_jobs=backend_settings(c),
+                                    reconcile_interval=GPULedger(config=c).reconcile_interval)
+    folder = (private_folder(config_dir) if config_dir is not None
+              else Path(tempfile.mkdtemp(prefix="gpulab-service-")))
+    existing = list(c.JupyterHub.get("services", []))
+    # the operator's variables for the service stay in charge of their settings
+    theirs = next((s for s in existing if s.get("name") == SERVICE_NAME), {})
+    config_file = write_service_config(folder / SERVICE_CONFIG_NAME, settings,
+                                       keep_env=theirs.get("environment", {}))
+    service = gpulab_kube_service(config_file=config_file, service_ip=service_ip,
+                                  service_port=service_port,
                                   hub_namespace=os.environ.get(POD_NAMESPACE_ENV))
-    c.JupyterHub.services = _merge_named(list(c.JupyterHub.get("services", [])), [service],
-                                         _merge_service)
+    c.JupyterHub.services = _merge_named(existing, [service], _merge_service)
     roles = gpulab_roles(first_admin or "")
     if not first_admin:
         roles[0]["users"] = []

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from traitlets.config import Config
 
 from gpulab.hub.deploy.datadir import DataDir
+from gpulab.hub.deploy.serviceconfig import service_command
 
 from pathlib import Path
 
@@ -168,25 +169,33 @@ def local_essentials(s: LocalSettings) -> Config:
 
 
 def gpulab_service(s: LocalSettings) -> list[dict]:
-    """The gpulab service as a hub-managed process, sharing the hub's ledger."""
+    """The gpulab service as a hub-managed process, sharing the hub's ledger. Its settings
+    are in its config file in the data folder (`gpulab_service_settings`, written by the hub
+    at start: `gpulab.hub.deploy.localhub.GpulabHub.init_services`), not in its environment."""
     return [
         {
             "name": SERVICE_NAME,
             "url": f"https://127.0.0.1:{s.service_port}",
-            "command": [sys.executable, "-m", "gpulab.hub.service.app"],
-            "environment": {
-                "GPULAB_LEDGER_URL": s.data.ledger_url,
-                "GPULAB_LEDGER_POOL": "local",
-                # training jobs run as the same accounts, in the same folders, as notebooks
-                "GPULAB_SHARED_DIR": str(s.data.shared),
-                "GPULAB_ISOLATE": "1" if s.isolate_users else "0",
-                "GPULAB_USER_PREFIX": s.user_prefix or "jupyter-",
-            },
+            "command": service_command(sys.executable, s.data.service_config_file),
             "oauth_client_allowed_scopes": [ADMIN_SCOPE],
             "display": True,
             "oauth_no_confirm": True,
         }
     ]
+
+
+def gpulab_service_settings(s: LocalSettings) -> dict:
+    """The service's settings (`gpulab.hub.service.app.GpulabService` traits) that `gpulab up`'s
+    command line decides; the hub adds those of the operator's file (job limits, intervals,
+    the jobs' Python) and its TLS files."""
+    return {
+        "ledger_url": s.data.ledger_url,
+        "ledger_pool": "local",
+        # training jobs run as the same accounts, in the same folders, as notebooks
+        "shared_dir": str(s.data.shared),
+        "isolate": bool(s.isolate_users),
+        "user_prefix": s.user_prefix or "jupyter-",
+    }
 
 
 def gpulab_roles(admin_user: str) -> list[dict]:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import logging
 import os
 import re
+from pathlib import Path
 
 from jupyterhub.app import JupyterHub
 from traitlets.config import Config
 
-from gpulab.hub.deploy.local import LocalSettings, local_defaults, local_essentials
+from gpulab.hub.deploy.local import (LocalSettings, gpulab_service_settings, local_defaults,
+                                     local_essentials)
+from gpulab.hub.deploy.serviceconfig import write_service_config
 
 LOG_FORMAT = "[%(levelname)1.1s %(asctime)s.%(msecs).03d %(name)s %(module)s:%(lineno)d] %(message)s"
 
@@ -22,7 +25,10 @@ def _merge_named(first: list, second: list) -> list:
 
 def _merge_services(ours: list, theirs: list) -> list:
     """gpulab's services, each with the environment the operator's entry of the same name
-    adds (gpulab's own variables win), then the operator's other services."""
+    adds (gpulab's own variables win), then the operator's other services. The gpulab
+    service's own settings are in its config file, which wins over the variables of its
+    environment (`gpulab.hub.deploy.serviceconfig`): as before the file, a ``GPULAB_*`` variable
+    the operator gives it changes only a setting gpulab leaves unset."""
     extra = {entry.get("name"): entry.get("environment", {}) for entry in theirs}
     merged = [{**entry, "environment": {**extra[entry["name"]], **entry.get("environment", {})}}
               if extra.get(entry.get("name")) else entry for entry in ours]
@@ -31,9 +37,9 @@ def _merge_services(ours: list, theirs: list) -> list:
 
 #: the gpulab service's own certificate (in ``internal_certs_location``), signed by the hub's CA
 SERVICE_CERT_NAME = "gpulab-service"
-#: where the gpulab service finds it (`gpulab.hub.service.tls.ServiceTLS.from_env`)
-SERVICE_SSL_ENV = ("GPULAB_SSL_KEYFILE", "GPULAB_SSL_CERTFILE", "GPULAB_SSL_CLIENT_CA",
-                   "GPULAB_SSL_HUB_CA")
+#: the gpulab service's settings (`gpulab.hub.service.app.GpulabService`) that name its TLS
+#: files, in its config file (`gpulab.hub.service.tls.ServiceTLS.from_settings`)
+SERVICE_SSL_SETTINGS = ("ssl_keyfile", "ssl_certfile", "ssl_client_ca", "ssl_hub_ca")
 
 
 def service_certificate(store_dir: str, trust_bundles: dict, log=None) -> dict:
@@ -47,8 +53,9 @@ def service_certificate(store_dir: str, trust_bundles: dict, log=None) -> dict:
     bundle holds it, to check the hub's calls), so the notebook client verifies the service
     with the bundle its server was given, and nobody else can pass for it.
 
-    Returns the environment the service reads: key, certificate, the bundle of every internal
-    CA (who may connect: hub, proxy, servers), and the hub's CA (to verify the hub's API).
+    Returns the service's TLS settings (`SERVICE_SSL_SETTINGS`, for its config file): key,
+    certificate, the bundle of every internal CA (who may connect: hub, proxy, servers), and
+    the hub's CA (to verify the hub's API).
     """
     from certipy import Certipy, CertNotFoundError
 
@@ -61,7 +68,7 @@ def service_certificate(store_dir: str, trust_bundles: dict, log=None) -> dict:
             log.info("Creating the gpulab service's certificate (hub CA): %s", ";".join(names))
         record = certipy.create_signed_pair(SERVICE_CERT_NAME, "hub-ca", alt_names=names)
     hub_ca = certipy.store.get_record("hub-ca")["files"]["cert"]
-    return dict(zip(SERVICE_SSL_ENV, (record["files"]["key"], record["files"]["cert"],
+    return dict(zip(SERVICE_SSL_SETTINGS, (record["files"]["key"], record["files"]["cert"],
                                       trust_bundles["hub-ca"], hub_ca)))
 
 
@@ -88,9 +95,18 @@ class RefusalLogs(logging.Filter):
 
 
 class GpulabHub(JupyterHub):
-    """JupyterHub whose command-line settings (from `gpulab up`) win over the config file."""
+    """JupyterHub whose command-line settings (from `gpulab up`) win over the config file,
+    and which writes the gpulab service's config file before it starts its services."""
 
     gpulab_essentials: Config | None = None
+    #: where the gpulab service's config file goes (`DataDir.service_config_file`; None: the
+    #: hub writes none), and the service's settings that `gpulab up` decides
+    #: (`gpulab.hub.deploy.local.gpulab_service_settings`); the hub adds its own (job limits,
+    #: intervals, TLS files) and writes them all in `init_services`
+    gpulab_service_config: Path | None = None
+    gpulab_service_settings: dict | None = None
+    #: all of them, as the hub gathers them (load_config_file, init_internal_ssl)
+    _service_settings: dict = {}
 
     def init_logging(self):
         super().init_logging()
@@ -111,15 +127,8 @@ class GpulabHub(JupyterHub):
         super().init_internal_ssl()
         if not self.internal_ssl:
             return
-        from gpulab.hub.service import SERVICE_NAME
-
-        ssl_env = service_certificate(self.internal_certs_location,
-                                      self.internal_trust_bundles, self.log)
-        self.services = [
-            {**service, "environment": {**service.get("environment", {}), **ssl_env}}
-            if service.get("name") == SERVICE_NAME else service
-            for service in self.services
-        ]
+        self._service_settings = {**self._service_settings, **service_certificate(
+            self.internal_certs_location, self.internal_trust_bundles, self.log)}
 
     def load_config_file(self, *args, **kwargs):
         super().load_config_file(*args, **kwargs)
@@ -140,29 +149,28 @@ class GpulabHub(JupyterHub):
         # the service checks job specs against the limits set in the operator's file, and
         # reconciles notebook allocations as often as it says
         from gpulab.hub.jobs.spec import GPUJobs
-        from gpulab.hub.service import SERVICE_NAME
 
         from gpulab.spawner.mixin import GPULedger
 
         from gpulab.spawner.inventory import GPUInventory
 
-        from gpulab.hub.service import RECONCILE_ENV, USAGE_ENV
-
         jobs = GPUJobs(config=self.config)
-        limits = jobs.limits_json()
-        reconcile = str(GPULedger(config=self.config).reconcile_interval)
-        services = []
-        for service in self.services:
-            if service.get("name") == SERVICE_NAME:
-                env = {**service.get("environment", {}), "GPULAB_JOB_LIMITS": limits,
-                       RECONCILE_ENV: reconcile,
-                       USAGE_ENV: str(GPUInventory(config=self.config).usage_interval)}
-                if jobs.python:
-                    env["GPULAB_JOB_PYTHON"] = jobs.python
-                service = {**service, "environment": env}
-            services.append(service)
-        self.services = services
+        settings = {**(self.gpulab_service_settings or {}),
+                    "job_limits": jobs.limits_json(),
+                    "reconcile_seconds": float(GPULedger(config=self.config).reconcile_interval),
+                    "usage_seconds": float(GPUInventory(config=self.config).usage_interval)}
+        if jobs.python:
+            settings["job_python"] = jobs.python
+        self._service_settings = settings
 
+    def init_services(self):
+        from gpulab.hub.service import SERVICE_NAME
+
+        if self.gpulab_service_config is not None and any(
+                service.get("name") == SERVICE_NAME for service in self.services):
+            # before any service starts; the file holds the ledger's URL: private (0600)
+            write_service_config(self.gpulab_service_config, self._service_settings)
+        return super().init_services()
 
     async def init_users(self):
         await super().init_users()
@@ -211,6 +219,8 @@ def run_local_hub(settings: LocalSettings, log_level: str = "INFO") -> int:
     app = GpulabHub.instance(config=config)
     app.extra_log_handlers = [handler]
     app.gpulab_essentials = essentials
+    app.gpulab_service_config = data.service_config_file
+    app.gpulab_service_settings = gpulab_service_settings(settings)
     # The hub's working directory holds nothing of gpulab's; state lives in the data folder.
     os.chdir(data.path)
     GpulabHub.launch_instance(["-f", str(data.config_file), f"--log-level={log_level.upper()}"])

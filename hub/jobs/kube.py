@@ -229,7 +229,8 @@ SHARED_WITH_SPAWNER = {"namespace_template": "user_namespace_template",
                        "pod_security_level": "pod_security_level",
                        "hub_namespace": "hub_namespace", "allowed_egress": "allowed_egress",
                        "gpu_quota_sync_interval": "gpu_quota_sync_interval"}
-#: the environment variable by which the hub hands these settings to the gpulab service
+#: the environment variable the gpulab service falls back to for these settings when its
+#: config file has no ``GpulabService.kube_jobs`` (the hub writes them there)
 SETTINGS_ENV = "GPULAB_KUBE_JOBS"
 
 

@@ -88,7 +88,8 @@ DEFAULT_LIMITS = JobLimits()
 
 
 def limits_from_json(raw: str | None) -> JobLimits:
-    """`JobLimits` from the JSON the hub hands the service (``GPULAB_JOB_LIMITS``)."""
+    """`JobLimits` from the JSON the hub hands the service (`GpulabService.job_limits` in its
+    config file; without it ``GPULAB_JOB_LIMITS``)."""
     if not raw:
         return DEFAULT_LIMITS
     values = json.loads(raw)

@@ -1,6 +1,7 @@
 """The gpulab service: a JupyterHub managed service at ``/services/gpulab/`` with the REST API
 (quotas, holdings, usage, training jobs), the user and admin pages, and the reconciler that
-closes allocations of servers the hub no longer has. ``python -m gpulab.hub.service``.
+closes allocations of servers the hub no longer has.
+``python -m gpulab.hub.service --config=<file>``.
 
 The names below are what the hub's configuration needs of the service; this module imports
 nothing, so the configuration builders can use them without importing tornado's handlers.
@@ -14,3 +15,22 @@ ACCESS_SCOPE = f"access:services!service={SERVICE_NAME}"
 RECONCILE_ENV = "GPULAB_RECONCILE_SECONDS"
 #: the environment variable with the seconds between two reads of GPU usage (0: not read)
 USAGE_ENV = "GPULAB_USAGE_SECONDS"
+#: each setting of the service (a `gpulab.hub.service.app.GpulabService` trait) and the
+#: environment variable it falls back to when no config file or command line sets it
+ENV_FALLBACKS = {
+    "ledger_url": "GPULAB_LEDGER_URL",
+    "ledger_pool": "GPULAB_LEDGER_POOL",
+    "job_limits": "GPULAB_JOB_LIMITS",
+    "reconcile_seconds": RECONCILE_ENV,
+    "usage_seconds": USAGE_ENV,
+    "job_backend": "GPULAB_JOB_BACKEND",
+    "kube_jobs": "GPULAB_KUBE_JOBS",
+    "shared_dir": "GPULAB_SHARED_DIR",
+    "isolate": "GPULAB_ISOLATE",
+    "user_prefix": "GPULAB_USER_PREFIX",
+    "job_python": "GPULAB_JOB_PYTHON",
+    "ssl_keyfile": "GPULAB_SSL_KEYFILE",
+    "ssl_certfile": "GPULAB_SSL_CERTFILE",
+    "ssl_client_ca": "GPULAB_SSL_CLIENT_CA",
+    "ssl_hub_ca": "GPULAB_SSL_HUB_CA",
+}

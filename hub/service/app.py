@@ -1,6 +1,7 @@
 """The gpulab service: quotas, GPU holdings and usage over REST, an admin page and a user page.
 
-A JupyterHub managed service at ``/services/gpulab/`` (``python -m gpulab.hub.service.app``),
+A JupyterHub managed service at ``/services/gpulab/``
+(``python -m gpulab.hub.service --config=<file>``),
 tornado handlers authenticated by the hub (`HubOAuthenticated`: browser cookies through
 OAuth, or ``Authorization: token …``).
 
@@ -136,7 +137,7 @@ def usage_from_env(ledger: Ledger, env=None, interval: float | None = None):
 def local_backend_from_env(ledger: Ledger, shared: str | None = None, isolate: bool | None = None,
                            prefix: str | None = None, python: str | None = None):
     """The local job backend, from the service's settings (`GpulabService.shared_dir`…; each
-    left None: what `gpulab up` passes in the environment)."""
+    left None: from the environment variable it replaces)."""
     shared = os.environ.get("GPULAB_SHARED_DIR") if shared is None else shared
     if not shared:
         return None
@@ -188,8 +189,10 @@ class GpulabService(Application):
 
     Its settings are traits, set in a traitlets config file (``--config=<file>``, Python or
     JSON: ``c.GpulabService.ledger_url = ...``) or on the command line; a trait set nowhere
-    falls back to the environment variable it replaces (named in its help), so a hub that
-    passes those keeps working. What JupyterHub itself gives every managed service
+    falls back to the environment variable it replaces (named in its help,
+    `gpulab.hub.service.ENV_FALLBACKS`), so a hub that passes those keeps working: a value in
+    the config file wins over the variable. Both deployments write the file
+    (`gpulab.hub.deploy.serviceconfig`). What JupyterHub itself gives every managed service
     (``JUPYTERHUB_SERVICE_URL``, ``JUPYTERHUB_API_TOKEN``, ``JUPYTERHUB_SERVICE_PREFIX``,
     ``JUPYTERHUB_BASE_URL``, ``JUPYTERHUB_API_URL``) stays in the environment.
     """
@@ -299,6 +302,44 @@ class GpulabService(Application):
     def _job_python_default(self):
         return _env("GPULAB_JOB_PYTHON", sys.executable)
 
+    ssl_keyfile = Unicode(help="""The service's TLS key (its certificate signed by the hub's
+        CA, `gpulab.hub.deploy.localhub.service_certificate`); the four ``ssl_*`` settings go
+        together, all empty: plain HTTP. Default: ``$GPULAB_SSL_KEYFILE``.
+        Example: ``c.GpulabService.ssl_keyfile = "/srv/gpulab/tls/internal-ssl/gpulab-service/gpulab-service.key"``.
+        """).tag(config=True)
+
+    @default("ssl_keyfile")
+    def _ssl_keyfile_default(self):
+        return _env("GPULAB_SSL_KEYFILE")
+
+    ssl_certfile = Unicode(help="""The service's TLS certificate, shown to every client and
+        to the hub. Default: ``$GPULAB_SSL_CERTFILE``.
+        Example: ``c.GpulabService.ssl_certfile = "/srv/gpulab/tls/internal-ssl/gpulab-service/gpulab-service.crt"``.
+        """).tag(config=True)
+
+    @default("ssl_certfile")
+    def _ssl_certfile_default(self):
+        return _env("GPULAB_SSL_CERTFILE")
+
+    ssl_client_ca = Unicode(help="""The bundle of the hub's internal CAs: the only clients
+        the service accepts (the hub, the proxy, notebook servers). Default:
+        ``$GPULAB_SSL_CLIENT_CA``.
+        Example: ``c.GpulabService.ssl_client_ca = "/srv/gpulab/tls/internal-ssl/hub-ca_trust.crt"``.
+        """).tag(config=True)
+
+    @default("ssl_client_ca")
+    def _ssl_client_ca_default(self):
+        return _env("GPULAB_SSL_CLIENT_CA")
+
+    ssl_hub_ca = Unicode(help="""The hub's CA alone, the only one that may answer for the
+        hub's API. Default: ``$GPULAB_SSL_HUB_CA``.
+        Example: ``c.GpulabService.ssl_hub_ca = "/srv/gpulab/tls/internal-ssl/hub-ca/hub-ca.crt"``.
+        """).tag(config=True)
+
+    @default("ssl_hub_ca")
+    def _ssl_hub_ca_default(self):
+        return _env("GPULAB_SSL_HUB_CA")
+
     def initialize(self, argv=None) -> None:
         super().initialize(argv)
         if self.config_file:
@@ -314,7 +355,8 @@ class GpulabService(Application):
         hub_prefix = os.environ.get("JUPYTERHUB_BASE_URL", "/") + "hub/"
         ledger = Ledger(self.ledger_url, pool=self.ledger_pool)
         ledger.migrate()
-        tls = ServiceTLS.from_env()
+        tls = ServiceTLS.from_settings(self.ssl_keyfile, self.ssl_certfile, self.ssl_client_ca,
+                                       self.ssl_hub_ca)
         if tls is not None:
             tls.configure_http_client()
         directory = HubDirectory(os.environ["JUPYTERHUB_API_URL"], os.environ["JUPYTERHUB_API_TOKEN"])

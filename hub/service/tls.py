@@ -7,8 +7,11 @@ import ssl
 
 from tornado.httpclient import AsyncHTTPClient
 
+from gpulab.hub.service import ENV_FALLBACKS
+
 class ServiceTLS:
-    """The service's side of the hub's internal TLS, from what the hub gives it.
+    """The service's side of the hub's internal TLS, from what the hub gives it
+    (`GpulabService`'s ``ssl_*`` settings, each falling back to the variable named here).
 
     ``GPULAB_SSL_KEYFILE`` / ``GPULAB_SSL_CERTFILE``: the service's own key and certificate,
     signed by the hub's CA (`gpulab.hub.deploy.localhub.service_certificate`), served to every client and
@@ -23,18 +26,25 @@ class ServiceTLS:
         self.keyfile, self.certfile, self.client_ca, self.hub_ca = keyfile, certfile, client_ca, hub_ca
 
     @classmethod
-    def from_env(cls, env=None) -> "ServiceTLS | None":
-        env = os.environ if env is None else env
-        names = ("GPULAB_SSL_KEYFILE", "GPULAB_SSL_CERTFILE", "GPULAB_SSL_CLIENT_CA",
-                 "GPULAB_SSL_HUB_CA")
-        values = [env.get(n, "") for n in names]
+    def from_settings(cls, keyfile: str, certfile: str, client_ca: str,
+                      hub_ca: str) -> "ServiceTLS | None":
+        """From `GpulabService`'s ``ssl_*`` settings: None when all four are empty, an error
+        naming the missing ones when only some are set."""
+        values = (keyfile, certfile, client_ca, hub_ca)
         if not any(values):
             return None
-        missing = [n for n, v in zip(names, values) if not v]
+        missing = [f"GpulabService.ssl_{n} (${ENV_FALLBACKS['ssl_' + n]})"
+                   for n, v in zip(("keyfile", "certfile", "client_ca", "hub_ca"), values) if not v]
         if missing:
             raise RuntimeError("Incomplete TLS settings for the gpulab service: "
                                + ", ".join(missing) + " not set")
         return cls(*values)
+
+    @classmethod
+    def from_env(cls, env=None) -> "ServiceTLS | None":
+        env = os.environ if env is None else env
+        return cls.from_settings(*(env.get(ENV_FALLBACKS["ssl_" + n], "")
+                                   for n in ("keyfile", "certfile", "client_ca", "hub_ca")))
 
     def server_context(self):
         """TLS for the service's port: its certificate, and a client certificate of one of

@@ -57,7 +57,7 @@ def test_the_culler_and_the_service_end_when_the_hub_is_killed(hub):
     hub_proc = psutil.Process(hub.proc.pid)
     managed = [p for p in hub_proc.children()
                if any(m in " ".join(p.cmdline()) for m in ("gpulab.hub.deploy.culler",
-                                                             "gpulab.hub.service.app"))]
+                                                             "gpulab.hub.service "))]
     assert len(managed) == 2, [p.cmdline() for p in hub_proc.children()]
     hub.proc.send_signal(signal.SIGKILL)
     hub.proc.wait(10)

@@ -9,6 +9,7 @@ training. Real training through the same API is in tests/tf/test_jobs_training.p
 import json
 import os
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -17,7 +18,9 @@ import psutil
 import pytest
 import requests
 
+from gpulab.hub.deploy.serviceconfig import SERVICE_CONFIG_NAME
 from gpulab.hub.jobs.local import TMP_ROOT
+from gpulab.hub.service import ENV_FALLBACKS
 from gpulab.spawner.cgroups import Cgroups
 from gpulab.spawner.sandbox import NETNS_DIR
 
@@ -356,10 +359,11 @@ def test_job_over_quota_with_a_notebook_is_refused_whole(hub, users, admin):
 
 
 def _service_process(hub) -> psutil.Process:
-    for p in psutil.process_iter(["cmdline", "environ"]):
+    """This hub's gpulab service: ``python -m gpulab.hub.service --config=<data>/…``."""
+    option = f"--config={hub.data_dir / SERVICE_CONFIG_NAME}"
+    for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        env = p.info["environ"] or {}
-        if "gpulab.hub.service.app" in cmd and str(hub.data_dir) in env.get("GPULAB_LEDGER_URL", ""):
+        if "gpulab.hub.service" in cmd and option in cmd:
             return p
     raise LookupError("no gpulab service process")
 
@@ -375,6 +379,25 @@ def _wait_service(hub, old_pid, timeout=90):
             pass
         time.sleep(0.3)
     raise TimeoutError("the hub did not restart the gpulab service")
+
+
+def test_the_service_reads_its_settings_from_its_private_config_file(hub):
+    """`gpulab up`'s hub starts the service with ``--config=<data>/gpulab_service_config.json``:
+    the ledger's URL, the operator's intervals and the TLS files are there, private to the
+    hub's account, and none of them is in the service's environment."""
+    service = _service_process(hub)
+    path = hub.data_dir / SERVICE_CONFIG_NAME
+    info = path.stat()
+    assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == service.uids().real
+    settings = json.loads(path.read_text())["GpulabService"]
+    assert settings["ledger_url"] == f"sqlite:///{hub.data_dir / 'gpulab.sqlite'}"
+    assert settings["reconcile_seconds"] == 2.0  # the operator's c.GPULedger.reconcile_interval
+    assert settings["shared_dir"] == str(hub.data_dir / "shared")
+    assert all(Path(settings[f"ssl_{n}"]).is_file()
+               for n in ("keyfile", "certfile", "client_ca", "hub_ca"))
+    env = service.environ()
+    assert env.get("JUPYTERHUB_API_TOKEN")  # what the hub gives every service stays there
+    assert not set(ENV_FALLBACKS.values()) & set(env), sorted(env)
 
 
 def test_service_killed_mid_job_recovers_state_and_gpus(hub, users):

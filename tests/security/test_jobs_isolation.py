@@ -26,7 +26,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from gpulab.hub.deploy.serviceconfig import SERVICE_CONFIG_NAME
 from gpulab.hub.jobs.local import ENV_ALLOW, ENV_ALLOW_PREFIXES, TMP_ROOT
+from gpulab.hub.service import ENV_FALLBACKS
 from gpulab.spawner import sandbox
 from gpulab.spawner.cgroups import Cgroups
 
@@ -222,11 +224,16 @@ def test_nothing_outside_a_job_reaches_its_tensorflow_servers(vic, eve, vic_job)
 
 
 def _service_environ(hub) -> dict[str, str]:
+    """The environment of this hub's gpulab service (found by its ``--config=<data>/…``),
+    with the settings of its private config file added under their variables' names."""
+    config = hub.data_dir / SERVICE_CONFIG_NAME
     for p in psutil.process_iter(["cmdline", "environ"]):
-        env = p.info["environ"] or {}
-        if ("gpulab.hub.service.app" in (p.info["cmdline"] or [])
-                and str(hub.data_dir) in env.get("GPULAB_LEDGER_URL", "")):
-            return env
+        cmd = p.info["cmdline"] or []
+        if "gpulab.hub.service" in cmd and f"--config={config}" in cmd:
+            settings = json.loads(config.read_text())["GpulabService"]
+            return {**(p.info["environ"] or {}),
+                    **{ENV_FALLBACKS[k]: (str(int(v)) if isinstance(v, bool) else str(v))
+                       for k, v in settings.items()}}
     raise LookupError("no gpulab service process")
 
 
@@ -255,6 +262,26 @@ def test_a_replica_environment_holds_no_secret_of_the_service(hub, vic, eve, vic
     # and it is eve's own account, with her own home
     assert env["USER"] == eve.account.pw_name and env["HOME"] == eve.account.pw_dir
     assert_vic_untouched(vic, vic_job)
+
+
+def test_the_services_config_file_is_closed_to_other_accounts(hub, eve):
+    """The service's settings file holds the ledger's URL (a database password on a real
+    deployment): eve can neither read it, nor put a file or link of hers in its place, nor
+    find its values in the service's command line or environment."""
+    path = hub.data_dir / SERVICE_CONFIG_NAME
+    ledger_url = json.loads(path.read_text())["GpulabService"]["ledger_url"]
+    pid = next(p.pid for p in psutil.process_iter(["cmdline"])
+               if f"--config={path}" in (p.info["cmdline"] or []))
+    r = eve.sh(f"cat '{path}'; cat /proc/{pid}/environ; tr '\\0' ' ' < /proc/{pid}/cmdline; "
+               f"ls -la '{hub.data_dir}'")
+    assert "Permission denied" in r.stderr
+    assert ledger_url not in r.stdout + r.stderr and "gpulab.sqlite" not in r.stdout
+    for attack in (f"ln -sf /tmp/eve '{path}'", f"echo '{{}}' > '{path}'",
+                   f"echo '{{}}' > '{hub.data_dir}/.{path.name}.x.tmp'"):
+        assert eve.sh(attack).returncode != 0, attack
+    info = os.lstat(path)
+    assert stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600
+    assert info.st_uid == os.geteuid() and ledger_url in path.read_text()
 
 
 def test_every_job_has_a_private_tmp(vic, eve, vic_job, eve_job):

@@ -4,6 +4,8 @@ hub would load the gpulab configuration from them, and the RBAC covers what the 
 import copy
 import json
 import os
+import stat
+import tempfile
 from pathlib import Path
 
 import jsonschema
@@ -157,10 +159,11 @@ def test_a_misspelt_key_fails_the_schema(chart_schema, values, path, wrong):
     assert any(wrong in e for e in errors), errors
 
 
-def run_chart_config(values: dict, env: dict) -> Config:
+def run_chart_config(values: dict, env: dict, tmp: Path) -> Config:
     """The parts of z2jh's hub jupyterhub_config.py (4.x) that gpulab's settings go through, in
     its order: culler, hub.services (with the chart's generated api token), hub.loadRoles,
-    hub.config sections, then each hub.extraConfig snippet exec'd with c and get_config."""
+    hub.config sections, then each hub.extraConfig snippet exec'd with c and get_config
+    (temporary folders, such as the gpulab service's config folder, made in `tmp`)."""
     def get_config(key, default=None):
         value = values
         for part in key.split("."):
@@ -191,14 +194,16 @@ def run_chart_config(values: dict, env: dict) -> Config:
     for section, cfg in get_config("hub.config", {}).items():
         assert section[:1].isupper(), f"hub.config.{section} is not a class name"
         c[section].update(cfg)
-    saved = dict(os.environ)
+    saved, saved_tmp = dict(os.environ), tempfile.tempdir
     os.environ.update(env)
+    tempfile.tempdir = str(tmp)
     try:
         for _key, snippet in sorted(get_config("hub.extraConfig", {}).items()):
             exec(snippet, {"c": c, "get_config": get_config})
     finally:
         os.environ.clear()
         os.environ.update(saved)
+        tempfile.tempdir = saved_tmp
     return c
 
 
@@ -206,9 +211,10 @@ LEDGER = "postgresql+psycopg://gpulab:pw@postgres.gpulab.svc.cluster.local:5432/
 
 
 @pytest.fixture(scope="module")
-def hub_config(chart_values):
+def hub_config(chart_values, tmp_path_factory):
     return run_chart_config(chart_values, {"GPULAB_LEDGER_URL": LEDGER, "POD_IP": "10.1.2.3",
-                                           "POD_NAMESPACE": "gpulab"})
+                                           "POD_NAMESPACE": "gpulab"},
+                            tmp_path_factory.mktemp("hub"))
 
 
 def test_extra_config_makes_the_kube_spawner_and_the_ledger(hub_config, values):
@@ -239,15 +245,25 @@ def test_extra_config_adds_the_gpulab_service_and_its_roles(hub_config, values):
     assert set(services) == {"gpulab", "jupyterhub-idle-culler"}
     gpulab = services["gpulab"]
     assert gpulab["url"] == f"http://10.1.2.3:{SERVICE_PORT}"
-    assert gpulab["command"] == ["python3", "-m", "gpulab.hub.service.app"]
+    python, m, module, option = gpulab["command"]
+    assert (python, m, module) == ("python3", "-m", "gpulab.hub.service")
+    assert option.startswith("--config=")
     assert gpulab["api_token"] == "chart-generated-token"  # the chart's entry was completed
+    # the settings are in a private file of the hub's (the ledger's password with them), in a
+    # folder only the hub's account may enter; the environment has none of them
+    path = Path(option.removeprefix("--config="))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert path.stat().st_uid == os.geteuid()
     env = gpulab["environment"]
-    assert env["GPULAB_LEDGER_URL"] == LEDGER and env["GPULAB_LEDGER_POOL"] == "kubernetes"
-    assert "GPULAB_SHARED_DIR" not in env  # no local job backend in the hub pod
-    limits = json.loads(env["GPULAB_JOB_LIMITS"])
+    assert env == {"POD_NAMESPACE": "gpulab"}  # the hub's namespace, for the NetworkPolicies
+    settings = json.loads(path.read_text())["GpulabService"]
+    assert settings["ledger_url"] == LEDGER and settings["ledger_pool"] == "kubernetes"
+    assert "shared_dir" not in settings  # no local job backend in the hub pod
+    limits = json.loads(settings["job_limits"])
     assert limits["allowed_images"] == values["hub"]["config"]["GPUJobs"]["allowed_images"]
     # the service closes the GPU allocations of servers the (stock) hub lost, every minute
-    assert env["GPULAB_RECONCILE_SECONDS"] == "60.0"
+    assert settings["reconcile_seconds"] == 60.0
     assert gpulab["oauth_client_allowed_scopes"] == [ADMIN_SCOPE]
     # notebook servers find the service through the hub's Service and its extra port
     url = c.KubeSpawner.environment["GPULAB_SERVICE_URL"]
@@ -255,8 +271,8 @@ def test_extra_config_adds_the_gpulab_service_and_its_roles(hub_config, values):
     assert {"name": "gpulab", "port": SERVICE_PORT, "targetPort": SERVICE_PORT} in \
         values["hub"]["service"]["extraPorts"]
     # training jobs: the Kubernetes backend, in the notebook image, in the spawner's namespaces
-    assert env["GPULAB_JOB_BACKEND"] == "kubernetes"
-    kube_jobs = json.loads(env["GPULAB_KUBE_JOBS"])
+    assert settings["job_backend"] == "kubernetes"
+    kube_jobs = json.loads(settings["kube_jobs"])
     spawner = values["hub"]["config"]["KubeGPUSpawner"]
     assert kube_jobs["image"] == values["singleuser"]["image"]["name"] + ":" + \
         values["singleuser"]["image"]["tag"]
@@ -264,7 +280,6 @@ def test_extra_config_adds_the_gpulab_service_and_its_roles(hub_config, values):
     assert kube_jobs["namespace_template"] == spawner["user_namespace_template"]
     assert kube_jobs["shared_volume"] == spawner["shared_volume"]
     assert kube_jobs["allowed_egress"] == spawner["allowed_egress"]
-    assert env["POD_NAMESPACE"] == "gpulab"  # the hub's namespace, for the NetworkPolicies
     # every key is a field of JupyterHub's Service, with a valid value (as init_services checks)
     fields = Service.class_traits()
     for key, value in gpulab.items():
@@ -285,9 +300,9 @@ def test_extra_config_adds_the_gpulab_service_and_its_roles(hub_config, values):
     assert c.GenericOAuthenticator.manage_groups is True
 
 
-def test_extra_config_needs_a_ledger_database(chart_values):
+def test_extra_config_needs_a_ledger_database(chart_values, tmp_path):
     with pytest.raises(ValueError, match="GPULAB_LEDGER_URL"):
-        run_chart_config(chart_values, {"GPULAB_LEDGER_URL": ""})
+        run_chart_config(chart_values, {"GPULAB_LEDGER_URL": ""}, tmp_path)
 
 
 def test_oidc_settings_are_generic_oauthenticator_traits(values):

@@ -5,7 +5,7 @@ import json
 import pytest
 from traitlets.config import Config
 
-from gpulab.hub.deploy.kubernetes import gpulab_kube_service
+from gpulab.hub.deploy.kubernetes import gpulab_kube_service, gpulab_kube_settings
 from gpulab.hub.jobs.kube import (
     KubeJobBackend,
     backend_settings,
@@ -95,8 +95,8 @@ def test_settings_shared_with_the_spawner_reach_the_service(tmp_path):
     assert json.loads(raw) == {"gpu_model": "NVIDIA-H100", "namespace_template": "team-{username}",
                                "shared_mount_path": "/data",
                                "shared_volume": {"nfs": {"server": "nfs", "path": "/x"}}}
-    env = gpulab_kube_service(ledger_url="sqlite://", service_ip="1.2.3.4", kube_jobs=raw)["environment"]
-    assert env["GPULAB_JOB_BACKEND"] == "kubernetes" and env["GPULAB_KUBE_JOBS"] == raw
+    settings = gpulab_kube_settings(ledger_url="sqlite://", kube_jobs=raw)
+    assert settings["job_backend"] == "kubernetes" and settings["kube_jobs"] == raw
     b = KubeJobBackend.from_settings(Ledger(f"sqlite:///{tmp_path / 'l.sqlite'}"), raw)
     assert b.namespace_of("Ann.Lee") == f"team-{b.user_label('Ann.Lee')}"  # KubeSpawner's slug
     assert b.namespace_of("ann") == "team-ann" and b.gpu_model == "NVIDIA-H100"
@@ -111,8 +111,9 @@ def test_network_settings_are_the_spawners_and_the_hub_namespace_reaches_the_ser
     raw = backend_settings(c)
     assert json.loads(raw) == {"allowed_egress": nfs}
     # the service gets only the environment it is given: the hub's namespace goes with it
-    env = gpulab_kube_service(ledger_url="sqlite://", service_ip="1.2.3.4", kube_jobs=raw,
-                              hub_namespace="jhub")["environment"]
+    env = gpulab_kube_service(config_file="/hub/gpulab_service_config.json",
+                              service_ip="1.2.3.4", hub_namespace="jhub")["environment"]
+    assert env == {"POD_NAMESPACE": "jhub"}
     monkeypatch.setenv("POD_NAMESPACE", env["POD_NAMESPACE"])
     b = KubeJobBackend.from_settings(Ledger(f"sqlite:///{tmp_path / 'l.sqlite'}"), raw)
     assert b.allowed_egress == nfs and b.hub_namespace == "jhub"
