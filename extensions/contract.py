@@ -24,7 +24,8 @@ STRATEGIES = (PARAMETER_SERVER, MULTI_WORKER)
 #: the roles in the order replicas are listed (and numbered within a role from 0)
 ROLES = ("chief", "ps", "worker", "evaluator")
 
-ACTIVE = ("Admitted", "Starting", "Running")
+#: Queued: waiting in the GPU queue (no GPUs yet; ``view["queue"]`` says where it stands)
+ACTIVE = ("Queued", "Admitted", "Starting", "Running")
 FINAL = ("Succeeded", "Failed", "Stopped")
 STATES = ACTIVE + FINAL
 

@@ -75,6 +75,7 @@ def config_reference(parser) -> str:
     from gpulab.hub.deploy.auth import GpulabAuthenticator
     from gpulab.hub.jobs.spec import GPUJobs
     from gpulab.hub.jobs.kube import KubeJobBackend
+    from gpulab.hub.quota.waiting import GPUQueue
     from gpulab.spawner.kube import KubeGPUSpawner
     from gpulab.spawner import GPUInventory, GPULedger, LocalGPUSpawner
 
@@ -88,6 +89,7 @@ def config_reference(parser) -> str:
         _trait_section(GPULedger),
         _trait_section(GpulabAuthenticator),
         _trait_section(GPUJobs),
+        _trait_section(GPUQueue),
         _trait_section(KubeGPUSpawner),
         _trait_section(KubeJobBackend),
     ]

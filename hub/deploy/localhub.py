@@ -154,9 +154,12 @@ class GpulabHub(JupyterHub):
 
         from gpulab.spawner.inventory import GPUInventory
 
+        from gpulab.hub.quota.waiting import GPUQueue
+
         jobs = GPUJobs(config=self.config)
         settings = {**(self.gpulab_service_settings or {}),
                     "job_limits": jobs.limits_json(),
+                    "queue": GPUQueue(config=self.config).settings_json(),
                     "reconcile_seconds": float(GPULedger(config=self.config).reconcile_interval),
                     "usage_seconds": float(GPUInventory(config=self.config).usage_interval)}
         if jobs.python:

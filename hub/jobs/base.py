@@ -38,10 +38,11 @@ import logging
 import uuid
 from typing import Any
 
-from gpulab.extensions.contract import FINAL, lead_replica
+from gpulab.extensions.contract import ACTIVE, FINAL, lead_replica
 from gpulab.hub.jobs.spec import DEFAULT_LIMITS, ROLES, JobLimits, JobSpec
 from gpulab.hub.jobs.store import JobRow, JobStore, NameTaken, ReplicaRow
-from gpulab.hub.quota.ledger import Allocation, Ledger, Request
+from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, Ledger, Request
+from gpulab.hub.quota.waiting import Entry, Queue, QueueRefused
 
 log = logging.getLogger("gpulab.jobs")
 
@@ -102,9 +103,11 @@ class JobBackend:
     #: whether a job whose launch failed is kept as Failed (history), or forgotten
     keeps_failed_launches = False
 
-    def _setup_workflow(self, ledger: Ledger) -> None:
-        """The workflow's state; a driver's ``__init__`` calls it."""
+    def _setup_workflow(self, ledger: Ledger, queue: Queue | None = None) -> None:
+        """The workflow's state; a driver's ``__init__`` calls it. With a `queue`, GPU work
+        that does not fit now waits in it (Queued) instead of being refused."""
         self.ledger = ledger
+        self.queue = queue
         self.store = JobStore(ledger, self.name)
         self._task: asyncio.Task | None = None
         #: supervision passes and stops exclude each other
@@ -128,8 +131,9 @@ class JobBackend:
     def _job_dir(self, user: str, spec: JobSpec, prepared: Any) -> str:
         raise NotImplementedError
 
-    def _replica_rows(self, spec: JobSpec, allocation: Allocation) -> list[dict]:
-        """The columns of each replica's row besides ``job_id``."""
+    def _replica_rows(self, spec: JobSpec, allocation: Allocation | None) -> list[dict]:
+        """The columns of each replica's row besides ``job_id`` (``allocation`` None: the
+        job is queued; called again with its allocation when it starts)."""
         raise NotImplementedError
 
     async def _launch(self, job_id: str, user: str, groups: tuple[str, ...], spec: JobSpec,
@@ -178,14 +182,30 @@ class JobBackend:
     # -- queries -------------------------------------------------------------------------
 
     def list(self, user: str | None = None) -> list[dict]:
-        return [self._view(j, reps) for j, reps in self.store.all(user)]
+        return self._with_places([self._view(j, reps) for j, reps in self.store.all(user)])
 
     def get(self, user: str, name: str) -> dict | None:
         job, replicas = self.store.find(user, name)
         if job is None:
             return None
         # a view may read a log (progress): after the transaction, never in it
-        return self._view(job, replicas, detail=True)
+        return self._with_places([self._view(job, replicas, detail=True)])[0]
+
+    def _with_places(self, views: list[dict]) -> list[dict]:
+        """Queued jobs' views with where they stand (``queue``: position, estimated start,
+        the work ahead, why they wait), computed now from the whole line."""
+        queued = [v for v in views if v["state"] == "Queued"]
+        if not queued or self.queue is None:
+            return views
+        users = {v["user"] for v in queued}
+        by = {(e.user, e.holder): e for e in self.queue.entries()
+              if e.kind == "job" and e.user in users}
+        for v in queued:
+            e = by.get((v["user"], v["name"]))
+            v["queue"] = None if e is None else queue_place(e)
+            if e is not None and e.reason:
+                v["reason"] = e.reason
+        return views
 
     async def detail(self, user: str, name: str) -> dict | None:
         """One job's view for someone looking at it (``GET jobs/<name>``): `get`, plus what
@@ -233,23 +253,51 @@ class JobBackend:
         concurrent submits of one person cannot pass the bound together."""
         self._check_new_name(user, spec.name)
         self._check_replica_bound(user, spec)
-        # the whole job's GPUs in one transaction, or nothing at all (the ledger's refusal
-        # reaches the service as it is)
-        allocation = self.ledger.admit(Request(user=user, kind="job", holder=spec.name,
-                                               gpus=spec.total_gpus, groups=groups))
+        req = Request(user=user, kind="job", holder=spec.name, gpus=spec.total_gpus,
+                      groups=groups)
+        allocation = self._admit_or_queue(req, spec)
         job_id = uuid.uuid4().hex
         try:
             self.store.record(job_id=job_id, user=user, spec=spec, allocation=allocation,
                               job_dir=self._job_dir(user, spec, prepared),
                               replicas=self._replica_rows(spec, allocation))
-        except NameTaken:
-            self.ledger.release(allocation.id, "job not recorded")
-            raise JobError(f"name: you already have a job named '{spec.name}'; choose "
-                           "another name.", 409, "name") from None
-        except BaseException:
-            self.ledger.release(allocation.id, "job not recorded")
+        except BaseException as e:
+            if allocation is not None:
+                self.ledger.release(allocation.id, "job not recorded")
+            else:
+                self.queue.forget(user, "job", spec.name, "job not recorded")
+            if isinstance(e, NameTaken):
+                raise JobError(f"name: you already have a job named '{spec.name}'; choose "
+                               "another name.", 409, "name") from None
             raise
         return job_id, allocation
+
+    def _admit_or_queue(self, req: Request, spec: JobSpec) -> Allocation | None:
+        """The whole job's GPUs in one transaction (the ledger's refusal reaches the service
+        as it is), or, with a queue, None: the job waits in line. Nobody jumps the line: while
+        anyone waits, new GPU work queues behind them (or, with ``wait: false``, is refused)."""
+        if self.queue is None or req.gpus == 0:
+            return self.ledger.admit(req)
+        waiting = self.queue.waiting_count()
+        refusal = None
+        if not waiting:
+            try:
+                return self.ledger.admit(req)
+            except AdmissionRefused as e:
+                if not spec.wait:
+                    raise
+                refusal = e
+        elif not spec.wait:
+            raise AdmissionRefused(
+                f"{waiting} request{'s' if waiting != 1 else ''} already wait{'' if waiting != 1 else 's'} "
+                "for GPUs, and this one asked not to wait (wait: false). Submit it without "
+                "that to take its place in the queue.")
+        try:
+            self.queue.enqueue(req, priority=spec.priority, max_runtime=spec.max_runtime,
+                               preemptible=spec.preemptible)
+        except QueueRefused as e:  # it could never run: refused at once, as without a queue
+            raise refusal or AdmissionRefused(e.message) from None
+        return None
 
     async def submit(self, user: str, groups: tuple[str, ...], spec: JobSpec) -> dict:
         prepared = await self._prepare(user, groups, spec)
@@ -258,22 +306,32 @@ class JobBackend:
                 self._admit_and_record, user, groups, spec, prepared)
             self._launching.add(job_id)
         try:
+            if allocation is not None:
+                # under the lock: no supervision pass or stop meets a half-launched job
+                async with self._lock:
+                    await self._launch_or_undo(job_id, allocation.id, user, groups, spec,
+                                               prepared, keep=self.keeps_failed_launches)
+        finally:
+            self._launching.discard(job_id)
+        self.ensure_supervisor()  # a queued job starts from a supervision pass
+        return await asyncio.to_thread(self.get, user, spec.name)
+
+    async def _launch_or_undo(self, job_id: str, allocation_id: str, user: str, groups,
+                              spec: JobSpec, prepared: Any, keep: bool) -> None:
+        """`_launch` (with the lock held); if it raises, `_undo` and raise the person's error."""
+        try:
             await self._launch(job_id, user, groups, spec, prepared)
         except BaseException as e:
             error = self._launch_error(e, spec)
             if error.status >= 500 and not isinstance(e, JobError):
                 log.error("Job %s/%s failed to start", user, spec.name, exc_info=e)
-            await self._undo(job_id, allocation.id, user, spec, error.reason)
+            await self._undo(job_id, allocation_id, user, spec, error.reason, keep=keep)
             if isinstance(e, (KeyboardInterrupt, SystemExit, asyncio.CancelledError)):
                 raise
             raise error from (None if e is error else e)
-        finally:
-            self._launching.discard(job_id)
-        self.ensure_supervisor()
-        return await asyncio.to_thread(self.get, user, spec.name)
 
     async def _undo(self, job_id: str, allocation_id: str, user: str, spec: JobSpec,
-                    why: str) -> None:
+                    why: str, keep: bool = False) -> None:
         """Everything a submit did after admission, undone (the one place for it): the
         driver's leftovers, then the rows (or the job kept as Failed) and its GPUs. The job's
         folder stays (it is the person's, and may have been there before)."""
@@ -282,7 +340,7 @@ class JobBackend:
         except Exception:
             log.exception("Undoing the launch of job %s failed", job_id)
         try:
-            if self.keeps_failed_launches:
+            if keep:
                 await asyncio.to_thread(self._finish, job_id, "Failed",
                                         f"could not be created: {why}")
             else:
@@ -304,7 +362,11 @@ class JobBackend:
         while True:
             try:
                 async with self._lock:
+                    if self.queue is not None:
+                        await self._queue_pass()
                     more = await self._supervise_pass()
+                    if not more and self.queue is not None:  # queued jobs wait for passes
+                        more = bool(await asyncio.to_thread(self.store.active_ids))
                 if not more:
                     self._task = None
                     return
@@ -315,8 +377,63 @@ class JobBackend:
             await asyncio.sleep(self.supervise_interval)
 
     def _active_to_supervise(self) -> list[str]:
-        """The active jobs of this backend that no submit is launching now."""
-        return [j for j in self.store.active_ids() if j not in self._launching]
+        """The started jobs of this backend (not Queued) that no submit is launching now."""
+        return [j for j in self.store.active_ids(started=True) if j not in self._launching]
+
+    # -- the queue -----------------------------------------------------------------------
+
+    async def _queue_pass(self) -> None:
+        """One scheduling pass of the queue (with the lock held): preempt what it says, then
+        start the jobs it admitted."""
+        done = await asyncio.to_thread(self.queue.schedule)
+        for allocation, why in done.preempt:
+            if allocation.kind == "job":  # notebooks are never preempted
+                await self._preempt(allocation, why)
+        for entry, allocation in done.started:
+            if entry.kind == "job":
+                await self._start_queued(entry, allocation)
+
+    async def _start_queued(self, entry: Entry, allocation: Allocation) -> None:
+        job, _ = await asyncio.to_thread(self.store.find, entry.user, entry.holder)
+        if job is None or job.state != "Queued":  # stopped meanwhile: the GPUs go back
+            await asyncio.to_thread(self.ledger.release, allocation.id, "job no longer waits")
+            await asyncio.to_thread(self.queue.forget, entry.user, "job", entry.holder,
+                                    "job no longer waits")
+            return
+        spec = JobSpec.model_validate_json(job.spec)
+        admitted = await asyncio.to_thread(self.store.admit_queued, job.id, allocation,
+                                           self._replica_rows(spec, allocation))
+        if not admitted:
+            await asyncio.to_thread(self.ledger.release, allocation.id, "job no longer waits")
+            return
+        log.info("Job %s/%s starts from the queue", job.user, job.name)
+        try:
+            prepared = await self._prepare(job.user, (), spec)
+            await self._launch_or_undo(job.id, allocation.id, job.user, (), spec, prepared,
+                                       keep=True)
+        except JobError as e:
+            await asyncio.to_thread(self._finish, job.id, "Failed", f"could not start: {e.reason}")
+        except Exception as e:
+            log.exception("Job %s/%s could not start from the queue", job.user, job.name)
+            await asyncio.to_thread(self._finish, job.id, "Failed", f"could not start: {e}")
+
+    async def _preempt(self, allocation: Allocation, why: str) -> None:
+        """Stop a preemptible job that borrowed GPUs (SIGTERM first, so that it can save),
+        and put it back in line: it resumes from its last checkpoint when it starts again."""
+        job, reps = await asyncio.to_thread(self.store.find, allocation.user, allocation.holder)
+        entry = await asyncio.to_thread(self.queue.of_holder, allocation.user, "job",
+                                        allocation.holder)
+        if job is None or job.state not in ACTIVE or job.allocation_id != allocation.id:
+            log.warning("Preemption of %s/%s: no such running job", allocation.user,
+                        allocation.holder)
+            return
+        reason = (f"Preempted: {why} It waits again and resumes from its last checkpoint.")
+        log.info("Preempting job %s/%s: %s", job.user, job.name, why)
+        await self._halt(job_view(job, reps))
+        await asyncio.to_thread(self._release, job, JobSpec.model_validate_json(job.spec))
+        await asyncio.to_thread(self.store.requeue, job.id, reason)
+        if entry is not None:
+            await asyncio.to_thread(self.queue.requeue, entry.id, reason)
 
     # -- ending --------------------------------------------------------------------------
 
@@ -341,6 +458,8 @@ class JobBackend:
         self._release(job, JobSpec.model_validate_json(job.spec))
         if self.store.finish(job_id, state, reason):
             log.info("Job %s/%s: %s (%s)", job.user, job.name, state, reason)
+        if self.queue is not None:  # it leaves the line, waiting or holding
+            self.queue.forget(job.user, "job", job.name, f"job {state.lower()}")
 
     def recover(self) -> None:
         """At start-up (sync): the driver's re-adoption, then the allocations of jobs that no
@@ -355,6 +474,14 @@ class JobBackend:
             self._task.cancel()
             self._task = None
         await self._stop_supervising()
+
+
+def queue_place(e: Entry) -> dict:
+    """Where a queued job stands, for its view (``view["queue"]``): position None when an
+    admin holds it."""
+    return {"position": e.position, "estimated_start": e.estimated_start, "ahead": e.ahead,
+            "ahead_gpus": e.ahead_gpus, "reason": e.reason, "held": e.held,
+            "preemptible": e.preemptible, "submitted_at": e.submitted_at}
 
 
 def lead_of(spec: JobSpec | dict) -> tuple[str, int]:

@@ -101,6 +101,7 @@ from gpulab.hub.jobs.rules import (
 from gpulab.hub.jobs.spec import SOURCE_NAME, JobLimits, JobSpec
 from gpulab.hub.jobs.store import JobRow
 from gpulab.hub.quota.ledger import Allocation, Ledger
+from gpulab.hub.quota.waiting import Queue
 
 log = logging.getLogger("gpulab.jobs")
 
@@ -237,8 +238,9 @@ class LocalJobBackend(JobBackend):
     def __init__(self, ledger: Ledger, accounts, *, python: str = sys.executable,
                  poll_interval: float = 0.5, stop_grace: float = 10.0,
                  limits: JobLimits | None = None, sandboxed: bool | None = None,
-                 tmp_root: Path = TMP_ROOT, netns_root: Path = sandbox.NETNS_DIR):
-        self._setup_workflow(ledger)
+                 tmp_root: Path = TMP_ROOT, netns_root: Path = sandbox.NETNS_DIR,
+                 queue: Queue | None = None):
+        self._setup_workflow(ledger, queue)
         self.accounts = accounts  # callable: user name -> UserAccount
         self.python = python
         self.poll_interval = poll_interval
@@ -298,8 +300,9 @@ class LocalJobBackend(JobBackend):
         account, _ = prepared
         return str(account.folder / "jobs" / spec.name)
 
-    def _replica_rows(self, spec: JobSpec, allocation: Allocation) -> list[dict]:
-        rows, devices = [], list(allocation.devices)
+    def _replica_rows(self, spec: JobSpec, allocation: Allocation | None) -> list[dict]:
+        """Each replica's port and share of the devices (none yet while the job waits)."""
+        rows, devices = [], list(allocation.devices) if allocation is not None else []
         for role, index in spec.replica_names():
             n = spec.gpus_of(role)
             mine, devices = devices[:n], devices[n:]
@@ -307,9 +310,9 @@ class LocalJobBackend(JobBackend):
         return rows
 
     async def _launch(self, job_id: str, user: str, groups, spec: JobSpec, prepared) -> None:
+        # (the workflow holds the lock: the supervisor's thread reads the same process table)
         account, script = prepared
-        async with self._lock:  # the supervisor's thread reads the same process table
-            await asyncio.to_thread(self._start_job, job_id, account, spec, script)
+        await asyncio.to_thread(self._start_job, job_id, account, spec, script)
 
     def _start_job(self, job_id: str, account: UserAccount, spec: JobSpec, script) -> None:
         self._prepare_dir(account, spec)
@@ -325,9 +328,8 @@ class LocalJobBackend(JobBackend):
         return super()._launch_error(e, spec)
 
     async def _unlaunch(self, job_id: str, user: str, spec: JobSpec) -> None:
-        """Its processes and their groups, its sandbox."""
-        async with self._lock:
-            await asyncio.to_thread(self._unlaunch_now, job_id, spec)
+        """Its processes and their groups, its sandbox (the workflow holds the lock)."""
+        await asyncio.to_thread(self._unlaunch_now, job_id, spec)
 
     def _unlaunch_now(self, job_id: str, spec: JobSpec) -> None:
         self._kill_job_processes(job_id)
@@ -656,6 +658,8 @@ class LocalJobBackend(JobBackend):
         any other is Failed (lost), its survivors killed. Then the sandboxes left by ended
         jobs are removed."""
         for job, reps in self.store.active():
+            if job.state == "Queued":  # it waits in the queue, which kept its place
+                continue
             live, gone = {}, []
             for r in reps:
                 if r.state != "Running":
@@ -670,7 +674,10 @@ class LocalJobBackend(JobBackend):
                     pass
                 gone.append(f"{r.role}-{r.index}")
             self._procs.update(live)
-            if gone:
+            if not live and not gone:  # admitted, but the service died before it started
+                self._finish(job.id, "Failed", "lost: the gpulab service restarted before the "
+                             "job's replicas started")
+            elif gone:
                 self._kill_job_processes(job.id)
                 self._finish(job.id, "Failed", "lost: the gpulab service restarted and "
                              f"{', '.join(gone)} had stopped meanwhile")

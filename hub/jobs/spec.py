@@ -164,6 +164,14 @@ class JobSpec(Strict):
     retries: int = Field(2, ge=0, le=MAX_RETRIES,
                          description="restarts of failed replicas before the job fails")
     image: str | None = Field(None, description="container image (Kubernetes backend)")
+    wait: bool = Field(True, description="when the GPUs are busy, wait in the queue (state "
+                       "Queued, answered 202) rather than be refused; false: start now or "
+                       "be refused (409)")
+    priority: int = Field(0, ge=-100, le=100, description="order among your own queued "
+                          "work (higher first); others' work is ordered by fair share")
+    preemptible: bool = Field(False, description="may borrow GPUs idle beyond your quota; "
+                              "stopped (SIGTERM) and queued again when in-quota work needs "
+                              "them, then resumed from its last checkpoint")
 
     @field_validator("name")
     @classmethod

@@ -113,9 +113,11 @@ class JobStore:
             q = select(JobRow).where(JobRow.state.in_(ACTIVE), JobRow.backend == self.backend)
             return [(j, self.load(s, j.id)[1]) for j in s.scalars(q)]
 
-    def active_ids(self) -> list[str]:
+    def active_ids(self, started: bool = False) -> list[str]:
+        """This backend's active jobs; ``started``: not those that wait in the queue."""
+        states = [x for x in ACTIVE if x != "Queued"] if started else list(ACTIVE)
         with self.ledger.Reader() as s:
-            return list(s.scalars(select(JobRow.id).where(JobRow.state.in_(ACTIVE),
+            return list(s.scalars(select(JobRow.id).where(JobRow.state.in_(states),
                                                           JobRow.backend == self.backend)))
 
     def name_taken(self, user: str, name: str) -> bool:
@@ -147,23 +149,59 @@ class JobStore:
 
     # -- writes --------------------------------------------------------------------------
 
-    def record(self, *, job_id: str, user: str, spec: JobSpec, allocation: Allocation,
+    def record(self, *, job_id: str, user: str, spec: JobSpec, allocation: Allocation | None,
                job_dir: str, replicas: list[dict], now: float | None = None) -> None:
-        """A newly admitted job and its replicas (``replicas``: the columns of each replica
-        row besides ``job_id``, in `JobSpec.replica_names` order). Raises `NameTaken` when a
-        concurrent submit took the name first."""
+        """A new job and its replicas (``replicas``: the columns of each replica row besides
+        ``job_id``, in `JobSpec.replica_names` order): Admitted with its ``allocation``, or
+        Queued without one. Raises `NameTaken` when a concurrent submit took the name first."""
+        queued = allocation is None
         try:
             with self.ledger.Session.begin() as s:
                 s.add(JobRow(id=job_id, user=user, name=spec.name, backend=self.backend,
-                             spec=spec.model_dump_json(), state="Admitted",
-                             reason=f"{spec.total_gpus} GPU(s) admitted",
-                             allocation_id=allocation.id, job_dir=job_dir,
+                             spec=spec.model_dump_json(),
+                             state="Queued" if queued else "Admitted",
+                             reason="waiting for GPUs" if queued
+                             else f"{spec.total_gpus} GPU(s) admitted",
+                             allocation_id=None if queued else allocation.id, job_dir=job_dir,
                              created_at=time.time() if now is None else now))
                 s.flush()
                 for columns in replicas:
                     s.add(ReplicaRow(job_id=job_id, **columns))
         except IntegrityError as e:
             raise NameTaken(spec.name) from e
+
+    def admit_queued(self, job_id: str, allocation: Allocation, replicas: list[dict]) -> bool:
+        """A Queued job got its GPUs from the queue: Admitted with ``allocation``, each
+        replica's columns (devices, port) as given. False when it no longer waits."""
+        with self.ledger.Session.begin() as s:
+            job, reps = self.load(s, job_id)
+            if job is None or job.state != "Queued":
+                return False
+            job.state, job.allocation_id = "Admitted", allocation.id
+            job.reason = f"{allocation.gpus} GPU(s) admitted from the queue"
+            by = {(r.role, r.index): r for r in reps}
+            for columns in replicas:
+                r = by[(columns["role"], columns["index"])]
+                for k, v in columns.items():
+                    setattr(r, k, v)
+        return True
+
+    def requeue(self, job_id: str, reason: str) -> bool:
+        """A preempted job back to Queued: its replicas Pending (their restarts kept), its
+        GPUs released in the same commit. False when it was not active."""
+        with self.ledger.Session.begin() as s:
+            job, reps = self.load(s, job_id)
+            if job is None or job.state in FINAL:
+                return False
+            alloc, job.allocation_id = job.allocation_id, None
+            # max_runtime counts from the next start (the time it ran so far is not kept)
+            job.state, job.reason, job.started_at = "Queued", reason, None
+            for r in reps:
+                r.state, r.reason, r.pid, r.pid_started, r.exit_code = (
+                    "Pending", "preempted: waits with its job", 0, 0.0, None)
+            if alloc:
+                self.ledger.release(alloc, "job preempted", session=s)
+        return True
 
     def remove(self, job_id: str) -> None:
         """A job that never started, forgotten (its submit was undone)."""

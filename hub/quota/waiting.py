@@ -29,6 +29,8 @@ from typing import Callable, Mapping
 
 from sqlalchemy import Float, Index, Integer, String, Text, func, select
 from sqlalchemy.orm import Mapped, mapped_column
+import traitlets as t
+from traitlets.config import Configurable
 
 from gpulab.hub.db import Base
 from gpulab.hub.quota import queue as policy
@@ -295,6 +297,34 @@ class Queue:
             if row is not None and row.state in ("admitted", "preempting"):
                 row.state, row.updated_at = "cancelled", time.time()
 
+    def of_holder(self, user: str, kind: str, holder: str) -> Entry | None:
+        """The entry of a holder (a person's job or server) that waits, holds GPUs through
+        the queue or is being preempted; None if it has none."""
+        with self.ledger.Reader() as s:
+            row = s.scalar(select(QueueEntryRow).where(
+                QueueEntryRow.pool == self.pool, QueueEntryRow.user == user,
+                QueueEntryRow.kind == kind, QueueEntryRow.holder == holder,
+                QueueEntryRow.state.in_(("waiting", "admitted", "preempting")))
+                .order_by(QueueEntryRow.updated_at.desc()).limit(1))
+            return Entry.of(row) if row is not None else None
+
+    def waiting_count(self) -> int:
+        """How many entries of this pool wait (held ones included)."""
+        with self.ledger.Reader() as s:
+            return s.scalar(select(func.count()).select_from(QueueEntryRow).where(
+                QueueEntryRow.pool == self.pool, QueueEntryRow.state == "waiting")) or 0
+
+    def forget(self, user: str, kind: str, holder: str, reason: str) -> None:
+        """A holder's work ended for good (stopped, failed, done): its entry, whatever its
+        state, leaves the line."""
+        now = time.time()
+        with self.ledger.Session.begin() as s:
+            for row in s.scalars(select(QueueEntryRow).where(
+                    QueueEntryRow.pool == self.pool, QueueEntryRow.user == user,
+                    QueueEntryRow.kind == kind, QueueEntryRow.holder == holder,
+                    QueueEntryRow.state.in_(("waiting", "admitted", "preempting")))):
+                row.state, row.reason, row.updated_at = "cancelled", reason, now
+
     # -- people and admins ---------------------------------------------------------------
 
     def cancel(self, entry_id: str, actor: str, reason: str = "Cancelled.") -> Entry | None:
@@ -431,3 +461,50 @@ def _join(old: str, new: str) -> str:
     return f"{old} {new}" if old and old.startswith("Preempted") else new
 
 
+
+
+class GPUQueue(Configurable):
+    """The GPU queue's policy settings (``c.GPUQueue.*`` in the hub's configuration; the hub
+    hands them to the gpulab service in its config file). The local deployment's training jobs
+    wait in this queue; on Kubernetes, queueing is Kueue's."""
+
+    enabled = t.Bool(True, help="""
+        Whether GPU work that does not fit now waits in the queue (state Queued) instead of
+        being refused. False: every request is admitted now or refused, as without a queue
+        (a job's ``wait: false`` asks for that per job). Default True.
+        Example: ``c.GPUQueue.enabled = False``""").tag(config=True)
+    half_life_hours = t.Float(168.0, help="""
+        Half-life of past GPU use in the fair-share order, in hours (default 168: a week): a
+        person's GPU-hours of a week ago weigh half as much as today's. Must be positive.
+        Example: ``c.GPUQueue.half_life_hours = 24``""").tag(config=True)
+    borrowing = t.Bool(True, help="""
+        Whether preemptible jobs (``preemptible: true``) may borrow GPUs that are idle beyond
+        their owner's quota; they are stopped (SIGTERM, then resumed from their checkpoint)
+        when in-quota work needs the GPUs. Default True.
+        Example: ``c.GPUQueue.borrowing = False``""").tag(config=True)
+    group_shares = t.Dict(value_trait=t.Float(), help="""
+        Fair-share weights of groups (a person in several takes the largest); a person's own
+        GPU quota is their weight otherwise. Default: none.
+        Example: ``c.GPUQueue.group_shares = {"vision": 2.0, "nlp": 1.0}``""").tag(config=True)
+
+    @t.validate("half_life_hours")
+    def _positive(self, proposal):
+        if not proposal["value"] > 0:
+            raise t.TraitError("c.GPUQueue.half_life_hours must be positive")
+        return proposal["value"]
+
+    def settings_json(self) -> str:
+        """These settings as JSON, for the gpulab service (`queue_from_json`)."""
+        return json.dumps({"enabled": self.enabled, "half_life_hours": self.half_life_hours,
+                           "borrowing": self.borrowing, "group_shares": self.group_shares},
+                          sort_keys=True)
+
+
+def queue_from_json(ledger: Ledger, raw: str | None) -> Queue | None:
+    """The queue of `ledger`'s pool with the settings of `GPUQueue.settings_json` (empty: the
+    defaults), or None when the queue is off."""
+    settings = GPUQueue(**json.loads(raw)) if raw else GPUQueue()
+    if not settings.enabled:
+        return None
+    return Queue(ledger, half_life_hours=settings.half_life_hours,
+                 borrowing=settings.borrowing, group_shares=settings.group_shares)

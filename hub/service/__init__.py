@@ -29,6 +29,7 @@ ENV_FALLBACKS = {
     "isolate": "GPULAB_ISOLATE",
     "user_prefix": "GPULAB_USER_PREFIX",
     "job_python": "GPULAB_JOB_PYTHON",
+    "queue": "GPULAB_QUEUE",
     "ssl_keyfile": "GPULAB_SSL_KEYFILE",
     "ssl_certfile": "GPULAB_SSL_CERTFILE",
     "ssl_client_ca": "GPULAB_SSL_CLIENT_CA",

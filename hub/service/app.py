@@ -135,9 +135,11 @@ def usage_from_env(ledger: Ledger, env=None, interval: float | None = None):
 
 
 def local_backend_from_env(ledger: Ledger, shared: str | None = None, isolate: bool | None = None,
-                           prefix: str | None = None, python: str | None = None):
+                           prefix: str | None = None, python: str | None = None,
+                           queue: str | None = None):
     """The local job backend, from the service's settings (`GpulabService.shared_dir`…; each
-    left None: from the environment variable it replaces)."""
+    left None: from the environment variable it replaces). ``queue``: the GPU queue's
+    settings as JSON (`gpulab.hub.quota.waiting.GPUQueue.settings_json`)."""
     shared = os.environ.get("GPULAB_SHARED_DIR") if shared is None else shared
     if not shared:
         return None
@@ -160,7 +162,11 @@ def local_backend_from_env(ledger: Ledger, shared: str | None = None, isolate: b
         return UserAccount(user, folder, entry.pw_uid, entry.pw_gid, entry.pw_dir)
 
     python = python or os.environ.get("GPULAB_JOB_PYTHON") or sys.executable
-    backend = LocalJobBackend(ledger, account, python=python)
+    from gpulab.hub.quota.waiting import queue_from_json
+
+    queue = os.environ.get("GPULAB_QUEUE") if queue is None else queue
+    backend = LocalJobBackend(ledger, account, python=python,
+                              queue=queue_from_json(ledger, queue))
     backend.unavailable = runtime_problem(python)
     if backend.unavailable:
         log.error("%s", backend.unavailable)
@@ -302,6 +308,15 @@ class GpulabService(Application):
     def _job_python_default(self):
         return _env("GPULAB_JOB_PYTHON", sys.executable)
 
+    queue = Unicode(help="""The GPU queue's settings as JSON (the hub's ``c.GPUQueue``,
+        `gpulab.hub.quota.waiting.GPUQueue.settings_json`); empty: the defaults (queue on).
+        Local jobs only: on Kubernetes, queueing is Kueue's. Default: ``$GPULAB_QUEUE``.
+        Example: ``c.GpulabService.queue = '{"half_life_hours": 24}'``.""").tag(config=True)
+
+    @default("queue")
+    def _queue_default(self):
+        return _env("GPULAB_QUEUE")
+
     ssl_keyfile = Unicode(help="""The service's TLS key (its certificate signed by the hub's
         CA, `gpulab.hub.deploy.localhub.service_certificate`); the four ``ssl_*`` settings go
         together, all empty: plain HTTP. Default: ``$GPULAB_SSL_KEYFILE``.
@@ -362,7 +377,7 @@ class GpulabService(Application):
         directory = HubDirectory(os.environ["JUPYTERHUB_API_URL"], os.environ["JUPYTERHUB_API_TOKEN"])
         jobs = (kube_backend_from_env(ledger, self.job_backend, self.kube_jobs)
                 or local_backend_from_env(ledger, self.shared_dir, self.isolate, self.user_prefix,
-                                          self.job_python))
+                                          self.job_python, queue=self.queue))
         from gpulab.hub.jobs.spec import limits_from_json
 
         app = make_app(ledger, prefix, hub_prefix, directory, jobs=jobs,

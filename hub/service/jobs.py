@@ -69,7 +69,8 @@ class JobsHandler(JobsBase):
             raise FieldError(e.status, "resources", f"Job '{spec.name}' was not started: {e.message}") from None
         except JobError as e:
             raise FieldError(e.status, e.field or "body", e.message) from None
-        self.send(job, 201)
+        # 202: accepted, waiting in the GPU queue (its view says where it stands)
+        self.send(job, 202 if job["state"] == "Queued" else 201)
 
 
 class JobHandler(JobsBase):

@@ -337,12 +337,13 @@ def test_bad_specs_get_400_naming_the_field_and_nothing_is_made(hub, users, body
     assert not (mine / "jobs").exists() or not any((mine / "jobs").iterdir())
 
 
-def test_job_over_quota_with_a_notebook_is_refused_whole(hub, users, admin):
+def test_job_over_quota_with_a_notebook_is_refused_whole_when_it_asks_not_to_wait(
+        hub, users, admin):
     bob = users["bob"]
     assert admin.service("PUT", "quotas/users/bob", json={"max_gpus": 2}).status_code == 200
     try:
         bob.start_server("", {"profile": "gpu-1"})
-        r = bob.service("POST", "jobs", json=mw("big", workers=2, gpus=1))
+        r = bob.service("POST", "jobs", json=mw("big", workers=2, gpus=1, wait=False))
         assert r.status_code == 409, r.text
         message = r.json()["message"]
         assert "notebook" in message and "2" in message, message
@@ -356,6 +357,56 @@ def test_job_over_quota_with_a_notebook_is_refused_whole(hub, users, admin):
     finally:
         bob.stop_server("")
         admin.service("DELETE", "quotas/users/bob")
+
+
+def test_a_job_that_does_not_fit_waits_in_the_queue_and_starts_when_gpus_come_back(
+        hub, users, admin):
+    """Issue 17: with the person's GPUs held by their notebook, a job is Queued (202) at
+    position 1 with the reason in words, survives in the list, and starts by itself within
+    2 s of the notebook giving the GPUs back; a queued job can be stopped; a job that could
+    never fit is still refused at once."""
+    bob = users["bob"]
+    assert admin.service("PUT", "quotas/users/bob", json={"max_gpus": 2}).status_code == 200
+    try:
+        assert bob.start_server("", {"profile": "gpu-2"}).status_code in (201, 202)
+        r = bob.service("POST", "jobs", json=mw("later", workers=2, gpus=1, source=SLEEPER))
+        assert r.status_code == 202, r.text
+        job = r.json()
+        assert job["state"] == "Queued" and job["queue"]["position"] == 1, job
+        assert "GPU" in job["reason"] and job["queue"]["ahead"] == 0, job
+        assert [h["kind"] for h in holdings(bob)] == ["notebook"]  # nothing half-made
+        assert [j["state"] for j in bob.service("GET", "jobs").json()["jobs"]
+                if j["name"] == "later"] == ["Queued"]
+        # a second one waits behind it; stopping it takes it out of line
+        r2 = bob.service("POST", "jobs", json=mw("after", workers=1, gpus=1, source=SLEEPER))
+        assert r2.status_code == 202 and r2.json()["queue"]["position"] == 2, r2.text
+        stopped = bob.service("POST", "jobs/after/stop")
+        assert stopped.status_code == 200 and stopped.json()["state"] == "Stopped", stopped.text
+        # never fits (more than the quota allows at once): refused now, not queued
+        never = bob.service("POST", "jobs", json=mw("huge", workers=3, gpus=1))
+        assert never.status_code == 409 and never.json()["field"] == "resources", never.text
+        assert bob.service("GET", "jobs/huge").status_code == 404
+
+        bob.stop_server("")
+        freed = time.monotonic()
+        deadline = freed + 30
+        while time.monotonic() < deadline:
+            job = bob.service("GET", "jobs/later").json()
+            if job["state"] != "Queued":
+                break
+            time.sleep(0.1)
+        started_after = time.monotonic() - freed
+        assert job["state"] in ("Admitted", "Starting", "Running"), job
+        assert started_after < 2.0, f"started {started_after:.2f} s after the GPUs came back"
+        assert sorted(d for r in job["replicas"] for d in r["devices"]).__len__() == 2, job
+        wait_pids(job_dir(hub, "bob", "later"), 2)
+        assert [h["kind"] for h in holdings(bob)] == ["job"]
+    finally:
+        for name in ("later", "after"):
+            bob.service("POST", f"jobs/{name}/stop")
+        bob.stop_server("")
+        admin.service("DELETE", "quotas/users/bob")
+    assert holdings(bob) == []
 
 
 def _service_process(hub) -> psutil.Process:

@@ -39,6 +39,7 @@ SETTINGS = {
     "ssl_certfile": "/tls/svc.crt",
     "ssl_client_ca": "/tls/trust.crt",
     "ssl_hub_ca": "/tls/hub-ca.crt",
+    "queue": '{"half_life_hours": 24.0}',
 }
 
 
