@@ -44,7 +44,9 @@ def build_spec(*, name: str, strategy: str = "parameter-server", ps: int = 1,
                script: str | None = None, args=(), env: Mapping[str, str] | None = None,
                max_runtime: int | None = None, retries: int | None = None,
                image: str | None = None, evaluator: bool = False,
-               files: Mapping[str, str] | Iterable[str | os.PathLike] | None = None) -> dict:
+               files: Mapping[str, str] | Iterable[str | os.PathLike] | None = None,
+               wait: bool | None = None, priority: int | None = None,
+               preemptible: bool | None = None) -> dict:
     """The jobs API's spec from the launcher's fields.
 
     ``files``: more files of the program, placed beside ``source`` (the entry point) and
@@ -54,6 +56,10 @@ def build_spec(*, name: str, strategy: str = "parameter-server", ps: int = 1,
     ``gpus``, ``cpu`` and ``memory`` are each worker's (every worker gets the same); a
     parameter-server job gets 1 chief and ``ps`` parameter servers, a multi-worker job only
     ``workers``. The service checks the result and names the field it refuses.
+
+    ``wait=False``: start now or be refused (by default a job whose GPUs are busy waits in
+    the queue); ``priority`` orders the person's own queued jobs; ``preemptible`` lets the
+    job borrow idle GPUs beyond the quota (it may be stopped and resumed from its checkpoint).
     """
     replicas: dict = {"worker": workers}
     if strategy == "parameter-server":
@@ -83,6 +89,9 @@ def build_spec(*, name: str, strategy: str = "parameter-server", ps: int = 1,
         spec["retries"] = retries
     if image:
         spec["image"] = image
+    for key, value in (("wait", wait), ("priority", priority), ("preemptible", preemptible)):
+        if value is not None:
+            spec[key] = value
     return spec
 
 

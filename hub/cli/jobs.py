@@ -30,6 +30,7 @@ from pathlib import Path
 
 from gpulab.extensions.client import GpulabError, Job
 from gpulab.extensions.contract import STRATEGIES, lead_replica
+from gpulab.extensions.jobmodel import queue_text
 
 from gpulab.hub.cli.common import (EXIT_USAGE, add_global_options, common, fail_api, hub_client,
                                    table)
@@ -111,6 +112,14 @@ def _spec_arguments(s) -> None:
     s.add_argument("--max-runtime", type=int, help="seconds after which the job is stopped")
     s.add_argument("--retries", type=int, help="restarts of failed replicas (default 2)")
     s.add_argument("--image", help="container image (Kubernetes; admin-allowed list)")
+    s.add_argument("--no-wait", dest="wait", action="store_false", default=None,
+                   help="start now or be refused; by default a job whose GPUs are busy waits "
+                        "in the queue (Queued) and starts by itself")
+    s.add_argument("--priority", type=int, help="order among your own queued jobs "
+                   "(-100..100, higher first; default 0)")
+    s.add_argument("--preemptible", action="store_true", default=None,
+                   help="may borrow GPUs idle beyond your quota; stopped and queued again "
+                        "(resuming from its checkpoint) when in-quota work needs them")
 
 
 class UsageError(Exception):
@@ -173,7 +182,8 @@ def spec_from_args(args) -> dict:
         if not isinstance(loaded, dict):
             raise UsageError(f"{args.spec} must hold a mapping (name:, strategy:, …)")
         spec = loaded
-    for key in ("name", "strategy", "script", "max_runtime", "retries", "image"):
+    for key in ("name", "strategy", "script", "max_runtime", "retries", "image", "wait",
+                "priority", "preemptible"):
         if getattr(args, key) is not None:
             spec[key] = getattr(args, key)
     replicas = dict(spec.get("replicas") or {})
@@ -298,8 +308,15 @@ def job_times(job: dict, now: float | None = None) -> list[str]:
     return lines
 
 
+def state_words(job: dict, now: float | None = None) -> str:
+    """``Running``, or for a queued job where it stands: ``Queued (2nd in line · starts in
+    about 12 min (14:05))``."""
+    waiting = queue_text(job, now)
+    return f"{job['state']} ({waiting})" if waiting else job["state"]
+
+
 def print_job(job: dict, now: float | None = None) -> None:
-    print(f"{job['name']} ({job['user']}): {job['state']}: {job['reason']}")
+    print(f"{job['name']} ({job['user']}): {state_words(job, now)}: {job['reason']}")
     print(f"strategy {job['strategy']}, {job['gpus']} GPU(s), folder {job['job_dir']}")
     for line in job_times(job, now):
         print(line)
@@ -356,7 +373,7 @@ def cmd_jobs(args) -> int:
             if args.json:
                 print(json.dumps(job, indent=2))
             else:
-                print(f"submitted {job['name']}: {job['state']} ({job['reason']})")
+                print(f"submitted {job['name']}: {state_words(job)}: {job['reason']}")
             if args.follow:
                 follow_logs(submitted, lead_replica(job["strategy"]), True)
                 job = submitted.status()
@@ -367,7 +384,7 @@ def cmd_jobs(args) -> int:
             if args.json:
                 print(json.dumps(jobs, indent=2))
             else:
-                print(table([[j["name"], j["user"], j["strategy"], j["state"], j["gpus"],
+                print(table([[j["name"], j["user"], j["strategy"], state_words(j), j["gpus"],
                               _elapsed(j), j["reason"]] for j in jobs],
                             ["NAME", "USER", "STRATEGY", "STATE", "GPUS", "ELAPSED", "REASON"]))
         elif args.action == "show":

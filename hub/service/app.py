@@ -46,6 +46,7 @@ from gpulab.hub.service import (ACCESS_SCOPE, ADMIN_SCOPE, RECONCILE_ENV,  # noq
 from gpulab.hub.service.base import (DAY, MAX_BODY, MAX_BUFFERED_BODY, MAX_JSON_DEPTH,  # noqa: F401
                                      APIHandler, Base, FieldError, check_json_values, log)
 from gpulab.hub.service.hubapi import HubDirectory
+from gpulab.hub.service.queue import QueueActionHandler, QueueHandler
 from gpulab.hub.service.jobs import (JobHandler, JobLogsHandler, JobsBase, JobsHandler,  # noqa: F401
                                      JobStopHandler)
 from gpulab.hub.service.pages import (AdminPage, ErrorPages, NotFoundHandler,  # noqa: F401
@@ -98,6 +99,8 @@ def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirecto
             (url_path_join(api, f"jobs/{name}"), JobHandler),
             (url_path_join(api, f"jobs/{name}/stop"), JobStopHandler),
             (url_path_join(api, f"jobs/{name}/logs/{name}"), JobLogsHandler),
+            (url_path_join(api, "queue"), QueueHandler),
+            (url_path_join(api, r"queue/([0-9a-f]{32})/([a-z]+)"), QueueActionHandler),
             (url_path_join(api, "openapi.json"), OpenAPIHandler),
         ],
         ledger=ledger,

@@ -81,7 +81,18 @@ JOB = {"type": "object", "properties": {
     "reason": {"type": "string"}, "gpus": {"type": "integer"},
     "replicas": {"type": "array", "items": {"type": "object"}}, "spec": {"type": "object"},
     "progress": {"type": ["object", "null"], "description": "the last progress line of the "
-                 "chief (or worker 0): step, total and metrics"}}}
+                 "chief (or worker 0): step, total and metrics"},
+    "queue": {"type": ["object", "null"], "description": "a Queued job's place: position "
+              "(null: held by an admin), estimated_start (Unix time or null: unknown), ahead "
+              "and ahead_gpus (the work before it), reason, held, preemptible"}}}
+QUEUE_ENTRY = {"type": "object", "properties": {
+    "id": {"type": "string"}, "user": {"type": "string"},
+    "kind": {"type": "string", "enum": ["job", "notebook"]}, "holder": {"type": "string"},
+    "gpus": {"type": "integer"}, "position": {"type": ["integer", "null"]},
+    "estimated_start": {"type": ["number", "null"]}, "ahead": {"type": "integer"},
+    "ahead_gpus": {"type": "integer"}, "waited_seconds": {"type": "number"},
+    "held": {"type": "boolean"}, "preemptible": {"type": "boolean"},
+    "reason": {"type": "string"}}}
 JOB_NAME = {"name": "name", "in": "path", "required": True,
             "schema": {"type": "string", "minLength": 1, "maxLength": 64}}
 AS_USER = {"name": "user", "in": "query", "required": False, "schema": {"type": "string"},
@@ -160,10 +171,14 @@ def openapi_document(prefix: str = "/services/gpulab/") -> dict:
                                                  "schema": {"type": "string", "enum": ["1"]}}],
                         "responses": _resp({"type": "object", "properties": {
                             "jobs": {"type": "array", "items": JOB}}})},
-                "post": {"summary": "Submit a training job: validated, admitted whole, started",
+                "post": {"summary": "Submit a training job: validated, admitted whole and "
+                                    "started (201), or queued until its GPUs are free (202)",
                          "requestBody": {"required": True, "content": {"application/json": {
                              "schema": {"$ref": "#/components/schemas/JobSpec"}}}},
                          "responses": {**_resp(JOB, 400, 404, 413, ok=201),
+                                       "202": {"description": "Queued: its view says where it "
+                                               "stands", "content": {"application/json": {
+                                                   "schema": JOB}}},
                                        "409": {"description": "Quota or GPUs refuse it, or the "
                                                "name is taken", "content": {"application/json": {
                                                    "schema": ERROR}}}}},
@@ -186,6 +201,21 @@ def openapi_document(prefix: str = "/services/gpulab/") -> dict:
                             "replica": {"type": "string"}, "text": {"type": "string"},
                             "offset": {"type": "integer"}, "size": {"type": "integer"},
                             "done": {"type": "boolean"}}}, 400, 404, 409)}},
+            "/queue": {"get": {
+                "summary": "The GPU queue in the order of the line (admins: everyone's; others: "
+                           "their own); enabled false where the hub has none",
+                "responses": _resp({"type": "object", "properties": {
+                    "enabled": {"type": "boolean"},
+                    "entries": {"type": "array", "items": QUEUE_ENTRY}}})}},
+            "/queue/{id}/{action}": {
+                "parameters": [{"name": "id", "in": "path", "required": True,
+                                "schema": {"type": "string"}},
+                               {"name": "action", "in": "path", "required": True,
+                                "schema": {"type": "string",
+                                           "enum": ["hold", "release", "top", "cancel"]}}],
+                "post": {"summary": "Hold, release, move to the top or cancel a waiting entry "
+                                    "(admin; audited; cancel stops a queued job)",
+                         "responses": _resp(QUEUE_ENTRY, 400, 404)}},
             "/openapi.json": {"get": {"summary": "This document", "security": [],
                                       "responses": {"200": {"description": "OK"}}}},
         },

@@ -377,11 +377,27 @@ def test_a_job_that_does_not_fit_waits_in_the_queue_and_starts_when_gpus_come_ba
         assert [h["kind"] for h in holdings(bob)] == ["notebook"]  # nothing half-made
         assert [j["state"] for j in bob.service("GET", "jobs").json()["jobs"]
                 if j["name"] == "later"] == ["Queued"]
-        # a second one waits behind it; stopping it takes it out of line
+        # a second one waits behind it; the queue API lists both, in order
         r2 = bob.service("POST", "jobs", json=mw("after", workers=1, gpus=1, source=SLEEPER))
         assert r2.status_code == 202 and r2.json()["queue"]["position"] == 2, r2.text
-        stopped = bob.service("POST", "jobs/after/stop")
-        assert stopped.status_code == 200 and stopped.json()["state"] == "Stopped", stopped.text
+        line = bob.service("GET", "queue").json()
+        assert line["enabled"] and [(e["holder"], e["position"]) for e in line["entries"]] == [
+            ("later", 1), ("after", 2)], line
+        entry = line["entries"][1]["id"]
+        assert all(e["user"] == "bob" for e in admin.service("GET", "queue").json()["entries"])
+        # an admin's actions: not for bob; hold (audited), then cancel, which stops the job
+        assert bob.service("POST", f"queue/{entry}/top").status_code == 403
+        held = admin.service("POST", f"queue/{entry}/hold")
+        assert held.status_code == 200 and held.json()["held"], held.text
+        assert bob.service("GET", "jobs/after").json()["queue"]["position"] is None
+        assert admin.service("POST", f"queue/{entry}/drop").status_code == 404
+        audit = admin.service("GET", "audit").json()["audit"]
+        assert any(a["scope"] == "queue" and a["name"] == "bob/job/after" for a in audit), audit
+        assert admin.service("POST", f"queue/{entry}/cancel").status_code == 200
+        stopped = bob.service("GET", "jobs/after").json()
+        assert stopped["state"] == "Stopped" and "admin" in stopped["reason"], stopped
+        assert admin.service("POST", f"queue/{entry}/cancel").status_code == 404  # gone
+        assert [e["holder"] for e in bob.service("GET", "queue").json()["entries"]] == ["later"]
         # never fits (more than the quota allows at once): refused now, not queued
         never = bob.service("POST", "jobs", json=mw("huge", workers=3, gpus=1))
         assert never.status_code == 409 and never.json()["field"] == "resources", never.text

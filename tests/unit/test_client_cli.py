@@ -86,6 +86,11 @@ class FakeHub:
             scope, _, name = path[len(api + "quotas/"):].partition("/")
             return 200, {"scope": scope.rstrip("s"), "name": name, "max_per_request": None,
                          "gpu_hours": None, "window_hours": None, **body}
+        if path == api + "jobs" and method == "POST":  # the queue is full: it waits
+            return 202, {**JOB, "name": body["name"], "state": "Queued", "started_at": None,
+                         "finished_at": None, "reason": "Waits for free GPUs.",
+                         "queue": {"position": 2, "estimated_start": None, "ahead": 1,
+                                   "ahead_gpus": 4}}
         if path.startswith(api + "jobs/"):
             return 200, JOB
         if path.startswith(api + "jobs"):
@@ -281,6 +286,23 @@ def test_jobs_show_prints_no_unix_times_and_json_stays_raw(fake, capsys, utc):
     assert not re.search(r"\b1\d{9}\b", out), out
     rc, out, _ = gl(capsys, "--url", fake.url, "--token", "t", "--json", "jobs", "show", "digits")
     assert rc == 0 and json.loads(out)["created_at"] == CREATED
+
+
+def test_jobs_submit_sends_the_queue_fields_and_says_where_the_job_stands(fake, capsys):
+    rc, out, err = gl(capsys, "--url", fake.url, "--token", "t", "jobs", "submit", "--name",
+                      "big", "--strategy", "multi-worker-mirrored", "--workers", "2", "--gpus",
+                      "2", "--script", "train.py", "--no-wait", "--priority", "5",
+                      "--preemptible")
+    assert rc == 0, err
+    sent = [b for m, p, _, b in fake.requests if m == "POST"][-1]
+    assert (sent["wait"], sent["priority"], sent["preemptible"]) == (False, 5, True)
+    assert out.strip() == ("submitted big: Queued (2nd in line · start unknown): "
+                           "Waits for free GPUs.")
+    # without the flags, the spec leaves them to the service's defaults
+    gl(capsys, "--url", fake.url, "--token", "t", "jobs", "submit", "--name", "small",
+       "--strategy", "multi-worker-mirrored", "--script", "train.py")
+    sent = [b for m, p, _, b in fake.requests if m == "POST"][-1]
+    assert not {"wait", "priority", "preemptible"} & set(sent), sent
 
 
 def test_print_job_in_another_time_zone(monkeypatch, capsys):

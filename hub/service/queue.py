@@ -1,0 +1,65 @@
+"""The GPU queue's REST API: who waits for what, where they stand and why, and an admin's
+hold, release, move to the top and cancel (each audited).
+
+``GET queue``: the waiting entries in the order of the line (a person sees their own, a gpulab
+admin everyone's), each with its place, estimated start, the GPUs ahead of it, how long it has
+waited and why it waits. ``POST queue/<id>/<action>``: admins; ``cancel`` of a job's entry
+stops the job too (it ends Stopped, with the admin named)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tornado import web
+
+from gpulab.hub.quota.ledger import BadRequest
+from gpulab.hub.quota.waiting import ACTIONS
+from gpulab.hub.service.base import APIHandler, FieldError
+
+
+def entry_view(e, now: float) -> dict:
+    view = e.as_dict()
+    view["waited_seconds"] = round(max(0.0, now - e.submitted_at), 1)
+    return view
+
+
+class QueueBase(APIHandler):
+    @property
+    def queue(self):
+        jobs = self.settings.get("jobs")
+        return getattr(jobs, "queue", None)
+
+
+class QueueHandler(QueueBase):
+    async def get(self):
+        queue = self.queue
+        if queue is None:
+            self.send({"enabled": False, "entries": []})
+            return
+        who = None if self.is_gpulab_admin else self.current_user["name"]
+        now = time.time()
+        entries = await asyncio.to_thread(queue.entries, who, now)
+        self.send({"enabled": True, "entries": [entry_view(e, now) for e in entries]})
+
+
+class QueueActionHandler(QueueBase):
+    async def post(self, entry_id: str, action: str):
+        self.require_admin()
+        if action not in ACTIONS:
+            raise FieldError(404, "action", f"Unknown action '{action}'; one of "
+                             f"{', '.join(ACTIONS)}.")
+        queue = self.queue
+        if queue is None:
+            raise web.HTTPError(404, "This hub has no GPU queue.")
+        actor = self.current_user["name"]
+        try:
+            entry = await asyncio.to_thread(queue.act, entry_id, action, actor)
+        except BadRequest as e:
+            raise FieldError(400, "action", e.message) from None
+        if entry is None:
+            raise web.HTTPError(404, "No waiting queue entry with that id (it may have "
+                                "started or ended meanwhile).")
+        if action == "cancel" and entry.kind == "job":  # the job ends too, never left Queued
+            await self.settings["jobs"].stop(entry.user, entry.holder, actor=actor)
+        self.send(entry_view(entry, time.time()))
