@@ -127,3 +127,42 @@ def test_multi_worker_example(hub, users):
     assert accuracy(log) >= 0.90
     assert job["progress"] and job["progress"]["step"] >= 1
     assert_artifacts(job_dir(hub, "carl", "digits-mw"))
+
+
+def test_a_preemptible_job_gives_way_to_in_quota_work_and_resumes_from_its_checkpoint(
+        hub, users, admin):
+    """Issue 17: bob's preemptible job borrows every GPU, beyond his quota of 2; carl's
+    in-quota job needs two of them: bob's job is stopped (SIGTERM), queued again with the
+    reason in words, carl's job runs, and bob's resumes from its checkpoint to Succeeded
+    with the example's usual test accuracy."""
+    bob, carl = users["bob"], users["carl"]
+    assert admin.service("PUT", "quotas/users/bob", json={"max_gpus": 2}).status_code == 200
+    try:
+        spec = {"name": "digits-borrow", "strategy": "multi-worker-mirrored",
+                "replicas": {"worker": 2}, "resources": {"worker": {"gpus": 2}},
+                "source": (EXAMPLES / "digits_multi_worker.py").read_text(),
+                "args": ["--sleep-per-epoch", "1"], "preemptible": True}
+        r = bob.service("POST", "jobs", json=spec)
+        assert r.status_code == 202 and r.json()["state"] == "Queued", r.text  # over quota
+        before = wait_progress(bob, "digits-borrow", 2)["progress"]["epoch"]
+
+        r = carl.service("POST", "jobs", json={
+            "name": "in-quota", "strategy": "multi-worker-mirrored", "replicas": {"worker": 1},
+            "resources": {"worker": {"gpus": 2}}, "source": "import time; time.sleep(3)\n"})
+        assert r.status_code == 202, r.text  # it waits for the borrowed GPUs
+        preempted = wait_state(bob, "digits-borrow", {"Queued"}, timeout=60)
+        assert preempted["reason"].startswith("Preempted"), preempted
+        assert wait_state(carl, "in-quota", {"Succeeded", "Failed"}, timeout=120)["state"] \
+            == "Succeeded"
+
+        job = wait_state(bob, "digits-borrow", {"Succeeded", "Failed"}, timeout=600)
+        log = log_of(bob, "digits-borrow", "worker-0")
+        assert job["state"] == "Succeeded", (job, log[-3000:])
+        resumed = [int(n) for n in re.findall(r"^resuming from epoch (\d+)", log, re.M)]
+        assert resumed and resumed[-1] >= before - 1 >= 1, (before, resumed, log[-3000:])
+        assert accuracy(log) >= 0.90
+    finally:
+        for person, name in ((bob, "digits-borrow"), (carl, "in-quota")):
+            person.service("POST", f"jobs/{name}/stop")
+        admin.service("DELETE", "quotas/users/bob")
+    assert not [h for h in bob.service("GET", "me").json()["holdings"] if h["kind"] == "job"]
