@@ -144,6 +144,8 @@ def test_a_preemptible_job_gives_way_to_in_quota_work_and_resumes_from_its_check
                 "args": ["--sleep-per-epoch", "1"], "preemptible": True}
         r = bob.service("POST", "jobs", json=spec)
         assert r.status_code == 202 and r.json()["state"] == "Queued", r.text  # over quota
+        # ...but the GPUs are idle: the next pass lends them
+        wait_state(bob, "digits-borrow", {"Admitted", "Starting", "Running"}, timeout=30)
         before = wait_progress(bob, "digits-borrow", 2)["progress"]["epoch"]
 
         r = carl.service("POST", "jobs", json={
