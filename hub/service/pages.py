@@ -20,6 +20,7 @@ from tornado import httputil, web
 from gpulab.hub.service import ADMIN_SCOPE, SERVICE_NAME
 from gpulab.hub.service.base import Base, log
 from gpulab.hub.service.quotas import _usage, inventory_view, overview, user_view
+from gpulab.hub.service.queue import entry_view
 
 _TEMPLATES = Path(__file__).parent.parent / "templates"
 _HUB_TEMPLATES = Path(DATA_FILES_PATH) / "templates"
@@ -147,7 +148,13 @@ class AdminPage(PageHandler):
         if not self.is_gpulab_admin:
             raise PageError(403, "The GPU admin page is for gpulab admins: they set quotas "
                             "and see everyone's GPUs.", hint="admin-only")
-        self.render_page("admin.html", o=await overview(self))
+        o = await overview(self)
+        queue = getattr(self.settings.get("jobs"), "queue", None)
+        o["queue_enabled"] = queue is not None
+        now = time.time()
+        o["queue"] = ([entry_view(e, now) for e in await asyncio.to_thread(queue.entries, None, now)]
+                      if queue is not None else [])
+        self.render_page("admin.html", o=o)
 
 
 class NotFoundHandler(PageHandler):

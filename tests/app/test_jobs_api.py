@@ -8,6 +8,7 @@ training. Real training through the same API is in tests/tf/test_jobs_training.p
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -384,6 +385,13 @@ def test_a_job_that_does_not_fit_waits_in_the_queue_and_starts_when_gpus_come_ba
         assert line["enabled"] and [(e["holder"], e["position"]) for e in line["entries"]] == [
             ("later", 1), ("after", 2)], line
         entry = line["entries"][1]["id"]
+        # the admin page lists the line, each entry with its actions
+        html = admin.s.get(hub.url + "/services/gpulab/admin", timeout=60).text
+        rows = re.findall(r'<tr data-entry="([0-9a-f]{32})" data-user="bob">\s*'
+                          r'<td class="position">(\w+)</td>', html)
+        assert [(e, p) for e, p in rows] == [(line["entries"][0]["id"], "1"), (entry, "2")], \
+            html[html.find('id="queue"'):][:2000]
+        assert f'data-entry="{entry}"' in html and 'name="top"' in html
         assert all(e["user"] == "bob" for e in admin.service("GET", "queue").json()["entries"])
         # an admin's actions: not for bob; hold (audited), then cancel, which stops the job
         assert bob.service("POST", f"queue/{entry}/top").status_code == 403
