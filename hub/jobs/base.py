@@ -383,15 +383,28 @@ class JobBackend:
     # -- the queue -----------------------------------------------------------------------
 
     async def _queue_pass(self) -> None:
-        """One scheduling pass of the queue (with the lock held): preempt what it says, then
-        start the jobs it admitted."""
-        done = await asyncio.to_thread(self.queue.schedule)
-        for allocation, why in done.preempt:
-            if allocation.kind == "job":  # notebooks are never preempted
-                await self._preempt(allocation, why)
-        for entry, allocation in done.started:
-            if entry.kind == "job":
-                await self._start_queued(entry, allocation)
+        """One scheduling pass of the queue (with the lock held), then this backend's jobs
+        brought in line with the queue's state: a Queued job whose entry was admitted starts,
+        a running job whose entry is being preempted stops and waits again. The pass that
+        admitted or preempted may have been another process's (the hub runs passes while a
+        notebook waits): the queue's rows, not one pass's answer, say what to do."""
+        await asyncio.to_thread(self.queue.schedule)
+        entries = await asyncio.to_thread(self.queue.holders, "job")
+        if not entries:
+            return
+        for job, _ in await asyncio.to_thread(self.store.active):
+            entry = entries.get((job.user, job.name))
+            if entry is None:
+                continue
+            if job.state == "Queued" and entry.state == "admitted":
+                allocation = await asyncio.to_thread(self.ledger.get, entry.allocation_id)
+                if allocation is not None and allocation.open:
+                    await self._start_queued(entry, allocation)
+            elif (job.state != "Queued" and entry.state == "preempting"
+                  and entry.allocation_id == job.allocation_id):
+                allocation = await asyncio.to_thread(self.ledger.get, entry.allocation_id)
+                if allocation is not None:
+                    await self._preempt(allocation, entry.reason.removeprefix("Preempted: "))
 
     async def _start_queued(self, entry: Entry, allocation: Allocation) -> None:
         job, _ = await asyncio.to_thread(self.store.find, entry.user, entry.holder)

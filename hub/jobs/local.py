@@ -644,8 +644,27 @@ class LocalJobBackend(JobBackend):
         self._kill_group(*key)
 
     def _kill_job_processes(self, job_id: str) -> None:
-        for key in [k for k in self._procs if k[0] == job_id]:
-            self._kill(key)
+        """SIGTERM to every replica of the job at once, one grace for them all (TensorFlow's
+        multi-worker runtime catches SIGTERM and goes on), then `_kill` what is left."""
+        keys = [k for k in self._procs if k[0] == job_id]
+        for key in keys:
+            proc = self._procs[key]
+            try:
+                pgid = os.getpgid(proc.pid)
+                if pgid == proc.pid:  # its own group (setsid): everything it started too
+                    os.killpg(pgid, signal.SIGTERM)
+                else:
+                    proc.send_signal(signal.SIGTERM)
+            except (OSError, psutil.Error):  # gone already
+                pass
+        deadline = time.monotonic() + self.stop_grace
+        for key in keys:
+            try:
+                self._procs[key].wait(max(0.0, deadline - time.monotonic()))
+            except (psutil.Error, OSError):  # still running (`_kill` ends it), or gone
+                pass
+        for key in keys:
+            self._kill(key, grace=0.1)
 
     async def _halt(self, view: dict) -> None:
         # under the workflow's lock (stop): no supervision pass restarts what is killed

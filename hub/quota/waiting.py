@@ -308,6 +308,16 @@ class Queue:
                 .order_by(QueueEntryRow.updated_at.desc()).limit(1))
             return Entry.of(row) if row is not None else None
 
+    def holders(self, kind: str) -> dict[tuple[str, str], Entry]:
+        """The live entries (waiting, admitted, preempting) of one kind, by (user, holder):
+        what a driver reconciles its work with."""
+        with self.ledger.Reader() as s:
+            rows = s.scalars(select(QueueEntryRow).where(
+                QueueEntryRow.pool == self.pool, QueueEntryRow.kind == kind,
+                QueueEntryRow.state.in_(("waiting", "admitted", "preempting")))
+                .order_by(QueueEntryRow.updated_at))
+            return {(r.user, r.holder): Entry.of(r) for r in rows}
+
     def waiting_count(self) -> int:
         """How many entries of this pool wait (held ones included)."""
         with self.ledger.Reader() as s:

@@ -141,7 +141,9 @@ def test_a_preemptible_job_gives_way_to_in_quota_work_and_resumes_from_its_check
         spec = {"name": "digits-borrow", "strategy": "multi-worker-mirrored",
                 "replicas": {"worker": 2}, "resources": {"worker": {"gpus": 2}},
                 "source": (EXAMPLES / "digits_multi_worker.py").read_text(),
-                "args": ["--sleep-per-epoch", "1"], "preemptible": True}
+                # long enough not to end within the stop's grace (TensorFlow's multi-worker
+                # runtime catches SIGTERM and trains on until the SIGKILL that follows)
+                "args": ["--sleep-per-epoch", "1", "--epochs", "30"], "preemptible": True}
         r = bob.service("POST", "jobs", json=spec)
         assert r.status_code == 202 and r.json()["state"] == "Queued", r.text  # over quota
         # ...but the GPUs are idle: the next pass lends them
