@@ -404,7 +404,7 @@ class JobBackend:
                   and entry.allocation_id == job.allocation_id):
                 allocation = await asyncio.to_thread(self.ledger.get, entry.allocation_id)
                 if allocation is not None:
-                    await self._preempt(allocation, entry.reason.removeprefix("Preempted: "))
+                    await self._preempt(allocation, entry.reason)
 
     async def _start_queued(self, entry: Entry, allocation: Allocation) -> None:
         job, _ = await asyncio.to_thread(self.store.find, entry.user, entry.holder)
@@ -432,7 +432,8 @@ class JobBackend:
 
     async def _preempt(self, allocation: Allocation, why: str) -> None:
         """Stop a preemptible job that borrowed GPUs (SIGTERM first, so that it can save),
-        and put it back in line: it resumes from its last checkpoint when it starts again."""
+        and put it back in line: it resumes from its last checkpoint when it starts again.
+        ``why``: the queue's words for its owner ("Preempted: …")."""
         job, reps = await asyncio.to_thread(self.store.find, allocation.user, allocation.holder)
         entry = await asyncio.to_thread(self.queue.of_holder, allocation.user, "job",
                                         allocation.holder)
@@ -440,7 +441,8 @@ class JobBackend:
             log.warning("Preemption of %s/%s: no such running job", allocation.user,
                         allocation.holder)
             return
-        reason = (f"Preempted: {why} It waits again and resumes from its last checkpoint.")
+        reason = why if why.startswith("Preempted") else (
+            f"Preempted: {why} It waits in the queue again and resumes from its last checkpoint.")
         log.info("Preempting job %s/%s: %s", job.user, job.name, why)
         await self._halt(job_view(job, reps))
         await asyncio.to_thread(self._release, job, JobSpec.model_validate_json(job.spec))

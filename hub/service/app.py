@@ -100,7 +100,7 @@ def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirecto
             (url_path_join(api, f"jobs/{name}/stop"), JobStopHandler),
             (url_path_join(api, f"jobs/{name}/logs/{name}"), JobLogsHandler),
             (url_path_join(api, "queue"), QueueHandler),
-            (url_path_join(api, r"queue/([0-9a-f]{32})/([a-z]+)"), QueueActionHandler),
+            (url_path_join(api, "queue/([^/]+)/([^/]+)"), QueueActionHandler),
             (url_path_join(api, "openapi.json"), OpenAPIHandler),
         ],
         ledger=ledger,

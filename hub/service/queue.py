@@ -9,6 +9,7 @@ stops the job too (it ends Stopped, with the admin named)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 from tornado import web
@@ -16,6 +17,9 @@ from tornado import web
 from gpulab.hub.quota.ledger import BadRequest
 from gpulab.hub.quota.waiting import ACTIONS
 from gpulab.hub.service.base import APIHandler, FieldError
+
+
+ENTRY_ID = re.compile(r"[0-9a-f]{32}")
 
 
 def entry_view(e, now: float) -> dict:
@@ -52,6 +56,8 @@ class QueueActionHandler(QueueBase):
         queue = self.queue
         if queue is None:
             raise web.HTTPError(404, "This hub has no GPU queue.")
+        if not ENTRY_ID.fullmatch(entry_id):
+            raise FieldError(404, "id", "No queue entry with that id.")
         actor = self.current_user["name"]
         try:
             entry = await asyncio.to_thread(queue.act, entry_id, action, actor)

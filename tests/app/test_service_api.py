@@ -187,7 +187,9 @@ def test_openapi_document_matches_the_handlers(hub, admin):
         if "(users|groups)" in path:
             variants = [path.replace("(users|groups)", k) for k in ("users", "groups")]
         for v in variants:
-            v = v.replace("logs/([^/]+)", "logs/{replica}").replace("([^/]+)", "{name}")
+            v = (v.replace("logs/([^/]+)", "logs/{replica}")
+                 .replace("queue/([^/]+)/([^/]+)", "queue/{id}/{action}")
+                 .replace("([^/]+)", "{name}"))
             routed |= {(v, m) for m in methods}
     assert routed == documented
 
