@@ -169,3 +169,19 @@ class FakeKubeAPI:
 
 
 __all__ = ["FakeClient", "FakeJob", "FakeKubeAPI", "job_view", "ME", "GpulabError"]
+
+
+def offline_kubeconfig(tmp_path, monkeypatch) -> None:
+    """A Kubernetes client configuration that a spawner or a job backend loads when it is
+    made, pointing nowhere: no request is ever sent (tests that build objects, not a cluster)."""
+    from kubernetes_asyncio.config import kube_config
+    from kubespawner.clients import load_config
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: none\n"
+        "clusters: [{name: none, cluster: {server: 'https://127.0.0.1:9'}}]\n"
+        "contexts: [{name: none, context: {cluster: none, user: none}}]\n"
+        "users: [{name: none, user: {token: none}}]\n")
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+    load_config.cache_clear()

@@ -9,7 +9,6 @@ import copy
 
 import pytest
 from kubernetes_asyncio.client import ApiClient
-from kubernetes_asyncio.config import kube_config
 from kubespawner import KubeSpawner
 from kubespawner.clients import load_config
 from traitlets.config import Config
@@ -83,15 +82,7 @@ CASES = [
 
 @pytest.fixture
 def config(tmp_path, monkeypatch):
-    # a client configuration is loaded when a spawner is made; no request is ever sent
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        "apiVersion: v1\nkind: Config\ncurrent-context: none\n"
-        "clusters: [{name: none, cluster: {server: 'https://127.0.0.1:9'}}]\n"
-        "contexts: [{name: none, context: {cluster: none, user: none}}]\n"
-        "users: [{name: none, user: {token: none}}]\n")
-    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
-    load_config.cache_clear()
+    offline_kubeconfig(tmp_path, monkeypatch)
     c = Config()
     c.KubeSpawner.profile_list = PROFILES
     c.KubeSpawner.environment = {"existing": "existing-value", "to-remove": "x"}
@@ -201,6 +192,7 @@ async def test_options_kubespawner_would_fail_on_are_refused_with_a_reason(confi
 
 from gpulab.hub.quota.ledger import Request  # noqa: E402
 from gpulab.spawner.mixin import hub_ledger  # noqa: E402
+from tests.doubles import offline_kubeconfig
 
 
 async def test_a_start_after_a_failed_one_is_not_refused_for_its_leftover(config):

@@ -16,7 +16,6 @@ from types import SimpleNamespace
 
 import pytest
 from kubernetes_asyncio.client.rest import ApiException
-from kubernetes_asyncio.config import kube_config
 from kubespawner.clients import load_config
 from traitlets.config import Config
 
@@ -33,7 +32,7 @@ from gpulab.spawner.namespaces import (
     prepare_user_namespace,
 )
 from gpulab.spawner.profiles import default_profile_list, parse_profiles
-from tests.doubles import FakeKubeAPI
+from tests.doubles import FakeKubeAPI, offline_kubeconfig
 
 log = logging.getLogger("test")
 BAD_EGRESS = [{"from": [{"podSelector": {}}]}]
@@ -41,17 +40,8 @@ BAD_EGRESS = [{"from": [{"podSelector": {}}]}]
 
 @pytest.fixture
 def config(tmp_path, monkeypatch):
-    # a client configuration is loaded when a spawner or a backend client is made; no request
-    # ever reaches it
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        "apiVersion: v1\nkind: Config\ncurrent-context: none\n"
-        "clusters: [{name: none, cluster: {server: 'https://127.0.0.1:9'}}]\n"
-        "contexts: [{name: none, context: {cluster: none, user: none}}]\n"
-        "users: [{name: none, user: {token: none}}]\n")
-    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+    offline_kubeconfig(tmp_path, monkeypatch)
     monkeypatch.setenv("POD_NAMESPACE", "jhub")  # the same hub namespace for both classes
-    load_config.cache_clear()
     c = Config()
     c.GPULedger.db_url = f"sqlite:///{tmp_path / 'gpulab.sqlite'}"
     c.GPULedger.pool = "kubernetes"
