@@ -400,7 +400,7 @@ def test_every_entry_of_a_long_line_gets_its_own_place():
     queue = [job(f"w{i}", f"u{i % 50}", 1 + i % 3, i, max_runtime=H) for i in range(10_000)]
     people = {f"u{i}": Person(q(4), usage=float(i)) for i in range(50)}
     running = [run("r", "x", [0, 1, 2, 3], max_runtime=2 * H)]
-    p = plan(H100, running, queue, people, NOW)  # bench/queue.py times this pass
+    p = plan(H100, running, queue, people, NOW)  # bench/gpu_queue.py times this pass
     assert len(p.waiting) == 10_000 and p.start == []
     assert sorted(pl.position for pl in p.waiting.values()) == list(range(1, 10_001))
     # the line follows fair share: the person with the least use leads it

@@ -1,7 +1,7 @@
 """The queue: time of one `plan` pass with 1,000 and 10,000 waiting entries, and the time from
 GPUs released to the next queued job's replicas started.
 
-    python bench/queue.py [--repeat 20] [--rounds 5]
+    python bench/gpu_queue.py [--repeat 20] [--rounds 5]
 
 A pass is what the service runs whenever GPUs come back or work arrives
 (`gpulab.hub.quota.queue.plan`): fair-share order over 50 people, one head with a reservation
@@ -28,8 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 
-# this file's folder off the path: its name would hide the standard library's queue module
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpulab.hub.quota.policy import Quota  # noqa: E402
