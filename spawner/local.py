@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import html
 import os
 import pwd
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from jupyterhub.spawner import LocalProcessSpawner, set_user_setuid
-from traitlets import Bool, Callable, List, TraitError, Unicode, Union, default
+from traitlets import Bool, Callable, List, TraitError, Unicode, Union, default, validate
 
 from .accounts import (
     AccountConflict,
@@ -25,8 +27,13 @@ from .accounts import (
 )
 from . import sandbox
 from .cgroups import Group, local_cgroups
-from .mixin import GPUSpawnerMixin, SpawnRefused, pid_alive
-from .profiles import GPUProfile, ProfileError, Selection, gpu_request, merge_overrides
+from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, BadRequest, Ledger, Request
+from gpulab.hub.quota.waiting import GPUQueue, Queue, QueueRefused, queue_of
+
+from .mixin import GPUSpawnerMixin, OptionRefused, SpawnRefused, pid_alive
+from .profiles import (GPUProfile, OptionError, ProfileError, Selection, gpu_request,
+                       merge_overrides)
+from .queuewait import WAIT_KEY, allowed_waits, decide, parse_wait_minutes, progress_message
 
 #: Spawner traits a profile's (or a profile option's) kubespawner_override sets locally
 _PROFILE_TRAITS = ("cpu_limit", "cpu_guarantee", "mem_limit", "mem_guarantee", "default_url",
@@ -46,7 +53,18 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
     in the spawner's state: it enforces the profile's ``cpu_limit`` / ``mem_limit`` (also
     passed as ``CPU_LIMIT`` / ``MEM_LIMIT``), lets the server open only its own GPUs' device
     nodes, and on stop everything in it is killed, whatever the server left running.
+
+    A GPU server whose GPUs are busy may wait in the GPU queue (``user_options``
+    ``gpu_wait_minutes``, `gpulab.spawner.queuewait`): its start then waits for its turn,
+    the spawn-pending page says where it stands, and its ``start_timeout`` is raised by the
+    wait chosen for that start.
     """
+
+    #: seconds between two looks at the queue while a server waits in it
+    gpu_queue_poll_seconds = 1.0
+    #: the queue entry this server's start waits on ('' when it does not wait)
+    gpu_queue_entry = ""
+    _gpu_queue_admitted = False
 
     profile_list = Union(
         [List(), Callable()],
@@ -232,6 +250,175 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
     def _notebook_dir_default(self):
         return str(self.user_folder) if self.shared_dir else ""
 
+    # -- waiting in the GPU queue --------------------------------------------------------
+
+    def gpu_queue_settings(self) -> GPUQueue:
+        return GPUQueue(config=self.config)
+
+    def gpu_longest_wait(self) -> int:
+        """The longest wait a person may choose, in minutes (0: the queue is off)."""
+        settings = self.gpu_queue_settings()
+        return settings.longest_notebook_wait_minutes if settings.enabled else 0
+
+    def gpu_extra_option_keys(self) -> tuple[str, ...]:
+        return (WAIT_KEY,)
+
+    def gpu_wait_choices(self) -> tuple[int, ...]:
+        return allowed_waits(self.gpu_longest_wait())
+
+    def gpu_selection(self, user_options: dict | None = None) -> Selection:
+        selection = super().gpu_selection(user_options)
+        self.gpu_wait_minutes(user_options)  # a bad value is refused with the rest (400)
+        return selection
+
+    def gpu_wait_minutes(self, user_options: dict | None = None) -> int:
+        """The longest wait in the queue chosen for this start (0: don't wait); 400 when the
+        value is not one this hub offers."""
+        options = self.user_options if user_options is None else user_options
+        try:
+            return parse_wait_minutes(options if isinstance(options, dict) else {},
+                                      self.gpu_longest_wait())
+        except OptionError as e:
+            raise OptionRefused(400, str(e)) from e
+
+    @validate("user_options")
+    def _gpu_wait_not_in_start_timeout(self, proposal):
+        """JupyterHub sets ``user_options`` just before it starts the server, and reads
+        ``start_timeout`` right after calling `start` (`jupyterhub.user.User.spawn`): the wait
+        chosen is added to the operator's ``start_timeout`` for that start (put back when the
+        start ends). Checked at every set, also of the same options (an observer would miss
+        those)."""
+        base = self.__dict__.get("_gpu_base_start_timeout")
+        if base is None or self.start_timeout != self.__dict__.get("_gpu_raised_to"):
+            base = self.start_timeout  # the operator's, or changed since by their hook
+        try:
+            minutes = parse_wait_minutes(proposal["value"] if isinstance(proposal["value"], dict)
+                                         else {}, self.gpu_longest_wait())
+        except OptionError:
+            minutes = 0  # refused by start, before anything waits
+        self._gpu_base_start_timeout = base
+        self._gpu_raised_to = base + minutes * 60
+        self.start_timeout = self._gpu_raised_to
+        return proposal["value"]
+
+    def _gpu_restore_start_timeout(self) -> None:
+        base = self.__dict__.pop("_gpu_base_start_timeout", None)
+        raised = self.__dict__.pop("_gpu_raised_to", None)
+        if base is not None and self.start_timeout == raised:
+            self.start_timeout = base
+
+    async def gpu_when_refused(self, ledger: Ledger, request: Request, profile: GPUProfile,
+                               refused: AdmissionRefused) -> Allocation:
+        """Wait in the queue for what the ledger refused now, when the person chose to wait
+        and it could run later (what never could, `QueueRefused`, is refused at once)."""
+        minutes = self.gpu_wait_minutes()
+        settings = self.gpu_queue_settings()
+        queue = queue_of(ledger, settings) if minutes else None
+        if queue is None:
+            return await super().gpu_when_refused(ledger, request, profile, refused)
+        wait_until = time.time() + minutes * 60
+
+        def enqueue():
+            # JupyterHub starts a server only when it holds it stopped: an entry of an earlier
+            # start of this server is left over
+            queue.forget(request.user, "notebook", request.holder, "a new start of the server")
+            return queue.enqueue(request, wait_until=wait_until)
+
+        # the entry commits in its thread whatever happens here: a start cancelled meanwhile
+        # takes it out of line again
+        queued = asyncio.ensure_future(asyncio.to_thread(enqueue))
+        try:
+            entry = await asyncio.shield(queued)
+        except asyncio.CancelledError:
+            queued.add_done_callback(lambda f: f.cancelled() or f.exception() or (
+                asyncio.ensure_future(asyncio.to_thread(
+                    _leave_queue, queue, ledger, request, f.result().id,
+                    "the start was cancelled"))))
+            raise
+        except QueueRefused:  # it could never run: the ledger's reason, as without a queue
+            return await super().gpu_when_refused(ledger, request, profile, refused)
+        except BadRequest as e:
+            raise SpawnRefused(409, f"Cannot start with profile '{profile.display_name}'. "
+                               + e.message) from e
+        self.log.info("%s waits in the GPU queue (entry %s, up to %d min): %s",
+                      self._log_name, entry.id, minutes, refused.message)
+        self.gpu_queue_entry = entry.id
+        try:
+            return await self._gpu_wait(queue, ledger, entry.id)
+        except asyncio.CancelledError:
+            # start_timeout, the hub stopping, the person's stop: out of line, and GPUs that
+            # arrived meanwhile go back (in a thread that outlives this cancelled start)
+            asyncio.ensure_future(asyncio.to_thread(
+                _leave_queue, queue, ledger, request, entry.id, "the start was cancelled"))
+            raise
+        except BaseException:
+            await asyncio.to_thread(_leave_queue, queue, ledger, request, entry.id,
+                                    "the server did not start")
+            raise
+        finally:
+            self.gpu_queue_entry = ""
+
+    async def _gpu_wait(self, queue: Queue, ledger: Ledger, entry_id: str) -> Allocation:
+        """Run a scheduling pass about every second (the gpulab service runs them for jobs;
+        the hub runs them while a notebook waits) until the entry is admitted (its
+        allocation is returned) or leaves the line (`SpawnRefused` 409 with the reason)."""
+        while True:
+            await asyncio.to_thread(queue.schedule)
+            entry = await asyncio.to_thread(queue.get, entry_id)
+            what, message = decide(entry)
+            if what == "admitted":
+                allocation = await asyncio.to_thread(ledger.get, entry.allocation_id)
+                if allocation is None or not allocation.open:
+                    raise SpawnRefused(409, "The GPUs given to your server from the queue "
+                                       "were taken back before it started; start it again.")
+                self._gpu_queue_admitted = True
+                self.log.info("%s leaves the GPU queue with GPUs %s", self._log_name,
+                              list(allocation.devices))
+                return allocation
+            if what == "refused":
+                raise SpawnRefused(409, message)
+            await asyncio.sleep(self.gpu_queue_poll_seconds)
+
+    async def progress(self):
+        """JupyterHub's events, then, while this start waits in the GPU queue, where it
+        stands (read from the queue about every second; a new event when it changes)."""
+        async for event in super().progress():
+            yield event
+        last = None
+        while True:
+            entry_id = self.gpu_queue_entry
+            if entry_id:
+                message = await self._gpu_progress_message(entry_id)
+                if message and message != last:
+                    last = message
+                    yield {"progress": 50, "message": message,
+                           "html_message": (
+                               f"{html.escape(message)} · <a class=\"gpulab-leave-queue\" "
+                               f"href=\"{html.escape(self.gpu_service_url())}#queue\">Leave "
+                               "the queue</a>"),
+                           "gpulab_queue": {"entry": entry_id}}
+            elif last is not None and self._gpu_queue_admitted:
+                last = None
+                yield {"progress": 70, "message": "GPUs are free: starting your server."}
+            await asyncio.sleep(self.gpu_queue_poll_seconds)
+
+    def gpu_service_url(self) -> str:
+        """The gpulab service's pages as the browser reaches them (My GPUs, where a person
+        leaves the queue: its API takes the service's own cookie and XSRF token, which a hub
+        page cannot send)."""
+        hub = (getattr(self.hub, "base_url", "") or "/hub/") if self.hub else "/hub/"
+        base = hub[:-len("hub/")] if hub.endswith("hub/") else "/"
+        return base + "services/gpulab/"
+
+    async def _gpu_progress_message(self, entry_id: str) -> str:
+        ledger, settings, user = self.gpu_ledger, self.gpu_queue_settings(), self.user.name
+        queue = queue_of(ledger, settings)
+        if queue is None:
+            return ""
+        entries = await asyncio.to_thread(queue.entries, user)
+        entry = next((e for e in entries if e.id == entry_id), None)
+        return progress_message(entry) if entry is not None else ""
+
     # -- where things are -------------------------------------------------------------
 
     @property
@@ -368,6 +555,18 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         # its processes are gone: its GPUs go back (off the event loop; clear_state, which
         # JupyterHub calls next, then has nothing left to release)
         await self.release_gpus_async()
+        await self._gpu_forget_queue_entry("server stopped")
+
+    async def _gpu_forget_queue_entry(self, reason: str) -> None:
+        """A server that came through the queue stopped: its entry (admitted, for an
+        allocation now closed) leaves the queue too."""
+        if not self._gpu_queue_admitted:
+            return
+        self._gpu_queue_admitted = False
+        queue = queue_of(self.gpu_ledger, self.gpu_queue_settings())
+        if queue is not None:
+            await asyncio.to_thread(queue.forget, self.user.name, "notebook",
+                                    self.gpu_holder_name, reason)
 
     async def poll(self):
         had_process = bool(self.pid)
@@ -535,8 +734,12 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         # popen_kwargs still win)
         self.popen_kwargs = {"stdin": subprocess.DEVNULL, **self.popen_kwargs}
         self._assign_server_ip()
-        profile = self._apply_profile(self.gpu_selection())
-        gpus = await self.admit_gpus(profile)
+        try:
+            profile = self._apply_profile(self.gpu_selection())
+            self._gpu_queue_admitted = False
+            gpus = await self.admit_gpus(profile)
+        finally:
+            self._gpu_restore_start_timeout()  # JupyterHub has read it: the operator's again
         try:
             await self._prepare_account_or_refuse()
             try:
@@ -567,6 +770,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         except BaseException:
             await asyncio.to_thread(self._remove_server_group)
             await self.release_gpus_async("server did not start")
+            await self._gpu_forget_queue_entry("server did not start")
             raise
         if self.gpu_claim_id:
             self.set_gpu_probe()
@@ -578,6 +782,17 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             profile.slug,
         )
         return url
+
+
+def _leave_queue(queue: Queue, ledger: Ledger, request: Request, entry_id: str,
+                 reason: str) -> None:
+    """A waiting start ended (sync; in a thread): its entry leaves the line, and an allocation
+    admitted to it meanwhile is closed (a pass that admitted it either committed before the
+    entry was cancelled, then its allocation is read here, or sees it cancelled)."""
+    queue.forget(request.user, "notebook", request.holder, reason)
+    entry = queue.get(entry_id)
+    if entry is not None and entry.allocation_id:
+        ledger.release(entry.allocation_id, "server did not start")
 
 
 def server_ip(spawner_id: int) -> str:

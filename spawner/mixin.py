@@ -259,9 +259,20 @@ class GPUSpawnerMixin:
         options = self.user_options if user_options is None else user_options
         try:
             return select(self.gpu_profiles(), options or {}, groups=self.user_groups,
-                          strict=self.gpu_strict_options)
+                          strict=self.gpu_strict_options,
+                          extra_keys=self.gpu_extra_option_keys())
         except OptionError as e:
             raise OptionRefused(400, str(e)) from e
+
+    def gpu_extra_option_keys(self) -> tuple[str, ...]:
+        """``user_options`` keys of this spawner's own beside the profiles' (and the spawn
+        form's fields of the same names); none here."""
+        return ()
+
+    def gpu_wait_choices(self) -> tuple[int, ...]:
+        """The waits in the GPU queue (minutes) the spawn form offers; none here: the server
+        is admitted now or refused (LocalGPUSpawner's notebooks may wait)."""
+        return ()
 
     def selected_profile(self, user_options: dict | None = None) -> GPUProfile:
         """The profile `user_options` choose (as configured, before its options apply)."""
@@ -297,6 +308,11 @@ class GPUSpawnerMixin:
         if len(formdata.get("profile") or []) > 1:
             raise SpawnRefused(400, "Choose exactly one profile.")
         options, other = options_from_formdata(formdata)
+        for key in self.gpu_extra_option_keys():  # checked with the rest just below
+            if key in other:
+                other.remove(key)
+                value = (formdata.get(key) or [""])[0]
+                options[key] = int(value) if value.isdigit() and len(value) <= 6 else value
         if other:
             raise SpawnRefused(400, f"Unknown form field(s): {', '.join(other)}.")
         self.gpu_check_form_options(options)  # no profile: the default one, as KubeSpawner
@@ -337,6 +353,8 @@ class GPUSpawnerMixin:
         mine_gpus = sum(a.gpus for a in mine)
         rows = []
         saved = self.user_options if isinstance(self.user_options, dict) else {}
+        waits = self.gpu_wait_choices()
+        can_wait = any(m > 0 for m in waits)
         for p in self.gpu_visible_profiles():
             matching = [g for g in gpus if model_matches(p.model, g.model)]
             free = [g for g in matching if g.index not in held]
@@ -360,16 +378,20 @@ class GPUSpawnerMixin:
                 available, why = False, f"only {len(free)} free now"
             else:
                 available, why = True, ""
+            # busy now but not for ever: it may be chosen to wait in the queue
+            later = can_wait and not available and why.startswith(("over your quota (",
+                                                                    "only "))
             rows.append({"profile": p, "free": len(free), "total": len(matching),
-                         "available": available, "why": why,
+                         "available": available or later, "later": later,
+                         "now": available, "why": why,
                          "options": _option_rows(p, saved if saved.get("profile") == p.slug
                                                  else {})})
         again = next((r for r in rows if r["profile"].slug == saved.get("profile")
-                      and r["available"]), None)
+                      and r["now"]), None)
         if again is not None:  # the profile of the last start, as KubeSpawner's form does
             checked = again["profile"].slug
-        elif not any(r["profile"].default and r["available"] for r in rows):
-            first = next((r for r in rows if r["available"]), rows[0] if rows else None)
+        elif not any(r["profile"].default and r["now"] for r in rows):
+            first = next((r for r in rows if r["now"]), rows[0] if rows else None)
             checked = first["profile"].slug if first else None
         else:
             checked = next(r["profile"].slug for r in rows if r["profile"].default)
@@ -384,6 +406,7 @@ class GPUSpawnerMixin:
             "quota": quota.describe() if quota else "",
             "quota_source": source,
             "held": mine_gpus,
+            "waits": _wait_rows(waits, saved) if can_wait else [],
         }
 
     def _held(self, mine) -> list[tuple]:
@@ -459,13 +482,19 @@ class GPUSpawnerMixin:
         try:
             allocation = await asyncio.shield(admitted)
         except AdmissionRefused as e:
-            raise SpawnRefused(e.status, f"Cannot start with profile '{profile.display_name}'. "
-                               + e.message) from e
+            allocation = await self.gpu_when_refused(ledger, request, profile, e)
         except asyncio.CancelledError:
             admitted.add_done_callback(lambda f: _release_late(ledger, f))
             raise
         self._adopt(allocation, probe=None)
         return self.assigned_gpus
+
+    async def gpu_when_refused(self, ledger: Ledger, request: Request, profile: GPUProfile,
+                               refused: AdmissionRefused) -> Allocation:
+        """The ledger refused `request` now: raise `SpawnRefused` with its reason, or return
+        an allocation obtained otherwise (LocalGPUSpawner: after waiting in the queue)."""
+        raise SpawnRefused(refused.status, f"Cannot start with profile "
+                           f"'{profile.display_name}'. " + refused.message) from refused
 
     def _adopt(self, allocation: Allocation, probe) -> None:
         self._gpu_allocation = allocation
@@ -569,6 +598,21 @@ def _release_late(ledger: Ledger, admitted: asyncio.Future) -> None:
     alloc = admitted.result()
     _probes.pop(alloc.id, None)
     asyncio.ensure_future(asyncio.to_thread(ledger.release, alloc.id, "server did not start"))
+
+
+def _wait_rows(waits, saved: dict) -> list[tuple]:
+    """The spawn form's "If the GPUs are busy" choices: (minutes, label, selected), the last
+    start's choice selected (else "don't wait")."""
+    from .queuewait import WAIT_KEY, wait_label
+
+    chosen = saved.get(WAIT_KEY)
+    if isinstance(chosen, list) and len(chosen) == 1:
+        chosen = chosen[0]
+    if isinstance(chosen, str) and chosen.isdigit() and len(chosen) <= 6:
+        chosen = int(chosen)
+    if chosen not in waits or isinstance(chosen, bool):
+        chosen = 0
+    return [(m, wait_label(m), m == chosen) for m in waits]
 
 
 def _option_rows(profile: GPUProfile, saved: dict) -> list[dict]:

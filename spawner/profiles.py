@@ -432,13 +432,15 @@ def _one(value, what: str, kind: str = "a choice's name or text"):
 
 
 def select(profiles: list[GPUProfile], options: dict, *, groups=(), strict: bool = True,
-           ) -> Selection:
+           extra_keys=()) -> Selection:
     """Check ``user_options`` (KubeSpawner's shape) against the profiles a member of
     ``groups`` may use; raises `OptionError` with a message for the person.
 
     ``strict``: any key that is not the profile's or its options' is refused (the spawn form
     and the API of a hub whose options are gpulab's); otherwise such keys are left to the
-    operator's own hooks (their ``options_from_form`` / ``apply_user_options``)."""
+    operator's own hooks (their ``options_from_form`` / ``apply_user_options``).
+    ``extra_keys``: keys of the spawner's own besides the profiles' (LocalGPUSpawner's
+    ``gpu_wait_minutes``), known in strict mode too; the spawner checks their values."""
     if options is None:
         options = {}
     if not isinstance(options, dict):
@@ -454,7 +456,7 @@ def select(profiles: list[GPUProfile], options: dict, *, groups=(), strict: bool
         profile = next((p for p in mine if p.slug == slug), None)
         if profile is None:  # a profile of other groups is not named to others
             raise OptionError(f"There is no profile {_short(slug)}. Choose one of: {names}.")
-    known = {"profile"}
+    known = {"profile", *extra_keys}
     for key in profile.options:
         known |= {key, key + UNLISTED_SUFFIX}
     if strict:

@@ -45,6 +45,8 @@ log = logging.getLogger("gpulab.queue")
 #: expired (a notebook's longest wait passed)
 STATES = ("waiting", "admitted", "preempting", "cancelled", "expired")
 ACTIONS = ("hold", "release", "top", "cancel")
+#: the reason of an entry its owner took out of line (a waiting notebook's start fails so)
+LEFT_REASON = "You left the queue."
 
 
 class QueueEntryRow(Base):
@@ -476,7 +478,7 @@ def _join(old: str, new: str) -> str:
 class GPUQueue(Configurable):
     """The GPU queue's policy settings (``c.GPUQueue.*`` in the hub's configuration; the hub
     hands them to the gpulab service in its config file). The local deployment's training jobs
-    wait in this queue; on Kubernetes, queueing is Kueue's."""
+    and GPU notebooks wait in this queue; on Kubernetes, queueing is Kueue's."""
 
     enabled = t.Bool(True, help="""
         Whether GPU work that does not fit now waits in the queue (state Queued) instead of
@@ -497,6 +499,20 @@ class GPUQueue(Configurable):
         GPU quota is their weight otherwise. Default: none.
         Example: ``c.GPUQueue.group_shares = {"vision": 2.0, "nlp": 1.0}``""").tag(config=True)
 
+    longest_notebook_wait_minutes = t.Int(60, help="""
+        The longest a notebook server (LocalGPUSpawner) may wait in the queue for busy GPUs,
+        in minutes (default 60). The spawn form offers "don't wait" and waits of 5, 15 and 60
+        minutes up to this; the REST API's ``gpu_wait_minutes`` takes the same values. 0: GPU
+        notebooks never wait (refused when their GPUs are busy, as without a queue). A
+        waiting server's ``start_timeout`` is raised by its wait. Kubernetes notebooks never
+        wait. Example: ``c.GPUQueue.longest_notebook_wait_minutes = 15``""").tag(config=True)
+
+    @t.validate("longest_notebook_wait_minutes")
+    def _not_negative(self, proposal):
+        if proposal["value"] < 0:
+            raise t.TraitError("c.GPUQueue.longest_notebook_wait_minutes must be 0 or more")
+        return proposal["value"]
+
     @t.validate("half_life_hours")
     def _positive(self, proposal):
         if not proposal["value"] > 0:
@@ -510,11 +526,15 @@ class GPUQueue(Configurable):
                           sort_keys=True)
 
 
-def queue_from_json(ledger: Ledger, raw: str | None) -> Queue | None:
-    """The queue of `ledger`'s pool with the settings of `GPUQueue.settings_json` (empty: the
-    defaults), or None when the queue is off."""
-    settings = GPUQueue(**json.loads(raw)) if raw else GPUQueue()
+def queue_of(ledger: Ledger, settings: GPUQueue) -> Queue | None:
+    """The queue of `ledger`'s pool with `settings`, or None when the queue is off."""
     if not settings.enabled:
         return None
     return Queue(ledger, half_life_hours=settings.half_life_hours,
                  borrowing=settings.borrowing, group_shares=settings.group_shares)
+
+
+def queue_from_json(ledger: Ledger, raw: str | None) -> Queue | None:
+    """The queue of `ledger`'s pool with the settings of `GPUQueue.settings_json` (empty: the
+    defaults), or None when the queue is off."""
+    return queue_of(ledger, GPUQueue(**json.loads(raw)) if raw else GPUQueue())

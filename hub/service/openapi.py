@@ -214,7 +214,9 @@ def openapi_document(prefix: str = "/services/gpulab/") -> dict:
                                 "schema": {"type": "string",
                                            "enum": ["hold", "release", "top", "cancel"]}}],
                 "post": {"summary": "Hold, release, move to the top or cancel a waiting entry "
-                                    "(admin; audited; cancel stops a queued job)",
+                                    "(admin; audited; cancel stops a queued job); a person "
+                                    "may cancel their own waiting notebook's entry (its start "
+                                    "fails: 'You left the queue')",
                          "responses": _resp(QUEUE_ENTRY, 400, 404)}},
             "/openapi.json": {"get": {"summary": "This document", "security": [],
                                       "responses": {"200": {"description": "OK"}}}},

@@ -139,7 +139,11 @@ class UserPage(PageHandler):
     async def get(self):
         view = await user_view(self, self.current_user["name"])
         inventory = await asyncio.to_thread(inventory_view, self.ledger, _usage(self))
-        self.render_page("user.html", me=view, inventory=inventory)
+        queue = getattr(self.settings.get("jobs"), "queue", None)
+        now = time.time()
+        waiting = ([entry_view(e, now) for e in await asyncio.to_thread(
+            queue.entries, self.current_user["name"], now)] if queue is not None else [])
+        self.render_page("user.html", me=view, inventory=inventory, waiting=waiting)
 
 
 class AdminPage(PageHandler):
