@@ -30,7 +30,7 @@ from .cgroups import Group, local_cgroups
 from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, BadRequest, Ledger, Request
 from gpulab.hub.quota.waiting import GPUQueue, Queue, QueueRefused, queue_of
 
-from .mixin import GPUSpawnerMixin, OptionRefused, SpawnRefused, pid_alive
+from .mixin import GPUSpawnerMixin, LineAhead, OptionRefused, SpawnRefused, pid_alive
 from .profiles import (GPUProfile, OptionError, ProfileError, Selection, gpu_request,
                        merge_overrides)
 from .queuewait import WAIT_KEY, allowed_waits, decide, parse_wait_minutes, progress_message
@@ -307,6 +307,12 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         if base is not None and self.start_timeout == raised:
             self.start_timeout = base
 
+    def gpu_line(self, ledger: Ledger) -> Queue | None:
+        """The queue, when this start may wait in it: then it queues behind whoever waits."""
+        if not self.gpu_wait_minutes():
+            return None
+        return queue_of(ledger, self.gpu_queue_settings())
+
     async def gpu_when_refused(self, ledger: Ledger, request: Request, profile: GPUProfile,
                                refused: AdmissionRefused) -> Allocation:
         """Wait in the queue for what the ledger refused now, when the person chose to wait
@@ -335,7 +341,9 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
                     _leave_queue, queue, ledger, request, f.result().id,
                     "the start was cancelled"))))
             raise
-        except QueueRefused:  # it could never run: the ledger's reason, as without a queue
+        except QueueRefused as e:  # it could never run: refused at once, as without a queue
+            if isinstance(refused, LineAhead):  # the ledger was not asked: the queue's reason
+                refused = AdmissionRefused(e.message)
             return await super().gpu_when_refused(ledger, request, profile, refused)
         except BadRequest as e:
             raise SpawnRefused(409, f"Cannot start with profile '{profile.display_name}'. "

@@ -168,7 +168,12 @@ def reap_dead_servers(ledger: Ledger) -> int:
     return n
 
 
-def _admit(ledger: Ledger, request: Request, keep: str = "") -> Allocation:
+class LineAhead(AdmissionRefused):
+    """Others wait in the GPU queue: a request that may wait takes its place behind them
+    rather than taking free GPUs ahead of them."""
+
+
+def _admit(ledger: Ledger, request: Request, keep: str = "", line=None) -> Allocation:
     """One admission (in a worker thread): servers found gone are reaped and it is tried again
     once, so that they do not keep GPUs from anyone.
 
@@ -181,6 +186,10 @@ def _admit(ledger: Ledger, request: Request, keep: str = "") -> Allocation:
             if ledger.release(old.id, "left by an earlier start of the same server"):
                 log.warning("Closed allocation %s of %s/%s, left by an earlier start",
                             old.id, request.user, request.holder)
+    waiting = line.waiting_count() if line is not None else 0
+    if waiting:
+        raise LineAhead(f"{waiting} request{'s' if waiting != 1 else ''} already "
+                        f"wait{'' if waiting != 1 else 's'} for GPUs.")
     try:
         return ledger.admit(request)
     except AdmissionRefused:
@@ -478,7 +487,8 @@ class GPUSpawnerMixin:
         ledger = await asyncio.to_thread(hub_ledger, self.config, self.gpu_assigns_devices)
         # the admission commits in its thread whatever happens here: a start cancelled
         # meanwhile (JupyterHub's start_timeout) must still release what it admitted
-        admitted = asyncio.ensure_future(asyncio.to_thread(_admit, ledger, request))
+        line = self.gpu_line(ledger)
+        admitted = asyncio.ensure_future(asyncio.to_thread(_admit, ledger, request, "", line))
         try:
             allocation = await asyncio.shield(admitted)
         except AdmissionRefused as e:
@@ -488,6 +498,12 @@ class GPUSpawnerMixin:
             raise
         self._adopt(allocation, probe=None)
         return self.assigned_gpus
+
+    def gpu_line(self, ledger: Ledger):
+        """The GPU queue this start would wait in (a `gpulab.hub.quota.waiting.Queue`): while
+        anyone waits there, it queues behind them (`gpu_when_refused` gets a `LineAhead`).
+        None here: admitted now or refused."""
+        return None
 
     async def gpu_when_refused(self, ledger: Ledger, request: Request, profile: GPUProfile,
                                refused: AdmissionRefused) -> Allocation:

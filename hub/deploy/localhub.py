@@ -209,6 +209,14 @@ class GpulabHub(JupyterHub):
 
         ledger = hub_ledger(self.config)
         ledger.close_orphans("notebook", adopted_allocations(), "server gone at hub start-up")
+        # and no start that waited in the GPU queue survived it: those entries leave the line
+        from gpulab.hub.quota.waiting import Queue
+
+        left = Queue(ledger).forget_notebooks_except(adopted_allocations(),
+                                                     "the hub restarted while the server waited")
+        if left:
+            self.log.info("%d notebook(s) that waited for GPUs left the queue: the hub "
+                          "restarted", left)
         return result
 
 

@@ -337,6 +337,20 @@ class Queue:
                     QueueEntryRow.state.in_(("waiting", "admitted", "preempting")))):
                 row.state, row.reason, row.updated_at = "cancelled", reason, now
 
+    def forget_notebooks_except(self, keep: set[str], reason: str) -> int:
+        """At a hub's start: no start that waited survived it, so every notebook entry but
+        those admitted for an allocation in `keep` (the servers it restored) leaves the
+        line; returns how many."""
+        now, n = time.time(), 0
+        with self.ledger.Session.begin() as s:
+            for row in s.scalars(select(QueueEntryRow).where(
+                    QueueEntryRow.pool == self.pool, QueueEntryRow.kind == "notebook",
+                    QueueEntryRow.state.in_(("waiting", "admitted", "preempting")))):
+                if row.allocation_id is None or row.allocation_id not in keep:
+                    row.state, row.reason, row.updated_at = "cancelled", reason, now
+                    n += 1
+        return n
+
     # -- people and admins ---------------------------------------------------------------
 
     def cancel(self, entry_id: str, actor: str, reason: str = "Cancelled.") -> Entry | None:

@@ -288,3 +288,56 @@ async def test_what_could_never_run_and_dont_wait_are_refused_at_once(config):
         assert Queue(ledger).entries() == []
     finally:
         ledger.release(job.id)
+
+
+async def test_a_notebook_that_may_wait_queues_behind_whoever_waits(config):
+    """Free GPUs are not taken ahead of the line by a start that may wait (as for jobs);
+    a start that does not wait is admitted or refused as before."""
+    config.GPUInventory.simulated_gpus = 2
+    ledger = await asyncio.to_thread(hub_ledger, config)
+    queue = Queue(ledger)
+    job = ledger.admit(Request(user="bob", kind="job", holder="j", gpus=1))
+    ahead = queue.enqueue(Request(user="bob", kind="job", holder="big", gpus=2))
+    s = spawner(config, options={"profile": "gpu-1", WAIT_KEY: 5})
+    task = asyncio.ensure_future(s.admit_gpus(s._apply_profile(s.gpu_selection())))
+    for _ in range(100):
+        if s.gpu_queue_entry:
+            break
+        await asyncio.sleep(0.02)
+    entry_id = s.gpu_queue_entry
+    assert entry_id  # in line, not admitted past it
+    # a pass decides, in the fair-share order (bob's GPU-hours put ann first): the free GPU
+    # is hers, and bob's job, which needs both, waits for it
+    assert len(await asyncio.wait_for(task, 10)) == 1
+    assert queue.get(entry_id).state == "admitted"
+    assert [(e.holder, e.position) for e in queue.entries()] == [("big", 1)]
+    await s.release_gpus_async()
+    await s._gpu_forget_queue_entry("server stopped")
+    # don't wait: one GPU is free, it starts now as before
+    now = spawner(config, options={"profile": "gpu-1"})
+    assert len(await now.admit_gpus(now._apply_profile(now.gpu_selection()))) == 1
+    await now.release_gpus_async()
+    queue.cancel(ahead.id, "bob")
+    ledger.release(job.id)
+
+
+def test_waits_the_hub_did_not_survive_leave_the_line(config):
+    ledger = hub_ledger(config)
+    queue = Queue(ledger)
+    gone = queue.enqueue(Request(user="ann", kind="notebook", holder="a", gpus=1))
+    kept = queue.enqueue(Request(user="ann", kind="notebook", holder="b", gpus=1))
+    job = queue.enqueue(Request(user="bob", kind="job", holder="j", gpus=1))
+    queue.schedule()  # one GPU: the first in line is admitted
+    admitted = queue.get(gone.id)
+    assert admitted.state == "admitted"
+    assert queue.forget_notebooks_except(set(), "the hub restarted") == 2
+    assert {queue.get(e.id).state for e in (gone, kept)} == {"cancelled"}
+    assert queue.get(job.id).state == "waiting"  # jobs are the service's
+    ledger.release(admitted.allocation_id)
+    restored = queue.enqueue(Request(user="ann", kind="notebook", holder="c", gpus=1))
+    queue.cancel(job.id, "bob")
+    queue.schedule()
+    alloc = queue.get(restored.id).allocation_id
+    assert queue.forget_notebooks_except({alloc}, "the hub restarted") == 0
+    assert queue.get(restored.id).state == "admitted"
+    ledger.release(alloc)
