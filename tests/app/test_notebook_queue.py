@@ -115,8 +115,15 @@ def test_a_notebook_waits_for_its_gpus_and_starts_when_they_come_back(hub, users
     assert entry["holder"] == "second"
     assert bob.service("POST", f"queue/{entry['id']}/cancel").status_code == 404
     assert bob.service("POST", f"queue/{entry['id']}/hold").status_code == 403
-    left = ann.service("POST", f"queue/{entry['id']}/cancel")
+    # as the My GPUs page does it: ann's service cookie and the page's XSRF token
+    page = ann.s.get(hub.url + "/services/gpulab/", timeout=60).text
+    assert f'<form class="queue-leave" data-entry="{entry["id"]}"' in page, page[-3000:]
+    assert "Leave the queue</button>" in page
+    xsrf = json.loads(page.split("XSRF = ", 1)[1].split(",", 1)[0])
+    left = ann.s.post(f"{hub.url}/services/gpulab/api/v1/queue/{entry['id']}/cancel",
+                      headers={"X-XSRFToken": xsrf}, timeout=60)
     assert left.status_code == 200 and left.json()["state"] == "cancelled", left.text
+    assert ann.service("POST", f"queue/{entry['id']}/cancel").status_code == 404  # gone
     failed = progress(ann, "second", lambda e: False)[-1]
     assert failed.get("failed") and "You left the queue" in failed["message"], failed
     assert "second" not in servers(ann)
