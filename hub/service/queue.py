@@ -81,6 +81,8 @@ class QueueActionHandler(QueueBase):
         queue = self.queue
         if queue is None:
             raise web.HTTPError(404, "This hub has no GPU queue.")
+        if not ENTRY_ID.fullmatch(entry_id):
+            raise FieldError(404, "id", "No queue entry with that id.")
         me = self.current_user["name"]
         entry = await asyncio.to_thread(queue.get, entry_id)
         if entry is None or entry.user != me:  # never says whose it is
