@@ -1,5 +1,5 @@
 """Attacks on local training jobs, made by eve against vic (issue 12 items 1, 6, 8, 9, 11, 12
-for jobs, and issue 13 item 3).
+for jobs, issue 13 item 3, and the GPU queue of issue 17).
 
 vic runs one multi-worker job for the whole module (`vic_job`): its two workers reach each
 other's TensorFlow servers through the addresses in ``TF_CONFIG``, worker 0 writes
@@ -439,6 +439,76 @@ def test_a_submit_that_fails_after_admission_leaves_nothing(hub, vic, eve, vic_j
     assert after == held, after
     assert target.read_text() == before and not target.is_symlink()
     assert_vic_untouched(vic, vic_job)
+
+
+QUEUED_SLEEP = "import time\ntime.sleep(900)\n"
+
+
+def test_eve_can_neither_see_nor_move_nor_take_vics_place_in_the_gpu_queue(
+        hub, admin, vic, eve, vic_job, eve_job):
+    """Issue 17 as the other person: vic's GPUs are all busy and his next job waits in line.
+    eve sees nothing of it (the queue, the job, the reason), cannot cancel, hold or move it
+    (another's entry answers exactly as an unknown one), a job of hers with the same name waits
+    as her own, her queued jobs count against her replica bound, and after all that vic's
+    job starts by itself when his GPUs come back."""
+    for who in ("vic", "eve"):
+        assert admin.service("PUT", f"quotas/users/{who}", json={"max_gpus": 4}).status_code == 200
+    try:
+        # the module's two servers hold 1 GPU each: vic's job takes the other 2
+        busy = [h["gpus"] for p in (vic, eve) for h in p.service("GET", "me").json()["holdings"]]
+        assert sum(busy) == 2, busy
+        r = vic.service("POST", "jobs", json=mw("vic-gpus", 1, QUEUED_SLEEP, gpus=2))
+        assert r.status_code == 201, r.text
+        r = vic.service("POST", "jobs", json=mw("vic-later", 1, QUEUED_SLEEP, gpus=1))
+        assert r.status_code == 202 and r.json()["state"] == "Queued", r.text
+        line = vic.service("GET", "queue").json()["entries"]
+        assert [(e["holder"], e["position"]) for e in line] == [("vic-later", 1)], line
+        entry = line[0]["id"]
+
+        # eve sees nothing of it
+        mine = eve.service("GET", "queue")
+        assert mine.status_code == 200 and mine.json()["entries"] == [], mine.text
+        assert "vic" not in mine.text
+        assert eve.service("GET", "jobs/vic-later").status_code == 404
+        # another's entry answers as an unknown one: no oracle for ids
+        unknown = "0" * 32
+        for action in ("cancel", "hold", "release", "top"):
+            theirs = eve.service("POST", f"queue/{entry}/{action}")
+            nobody = eve.service("POST", f"queue/{unknown}/{action}")
+            assert theirs.status_code == nobody.status_code in (403, 404), (action, theirs.text)
+            assert theirs.json() == nobody.json(), (action, theirs.text, nobody.text)
+            assert "vic" not in theirs.text
+        assert eve.service("POST", "jobs/vic-later/stop").status_code == 404
+        # her own job of the same name waits as hers; vic's entry is the same one
+        r = eve.service("POST", "jobs", json=mw("vic-later", 1, QUEUED_SLEEP, gpus=1))
+        assert r.status_code == 202 and r.json()["state"] == "Queued", r.text
+        assert "vic" not in r.json()["reason"].replace("vic-later", "")
+        # her queued jobs count against her replica bound: eve-probe, vic-later, two more
+        for i in range(BOUND - 2):
+            r = eve.service("POST", "jobs", json=mw(f"flood{i}", 1, QUEUED_SLEEP, gpus=1))
+            assert r.status_code == 202, r.text
+        r = eve.service("POST", "jobs", json=mw("flood-over", 1, QUEUED_SLEEP, gpus=1))
+        assert r.status_code == 409 and r.json()["field"] == "replicas", r.text
+        assert eve.service("GET", "jobs/flood-over").status_code == 404
+        vics = vic.service("GET", "queue").json()["entries"]
+        assert [(e["id"], e["holder"], e["user"]) for e in vics] == [
+            (entry, "vic-later", "vic")], vics
+        for name in ["vic-later"] + [f"flood{i}" for i in range(BOUND - 2)]:
+            assert eve.service("POST", f"jobs/{name}/stop").status_code == 200
+        assert vic.service("GET", "jobs/vic-later").json()["state"] == "Queued"
+        assert_vic_untouched(vic, vic_job)
+
+        # vic's GPUs come back: his job starts by itself
+        assert vic.service("POST", "jobs/vic-gpus/stop").status_code == 200
+        wait_state(vic, "vic-later", ("Admitted", "Starting", "Running"), timeout=60)
+    finally:
+        for name in ("vic-gpus", "vic-later"):
+            vic.service("POST", f"jobs/{name}/stop")
+        for name in ["vic-later"] + [f"flood{i}" for i in range(BOUND - 2)]:
+            eve.service("POST", f"jobs/{name}/stop")
+        for who in ("vic", "eve"):
+            admin.service("DELETE", f"quotas/users/{who}")
+    assert [h for h in vic.service("GET", "me").json()["holdings"] if h["kind"] == "job"] == []
 
 
 def test_stop_ends_everything_a_replica_started(hub, vic, vic_job):
