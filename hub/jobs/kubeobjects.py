@@ -57,6 +57,9 @@ INDEX_LABEL = "batch.kubernetes.io/job-completion-index"  # set by Kubernetes on
 COMPONENT = {"app.kubernetes.io/component": "training-job"}
 #: the label selector of everything a training job is made of (the backend's shared watches)
 SELECTOR = "app.kubernetes.io/managed-by=gpulab,app.kubernetes.io/component=training-job"
+JOBSET_API = "jobset.x-k8s.io/v1alpha2"
+#: the label that puts a workload in a Kueue LocalQueue
+QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"
 CONTAINER = "tensorflow"  # the name the Kubeflow training operator expects, too
 #: where a job's code given as text (``source``) appears in its replicas (a ConfigMap)
 SOURCE_MOUNT = "/gpulab/job-source"
@@ -88,9 +91,19 @@ def replica_host(*, job: str, role: str, index: int, namespace: str) -> str:
     return f"{job}-{role}-{index}.{job}.{namespace}.svc"
 
 
-def tf_cluster(*, spec: JobSpec, namespace: str, port: int = TF_PORT) -> dict[str, list[str]]:
-    """``TF_CONFIG``'s cluster: every role but the evaluator, by stable host name."""
-    return {role: [f"{replica_host(job=spec.name, role=role, index=i, namespace=namespace)}:{port}"
+def jobset_replica_host(*, job: str, role: str, index: int, namespace: str) -> str:
+    """The stable DNS name of one replica of a JobSet:
+    ``<job>-<role>-0-<index>.<job>.<namespace>.svc``. JobSet names the one Job of each
+    replicated job ``<jobset>-<role>-0``, its Indexed pods take the host name
+    ``<Job>-<index>``, and JobSet's headless Service (DNS host names on) is named after it."""
+    return f"{job}-{role}-0-{index}.{job}.{namespace}.svc"
+
+
+def tf_cluster(*, spec: JobSpec, namespace: str, port: int = TF_PORT,
+               host=replica_host) -> dict[str, list[str]]:
+    """``TF_CONFIG``'s cluster: every role but the evaluator, by stable host name (``host``:
+    `replica_host` for the Jobs and Service gpulab makes, `jobset_replica_host` for a JobSet)."""
+    return {role: [f"{host(job=spec.name, role=role, index=i, namespace=namespace)}:{port}"
                    for i in range(spec.count(role))]
             for role in ROLES if role != "evaluator" and spec.count(role)}
 
@@ -214,32 +227,15 @@ def make_training_job_objects(
         n = spec.count(role)
         if not n:
             continue
-        env = [
-            {"name": INDEX_ENV, "valueFrom": {"fieldRef": {"fieldPath": _INDEX_FIELD}}},
-            {"name": "TF_CONFIG", "value": tf_config_template(cluster=cluster, role=role)},
-            {"name": "GPULAB_STRATEGY", "value": spec.strategy},
-            {"name": "GPULAB_JOB_NAME", "value": spec.name},
-            {"name": "GPULAB_JOB_DIR", "value": job_dir},
-            {"name": "GPULAB_USER_DIR", "value": user_dir},
-            {"name": "PYTHONUNBUFFERED", "value": "1"},
-        ]
+        env = _role_env(spec=spec, cluster=cluster, role=role, job_dir=job_dir,
+                        user_dir=user_dir)
         pod = _pod_spec(spec=spec, role=role, image=image, program=program, user_dir=user_dir,
                         gpu_model=gpu_model, shared_volume=shared_volume,
                         shared_mount=shared_mount, user_subpath=user_subpath,
                         datasets_subpath=datasets_subpath, env=env, port=port)
         pod["subdomain"] = spec.name
         role_labels = job_labels(user_label=user_label, job=spec.name, role=role)
-        job_spec: dict[str, Any] = {
-            "completionMode": "Indexed",
-            "completions": n,
-            "parallelism": n,
-            "backoffLimit": spec.retries,
-            "podReplacementPolicy": "Failed",
-            "podFailurePolicy": pod_failure_policy(strategy=spec.strategy, role=role),
-            "template": {"metadata": {"labels": role_labels}, "spec": pod},
-        }
-        if spec.max_runtime:
-            job_spec["activeDeadlineSeconds"] = spec.max_runtime
+        job_spec = _role_job_spec(spec=spec, role=role, pod=pod, labels=role_labels)
         meta: dict[str, Any] = {"name": role_job_name(spec.name, role), "namespace": namespace,
                                 "labels": role_labels}
         if owner:
@@ -247,6 +243,120 @@ def make_training_job_objects(
         objects.append({"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
                         "spec": job_spec})
     return objects
+
+
+def _role_job_spec(*, spec: JobSpec, role: str, pod: dict, labels: dict) -> dict[str, Any]:
+    """The Indexed Job of one role: one pod per replica, replaced on failure within the
+    spec's retries (`pod_failure_policy` says what is not worth one), ``max_runtime`` as the
+    deadline."""
+    n = spec.count(role)
+    job_spec: dict[str, Any] = {
+        "completionMode": "Indexed",
+        "completions": n,
+        "parallelism": n,
+        "backoffLimit": spec.retries,
+        "podReplacementPolicy": "Failed",
+        "podFailurePolicy": pod_failure_policy(strategy=spec.strategy, role=role),
+        "template": {"metadata": {"labels": labels}, "spec": pod},
+    }
+    if spec.max_runtime:
+        job_spec["activeDeadlineSeconds"] = spec.max_runtime
+    return job_spec
+
+
+def _role_env(*, spec: JobSpec, cluster: Mapping[str, list[str]], role: str, job_dir: str,
+              user_dir: str) -> list[dict]:
+    return [
+        {"name": INDEX_ENV, "valueFrom": {"fieldRef": {"fieldPath": _INDEX_FIELD}}},
+        {"name": "TF_CONFIG", "value": tf_config_template(cluster=cluster, role=role)},
+        {"name": "GPULAB_STRATEGY", "value": spec.strategy},
+        {"name": "GPULAB_JOB_NAME", "value": spec.name},
+        {"name": "GPULAB_JOB_DIR", "value": job_dir},
+        {"name": "GPULAB_USER_DIR", "value": user_dir},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+
+
+def jobset_success_roles(spec: JobSpec) -> list[str]:
+    """The replicated jobs whose completion is the job's success: the chief of a
+    parameter-server job (its ps and workers serve it and never end by themselves); the
+    workers of a multi-worker job (an evaluator runs beside them)."""
+    return ["chief"] if spec.strategy == "parameter-server" else ["worker"]
+
+
+def make_training_jobset(
+    *,
+    spec: JobSpec,
+    namespace: str,
+    user_label: str,
+    image: str,
+    program: str,
+    job_dir: str,
+    user_dir: str,
+    gpu_model: str | None = None,
+    shared_volume: Mapping[str, Any] | None = None,
+    shared_mount: str = "/gpulab/shared",
+    user_subpath: str = "",
+    datasets_subpath: str | None = None,
+    queue_name: str | None = None,
+    port: int = TF_PORT,
+) -> dict:
+    """The job as one JobSet (``jobset.x-k8s.io/v1alpha2``): a replicated job per role (one
+    Indexed Job each, as `make_training_job_objects` makes them), JobSet's own headless
+    Service for the stable host names in ``TF_CONFIG`` (`jobset_replica_host`), and:
+
+    - ``successPolicy``: done when the roles of `jobset_success_roles` have all completed;
+    - ``failurePolicy``: a role's Job that fails is not retried as a whole (its pods had the
+      spec's ``retries`` already, and a bad configuration or a parameter-server chief's own
+      error fails at once, `pod_failure_policy`), except the parameter servers: a ps that is
+      lost for good restarts the whole JobSet (fresh servers, the chief restores its last
+      checkpoint), within ``retries`` restarts;
+    - with ``queue_name`` (the person's Kueue LocalQueue), created suspended with the label
+      ``kueue.x-k8s.io/queue-name``: Kueue admits it whole, then unsuspends it.
+
+    The source ConfigMap (`make_source_configmap`) and the NetworkPolicy
+    (`make_job_network_policy`) name the created JobSet as their owner (``parent_uid``)."""
+    labels = job_labels(user_label=user_label, job=spec.name)
+    if queue_name:
+        labels[QUEUE_NAME_LABEL] = queue_name
+    cluster = tf_cluster(spec=spec, namespace=namespace, port=port, host=jobset_replica_host)
+    replicated = []
+    for role in ROLES:
+        if not spec.count(role):
+            continue
+        env = _role_env(spec=spec, cluster=cluster, role=role, job_dir=job_dir,
+                        user_dir=user_dir)
+        pod = _pod_spec(spec=spec, role=role, image=image, program=program, user_dir=user_dir,
+                        gpu_model=gpu_model, shared_volume=shared_volume,
+                        shared_mount=shared_mount, user_subpath=user_subpath,
+                        datasets_subpath=datasets_subpath, env=env, port=port)
+        role_labels = job_labels(user_label=user_label, job=spec.name, role=role)
+        replicated.append({
+            "name": role,
+            "replicas": 1,
+            "template": {"metadata": {"labels": role_labels},
+                         "spec": _role_job_spec(spec=spec, role=role, pod=pod,
+                                                labels=role_labels)},
+        })
+    rules: list[dict[str, Any]] = []
+    if spec.count("ps"):
+        rules.append({"name": "lostParameterServer", "action": "RestartJobSet",
+                      "targetReplicatedJobs": ["ps"],
+                      "onJobFailureReasons": ["BackoffLimitExceeded"]})
+    rules.append({"name": "replicaFailed", "action": "FailJobSet"})
+    return {
+        "apiVersion": JOBSET_API,
+        "kind": "JobSet",
+        "metadata": {"name": spec.name, "namespace": namespace, "labels": labels},
+        "spec": {
+            "suspend": bool(queue_name),
+            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+            "replicatedJobs": replicated,
+            "successPolicy": {"operator": "All",
+                              "targetReplicatedJobs": jobset_success_roles(spec)},
+            "failurePolicy": {"maxRestarts": spec.retries, "rules": rules},
+        },
+    }
 
 
 def job_network_policy_name(job: str) -> str:

@@ -9,6 +9,7 @@ from gpulab.hub.jobs.kubeobjects import (
     make_job_network_policy,
     make_tfjob,
     make_training_job_objects,
+    make_training_jobset,
 )
 from tests.cluster.kubelet import expand as kubelet_expand
 
@@ -288,3 +289,103 @@ def test_user_text_reaches_the_replica_unexpanded():
         env["GPULAB_TASK_INDEX"] = "1"
         assert [kubelet_expand(a, env) for a in c["command"]] == [*REPLICA_COMMAND, program, *args]
         assert kubelet_expand(env["MODE"], env) == "$$(HOME)"
+
+
+# -- the job as one JobSet (issue 18) ------------------------------------------------------
+
+JOBSET_HOSTS = {
+    "chief": ["digits-chief-0-0.digits.gpulab-ann.svc:2222"],
+    "ps": ["digits-ps-0-0.digits.gpulab-ann.svc:2222"],
+    "worker": ["digits-worker-0-0.digits.gpulab-ann.svc:2222",
+               "digits-worker-0-1.digits.gpulab-ann.svc:2222"],
+}
+
+
+def build_jobset(spec=PS_SPEC, **kw):
+    args = dict(spec=parse_spec(spec), namespace=NS, user_label="ann", image="gpulab/singleuser:1",
+                program="/gpulab/shared/users/ann/train.py",
+                job_dir="/gpulab/shared/users/ann/jobs/digits",
+                user_dir="/gpulab/shared/users/ann", gpu_model="NVIDIA-H100",
+                shared_volume=SHARED, user_subpath="users/ann", datasets_subpath="datasets",
+                queue_name="gpulab")
+    args.update(kw)
+    return make_training_jobset(**args)
+
+
+def test_jobset_literal():
+    js = build_jobset()
+    assert js["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and js["kind"] == "JobSet"
+    assert js["metadata"] == {"name": "digits", "namespace": NS,
+                              "labels": {**LABELS, "kueue.x-k8s.io/queue-name": "gpulab"}}
+    spec = js["spec"]
+    assert spec["suspend"] is True  # Kueue unsuspends it once admitted whole
+    assert spec["network"] == {"enableDNSHostnames": True, "publishNotReadyAddresses": True}
+    assert spec["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["chief"]}
+    assert spec["failurePolicy"] == {"maxRestarts": 3, "rules": [
+        {"name": "lostParameterServer", "action": "RestartJobSet",
+         "targetReplicatedJobs": ["ps"], "onJobFailureReasons": ["BackoffLimitExceeded"]},
+        {"name": "replicaFailed", "action": "FailJobSet"}]}
+    assert [(r["name"], r["replicas"]) for r in spec["replicatedJobs"]] == [
+        ("chief", 1), ("ps", 1), ("worker", 1)]
+
+
+def test_a_jobset_role_is_the_same_indexed_job_but_for_its_host_names():
+    """Each replicated job's template is the role's Indexed Job of `make_training_job_objects`
+    (same pods, retries, failure policy, deadline); only TF_CONFIG's host names differ, and
+    the Service's subdomain is JobSet's to set."""
+    jobs = {o["metadata"]["name"]: o for o in build()[1:]}
+    for rj in build_jobset()["spec"]["replicatedJobs"]:
+        plain = jobs[f"digits-{rj['name']}"]
+        assert rj["template"]["metadata"] == {"labels": plain["metadata"]["labels"]}
+        mine, theirs = rj["template"]["spec"], json.loads(json.dumps(plain["spec"]))
+        del theirs["template"]["spec"]["subdomain"]
+        for job in (mine, theirs):
+            for e in job["template"]["spec"]["containers"][0]["env"]:
+                if e["name"] == "TF_CONFIG":
+                    e["value"] = "…"
+        assert mine == theirs
+
+
+def test_jobset_tf_config_names_the_pods_jobset_makes():
+    """JobSet names the one Job of replicated job <role> `<jobset>-<role>-0` and its Indexed
+    pods take the host name `<Job>-<index>` in the JobSet's Service: TF_CONFIG uses them."""
+    from gpulab.extensions.runtime import parse_tf_config
+
+    for rj in build_jobset()["spec"]["replicatedJobs"]:
+        pod = rj["template"]["spec"]["template"]["spec"]
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        for i in range(rj["template"]["spec"]["completions"]):
+            cfg = json.loads(expand(env["TF_CONFIG"], i))
+            assert cfg == {"cluster": JOBSET_HOSTS, "task": {"type": rj["name"], "index": i}}
+            host = f"digits-{rj['name']}-{rj['replicas'] - 1}-{i}.digits.gpulab-ann.svc:2222"
+            assert host in cfg["cluster"][rj["name"]]
+            parse_tf_config(expand(env["TF_CONFIG"], i))
+
+
+def test_multi_worker_jobset_succeeds_with_its_workers_and_without_a_queue_runs_at_once():
+    spec = {"name": "mw", "strategy": "multi-worker-mirrored",
+            "replicas": {"worker": 2, "evaluator": 1}, "source": "print(1)",
+            "retries": 0}
+    js = build_jobset(spec, queue_name=None, shared_volume=None, gpu_model=None)
+    assert "kueue.x-k8s.io/queue-name" not in js["metadata"]["labels"]
+    assert js["spec"]["suspend"] is False
+    assert js["spec"]["successPolicy"] == {"operator": "All",
+                                           "targetReplicatedJobs": ["worker"]}
+    # no parameter servers: any role's Job that fails for good fails the job
+    assert js["spec"]["failurePolicy"] == {"maxRestarts": 0, "rules": [
+        {"name": "replicaFailed", "action": "FailJobSet"}]}
+
+
+def test_the_longest_names_fit_jobsets_pod_name_rule():
+    """JobSet's webhook refuses a JobSet whose longest pod name (`<jobset>-<role>-<job
+    index>-<pod index>-abcde`) is not a DNS-1035 label: gpulab's longest job name, role and
+    replica index fit."""
+    from gpulab.hub.jobs.spec import DEFAULT_LIMITS
+
+    name = "a" * DEFAULT_LIMITS.max_name_length
+    spec = {"name": name, "strategy": "parameter-server",
+            "replicas": {"chief": 1, "ps": 1, "worker": 9, "evaluator": 1}, "script": "t.py"}
+    for rj in build_jobset(spec)["spec"]["replicatedJobs"]:
+        last = rj["template"]["spec"]["completions"] - 1
+        pod = f"{name}-{rj['name']}-{rj['replicas'] - 1}-{last}-abcde"
+        assert len(pod) <= 63 and re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", pod), pod
