@@ -47,6 +47,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpulab.spawner.kubeobjects import MANAGED_BY, USER_LABEL, escape_expansion, server_pod_settings
+from gpulab.spawner.kueueobjects import QUEUE_NAME_LABEL
 from gpulab.spawner.profiles import GPU_MODEL_LABEL, GPU_RESOURCE
 
 from gpulab.hub.jobs.spec import ROLES, JobSpec
@@ -58,8 +59,6 @@ COMPONENT = {"app.kubernetes.io/component": "training-job"}
 #: the label selector of everything a training job is made of (the backend's shared watches)
 SELECTOR = "app.kubernetes.io/managed-by=gpulab,app.kubernetes.io/component=training-job"
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
-#: the label that puts a workload in a Kueue LocalQueue
-QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"
 CONTAINER = "tensorflow"  # the name the Kubeflow training operator expects, too
 #: where a job's code given as text (``source``) appears in its replicas (a ConfigMap)
 SOURCE_MOUNT = "/gpulab/job-source"
