@@ -218,22 +218,15 @@ def make_training_job_objects(
             "ports": [{"name": "tf", "port": port, "targetPort": port}],
         },
     }
-    cluster = tf_cluster(spec=spec, namespace=namespace, port=port)
     owner = ([{"apiVersion": "v1", "kind": "Service", "name": spec.name, "uid": parent_uid}]
              if parent_uid else None)
     objects = [service]
-    for role in ROLES:
-        n = spec.count(role)
-        if not n:
-            continue
-        env = _role_env(spec=spec, cluster=cluster, role=role, job_dir=job_dir,
-                        user_dir=user_dir)
-        pod = _pod_spec(spec=spec, role=role, image=image, program=program, user_dir=user_dir,
-                        gpu_model=gpu_model, shared_volume=shared_volume,
-                        shared_mount=shared_mount, user_subpath=user_subpath,
-                        datasets_subpath=datasets_subpath, env=env, port=port)
+    for role, pod, role_labels in _role_pods(
+            spec=spec, namespace=namespace, user_label=user_label, image=image,
+            program=program, job_dir=job_dir, user_dir=user_dir, gpu_model=gpu_model,
+            shared_volume=shared_volume, shared_mount=shared_mount, user_subpath=user_subpath,
+            datasets_subpath=datasets_subpath, port=port, host=replica_host):
         pod["subdomain"] = spec.name
-        role_labels = job_labels(user_label=user_label, job=spec.name, role=role)
         job_spec = _role_job_spec(spec=spec, role=role, pod=pod, labels=role_labels)
         meta: dict[str, Any] = {"name": role_job_name(spec.name, role), "namespace": namespace,
                                 "labels": role_labels}
@@ -276,6 +269,25 @@ def _role_env(*, spec: JobSpec, cluster: Mapping[str, list[str]], role: str, job
     ]
 
 
+def _role_pods(*, spec: JobSpec, namespace: str, user_label: str, image: str, program: str,
+               job_dir: str, user_dir: str, gpu_model: str | None,
+               shared_volume: Mapping[str, Any] | None, shared_mount: str, user_subpath: str,
+               datasets_subpath: str | None, port: int, host):
+    """``(role, pod spec, role labels)`` of each role the spec has, in ROLES order, their
+    ``TF_CONFIG`` naming the replicas by ``host`` (`replica_host`, `jobset_replica_host`)."""
+    cluster = tf_cluster(spec=spec, namespace=namespace, port=port, host=host)
+    for role in ROLES:
+        if not spec.count(role):
+            continue
+        env = _role_env(spec=spec, cluster=cluster, role=role, job_dir=job_dir,
+                        user_dir=user_dir)
+        pod = _pod_spec(spec=spec, role=role, image=image, program=program, user_dir=user_dir,
+                        gpu_model=gpu_model, shared_volume=shared_volume,
+                        shared_mount=shared_mount, user_subpath=user_subpath,
+                        datasets_subpath=datasets_subpath, env=env, port=port)
+        yield role, pod, job_labels(user_label=user_label, job=spec.name, role=role)
+
+
 def jobset_success_roles(spec: JobSpec) -> list[str]:
     """The replicated jobs whose completion is the job's success: the chief of a
     parameter-server job (its ps and workers serve it and never end by themselves); the
@@ -313,30 +325,20 @@ def make_training_jobset(
     - with ``queue_name`` (the person's Kueue LocalQueue), created suspended with the label
       ``kueue.x-k8s.io/queue-name``: Kueue admits it whole, then unsuspends it.
 
-    The source ConfigMap (`make_source_configmap`) and the NetworkPolicy
-    (`make_job_network_policy`) name the created JobSet as their owner (``parent_uid``)."""
+    Not used by `KubeJobBackend` yet (issue 18): that still creates `make_training_job_objects`."""
     labels = job_labels(user_label=user_label, job=spec.name)
     if queue_name:
         labels[QUEUE_NAME_LABEL] = queue_name
-    cluster = tf_cluster(spec=spec, namespace=namespace, port=port, host=jobset_replica_host)
-    replicated = []
-    for role in ROLES:
-        if not spec.count(role):
-            continue
-        env = _role_env(spec=spec, cluster=cluster, role=role, job_dir=job_dir,
-                        user_dir=user_dir)
-        pod = _pod_spec(spec=spec, role=role, image=image, program=program, user_dir=user_dir,
-                        gpu_model=gpu_model, shared_volume=shared_volume,
-                        shared_mount=shared_mount, user_subpath=user_subpath,
-                        datasets_subpath=datasets_subpath, env=env, port=port)
-        role_labels = job_labels(user_label=user_label, job=spec.name, role=role)
-        replicated.append({
-            "name": role,
-            "replicas": 1,
-            "template": {"metadata": {"labels": role_labels},
-                         "spec": _role_job_spec(spec=spec, role=role, pod=pod,
-                                                labels=role_labels)},
-        })
+    replicated = [{
+        "name": role,
+        "replicas": 1,
+        "template": {"metadata": {"labels": role_labels},
+                     "spec": _role_job_spec(spec=spec, role=role, pod=pod, labels=role_labels)},
+    } for role, pod, role_labels in _role_pods(
+        spec=spec, namespace=namespace, user_label=user_label, image=image, program=program,
+        job_dir=job_dir, user_dir=user_dir, gpu_model=gpu_model, shared_volume=shared_volume,
+        shared_mount=shared_mount, user_subpath=user_subpath, datasets_subpath=datasets_subpath,
+        port=port, host=jobset_replica_host)]
     rules: list[dict[str, Any]] = []
     if spec.count("ps"):
         rules.append({"name": "lostParameterServer", "action": "RestartJobSet",
