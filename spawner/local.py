@@ -308,9 +308,9 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             self.start_timeout = base
 
     def gpu_line(self, ledger: Ledger) -> Queue | None:
-        """The queue, when this start may wait in it: then it queues behind whoever waits."""
-        if not self.gpu_wait_minutes():
-            return None
+        """The queue (when it is on): a start never takes free GPUs ahead of whoever waits.
+        One that may wait queues behind them; one that does not is refused, as a job with
+        ``wait: false`` is (free GPUs may be what the head of the line is waiting for)."""
         return queue_of(ledger, self.gpu_queue_settings())
 
     async def gpu_when_refused(self, ledger: Ledger, request: Request, profile: GPUProfile,
@@ -321,6 +321,9 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         settings = self.gpu_queue_settings()
         queue = queue_of(ledger, settings) if minutes else None
         if queue is None:
+            if isinstance(refused, LineAhead) and self.gpu_longest_wait():
+                refused = LineAhead(refused.message + " Choose a wait under \"If the GPUs are "
+                                    "busy\" to take your place in line.")
             return await super().gpu_when_refused(ledger, request, profile, refused)
         wait_until = time.time() + minutes * 60
 

@@ -40,6 +40,7 @@ from .profiles import (
     ProfileError,
     Selection,
     default_profile_list,
+    is_plain_number,
     options_from_formdata,
     parse_profiles,
     select,
@@ -321,7 +322,8 @@ class GPUSpawnerMixin:
             if key in other:
                 other.remove(key)
                 value = (formdata.get(key) or [""])[0]
-                options[key] = int(value) if value.isdigit() and len(value) <= 6 else value
+                options[key] = (int(value) if is_plain_number(value) and len(value) <= 6
+                                else value)
         if other:
             raise SpawnRefused(400, f"Unknown form field(s): {', '.join(other)}.")
         self.gpu_check_form_options(options)  # no profile: the default one, as KubeSpawner
@@ -624,7 +626,7 @@ def _wait_rows(waits, saved: dict) -> list[tuple]:
     chosen = saved.get(WAIT_KEY)
     if isinstance(chosen, list) and len(chosen) == 1:
         chosen = chosen[0]
-    if isinstance(chosen, str) and chosen.isdigit() and len(chosen) <= 6:
+    if isinstance(chosen, str) and is_plain_number(chosen) and len(chosen) <= 6:
         chosen = int(chosen)
     if chosen not in waits or isinstance(chosen, bool):
         chosen = 0

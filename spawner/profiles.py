@@ -412,6 +412,12 @@ def visible_profiles(profiles: list[GPUProfile], groups) -> list[GPUProfile]:
 MAX_OPTION_TEXT = 256
 
 
+def is_plain_number(text: str) -> bool:
+    """Digits 0-9 only: ``str.isdigit`` also accepts others ("²", "٥") that ``int`` refuses
+    or reads as another number."""
+    return text.isascii() and text.isdigit()
+
+
 def _short(value, limit: int = 80) -> str:
     """`value`'s repr for a message, cut to `limit` characters."""
     text = repr(value)

@@ -18,7 +18,7 @@ from gpulab.extensions.jobmodel import queue_text
 
 from gpulab.hub.quota.waiting import LEFT_REASON
 
-from .profiles import OptionError, _short
+from .profiles import OptionError, _short, is_plain_number
 
 #: the ``user_options`` key (and the spawn form's field) of the longest wait, in minutes
 WAIT_KEY = "gpu_wait_minutes"
@@ -49,7 +49,7 @@ def parse_wait_minutes(options: Mapping | None, longest: int) -> int:
     minutes = None
     if isinstance(value, int) and not isinstance(value, bool):
         minutes = value
-    elif isinstance(value, str) and value.strip().isdigit() and len(value) <= 6:
+    elif isinstance(value, str) and is_plain_number(value.strip()) and len(value) <= 6:
         minutes = int(value.strip())
     if minutes is None or minutes not in allowed:
         if allowed == (0,):

@@ -29,9 +29,10 @@ def test_allowed_waits_are_read(value, minutes):
 
 
 @pytest.mark.parametrize("value", [7, -5, 61, 120, True, 5.0, "5 min", "", None, [5, 15],
-                                   {"m": 5}, "9" * 50],
+                                   {"m": 5}, "9" * 50, "\u00b2", "\u0665", "\uff15"],
                          ids=["7", "negative", "61", "120", "bool", "float", "words", "empty",
-                              "null", "list", "object", "huge"])
+                              "null", "list", "object", "huge", "superscript", "arabic-indic",
+                              "fullwidth"])
 def test_other_values_are_refused_with_the_allowed_ones(value):
     with pytest.raises(OptionError) as e:
         parse_wait_minutes({WAIT_KEY: value}, 60)
@@ -146,9 +147,10 @@ def test_the_form_field_is_read_and_checked(config):
     s = spawner(config)
     assert s.options_from_form({"profile": ["gpu-1"], WAIT_KEY: ["5"]}) == {
         "profile": "gpu-1", WAIT_KEY: 5}
-    with pytest.raises(SpawnRefused) as e:
-        s.options_from_form({"profile": ["gpu-1"], WAIT_KEY: ["600"]})
-    assert e.value.status_code == 400
+    for bad in ("600", "\u00b2", "\u0665"):  # "²" once reached int(): a 500
+        with pytest.raises(SpawnRefused) as e:
+            s.options_from_form({"profile": ["gpu-1"], WAIT_KEY: [bad]})
+        assert e.value.status_code == 400, bad
     # KubeSpawner's reading knows nothing of it: another field
     assert options_from_formdata({"profile": ["gpu-1"], WAIT_KEY: ["5"]})[1] == [WAIT_KEY]
 
@@ -291,8 +293,9 @@ async def test_what_could_never_run_and_dont_wait_are_refused_at_once(config):
 
 
 async def test_a_notebook_that_may_wait_queues_behind_whoever_waits(config):
-    """Free GPUs are not taken ahead of the line by a start that may wait (as for jobs);
-    a start that does not wait is admitted or refused as before."""
+    """Free GPUs are not taken ahead of the line: a start that may wait queues (as a job
+    does), one that does not is refused while anyone waits (as a job with ``wait: false``),
+    and admitted once nobody waits."""
     config.GPUInventory.simulated_gpus = 2
     ledger = await asyncio.to_thread(hub_ledger, config)
     queue = Queue(ledger)
@@ -313,11 +316,19 @@ async def test_a_notebook_that_may_wait_queues_behind_whoever_waits(config):
     assert [(e.holder, e.position) for e in queue.entries()] == [("big", 1)]
     await s.release_gpus_async()
     await s._gpu_forget_queue_entry("server stopped")
-    # don't wait: one GPU is free, it starts now as before
+    # don't wait: one GPU is free, but bob's job waits for it: refused with the words
     now = spawner(config, options={"profile": "gpu-1"})
+    with pytest.raises(SpawnRefused) as e:
+        await now.admit_gpus(now._apply_profile(now.gpu_selection()))
+    assert e.value.status_code == 409, e.value.jupyterhub_message
+    assert "1 request already waits for GPUs" in e.value.jupyterhub_message
+    assert '"If the GPUs are busy"' in e.value.jupyterhub_message
+    assert not now.gpu_claim_id and not now.gpu_queue_entry
+    assert [h.holder for h in ledger.open_allocations(user="ann")] == []
+    # nobody waits: it starts now, as without a queue
+    queue.cancel(ahead.id, "bob")
     assert len(await now.admit_gpus(now._apply_profile(now.gpu_selection()))) == 1
     await now.release_gpus_async()
-    queue.cancel(ahead.id, "bob")
     ledger.release(job.id)
 
 
