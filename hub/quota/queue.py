@@ -320,8 +320,12 @@ def plan(devices: Iterable[Device], running: Iterable[Running], queue: Iterable[
             # the head: reserve the GPUs that come back first, preempting borrowed work if
             # that is what stands in the way of work within quota
             coming = [i for i in matching if i in holder and holder[i].stopping]
-            victims = _victims(w, matching, free_now + coming, holder, preempting) if (
-                settings.borrowing and within) else []
+            def beyond_quota(user: str) -> bool:  # borrowing still: over their quota now
+                q = people.get(user, Person()).quota
+                return q is not None and held_gpus.get(user, 0) > q.max_gpus
+
+            victims = _victims(w, matching, free_now + coming, holder, preempting,
+                               beyond_quota) if (settings.borrowing and within) else []
             if victims:
                 taken = set(free_now) | set(coming)
                 for v in victims:
@@ -380,9 +384,11 @@ def _own_release(ends: list[tuple[float, int]], need: int) -> float:
 
 
 def _victims(w: Waiting, matching: list[int], free_now: list[int], holder: dict[int, Running],
-             preempting: set[str]) -> list[Running]:
+             preempting: set[str], beyond_quota: Callable[[str], bool]) -> list[Running]:
     """The youngest borrowed preemptible jobs to stop so that `w` fits; [] when stopping all
-    of them would not be enough (nothing is stopped in vain)."""
+    of them would not be enough (nothing is stopped in vain). A job that started on borrowed
+    GPUs is no longer borrowing once its person holds no more than their quota (their other
+    work ended): it is not stopped then."""
     short = w.gpus - len(free_now)
     if short <= 0:
         return []
@@ -390,7 +396,7 @@ def _victims(w: Waiting, matching: list[int], free_now: list[int], holder: dict[
     for i in matching:
         r = holder.get(i)
         if r is not None and r.borrowed and r.preemptible and r.kind == "job" \
-                and not r.stopping and r.id not in preempting:
+                and not r.stopping and r.id not in preempting and beyond_quota(r.user):
             seen[r.id] = r
     chosen, got = [], 0
     for r in sorted(seen.values(), key=lambda r: (-r.started_at, r.id)):

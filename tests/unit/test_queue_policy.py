@@ -232,12 +232,14 @@ PREEMPT = [
      [job("b2", "b", 2)], []),
     ("nothing stopped in vain when it would not be enough",
      [run("a-in", "a", [0, 1, 2]), borrowed("new", "a", [3], -H)], [job("b2", "b", 2)], []),
+    ("started borrowing, now within quota: a's other work ended",
+     [borrowed("was", "a", [0, 1], -H), run("c-in", "c", [2])], [job("b2", "b", 2)], []),
 ]
 
 
 @pytest.mark.parametrize("name,running,queue,victims", PREEMPT, ids=[r[0] for r in PREEMPT])
 def test_preemption_order(name, running, queue, victims):
-    people = {"a": Person(q(2)), "b": Person(q(2))}
+    people = {"a": Person(q(2)), "b": Person(q(2)), "c": Person(q(2))}
     p = plan(H100, running, queue, people, NOW)
     assert [v.id for v in p.preempt] == victims
     assert p.start == []
