@@ -400,6 +400,10 @@ class JobBackend:
                 allocation = await asyncio.to_thread(self.ledger.get, entry.allocation_id)
                 if allocation is not None and allocation.open:
                     await self._start_queued(entry, allocation)
+                else:  # its GPUs went back before it started: in line again, in its place
+                    await asyncio.to_thread(self.queue.requeue, entry.id,
+                                            "Its GPUs went back before it started; it waits "
+                                            "again in its place.")
             elif (job.state != "Queued" and entry.state == "preempting"
                   and entry.allocation_id == job.allocation_id):
                 allocation = await asyncio.to_thread(self.ledger.get, entry.allocation_id)
@@ -480,8 +484,11 @@ class JobBackend:
         """At start-up (sync): the driver's re-adoption, then the allocations of jobs that no
         longer run (e.g. the service died between admission and the rows) are closed."""
         self._recover_active()
-        self.ledger.close_orphans("job", self.store.active_allocations(),
-                                  "job gone at service start-up")
+        keep = set(self.store.active_allocations())
+        if self.queue is not None:  # admitted by a pass, not started yet: `_queue_pass` will
+            keep |= {e.allocation_id for e in self.queue.holders("job").values()
+                     if e.state == "admitted" and e.allocation_id}
+        self.ledger.close_orphans("job", keep, "job gone at service start-up")
 
     async def shutdown(self) -> None:
         """Stop supervising; the jobs keep running (a restarted service picks them up)."""
