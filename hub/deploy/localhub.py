@@ -208,8 +208,8 @@ class GpulabHub(JupyterHub):
         from gpulab.spawner.mixin import adopted_allocations, hub_ledger
 
         ledger = hub_ledger(self.config)
-        ledger.close_orphans("notebook", adopted_allocations(), "server gone at hub start-up")
-        # and no start that waited in the GPU queue survived it: those entries leave the line
+        # No start that waited in the GPU queue survived it: those entries leave the line
+        # first, so that no pass (the service's) admits one after the orphans are closed
         from gpulab.hub.quota.waiting import Queue
 
         left = Queue(ledger).forget_notebooks_except(adopted_allocations(),
@@ -217,6 +217,7 @@ class GpulabHub(JupyterHub):
         if left:
             self.log.info("%d notebook(s) that waited for GPUs left the queue: the hub "
                           "restarted", left)
+        ledger.close_orphans("notebook", adopted_allocations(), "server gone at hub start-up")
         return result
 
 
