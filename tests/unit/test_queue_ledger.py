@@ -201,3 +201,22 @@ def test_concurrent_passes_and_admissions_never_hand_a_gpu_out_twice(ledger):
     assert errors == []
     held = [d for a in ledger.open_allocations() for d in a.devices]
     assert len(held) == len(set(held)) and len(held) <= 4
+
+
+def test_a_model_prefix_waits_and_starts_as_profiles_match_models(tmp_path):
+    """A notebook profile may name a prefix of the product (``NVIDIA-H100`` for
+    ``NVIDIA-H100-80GB-HBM3``): the hub's and the service's queue (`queue_of`) match it as
+    the ledger's admission does, instead of refusing it as a model the machine lacks."""
+    from gpulab.hub.quota.waiting import GPUQueue, queue_of
+
+    lg = Ledger(f"sqlite:///{tmp_path}/models.sqlite")
+    lg.migrate()
+    lg.sync_inventory([DeviceInfo(0, model="NVIDIA-H100-80GB-HBM3")])
+    held = lg.admit(req("bob", "j", 1))
+    queue = queue_of(lg, GPUQueue())
+    e = queue.enqueue(req("ann", "default", 1, kind="notebook", model="NVIDIA-H100"))
+    assert queue.entries()[0].position == 1
+    with pytest.raises(QueueRefused, match="NVIDIA-A10"):  # a model the machine lacks
+        queue.enqueue(req("ann", "other", 1, kind="notebook", model="NVIDIA-A10"))
+    lg.release(held.id)
+    assert [s.id for s, _ in queue.schedule().started] == [e.id]
