@@ -12,6 +12,10 @@ from dataclasses import asdict, dataclass
 from traitlets import CaselessStrEnum, Float, Integer, Unicode, default
 from traitlets.config import SingletonConfigurable
 
+# the queue's and the profiles' one rule (the quota layer's, so that the queue matches models
+# as profiles do); imported from here by the spawner's modules
+from gpulab.hub.quota.queue import model_matches, normalize_model  # noqa: F401,E402
+
 SIMULATED_MODEL = "Simulated-GPU"
 
 
@@ -42,27 +46,6 @@ class GPU:
         if self.memory_mib:
             what += f", {self.memory_mib // 1024} GiB"
         return f"GPU {self.index}: {what}"
-
-
-def normalize_model(name: str) -> str:
-    """Model names as Kubernetes labels spell them (GPU feature discovery replaces spaces).
-
-    ``"NVIDIA H100 80GB HBM3"`` -> ``"NVIDIA-H100-80GB-HBM3"``, so that one profile's
-    ``nvidia.com/gpu.product`` selector matches in both modes.
-    """
-    return "-".join(name.split())
-
-
-def model_matches(wanted: str | None, model: str) -> bool:
-    """Whether a GPU of `model` satisfies a profile asking for `wanted` (None: any model).
-
-    A profile may name the full product (``NVIDIA-H100-80GB-HBM3``) or a prefix of it that
-    ends at a word boundary (``NVIDIA-H100``); comparison ignores case.
-    """
-    if not wanted:
-        return True
-    w, m = normalize_model(wanted).lower(), normalize_model(model).lower()
-    return m == w or m.startswith(w + "-")
 
 
 def discover_gpus(nvml) -> list[GPU]:

@@ -182,6 +182,27 @@ def fair_share(people: Mapping[str, Person]) -> dict[str, float]:
     return out
 
 
+def normalize_model(name: str) -> str:
+    """Model names as Kubernetes labels spell them (GPU feature discovery replaces spaces).
+
+    ``"NVIDIA H100 80GB HBM3"`` -> ``"NVIDIA-H100-80GB-HBM3"``, so that one profile's
+    ``nvidia.com/gpu.product`` selector matches in both modes.
+    """
+    return "-".join(name.split())
+
+
+def model_matches(wanted: str | None, model: str) -> bool:
+    """Whether a GPU of `model` satisfies a profile asking for `wanted` (None: any model).
+
+    A profile may name the full product (``NVIDIA-H100-80GB-HBM3``) or a prefix of it that
+    ends at a word boundary (``NVIDIA-H100``); comparison ignores case.
+    """
+    if not wanted:
+        return True
+    w, m = normalize_model(wanted).lower(), normalize_model(model).lower()
+    return m == w or m.startswith(w + "-")
+
+
 def exact_model(wanted: str | None, model: str) -> bool:
     return wanted is None or wanted == model
 

@@ -543,14 +543,12 @@ class GPUQueue(Configurable):
 def queue_of(ledger: Ledger, settings: GPUQueue) -> Queue | None:
     """The queue of `ledger`'s pool with `settings`, or None when the queue is off. Models
     match as the spawner's profiles match them (a profile may name a prefix of the product,
-    `gpulab.spawner.inventory.model_matches`), in every process that runs passes."""
-    from gpulab.spawner.inventory import model_matches
-
+    `gpulab.hub.quota.queue.model_matches`), in every process that runs passes."""
     if not settings.enabled:
         return None
     return Queue(ledger, half_life_hours=settings.half_life_hours,
                  borrowing=settings.borrowing, group_shares=settings.group_shares,
-                 matches=model_matches)
+                 matches=policy.model_matches)
 
 
 def queue_from_json(ledger: Ledger, raw: str | None) -> Queue | None:
