@@ -91,7 +91,9 @@ def test_a_disabled_profile_says_why_and_an_option_reaches_the_server(page, hub,
     assert got["CONDA_DEFAULT_ENV"] == "jax"
     assert len(got["CUDA_VISIBLE_DEVICES"].split(",")) == 1
     server = fay.api("GET", "/users/fay").json()["servers"][""]
-    assert server["user_options"] == {"profile": "gpu-1", "env--unlisted-choice": "jax"}
+    # (and the form's "If the GPUs are busy" choice, "don't wait" by default)
+    assert server["user_options"] == {"profile": "gpu-1", "env--unlisted-choice": "jax",
+                                      "gpu_wait_minutes": 0}
 
     # the next visit of the form shows the last start's choices
     fay.stop_server("")
