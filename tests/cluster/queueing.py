@@ -19,9 +19,10 @@ What ``start_queueing`` adds to a started control plane (see ``ControlPlane``'s 
    kustomizations (Kueue: pods and Deployments in kube-system and kueue-system are exempt;
    JobSet: its pod webhooks only see JobSet pods), named ``kueue-...`` / ``jobset-...`` as the
    release manifests name them, and ``clientConfig.url: https://127.0.0.1:<port><path>`` with
-   the CA bundle. Kueue's manifest lists a webhook for every framework it knows; only those it
-   serves with the configured integrations are kept (a path it answers 404 for would fail every
-   Deployment or StatefulSet create).
+   the CA bundle. Kueue's manifest lists a webhook for every framework it knows; Kueue v0.17.0
+   answers those of frameworks not enabled with no-op handlers. Each path is still probed once
+   and only those the binary serves are kept, so that a manifest path it answered 404 for
+   could never fail every create of that kind.
 
 Kueue's Configuration (``kueue_configuration``): frameworks ``batch/job``,
 ``jobset.x-k8s.io/jobset`` and ``pod``; ``managedJobsNamespaceSelector`` exempts kube-system,

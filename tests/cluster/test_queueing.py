@@ -20,7 +20,14 @@ from .controlplane import (
     ControlPlane,
     wait_until,
 )
-from .queueing import QUEUE_NAME_LABEL
+from .queueing import (
+    QUEUE_NAME_LABEL,
+    kueue_configuration,
+    kustomize_crds,
+    kustomize_webhooks,
+    loopback_webhooks,
+    manager_rbac,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -181,6 +188,27 @@ def test_a_jobset_is_admitted_whole_and_runs_on_gpu_nodes(cp, queue):
     assert podset["flavors"][GPU_RESOURCE] == FLAVOR
     assert podset["resourceUsage"][GPU_RESOURCE] == "2"
     assert {p["spec"]["nodeSelector"][GPU_PRODUCT_LABEL] for p in pods} == {"NVIDIA-H100"}
+    # waitForPodsReady is on: Kueue follows the pods to PodsReady
+    wait_until(lambda: condition(workload_of(cp, ns, "JobSet", "train"), "PodsReady") == "True",
+               timeout=WAIT, what="the Workload's PodsReady condition")
+
+
+def test_kueue_webhooks_are_on_loopback_and_leave_kinds_without_integration_alone(cp, queue):
+    ns, _ = queue
+    mutating = cp.kubectl_json("get", "mutatingwebhookconfiguration", "kueue-mutating-webhook-configuration")
+    names = {w["name"] for w in mutating["webhooks"]}
+    assert {"mjob.kb.io", "mjobset.kb.io", "mpod.kb.io", "mworkload.kb.io", "mclusterqueue.kb.io"} <= names
+    assert all(w["clientConfig"]["url"].startswith("https://127.0.0.1:") for w in mutating["webhooks"])
+    pod_hook = next(w for w in mutating["webhooks"] if w["name"] == "mpod.kb.io")
+    assert "kube-system" in pod_hook["namespaceSelector"]["matchExpressions"][0]["values"]
+    # Kueue answers the webhooks of the frameworks it does not integrate with no-ops, so a
+    # Deployment (no integration here) is created as on any cluster
+    deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web"},
+        "spec": {"selector": {"matchLabels": {"app": "web"}}, "template": {
+            "metadata": {"labels": {"app": "web"}}, "spec": {"containers": [{"name": "c", "image": IMAGE}]}}},
+    }
+    cp.kubectl("create", "--dry-run=server", "-n", ns, "-f", "-", input=yaml.safe_dump(deployment))
 
 
 def test_a_jobset_over_the_remaining_quota_waits_suspended_without_pods(cp, queue):
@@ -224,3 +252,102 @@ def test_a_notebook_pod_waits_gated_until_quota_frees(cp, queue):
     assert not pod["spec"].get("schedulingGates")
     assert pod["spec"]["nodeSelector"][GPU_PRODUCT_LABEL] == "NVIDIA-H100"
     assert pod["spec"]["nodeName"].startswith("gpu-h100-")
+
+
+# --------------------------------------------------------------------------- pure builders
+
+
+def test_kueue_configuration():
+    assert kueue_configuration(webhook_port=9443, health_port=8081, cert_dir="/c") == {
+        "apiVersion": "config.kueue.x-k8s.io/v1beta2",
+        "kind": "Configuration",
+        "health": {"healthProbeBindAddress": "127.0.0.1:8081"},
+        "metrics": {"bindAddress": "0"},
+        "webhook": {"port": 9443, "host": "127.0.0.1", "certDir": "/c"},
+        "leaderElection": {"leaderElect": False},
+        "internalCertManagement": {"enable": False},
+        "clientConnection": {"qps": 50, "burst": 100},
+        "managedJobsNamespaceSelector": {"matchExpressions": [{
+            "key": "kubernetes.io/metadata.name", "operator": "NotIn",
+            "values": ["kube-system", "kueue-system", "jobset-system"]}]},
+        "waitForPodsReady": {"timeout": "5m", "blockAdmission": False},
+        "fairSharing": {"preemptionStrategies": ["LessThanOrEqualToFinalShare", "LessThanInitialShare"]},
+        "integrations": {"frameworks": ["batch/job", "jobset.x-k8s.io/jobset", "pod"]},
+        "featureGates": {"VisibilityOnDemand": False},
+    }
+
+
+def _hook(name, path):
+    return {"name": name, "clientConfig": {"service": {"name": "webhook-service", "namespace": "system", "path": path}},
+            "rules": [], "sideEffects": "None", "admissionReviewVersions": ["v1"]}
+
+
+def test_kustomize_webhooks_applies_both_patch_styles_and_loopback_rewrites(tmp_path):
+    docs = [
+        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+         "metadata": {"name": "mutating-webhook-configuration"},
+         "webhooks": [_hook("ma.kb.io", "/mutate-a"), _hook("mpod.kb.io", "/mutate--v1-pod")]},
+    ]
+    (tmp_path / "manifests.yaml").write_text(yaml.safe_dump_all(docs))
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump([
+        {"op": "replace", "path": "/webhooks/0", "value": {**_hook("ma.kb.io", "/mutate-a"), "objectSelector": {}}}]))
+    inline = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+              "metadata": {"name": "mutating-webhook-configuration"},
+              "webhooks": [{"name": "mpod.kb.io", "namespaceSelector": {"matchLabels": {"x": "y"}}}]}
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({"resources": ["manifests.yaml"], "patches": [
+        {"patch": yaml.safe_dump(inline)},
+        {"path": "p.yaml", "target": {"kind": "MutatingWebhookConfiguration", "name": "mutating-webhook-configuration"}},
+    ]}))
+    (doc,) = kustomize_webhooks(tmp_path)
+    assert doc["webhooks"][0]["objectSelector"] == {}
+    assert doc["webhooks"][1]["namespaceSelector"] == {"matchLabels": {"x": "y"}}
+    (out,) = loopback_webhooks([doc], prefix="kueue", port=9443, ca_pem=b"CA", keep_path=lambda p: p != "/mutate-a")
+    assert out["metadata"] == {"name": "kueue-mutating-webhook-configuration"}
+    assert [w["name"] for w in out["webhooks"]] == ["mpod.kb.io"]
+    assert out["webhooks"][0]["clientConfig"] == {"url": "https://127.0.0.1:9443/mutate--v1-pod", "caBundle": "Q0E="}
+
+
+def test_kustomize_crds_points_enabled_conversion_webhooks_at_loopback(tmp_path):
+    crd = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+           "metadata": {"name": "things.example.com"}, "spec": {"group": "example.com"}}
+    other = {**crd, "metadata": {"name": "others.example.com"}, "spec": {"group": "example.com"}}
+    (tmp_path / "bases").mkdir()
+    (tmp_path / "bases" / "a.yaml").write_text(yaml.safe_dump(crd))
+    (tmp_path / "bases" / "b.yaml").write_text(yaml.safe_dump(other))
+    (tmp_path / "patches").mkdir()
+    (tmp_path / "patches" / "webhook_in_things.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": "things.example.com"},
+        "spec": {"conversion": {"strategy": "Webhook", "webhook": {
+            "clientConfig": {"service": {"namespace": "system", "name": "webhook-service", "path": "/convert"}},
+            "conversionReviewVersions": ["v1"]}}}}))
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": ["bases/a.yaml", "bases/b.yaml"],
+        "patches": [{"path": "patches/webhook_in_things.yaml"}, {"path": "patches/cainjection_in_things.yaml"}]}))
+    things, others = kustomize_crds(tmp_path, port=9443, ca_pem=b"CA")
+    assert things["spec"]["conversion"] == {"strategy": "Webhook", "webhook": {
+        "conversionReviewVersions": ["v1"],
+        "clientConfig": {"url": "https://127.0.0.1:9443/convert", "caBundle": "Q0E="}}}
+    assert "conversion" not in others["spec"]
+
+
+def test_manager_rbac_binds_the_controllers_own_roles_to_its_service_account(tmp_path):
+    (tmp_path / "role.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": "manager-role"},
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]}))
+    (tmp_path / "role_binding.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": "manager-rolebinding"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "manager-role"},
+        "subjects": [{"kind": "ServiceAccount", "name": "controller-manager", "namespace": "system"}]}))
+    (tmp_path / "leader_election_role.yaml").write_text("kind: Role\n")  # not the manager's: left out
+    objs = manager_rbac(tmp_path, name="kueue", namespace="kueue-system", service_account="kueue-controller-manager")
+    assert [(o["kind"], o["metadata"]) for o in objs] == [
+        ("Namespace", {"name": "kueue-system"}),
+        ("ServiceAccount", {"name": "kueue-controller-manager", "namespace": "kueue-system"}),
+        ("ClusterRole", {"name": "kueue-manager-role"}),
+        ("ClusterRoleBinding", {"name": "kueue-manager-rolebinding"}),
+    ]
+    assert objs[3]["roleRef"]["name"] == "kueue-manager-role"
+    assert objs[3]["subjects"] == [
+        {"kind": "ServiceAccount", "name": "kueue-controller-manager", "namespace": "kueue-system"}]
