@@ -332,7 +332,7 @@ def start_queueing(cp: ControlPlane, deadline: float) -> None:
             webhook_port=ports[name][0], health_port=ports[name][1], cert_dir=str(certs)), sort_keys=False))
         argv = [str(cp.bin_dir / name), f"--config={config}", "--zap-log-level=info"]
         if name == "jobset":
-            argv.append("--metrics-bind-address=0")  # its flag's default overrides the file's
+            argv.append("--metrics-bind-address=0")  # as the file says; explicit, the flag default is :8443
         cp._spawn(name, argv, env={"KUBECONFIG": str(kubeconfig), "HOME": str(home), "PATH": "/usr/bin:/bin"})
 
     for name in CONTROLLERS:
