@@ -26,6 +26,14 @@ plus NodeRestriction, ResourceQuota and PodSecurity; the controller manager runs
 controller (``--controllers=*``) with per-controller service-account credentials, so namespaces,
 garbage collection, quotas, Jobs, service accounts and their tokens work as on a real cluster.
 
+With ``ControlPlane(queueing=True)`` it also runs Kueue v0.17.0 and JobSet v0.11.1 (built by
+build.sh from their own Go modules, ``kueue/`` and ``jobset/``) as processes: their CRDs, their
+own ClusterRoles bound to their ServiceAccounts (the controllers authenticate as those with a
+client certificate), their webhooks on loopback with a CA bundle, and a Kueue configuration
+with the ``batch/job``, ``jobset.x-k8s.io/jobset`` and ``pod`` integrations (kube-system exempt),
+fair sharing and waitForPodsReady. ``queueing.py`` has the details; logs are ``logs/kueue.log``
+and ``logs/jobset.log``. Off by default: the other tests pay nothing for it.
+
 Use::
 
     with ControlPlane() as cp:
@@ -69,6 +77,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from .queueing import QUEUEING_BINARIES, start_queueing
 
 HERE = Path(__file__).resolve().parent
 BIN_DIR = HERE / "bin"
@@ -392,6 +402,10 @@ class ControlPlane:
         edit, add or delete through the API.
     kwok_args
         Extra kwok command-line arguments.
+    queueing
+        Also run Kueue v0.17.0 and JobSet v0.11.1 (``queueing.py`` says how: CRDs, RBAC, loopback
+        webhooks, Kueue's configuration). Off by default: it adds about 10-15 seconds to
+        ``start()`` and needs ``bin/kueue``, ``bin/jobset`` and their manifests (build.sh).
     start_timeout
         Seconds ``start()`` may take before it fails with the components' log tails.
     keep_dir
@@ -406,7 +420,8 @@ class ControlPlane:
         kwok_stages: Sequence[Path | str] | None = None,
         kwok_enable_crds: Sequence[str] = (),
         kwok_args: Sequence[str] = (),
-        start_timeout: float = 120.0,
+        queueing: bool = False,
+        start_timeout: float | None = None,
         keep_dir: bool | None = None,
     ):
         self.bin_dir = Path(bin_dir)
@@ -414,12 +429,16 @@ class ControlPlane:
         self.kwok_stages = [Path(p) for p in (kwok_stages if kwok_stages is not None else [DEFAULT_STAGES])]
         self.kwok_enable_crds = list(kwok_enable_crds)
         self.kwok_args = list(kwok_args)
+        self.queueing = queueing
+        if start_timeout is None:
+            start_timeout = 240.0 if queueing else 120.0
         self.start_timeout = start_timeout
         self.keep_dir = bool(os.environ.get("GPULAB_CLUSTER_KEEP")) if keep_dir is None else keep_dir
         self.dir: Path | None = None
         self.startup_seconds: float | None = None
         self._procs: list[_Process] = []
         self._ports: dict[str, int] = {}
+        self._ca: _CA | None = None
         self._ca_pem = b""
         self._ssl: ssl.SSLContext | None = None
         self._sa_count = 0
@@ -461,7 +480,8 @@ class ControlPlane:
         """Start everything and wait until the cluster is usable; raise ``ControlPlaneError``."""
         if self.dir is not None:
             raise ControlPlaneError("this ControlPlane is already started")
-        missing = [b for b in BINARIES if not os.access(self.bin_dir / b, os.X_OK)]
+        wanted = BINARIES + (QUEUEING_BINARIES if self.queueing else ())
+        missing = [b for b in wanted if not os.access(self.bin_dir / b, os.X_OK)]
         if missing:
             raise ControlPlaneError(
                 f"missing binaries in {self.bin_dir}: {', '.join(missing)}; run {BUILD_SCRIPT}"
@@ -485,6 +505,8 @@ class ControlPlane:
             self._wait(deadline, "the resource quota controller", self._quota_controller_live)
             self._wait(deadline, "kube-scheduler /healthz", lambda: self._component_healthy("scheduler"))
             self._wait(deadline, f"nodes {', '.join(self.node_names)} Ready", self._nodes_ready)
+            if self.queueing:
+                start_queueing(self, deadline)
         except BaseException as e:
             tails = self.log_tails()
             self.stop()
@@ -647,7 +669,7 @@ class ControlPlane:
     def _write_pki_and_configs(self) -> None:
         for name in ("etcd", "apiserver", "controller-manager", "scheduler", "etcd-peer"):
             self._ports[name] = free_port()
-        ca = _CA()
+        ca = self._ca = _CA()
         self._ca_pem = _pem_cert(ca.cert)
         pki = self._path("pki")
         self._write(pki / "ca.crt", self._ca_pem)
@@ -884,12 +906,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="kwok Stage file (repeatable; default: tests/cluster/stages/default.yaml)")
     parser.add_argument("--enable-crds", default="", metavar="KINDS",
                         help="comma-separated kwok kinds read from the API, e.g. Stage")
+    parser.add_argument("--queueing", action="store_true", help="also run Kueue and JobSet (see queueing.py)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder on exit")
     args = parser.parse_args(argv)
 
     cp = ControlPlane(
         kwok_stages=args.stages,
         kwok_enable_crds=[k for k in args.enable_crds.split(",") if k],
+        queueing=args.queueing,
         keep_dir=args.keep or None,
     )
     stopping = False

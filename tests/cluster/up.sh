@@ -2,7 +2,8 @@
 # Run the gpulab test control plane (etcd, kube-apiserver, kube-controller-manager,
 # kube-scheduler, kwok with fake GPU nodes) in the foreground; Ctrl-C stops it and removes
 # its temporary folder. Builds the binaries first if needed (see build.sh).
-#   tests/cluster/up.sh [--stages FILE]... [--enable-crds Stage] [--keep]
+#   tests/cluster/up.sh [--stages FILE]... [--enable-crds Stage] [--queueing] [--keep]
+# (--queueing: Kueue and JobSet too, see queueing.py)
 # It prints the `export KUBECONFIG=...` line to use from another shell.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

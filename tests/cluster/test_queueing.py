@@ -1,0 +1,353 @@
+"""Kueue and JobSet on the test control plane (``ControlPlane(queueing=True)``): a JobSet is
+admitted whole by quota or waits suspended without a pod; a notebook pod waits gated.
+
+Each test has a ClusterQueue of its own (4 H100 GPUs, one ResourceFlavor for
+``nvidia.com/gpu.product=NVIDIA-H100``) and a LocalQueue in a fresh namespace. kwok runs the
+pods and keeps them Running (no Stage ends them), so quota frees only when a test deletes.
+"""
+
+import uuid
+
+import pytest
+import yaml
+
+from .conftest import _build
+from .controlplane import (
+    DEFAULT_STAGES,
+    GPU_PRODUCT_LABEL,
+    GPU_RESOURCE,
+    GPU_TOLERATION,
+    ControlPlane,
+    wait_until,
+)
+from .queueing import (
+    QUEUE_NAME_LABEL,
+    kueue_configuration,
+    kustomize_crds,
+    kustomize_webhooks,
+    loopback_webhooks,
+    manager_rbac,
+)
+
+pytestmark = pytest.mark.cluster
+
+IMAGE = "registry.invalid/gpulab/never-pulled:1"  # kwok runs no containers
+FLAVOR = "nvidia-h100"
+GPUS_PER_QUEUE = 4
+JOBSET_LABEL = "jobset.sigs.k8s.io/jobset-name"
+ADMISSION_GATE = "kueue.x-k8s.io/admission"
+WAIT = 60
+
+
+@pytest.fixture(scope="module")
+def cp(request, tmp_path_factory):
+    """A control plane of its own with Kueue and JobSet, whose pods run until deleted."""
+    _build(request.config)
+    stages = [d for d in yaml.safe_load_all(DEFAULT_STAGES.read_text())
+              if d and d["metadata"]["name"] != "pod-job-done"]
+    path = tmp_path_factory.mktemp("kwok") / "stages.yaml"
+    path.write_text(yaml.safe_dump_all(stages))
+    plane = ControlPlane(queueing=True, kwok_stages=[path])
+    plane.start()
+    print(f"control plane with Kueue and JobSet up in {plane.startup_seconds:.1f}s ({plane.dir})")
+    plane.apply({
+        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": FLAVOR},
+        "spec": {"nodeLabels": {GPU_PRODUCT_LABEL: "NVIDIA-H100"}, "tolerations": [dict(GPU_TOLERATION)]},
+    })
+    yield plane
+    plane.stop()
+
+
+@pytest.fixture
+def queue(cp):
+    """(namespace, LocalQueue name): a ClusterQueue of GPUS_PER_QUEUE H100s for one namespace."""
+    ns = f"q-{uuid.uuid4().hex[:8]}"
+    cp.create_namespace(ns)
+    cq = f"cq-{ns}"
+    cp.apply(
+        {
+            "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": cq},
+            "spec": {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
+                "resourceGroups": [{
+                    "coveredResources": ["cpu", "memory", GPU_RESOURCE],
+                    "flavors": [{"name": FLAVOR, "resources": [
+                        {"name": "cpu", "nominalQuota": "32"},
+                        {"name": "memory", "nominalQuota": "128Gi"},
+                        {"name": GPU_RESOURCE, "nominalQuota": str(GPUS_PER_QUEUE)},
+                    ]}],
+                }],
+            },
+        },
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
+         "metadata": {"name": "team", "namespace": ns}, "spec": {"clusterQueue": cq}},
+    )
+    wait_until(lambda: condition(cp.kubectl_json("get", "clusterqueue", cq), "Active") == "True",
+               timeout=WAIT, what=f"ClusterQueue {cq} Active")
+    wait_until(lambda: condition(cp.kubectl_json("get", "localqueue", "team", "-n", ns), "Active") == "True",
+               timeout=WAIT, what=f"LocalQueue {ns}/team Active")
+    yield ns, "team"
+    cp.kubectl("delete", "jobsets,pods", "--all", "-n", ns, "--wait=false", check=False)
+    cp.api("DELETE", f"/api/v1/namespaces/{ns}")
+    cp.kubectl("delete", "clusterqueue", cq, "--wait=false", check=False)
+
+
+def condition(obj, type_):
+    c = next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == type_), None)
+    return c and c["status"]
+
+
+def container(gpus):
+    return {
+        "name": "main",
+        "image": IMAGE,
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "1Gi", GPU_RESOURCE: str(gpus)}},
+    }
+
+
+def jobset(name, queue_name, *, workers, gpus):
+    """A JobSet of one replicated Job "worker" x ``workers``, each one pod of ``gpus`` GPUs."""
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": name, "labels": {QUEUE_NAME_LABEL: queue_name}},
+        "spec": {
+            "replicatedJobs": [{
+                "name": "worker",
+                "replicas": workers,
+                "template": {"spec": {
+                    "parallelism": 1, "completions": 1, "backoffLimit": 0,
+                    "template": {"spec": {
+                        "restartPolicy": "Never",
+                        "containers": [container(gpus)],
+                        "tolerations": [dict(GPU_TOLERATION)],
+                    }},
+                }},
+            }],
+        },
+    }
+
+
+def notebook_pod(name, queue_name, *, gpus):
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {QUEUE_NAME_LABEL: queue_name}},
+        "spec": {"containers": [container(gpus)], "tolerations": [dict(GPU_TOLERATION)]},
+    }
+
+
+def create(cp, ns, obj):
+    cp.kubectl("create", "-n", ns, "-f", "-", input=yaml.safe_dump(obj))
+
+
+def workload_of(cp, ns, kind, name):
+    """The Workload Kueue made for object ``kind/name`` (None before it exists)."""
+    for w in cp.kubectl_json("get", "workloads.kueue.x-k8s.io", "-n", ns)["items"]:
+        if any(o["kind"] == kind and o["name"] == name for o in w["metadata"].get("ownerReferences", [])):
+            return w
+    return None
+
+
+def admitted(cp, ns, kind, name):
+    w = workload_of(cp, ns, kind, name)
+    return w if w and condition(w, "Admitted") == "True" else None
+
+
+def jobset_pods(cp, ns, name):
+    return cp.kubectl_json("get", "pods", "-n", ns, "-l", f"{JOBSET_LABEL}={name}")["items"]
+
+
+def running_on_h100(cp, pods):
+    nodes = {n["metadata"]["name"]: n for n in cp.kubectl_json("get", "nodes")["items"]}
+    return all(
+        p["status"].get("phase") == "Running"
+        and nodes[p["spec"]["nodeName"]]["metadata"]["labels"].get(GPU_PRODUCT_LABEL) == "NVIDIA-H100"
+        for p in pods
+    )
+
+
+def wait_jobset_running(cp, ns, name, workers):
+    w = wait_until(lambda: admitted(cp, ns, "JobSet", name), timeout=WAIT, what=f"JobSet {ns}/{name} admitted")
+    js = cp.kubectl_json("get", "jobset", name, "-n", ns)
+    wait_until(lambda: cp.kubectl_json("get", "jobset", name, "-n", ns)["spec"].get("suspend") is False,
+               timeout=WAIT, what=f"JobSet {ns}/{name} unsuspended")
+    pods = wait_until(
+        lambda: (p := jobset_pods(cp, ns, name)) and len(p) == workers and running_on_h100(cp, p) and p,
+        timeout=WAIT, what=f"{workers} pods of JobSet {ns}/{name} Running on H100 nodes")
+    return w, js, pods
+
+
+def test_a_jobset_is_admitted_whole_and_runs_on_gpu_nodes(cp, queue):
+    ns, lq = queue
+    create(cp, ns, jobset("train", lq, workers=2, gpus=1))
+    w, _, pods = wait_jobset_running(cp, ns, "train", 2)
+    assert w["status"]["admission"]["clusterQueue"] == f"cq-{ns}"
+    (podset,) = w["status"]["admission"]["podSetAssignments"]
+    assert podset["count"] == 2
+    assert podset["flavors"][GPU_RESOURCE] == FLAVOR
+    assert podset["resourceUsage"][GPU_RESOURCE] == "2"
+    assert {p["spec"]["nodeSelector"][GPU_PRODUCT_LABEL] for p in pods} == {"NVIDIA-H100"}
+    # waitForPodsReady is on: Kueue follows the pods to PodsReady
+    wait_until(lambda: condition(workload_of(cp, ns, "JobSet", "train"), "PodsReady") == "True",
+               timeout=WAIT, what="the Workload's PodsReady condition")
+
+
+def test_kueue_webhooks_are_on_loopback_and_leave_kinds_without_integration_alone(cp, queue):
+    ns, _ = queue
+    mutating = cp.kubectl_json("get", "mutatingwebhookconfiguration", "kueue-mutating-webhook-configuration")
+    names = {w["name"] for w in mutating["webhooks"]}
+    assert {"mjob.kb.io", "mjobset.kb.io", "mpod.kb.io", "mworkload.kb.io", "mclusterqueue.kb.io"} <= names
+    assert all(w["clientConfig"]["url"].startswith("https://127.0.0.1:") for w in mutating["webhooks"])
+    pod_hook = next(w for w in mutating["webhooks"] if w["name"] == "mpod.kb.io")
+    assert "kube-system" in pod_hook["namespaceSelector"]["matchExpressions"][0]["values"]
+    # Kueue answers the webhooks of the frameworks it does not integrate with no-ops, so a
+    # Deployment (no integration here) is created as on any cluster
+    deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web"},
+        "spec": {"selector": {"matchLabels": {"app": "web"}}, "template": {
+            "metadata": {"labels": {"app": "web"}}, "spec": {"containers": [{"name": "c", "image": IMAGE}]}}},
+    }
+    cp.kubectl("create", "--dry-run=server", "-n", ns, "-f", "-", input=yaml.safe_dump(deployment))
+
+
+def test_a_jobset_over_the_remaining_quota_waits_suspended_without_pods(cp, queue):
+    ns, lq = queue
+    create(cp, ns, jobset("first", lq, workers=2, gpus=1))
+    wait_jobset_running(cp, ns, "first", 2)
+    create(cp, ns, jobset("second", lq, workers=2, gpus=2))  # 4 GPUs; 2 are left
+    w = wait_until(
+        lambda: (w := workload_of(cp, ns, "JobSet", "second")) and condition(w, "QuotaReserved") == "False" and w,
+        timeout=WAIT, what="the second JobSet's Workload pending")
+    assert "insufficient" in next(c for c in w["status"]["conditions"] if c["type"] == "QuotaReserved")["message"]
+    assert condition(w, "Admitted") != "True"
+    assert cp.kubectl_json("get", "jobset", "second", "-n", ns)["spec"]["suspend"] is True
+    assert jobset_pods(cp, ns, "second") == []
+    jobs = cp.kubectl_json("get", "jobs", "-n", ns, "-l", f"{JOBSET_LABEL}=second")["items"]
+    assert all(j["spec"].get("suspend") for j in jobs)  # JobSet makes its Jobs suspended, or none yet
+
+    cp.kubectl("delete", "jobset", "first", "-n", ns)
+    wait_jobset_running(cp, ns, "second", 2)
+
+
+def test_a_notebook_pod_waits_gated_until_quota_frees(cp, queue):
+    ns, lq = queue
+    create(cp, ns, jobset("train", lq, workers=2, gpus=1))
+    wait_jobset_running(cp, ns, "train", 2)
+    create(cp, ns, notebook_pod("jupyter-ann", lq, gpus=3))  # 3 GPUs; 2 are left
+    w = wait_until(
+        lambda: (w := workload_of(cp, ns, "Pod", "jupyter-ann")) and condition(w, "QuotaReserved") == "False" and w,
+        timeout=WAIT, what="the notebook pod's Workload pending")
+    assert condition(w, "Admitted") != "True"
+    pod = cp.kubectl_json("get", "pod", "jupyter-ann", "-n", ns)
+    assert {"name": ADMISSION_GATE} in pod["spec"].get("schedulingGates", [])
+    assert not pod["spec"].get("nodeName")
+    assert pod["status"].get("phase") == "Pending"
+
+    cp.kubectl("delete", "jobset", "train", "-n", ns)
+    wait_until(lambda: admitted(cp, ns, "Pod", "jupyter-ann"), timeout=WAIT, what="the notebook pod admitted")
+    pod = wait_until(
+        lambda: (p := cp.kubectl_json("get", "pod", "jupyter-ann", "-n", ns))["status"].get("phase") == "Running" and p,
+        timeout=WAIT, what="the notebook pod Running")
+    assert not pod["spec"].get("schedulingGates")
+    assert pod["spec"]["nodeSelector"][GPU_PRODUCT_LABEL] == "NVIDIA-H100"
+    assert pod["spec"]["nodeName"].startswith("gpu-h100-")
+
+
+# --------------------------------------------------------------------------- pure builders
+
+
+def test_kueue_configuration():
+    assert kueue_configuration(webhook_port=9443, health_port=8081, cert_dir="/c") == {
+        "apiVersion": "config.kueue.x-k8s.io/v1beta2",
+        "kind": "Configuration",
+        "health": {"healthProbeBindAddress": "127.0.0.1:8081"},
+        "metrics": {"bindAddress": "0"},
+        "webhook": {"port": 9443, "host": "127.0.0.1", "certDir": "/c"},
+        "leaderElection": {"leaderElect": False},
+        "internalCertManagement": {"enable": False},
+        "clientConnection": {"qps": 50, "burst": 100},
+        "managedJobsNamespaceSelector": {"matchExpressions": [{
+            "key": "kubernetes.io/metadata.name", "operator": "NotIn",
+            "values": ["kube-system", "kueue-system", "jobset-system"]}]},
+        "waitForPodsReady": {"timeout": "5m", "blockAdmission": False},
+        "fairSharing": {"preemptionStrategies": ["LessThanOrEqualToFinalShare", "LessThanInitialShare"]},
+        "integrations": {"frameworks": ["batch/job", "jobset.x-k8s.io/jobset", "pod"]},
+        "featureGates": {"VisibilityOnDemand": False},
+    }
+
+
+def _hook(name, path):
+    return {"name": name, "clientConfig": {"service": {"name": "webhook-service", "namespace": "system", "path": path}},
+            "rules": [], "sideEffects": "None", "admissionReviewVersions": ["v1"]}
+
+
+def test_kustomize_webhooks_applies_both_patch_styles_and_loopback_rewrites(tmp_path):
+    docs = [
+        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+         "metadata": {"name": "mutating-webhook-configuration"},
+         "webhooks": [_hook("ma.kb.io", "/mutate-a"), _hook("mpod.kb.io", "/mutate--v1-pod")]},
+    ]
+    (tmp_path / "manifests.yaml").write_text(yaml.safe_dump_all(docs))
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump([
+        {"op": "replace", "path": "/webhooks/0", "value": {**_hook("ma.kb.io", "/mutate-a"), "objectSelector": {}}}]))
+    inline = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+              "metadata": {"name": "mutating-webhook-configuration"},
+              "webhooks": [{"name": "mpod.kb.io", "namespaceSelector": {"matchLabels": {"x": "y"}}}]}
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({"resources": ["manifests.yaml"], "patches": [
+        {"patch": yaml.safe_dump(inline)},
+        {"path": "p.yaml", "target": {"kind": "MutatingWebhookConfiguration", "name": "mutating-webhook-configuration"}},
+    ]}))
+    (doc,) = kustomize_webhooks(tmp_path)
+    assert doc["webhooks"][0]["objectSelector"] == {}
+    assert doc["webhooks"][1]["namespaceSelector"] == {"matchLabels": {"x": "y"}}
+    (out,) = loopback_webhooks([doc], prefix="kueue", port=9443, ca_pem=b"CA", keep_path=lambda p: p != "/mutate-a")
+    assert out["metadata"] == {"name": "kueue-mutating-webhook-configuration"}
+    assert [w["name"] for w in out["webhooks"]] == ["mpod.kb.io"]
+    assert out["webhooks"][0]["clientConfig"] == {"url": "https://127.0.0.1:9443/mutate--v1-pod", "caBundle": "Q0E="}
+
+
+def test_kustomize_crds_points_enabled_conversion_webhooks_at_loopback(tmp_path):
+    crd = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+           "metadata": {"name": "things.example.com"}, "spec": {"group": "example.com"}}
+    other = {**crd, "metadata": {"name": "others.example.com"}, "spec": {"group": "example.com"}}
+    (tmp_path / "bases").mkdir()
+    (tmp_path / "bases" / "a.yaml").write_text(yaml.safe_dump(crd))
+    (tmp_path / "bases" / "b.yaml").write_text(yaml.safe_dump(other))
+    (tmp_path / "patches").mkdir()
+    (tmp_path / "patches" / "webhook_in_things.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": "things.example.com"},
+        "spec": {"conversion": {"strategy": "Webhook", "webhook": {
+            "clientConfig": {"service": {"namespace": "system", "name": "webhook-service", "path": "/convert"}},
+            "conversionReviewVersions": ["v1"]}}}}))
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": ["bases/a.yaml", "bases/b.yaml"],
+        "patches": [{"path": "patches/webhook_in_things.yaml"}, {"path": "patches/cainjection_in_things.yaml"}]}))
+    things, others = kustomize_crds(tmp_path, port=9443, ca_pem=b"CA")
+    assert things["spec"]["conversion"] == {"strategy": "Webhook", "webhook": {
+        "conversionReviewVersions": ["v1"],
+        "clientConfig": {"url": "https://127.0.0.1:9443/convert", "caBundle": "Q0E="}}}
+    assert "conversion" not in others["spec"]
+
+
+def test_manager_rbac_binds_the_controllers_own_roles_to_its_service_account(tmp_path):
+    (tmp_path / "role.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": "manager-role"},
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]}))
+    (tmp_path / "role_binding.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": "manager-rolebinding"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "manager-role"},
+        "subjects": [{"kind": "ServiceAccount", "name": "controller-manager", "namespace": "system"}]}))
+    (tmp_path / "leader_election_role.yaml").write_text("kind: Role\n")  # not the manager's: left out
+    objs = manager_rbac(tmp_path, name="kueue", namespace="kueue-system", service_account="kueue-controller-manager")
+    assert [(o["kind"], o["metadata"]) for o in objs] == [
+        ("Namespace", {"name": "kueue-system"}),
+        ("ServiceAccount", {"name": "kueue-controller-manager", "namespace": "kueue-system"}),
+        ("ClusterRole", {"name": "kueue-manager-role"}),
+        ("ClusterRoleBinding", {"name": "kueue-manager-rolebinding"}),
+    ]
+    assert objs[3]["roleRef"]["name"] == "kueue-manager-role"
+    assert objs[3]["subjects"] == [
+        {"kind": "ServiceAccount", "name": "kueue-controller-manager", "namespace": "kueue-system"}]
