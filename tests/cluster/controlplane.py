@@ -78,7 +78,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from .queueing import QUEUEING_BINARIES, start_queueing
+from .queueing import QUEUEING_BINARIES, remove_made, start_queueing
 
 HERE = Path(__file__).resolve().parent
 BIN_DIR = HERE / "bin"
@@ -430,6 +430,8 @@ class ControlPlane:
         self.kwok_enable_crds = list(kwok_enable_crds)
         self.kwok_args = list(kwok_args)
         self.queueing = queueing
+        #: files and folders made outside self.dir (removed by stop)
+        self._made_outside: list[Path] = []
         if start_timeout is None:
             start_timeout = 240.0 if queueing else 120.0
         self.start_timeout = start_timeout
@@ -531,6 +533,8 @@ class ControlPlane:
                 p.terminate()
                 p.wait_or_kill(5)
         self._procs = []
+        remove_made(self._made_outside)  # Kueue's metrics certificate in /etc, if made here
+        self._made_outside = []
         if self.dir is not None and not self.keep_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
         self.dir = None

@@ -268,13 +268,17 @@ def _http_ok(port: int, path: str) -> bool:
 KUEUE_METRICS_CERTS = Path("/etc/kueue/metrics/certs")
 
 
-def _kueue_metrics_certs(ca: Any) -> None:
-    """Make sure ``KUEUE_METRICS_CERTS`` has a tls.crt and tls.key (a throwaway pair if not)."""
+def _kueue_metrics_certs(ca: Any) -> list[Path]:
+    """Make sure ``KUEUE_METRICS_CERTS`` has a tls.crt and tls.key (a throwaway pair if not);
+    what it made (files, then the folders it created, innermost first), for `remove_made`
+    when the control plane stops: nothing of the tests stays in /etc."""
     from .controlplane import ControlPlaneError  # noqa: PLC0415 - a cycle
 
     crt, key = KUEUE_METRICS_CERTS / "tls.crt", KUEUE_METRICS_CERTS / "tls.key"
     if crt.is_file() and key.is_file():
-        return
+        return []
+    folders = [p for p in (KUEUE_METRICS_CERTS, *KUEUE_METRICS_CERTS.parents) if not p.exists()]
+    made = [p for p in (key, crt) if not p.exists()] + folders
     try:
         KUEUE_METRICS_CERTS.mkdir(parents=True, exist_ok=True)
         pem_crt, pem_key = ca.issue("kueue-metrics-unused", server_names=["localhost"], client=False, server=True)
@@ -284,9 +288,20 @@ def _kueue_metrics_certs(ca: Any) -> None:
             tmp.chmod(mode)
             os.replace(tmp, path)
     except OSError as e:
+        remove_made(made)
         raise ControlPlaneError(
             f"Kueue needs a (never used) metrics certificate in {KUEUE_METRICS_CERTS} and it "
             f"cannot be written: {e}; create tls.crt and tls.key there once (any pair)") from e
+    return made
+
+
+def remove_made(paths: list[Path]) -> None:
+    """Remove what `_kueue_metrics_certs` made (folders only when empty)."""
+    for p in paths:
+        try:
+            p.rmdir() if p.is_dir() else p.unlink()
+        except OSError:
+            pass
 
 
 def start_queueing(cp: ControlPlane, deadline: float) -> None:
@@ -314,7 +329,7 @@ def start_queueing(cp: ControlPlane, deadline: float) -> None:
              lambda: cp.kubectl("wait", "--for=condition=Established", "--timeout=20s", *crd_names,
                                 check=False).returncode == 0)
 
-    _kueue_metrics_certs(ca)
+    cp._made_outside += _kueue_metrics_certs(ca)
     builders = {"kueue": kueue_configuration, "jobset": jobset_configuration}
     for name, (namespace, sa, _) in CONTROLLERS.items():
         home = cp._path(name)

@@ -4,6 +4,14 @@ admitted whole by quota or waits suspended without a pod; a notebook pod waits g
 Each test has a ClusterQueue of its own (4 H100 GPUs, one ResourceFlavor for
 ``nvidia.com/gpu.product=NVIDIA-H100``) and a LocalQueue in a fresh namespace. kwok runs the
 pods and keeps them Running (no Stage ends them), so quota frees only when a test deletes.
+
+The last tests (issue 18's first step) use gpulab's own builders instead: the Kueue objects of
+two people's quotas (`gpulab.spawner.kueueobjects`, 2 H100s each, in the root cohort) and
+training jobs as JobSets (`gpulab.hub.jobs.kubeobjects.make_training_jobset`): the webhooks
+accept them, a job is admitted whole and its pods answer to the host names in TF_CONFIG, one
+over the person's quota waits without a pod, another namespace cannot use a person's
+ClusterQueue, and preemptible work borrows idle quota and is preempted when its lender needs
+it. The backend does not create them yet.
 """
 
 import uuid
@@ -351,3 +359,134 @@ def test_manager_rbac_binds_the_controllers_own_roles_to_its_service_account(tmp
     assert objs[3]["roleRef"]["name"] == "kueue-manager-role"
     assert objs[3]["subjects"] == [
         {"kind": "ServiceAccount", "name": "kueue-controller-manager", "namespace": "kueue-system"}]
+
+
+# -- gpulab's own objects: its JobSets in the Kueue queues of its quota mirror (issue 18) ----
+
+def gpulab_queues(cp, ns, user, max_gpus):
+    """``user``'s Kueue objects as `gpulab.spawner.kueueobjects` builds them, for namespace
+    ``ns`` (quota ``max_gpus`` H100s), applied and Active."""
+    from gpulab.spawner.kueueobjects import (
+        make_cluster_queues, make_cohorts, make_default_flavor, make_gpu_flavor,
+        make_local_queues)
+
+    queues = make_cluster_queues(namespace=ns, user_label=user, max_gpus=max_gpus,
+                                 models=["NVIDIA-H100"], cpu="64", memory="256Gi")
+    locals_ = make_local_queues(namespace=ns, user_label=user)
+    cp.apply(make_gpu_flavor("NVIDIA-H100"), make_default_flavor(), *make_cohorts(None))
+    cp.apply(*queues, *locals_)
+    for q in queues:
+        name = q["metadata"]["name"]
+        wait_until(lambda: condition(cp.kubectl_json("get", "clusterqueue", name), "Active") == "True",
+                   timeout=WAIT, what=f"ClusterQueue {name} Active")
+    return [q["metadata"]["name"] for q in queues]
+
+
+@pytest.fixture
+def people(cp):
+    """Two people, each a namespace with gpulab's queues (2 H100s each), in the root cohort."""
+    made = []
+    for user in ("ann", "bob"):
+        ns = f"gpulab-{user}-{uuid.uuid4().hex[:6]}"
+        cp.create_namespace(ns)
+        made.append((ns, gpulab_queues(cp, ns, user, 2)))
+    yield {"ann": made[0][0], "bob": made[1][0]}
+    for ns, cqs in made:
+        cp.kubectl("delete", "jobsets,pods", "--all", "-n", ns, "--wait=false", check=False)
+        cp.api("DELETE", f"/api/v1/namespaces/{ns}")
+        cp.kubectl("delete", "clusterqueue", *cqs, "--wait=false", check=False)
+
+
+def gpulab_jobset(name, ns, *, workers, gpus, queue="gpulab", strategy="parameter-server"):
+    from gpulab.hub.jobs.kubeobjects import make_training_jobset
+    from gpulab.hub.jobs.spec import parse_spec
+
+    replicas = ({"chief": 1, "ps": 1, "worker": workers} if strategy == "parameter-server"
+                else {"worker": workers})
+    spec = parse_spec({"name": name, "strategy": strategy, "replicas": replicas,
+                       "resources": {"worker": {"gpus": gpus}}, "script": "train.py"})
+    return make_training_jobset(spec=spec, namespace=ns, user_label="ann", image=IMAGE,
+                                program="/gpulab/shared/users/ann/train.py",
+                                job_dir="/gpulab/shared/users/ann/jobs/" + name,
+                                user_dir="/gpulab/shared/users/ann", gpu_model="NVIDIA-H100",
+                                queue_name=queue)
+
+
+def test_gpulabs_jobset_is_admitted_whole_and_its_pods_have_the_host_names_of_tf_config(cp, people):
+    """A parameter-server job (chief, ps, 2 workers of 1 GPU) as gpulab builds it passes
+    JobSet's and Kueue's webhooks, is admitted whole in the person's in-quota ClusterQueue,
+    and every replica's pod answers to the host name its TF_CONFIG gives it."""
+    import json
+
+    ns = people["ann"]
+    create(cp, ns, gpulab_jobset("digits", ns, workers=2, gpus=1))
+    w = wait_until(lambda: admitted(cp, ns, "JobSet", "digits"), timeout=WAIT,
+                   what="gpulab's JobSet admitted")
+    pods = wait_until(lambda: (p := jobset_pods(cp, ns, "digits")) and len(p) == 4 and all(
+        x["status"].get("phase") == "Running" for x in p) and p, timeout=WAIT,
+        what="its 4 pods Running")
+    assert w["status"]["admission"]["clusterQueue"] == ns
+    # the workers on H100 nodes (the flavor's node label), the chief and the ps on any node
+    assert running_on_h100(cp, [p for p in pods if p["metadata"]["labels"]["gpulab.io/role"]
+                                == "worker"])
+    assert sorted(p["metadata"]["labels"]["gpulab.io/role"] for p in pods) == [
+        "chief", "ps", "worker", "worker"]
+    for p in pods:
+        env = {e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]}
+        index = p["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"]
+        cfg = json.loads(env["TF_CONFIG"].replace("$(GPULAB_TASK_INDEX)", index))
+        me = f"{p['spec']['hostname']}.{p['spec']['subdomain']}.{ns}.svc:2222"
+        assert cfg["cluster"][cfg["task"]["type"]][cfg["task"]["index"]] == me, (me, cfg)
+    service = cp.kubectl_json("get", "service", "digits", "-n", ns)  # JobSet's headless one
+    assert service["spec"]["clusterIP"] == "None"
+
+
+def test_a_gpulab_job_over_the_persons_quota_waits_whole_without_a_pod(cp, people):
+    ns = people["ann"]
+    create(cp, ns, gpulab_jobset("first", ns, workers=2, gpus=1, strategy="multi-worker-mirrored"))
+    wait_jobset_running(cp, ns, "first", 2)
+    create(cp, ns, gpulab_jobset("second", ns, workers=1, gpus=1, strategy="multi-worker-mirrored"))
+    wait_until(lambda: (w := workload_of(cp, ns, "JobSet", "second"))
+               and condition(w, "QuotaReserved") == "False", timeout=WAIT,
+               what="the second job pending")
+    assert jobset_pods(cp, ns, "second") == []
+    cp.kubectl("delete", "jobset", "first", "-n", ns)
+    wait_jobset_running(cp, ns, "second", 1)
+
+
+def test_only_the_persons_own_namespace_uses_their_cluster_queue(cp, people):
+    """bob makes a LocalQueue in his namespace that names ann's ClusterQueue: his work there is
+    never admitted (the ClusterQueue's namespaceSelector), so he cannot spend ann's quota."""
+    ann, bob = people["ann"], people["bob"]
+    cp.apply({"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
+              "metadata": {"name": "anns", "namespace": bob}, "spec": {"clusterQueue": ann}})
+    create(cp, bob, gpulab_jobset("steal", bob, workers=1, gpus=1, queue="anns",
+                                  strategy="multi-worker-mirrored"))
+    w = wait_until(lambda: (w := workload_of(cp, bob, "JobSet", "steal"))
+                   and condition(w, "QuotaReserved") == "False" and w, timeout=WAIT,
+                   what="bob's workload refused by ann's queue")
+    reserved = next(c for c in w["status"]["conditions"] if c["type"] == "QuotaReserved")
+    assert "namespace" in reserved["message"].lower(), reserved
+    assert jobset_pods(cp, bob, "steal") == []
+
+
+def test_preemptible_work_borrows_idle_quota_and_gives_it_back(cp, people):
+    """ann's preemptible job borrows bob's idle GPUs (her in-quota queue never borrows); when
+    bob's own work needs them, Kueue preempts ann's job (its Workload evicted, its JobSet
+    suspended) and admits bob's."""
+    ann, bob = people["ann"], people["bob"]
+    create(cp, ann, gpulab_jobset("big", ann, workers=1, gpus=4, queue="gpulab",
+                                  strategy="multi-worker-mirrored"))
+    w = wait_until(lambda: (w := workload_of(cp, ann, "JobSet", "big"))
+                   and condition(w, "QuotaReserved") == "False" and w, timeout=WAIT,
+                   what="4 GPUs of in-quota work refused by a quota of 2")
+    cp.kubectl("delete", "jobset", "big", "-n", ann)
+    create(cp, ann, gpulab_jobset("borrow", ann, workers=1, gpus=3, queue="gpulab-preemptible",
+                                  strategy="multi-worker-mirrored"))
+    w, _, _ = wait_jobset_running(cp, ann, "borrow", 1)
+    assert w["status"]["admission"]["clusterQueue"] == f"{ann}-preemptible"
+    create(cp, bob, gpulab_jobset("mine", bob, workers=2, gpus=1, strategy="multi-worker-mirrored"))
+    wait_until(lambda: condition(workload_of(cp, ann, "JobSet", "borrow"), "Evicted") == "True",
+               timeout=WAIT, what="ann's borrowing job preempted")
+    wait_jobset_running(cp, bob, "mine", 2)
+    assert cp.kubectl_json("get", "jobset", "borrow", "-n", ann)["spec"]["suspend"] is True
