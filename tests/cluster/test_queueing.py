@@ -182,8 +182,34 @@ def wait_jobset_running(cp, ns, name, workers):
                timeout=WAIT, what=f"JobSet {ns}/{name} unsuspended")
     pods = wait_until(
         lambda: (p := jobset_pods(cp, ns, name)) and len(p) == workers and running_on_h100(cp, p) and p,
-        timeout=WAIT, what=f"{workers} pods of JobSet {ns}/{name} Running on H100 nodes")
+        timeout=WAIT, what=f"{workers} pods of JobSet {ns}/{name} Running on H100 nodes",
+        on_timeout=lambda: what_holds_pods(cp, ns, name))
     return w, js, pods
+
+
+def what_holds_pods(cp, ns, name):
+    """What a test that timed out waiting for pods says: the JobSet's Jobs and pods, the
+    namespace's latest events and the nodes' readiness and taints."""
+    lines = []
+    for j in cp.kubectl_json("get", "jobs", "-n", ns, "-l", f"{JOBSET_LABEL}={name}")["items"]:
+        lines.append(f"job {j['metadata']['name']}: suspend={j['spec'].get('suspend')} "
+                     f"status={j.get('status', {})}")
+    for p in jobset_pods(cp, ns, name):
+        st = p.get("status", {})
+        lines.append(f"pod {p['metadata']['name']}: phase={st.get('phase')} node={p['spec'].get('nodeName')} "
+                     f"gates={p['spec'].get('schedulingGates')} selector={p['spec'].get('nodeSelector')} "
+                     f"conditions={[(c['type'], c['status'], c.get('message', '')) for c in st.get('conditions', [])]}")
+    events = cp.kubectl_json("get", "events", "-n", ns)["items"]
+    for e in events[-15:]:
+        lines.append(f"event {e['involvedObject']['kind']}/{e['involvedObject']['name']}: {e['reason']}: {e['message']}")
+    for n in cp.kubectl_json("get", "nodes")["items"]:
+        ready = condition(n, "Ready")
+        lines.append(f"node {n['metadata']['name']}: Ready={ready} taints={n['spec'].get('taints')}")
+    for proc in cp._procs:
+        if proc.exited() is not None:
+            tail = proc.log.read_text(errors="replace").splitlines()[-5:]
+            lines.append(f"process {proc.name} exited {proc.exited()}: " + " | ".join(tail))
+    return "\n".join(lines)
 
 
 def test_a_jobset_is_admitted_whole_and_runs_on_gpu_nodes(cp, queue):

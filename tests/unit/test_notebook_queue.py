@@ -122,6 +122,15 @@ def config(tmp_path):
     GPUInventory.clear_instance()
 
 
+async def until(check, what: str, timeout: float = 30.0):
+    """Poll ``check`` (every 20 ms) until it is true; fail after ``timeout`` seconds (a loaded
+    machine, as CI's, may take seconds where a quiet one takes milliseconds)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
 def spawner(config, options=None) -> LocalGPUSpawner:
     """ann's default server (no hub: only what admission and the form need of it)."""
     user = SimpleNamespace(name="ann", id=1, groups=[], url="/user/ann/")
@@ -205,10 +214,7 @@ async def test_a_waiting_start_adopts_the_gpus_when_they_come_back(config):
     s = spawner(config, options={"profile": "gpu-1", WAIT_KEY: 5})
     profile = s._apply_profile(s.gpu_selection())
     task = asyncio.ensure_future(s.admit_gpus(profile))
-    for _ in range(100):
-        if s.gpu_queue_entry:
-            break
-        await asyncio.sleep(0.02)
+    await until(lambda: s.gpu_queue_entry, "the start in line")
     queue = Queue(ledger)
     [mine] = queue.entries("ann")
     assert mine.holder == "default" and mine.position == 1 and mine.kind == "notebook"
@@ -237,19 +243,13 @@ async def test_a_cancelled_wait_leaves_the_line_and_holds_nothing(config):
     job = ledger.admit(Request(user="bob", kind="job", holder="j", gpus=1))
     s = spawner(config, options={"profile": "gpu-1", WAIT_KEY: 5})
     task = asyncio.ensure_future(s.admit_gpus(s._apply_profile(s.gpu_selection())))
-    for _ in range(100):
-        if s.gpu_queue_entry:
-            break
-        await asyncio.sleep(0.02)
+    await until(lambda: s.gpu_queue_entry, "the start in line")
     entry_id = s.gpu_queue_entry
     task.cancel()  # start_timeout, or the hub stopping the pending server
     with pytest.raises(asyncio.CancelledError):
         await task
     queue = Queue(ledger)
-    for _ in range(100):
-        if queue.get(entry_id).state == "cancelled":
-            break
-        await asyncio.sleep(0.02)
+    await until(lambda: queue.get(entry_id).state == "cancelled", "the entry cancelled")
     assert queue.get(entry_id).state == "cancelled" and queue.entries() == []
     ledger.release(job.id)
     queue.schedule()
@@ -261,10 +261,7 @@ async def test_leaving_the_line_fails_the_start_with_the_words(config):
     job = ledger.admit(Request(user="bob", kind="job", holder="j", gpus=1))
     s = spawner(config, options={"profile": "gpu-1", WAIT_KEY: 5})
     task = asyncio.ensure_future(s.admit_gpus(s._apply_profile(s.gpu_selection())))
-    for _ in range(100):
-        if s.gpu_queue_entry:
-            break
-        await asyncio.sleep(0.02)
+    await until(lambda: s.gpu_queue_entry, "the start in line")
     assert Queue(ledger).cancel(s.gpu_queue_entry, "ann", LEFT_REASON) is not None
     with pytest.raises(SpawnRefused) as e:
         await asyncio.wait_for(task, 10)
@@ -302,17 +299,12 @@ async def test_a_notebook_that_may_wait_queues_behind_whoever_waits(config):
     job = ledger.admit(Request(user="bob", kind="job", holder="j", gpus=1))
     ahead = queue.enqueue(Request(user="bob", kind="job", holder="big", gpus=2))
     s = spawner(config, options={"profile": "gpu-1", WAIT_KEY: 5})
-    task = asyncio.ensure_future(s.admit_gpus(s._apply_profile(s.gpu_selection())))
-    for _ in range(100):
-        if s.gpu_queue_entry:
-            break
-        await asyncio.sleep(0.02)
-    entry_id = s.gpu_queue_entry
-    assert entry_id  # in line, not admitted past it
     # a pass decides, in the fair-share order (bob's GPU-hours put ann first): the free GPU
-    # is hers, and bob's job, which needs both, waits for it
-    assert len(await asyncio.wait_for(task, 10)) == 1
-    assert queue.get(entry_id).state == "admitted"
+    # is hers, through the line (her entry is admitted, not skipped past it), and bob's job,
+    # which needs both, waits for it
+    assert len(await asyncio.wait_for(s.admit_gpus(s._apply_profile(s.gpu_selection())), 30)) == 1
+    (entry,) = queue.holders("notebook").values()
+    assert (entry.user, entry.state) == ("ann", "admitted")
     assert [(e.holder, e.position) for e in queue.entries()] == [("big", 1)]
     await s.release_gpus_async()
     await s._gpu_forget_queue_entry("server stopped")
