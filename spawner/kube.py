@@ -36,7 +36,7 @@ from typing import Any
 
 from kubernetes_asyncio.client.rest import ApiException
 from kubespawner import KubeSpawner
-from traitlets import Dict, Float, List, Unicode, default
+from traitlets import Bool, Dict, Float, List, Unicode, default
 
 from gpulab.hub.quota.policy import Holding, Quota, refusal
 
@@ -195,6 +195,17 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         Example: ``c.KubeGPUSpawner.gpu_quota_sync_interval = 10``""",
     ).tag(config=True)
 
+    kueue = Bool(
+        False,
+        help="""The cluster runs Kueue and gpulab's training jobs are queued by it (the
+        gpulab service's ``c.KubeJobBackend.kueue`` takes this unless set there; see the
+        deploy guide). Then user namespaces get no GPU ResourceQuota: the person's Kueue
+        ClusterQueue holds their quota for jobs (less what their notebooks hold), and a
+        ResourceQuota would refuse the pods of preemptible work that borrows idle GPUs.
+        Notebooks are still admitted by the quota ledger. Default False.
+        Example: ``c.KubeGPUSpawner.kueue = True``""",
+    ).tag(config=True)
+
     @default("enable_user_namespaces")
     def _enable_user_namespaces_default(self):
         return True
@@ -349,7 +360,8 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
                 pod_security_level=self.pod_security_level, hub_namespace=self.hub_namespace,
                 allowed_egress=self.allowed_egress, sync_interval=self.gpu_quota_sync_interval,
                 request_timeout=self.k8s_api_request_timeout, log=self.log,
-                server_port=self.port, server_component=self.component_label)
+                server_port=self.port, server_component=self.component_label,
+                gpu_resource_quota=not self.kueue)
         except NamespaceSettingsError as e:
             raise SpawnRefused(500, f"The server's network settings are wrong: {e}"
                                if e.network else str(e)) from e

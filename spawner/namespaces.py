@@ -78,16 +78,23 @@ def api_message(e: ApiException) -> str:
         return str(e.body or e.reason)
 
 
-def effective_max_gpus(quota_rows: list[dict], user: str, groups: tuple[str, ...]) -> int | None:
-    """The ``max_gpus`` of the quota that applies to ``user`` (None: no quota), from
-    ``Ledger.quotas()`` rows, as `Ledger.effective` decides it."""
+def effective_quota_of(quota_rows: list[dict], user: str,
+                       groups: tuple[str, ...]) -> tuple[Quota | None, str]:
+    """``(quota or None, source)`` of ``user`` from ``Ledger.quotas()`` rows, as
+    `Ledger.effective` decides it."""
     def q(r: dict) -> Quota:
         return Quota(r["max_gpus"], r.get("max_per_request"), r.get("gpu_hours"), r.get("window_hours"))
 
     default_q = next((q(r) for r in quota_rows if r["scope"] == "default"), None)
     mine = next((q(r) for r in quota_rows if r["scope"] == "user" and r["name"] == user), None)
     by_group = {r["name"]: q(r) for r in quota_rows if r["scope"] == "group" and r["name"] in groups}
-    quota, _ = effective_quota(default_q, by_group, mine)
+    return effective_quota(default_q, by_group, mine)
+
+
+def effective_max_gpus(quota_rows: list[dict], user: str, groups: tuple[str, ...]) -> int | None:
+    """The ``max_gpus`` of the quota that applies to ``user`` (None: no quota), from
+    ``Ledger.quotas()`` rows, as `Ledger.effective` decides it."""
+    quota, _ = effective_quota_of(quota_rows, user, groups)
     return None if quota is None else quota.max_gpus
 
 
@@ -212,6 +219,7 @@ async def prepare_user_namespace(
     server_port: int = 8888,
     server_component: str = "singleuser-server",
     networking=None,
+    gpu_resource_quota: bool = True,
 ) -> int:
     """Create or update ``namespace`` for ``user``: Pod Security labels, NetworkPolicies,
     GPU ResourceQuota (see the module's docstring). Returns how many API requests it made.
@@ -221,7 +229,9 @@ async def prepare_user_namespace(
     (KubeSpawner's ``port`` and ``component_label``), for the policy that lets the hub and
     the proxy reach them. Each request may take ``request_timeout`` seconds
     (``asyncio.TimeoutError`` otherwise); ``sync_interval`` is the mirror's period when
-    this call starts it. Raises `NamespaceSettingsError` for a bad ``pod_security_level``
+    this call starts it. ``gpu_resource_quota`` False (Kueue admits the namespace's work,
+    `gpulab.spawner.kueuemirror`): no GPU ResourceQuota, and one left from before is removed
+    (it would refuse the pods of preemptible work that borrows beyond the person's quota). Raises `NamespaceSettingsError` for a bad ``pod_security_level``
     or ``allowed_egress`` before any request, and the API's ``ApiException`` as it comes.
     """
     if pod_security_level not in POD_SECURITY_LEVELS:
@@ -245,6 +255,14 @@ async def prepare_user_namespace(
     replaced = await asyncio.wait_for(apply_network_policies(policies, networking),
                                       request_timeout)
     requests += len(policies) + replaced
+    if not gpu_resource_quota:
+        try:
+            await asyncio.wait_for(api.delete_namespaced_resource_quota(QUOTA_NAME, namespace),
+                                   request_timeout)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+        return requests + 1
     mirror = GPUQuotaMirror.for_loop(ledger, api, sync_interval, log)
     mirror.register(namespace, user, groups, user_label)
     rows = await asyncio.to_thread(ledger.quotas)  # the ledger's lock: never on the loop

@@ -37,12 +37,15 @@ def _default(cls, name, trait) -> str:
     return repr(value)
 
 
-def _trait_section(cls) -> str:
+def _trait_section(cls, only_own: bool = False) -> str:
+    """``only_own``: the traits ``cls`` adds to its gpulab base (whose section lists those)."""
     lines = [f"### `{cls.__name__}`", ""]
     doc = inspect.getdoc(cls) or ""
     if doc:
         lines += [doc.split("\n\n")[0].replace("\n", " "), ""]
     for name, trait in _own_traits(cls):
+        if only_own and name not in vars(cls):
+            continue
         help_text = inspect.cleandoc(trait.help or "")
         kind = type(trait).__name__
         lines += [
@@ -75,6 +78,7 @@ def config_reference(parser) -> str:
     from gpulab.hub.deploy.auth import GpulabAuthenticator
     from gpulab.hub.jobs.spec import GPUJobs
     from gpulab.hub.jobs.kube import KubeJobBackend
+    from gpulab.hub.jobs.kueue import KueueJobBackend
     from gpulab.hub.quota.waiting import GPUQueue
     from gpulab.spawner.kube import KubeGPUSpawner
     from gpulab.spawner import GPUInventory, GPULedger, LocalGPUSpawner
@@ -92,5 +96,6 @@ def config_reference(parser) -> str:
         _trait_section(GPUQueue),
         _trait_section(KubeGPUSpawner),
         _trait_section(KubeJobBackend),
+        _trait_section(KueueJobBackend, only_own=True),
     ]
     return "\n".join(parts).rstrip() + "\n"

@@ -102,6 +102,9 @@ class JobBackend:
     unavailable: str | None = None
     #: whether a job whose launch failed is kept as Failed (history), or forgotten
     keeps_failed_launches = False
+    #: whether a Queued job is launched at once (the cluster's queue, Kueue, admits it and
+    #: the driver follows), rather than when gpulab's own queue admits it
+    launches_queued = False
 
     def _setup_workflow(self, ledger: Ledger, queue: Queue | None = None) -> None:
         """The workflow's state; a driver's ``__init__`` calls it. With a `queue`, GPU work
@@ -306,17 +309,18 @@ class JobBackend:
                 self._admit_and_record, user, groups, spec, prepared)
             self._launching.add(job_id)
         try:
-            if allocation is not None:
+            if allocation is not None or self.launches_queued:
                 # under the lock: no supervision pass or stop meets a half-launched job
                 async with self._lock:
-                    await self._launch_or_undo(job_id, allocation.id, user, groups, spec,
-                                               prepared, keep=self.keeps_failed_launches)
+                    await self._launch_or_undo(job_id, allocation and allocation.id, user,
+                                               groups, spec, prepared,
+                                               keep=self.keeps_failed_launches)
         finally:
             self._launching.discard(job_id)
         self.ensure_supervisor()  # a queued job starts from a supervision pass
         return await asyncio.to_thread(self.get, user, spec.name)
 
-    async def _launch_or_undo(self, job_id: str, allocation_id: str, user: str, groups,
+    async def _launch_or_undo(self, job_id: str, allocation_id: str | None, user: str, groups,
                               spec: JobSpec, prepared: Any, keep: bool) -> None:
         """`_launch` (with the lock held); if it raises, `_undo` and raise the person's error."""
         try:
@@ -330,7 +334,7 @@ class JobBackend:
                 raise
             raise error from (None if e is error else e)
 
-    async def _undo(self, job_id: str, allocation_id: str, user: str, spec: JobSpec,
+    async def _undo(self, job_id: str, allocation_id: str | None, user: str, spec: JobSpec,
                     why: str, keep: bool = False) -> None:
         """Everything a submit did after admission, undone (the one place for it): the
         driver's leftovers, then the rows (or the job kept as Failed) and its GPUs. The job's
@@ -349,7 +353,9 @@ class JobBackend:
             log.exception("Undoing job %s failed; it is marked failed instead", job_id)
             await asyncio.to_thread(self._finish, job_id, "Failed", "could not start")
         finally:
-            await asyncio.to_thread(self.ledger.release, allocation_id, "job failed to start")
+            if allocation_id is not None:  # None: a job the cluster's queue had not admitted
+                await asyncio.to_thread(self.ledger.release, allocation_id,
+                                        "job failed to start")
 
     # -- supervision ---------------------------------------------------------------------
 

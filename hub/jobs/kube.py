@@ -65,7 +65,7 @@ from kubernetes_asyncio.client.rest import ApiException
 from kubespawner.clients import load_config, shared_client
 from kubespawner.reflector import MultiNamespaceResourceReflector
 from kubespawner.slugs import safe_slug
-from traitlets import Dict, Float, List, Unicode, default
+from traitlets import Bool, Dict, Float, List, Unicode, default
 from traitlets.config import LoggingConfigurable
 
 from gpulab.extensions.contract import (
@@ -228,16 +228,19 @@ SHARED_WITH_SPAWNER = {"namespace_template": "user_namespace_template",
                        "datasets_subpath": "datasets_subpath",
                        "pod_security_level": "pod_security_level",
                        "hub_namespace": "hub_namespace", "allowed_egress": "allowed_egress",
-                       "gpu_quota_sync_interval": "gpu_quota_sync_interval"}
+                       "gpu_quota_sync_interval": "gpu_quota_sync_interval",
+                       "kueue": "kueue"}
 #: the environment variable the gpulab service falls back to for these settings when its
 #: config file has no ``GpulabService.kube_jobs`` (the hub writes them there)
 SETTINGS_ENV = "GPULAB_KUBE_JOBS"
 
 
 def backend_settings(config) -> str:
-    """The JSON of ``c.KubeJobBackend``'s settings for the gpulab service, those it shares
+    """The JSON of ``c.KubeJobBackend``'s (and ``c.KueueJobBackend``'s) settings for the
+    gpulab service, those it shares
     with ``c.KubeGPUSpawner`` filled from there (one namespace, quota and folder per user)."""
     ours = dict(config.get("KubeJobBackend", {}))
+    ours.update(config.get("KueueJobBackend", {}))  # its own settings (queues, CPU, memory)
     spawner = config.get("KubeGPUSpawner", {})
     for mine, theirs in SHARED_WITH_SPAWNER.items():
         if mine not in ours and theirs in spawner:
@@ -311,6 +314,13 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         Example: ``c.KubeJobBackend.gpu_quota_sync_interval = 10``""").tag(config=True)
     request_timeout = Float(30.0, help="Seconds an API request may take (default 30).").tag(
         config=True)
+    kueue = Bool(False, help="""
+        Queue and admit jobs with Kueue (the cluster runs Kueue v0.17 and JobSet v0.11, see
+        the deploy guide): each job is one JobSet in the person's LocalQueue, admitted whole
+        when their quota allows, and the ledger follows Kueue's admissions
+        (`gpulab.hub.jobs.kueue.KueueJobBackend`). False (default): Indexed Jobs, admitted by
+        the ledger after a capacity check. Taken from ``c.KubeGPUSpawner.kueue`` unless set
+        here. Example: ``c.KubeJobBackend.kueue = True``""").tag(config=True)
     progress_cache_seconds = Float(5.0, help="""
         Seconds a job's progress, read from its lead replica's log when someone looks at the
         job, is reused (default 5): one log request per watched job and period, none for jobs
@@ -541,7 +551,8 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
                 user_label=self.user_label(user), pod_security_level=self.pod_security_level,
                 hub_namespace=self.hub_namespace, allowed_egress=self.allowed_egress,
                 sync_interval=self.gpu_quota_sync_interval,
-                request_timeout=self.request_timeout, log=log, networking=self.networking)
+                request_timeout=self.request_timeout, log=log, networking=self.networking,
+                gpu_resource_quota=not self.kueue)
         except NamespaceSettingsError as e:
             raise JobError(f"The cluster's network settings are wrong: {e}" if e.network
                            else str(e), 500) from e
@@ -597,20 +608,24 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
             return f"not allowed by the cluster: {msg}"
         return msg
 
-    async def _create_objects(self, user, groups, spec: JobSpec, ns, user_dir, job_dir) -> None:
-        await self._ensure_namespace(user, groups)
+    def _object_args(self, user: str, spec: JobSpec, ns: str, user_dir: str, job_dir: str) -> dict:
+        """The arguments of the job's object builders (`gpulab.hub.jobs.kubeobjects`)."""
         if spec.source is not None:
             program = SOURCE_PROGRAM
         elif self.shared_volume:
             program = f"{user_dir}/{spec.script}"
         else:
             program = spec.script
-        common = dict(spec=spec, namespace=ns, user_label=self.user_label(user),
-                      image=spec.image or self.image, program=program, job_dir=job_dir,
-                      user_dir=user_dir, gpu_model=self.gpu_model,
-                      shared_volume=self.shared_volume, shared_mount=self.shared_mount_path,
-                      user_subpath=self._expand(self.user_subpath_template, user),
-                      datasets_subpath=self.datasets_subpath or None)
+        return dict(spec=spec, namespace=ns, user_label=self.user_label(user),
+                    image=spec.image or self.image, program=program, job_dir=job_dir,
+                    user_dir=user_dir, gpu_model=self.gpu_model,
+                    shared_volume=self.shared_volume, shared_mount=self.shared_mount_path,
+                    user_subpath=self._expand(self.user_subpath_template, user),
+                    datasets_subpath=self.datasets_subpath or None)
+
+    async def _create_objects(self, user, groups, spec: JobSpec, ns, user_dir, job_dir) -> None:
+        await self._ensure_namespace(user, groups)
+        common = self._object_args(user, spec, ns, user_dir, job_dir)
         service = make_training_job_objects(**common)[0]
         self.api_requests += 1
         created = await self.core.create_namespaced_service(

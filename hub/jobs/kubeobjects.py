@@ -325,7 +325,8 @@ def make_training_jobset(
     - with ``queue_name`` (the person's Kueue LocalQueue), created suspended with the label
       ``kueue.x-k8s.io/queue-name``: Kueue admits it whole, then unsuspends it.
 
-    Not used by `KubeJobBackend` yet (issue 18): that still creates `make_training_job_objects`."""
+    `gpulab.hub.jobs.kueue.KueueJobBackend` creates it; `KubeJobBackend` (no Kueue) creates
+    `make_training_job_objects`."""
     labels = job_labels(user_label=user_label, job=spec.name)
     if queue_name:
         labels[QUEUE_NAME_LABEL] = queue_name
@@ -368,18 +369,19 @@ def job_network_policy_name(job: str) -> str:
 
 
 def make_job_network_policy(*, job: str, namespace: str, user_label: str,
-                            parent_uid: str | None = None) -> dict:
+                            parent_uid: str | None = None, parent: tuple[str, str] = ("v1", "Service")) -> dict:
     """The NetworkPolicy of one training job: its replicas (pods labelled with the user and
     the job) accept connections only from replicas of the same job and open them only to
     those (any port: gRPC, and NCCL's own ports between GPU workers). With ``parent_uid``
-    (the job's Service) it goes with the job."""
+    (the job's ``parent``: its Service, or its JobSet ``(JOBSET_API, "JobSet")``) it goes
+    with the job."""
     def replicas() -> dict:
         return {"matchLabels": {USER_LABEL: user_label, JOB_LABEL: job}}
 
     meta: dict[str, Any] = {"name": job_network_policy_name(job), "namespace": namespace,
                             "labels": job_labels(user_label=user_label, job=job)}
     if parent_uid:
-        meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Service", "name": job,
+        meta["ownerReferences"] = [{"apiVersion": parent[0], "kind": parent[1], "name": job,
                                     "uid": parent_uid}]
     return {
         "apiVersion": "networking.k8s.io/v1",
@@ -453,7 +455,8 @@ def make_tfjob(
 
 
 def make_source_configmap(*, spec: JobSpec, namespace: str, user_label: str,
-                          parent_uid: str | None = None) -> dict:
+                          parent_uid: str | None = None,
+                          parent: tuple[str, str] = ("v1", "Service")) -> dict:
     """The ConfigMap ``<job>-source`` holding the code of a spec given as ``source``: the
     entry point as ``source.py`` and the spec's ``files`` beside it (plain names, valid keys:
     `gpulab.hub.jobs.spec.FILE_NAME_RE`), all in `SOURCE_MOUNT`, the entry point's folder and
@@ -461,8 +464,8 @@ def make_source_configmap(*, spec: JobSpec, namespace: str, user_label: str,
     meta: dict[str, Any] = {"name": f"{spec.name}-source", "namespace": namespace,
                             "labels": job_labels(user_label=user_label, job=spec.name)}
     if parent_uid:
-        meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Service", "name": spec.name,
-                                    "uid": parent_uid}]
+        meta["ownerReferences"] = [{"apiVersion": parent[0], "kind": parent[1],
+                                    "name": spec.name, "uid": parent_uid}]
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
             "data": {"source.py": spec.source or "", **spec.files}}
 

@@ -186,6 +186,16 @@ class JobStore:
                     setattr(r, k, v)
         return True
 
+    def note_queued(self, job_id: str, reason: str) -> bool:
+        """A Queued job's reason (why it waits) as the cluster's queue says it now. False
+        when it no longer waits."""
+        with self.ledger.Session.begin() as s:
+            job = s.get(JobRow, job_id)
+            if job is None or job.state != "Queued":
+                return False
+            job.reason = reason[:1000]
+        return True
+
     def requeue(self, job_id: str, reason: str) -> bool:
         """A preempted job back to Queued: its replicas Pending (their restarts kept), its
         GPUs released in the same commit. False when it was not active."""

@@ -398,6 +398,36 @@ class Ledger:
         return Allocation(row["id"], self.pool, req.kind, req.holder, req.user, req.gpus,
                           req.model, tuple(devices), now)
 
+    def adopt(self, req: Request, now: float | None = None) -> Allocation:
+        """The allocation of GPUs an outside scheduler (Kueue) has admitted already: recorded
+        as it is, without a quota or device check (that scheduler enforced the quota gpulab
+        mirrors to it), so that usage, GPU-hours and the admin page count it. Where the
+        holder has an open allocation, that one is returned (a second look at one admission
+        records nothing)."""
+        if req.kind not in KINDS:
+            raise BadRequest(f"Unknown holder kind {req.kind!r}.")
+        now = time.time() if now is None else now
+        with self.Session.begin() as s:
+            row = s.scalar(select(AllocationRow).where(
+                AllocationRow.pool == self.pool, AllocationRow.user == req.user,
+                AllocationRow.kind == req.kind, AllocationRow.holder == req.holder,
+                AllocationRow.ended_at.is_(None)).limit(1))
+            if row is not None:
+                return Allocation.of(row)
+            if s.get(Pool, self.pool) is None:
+                s.add(Pool(name=self.pool, assigns_devices=0))
+                s.flush()
+            row = AllocationRow(id=uuid.uuid4().hex, pool=self.pool, kind=req.kind,
+                                holder=req.holder, user=req.user, gpus=req.gpus,
+                                model=req.model, devices="[]", started_at=now, ended_at=None,
+                                end_reason="")
+            s.add(row)
+            s.flush()
+            alloc = Allocation.of(row)
+        log.info("Adopted %s %s/%s: %d GPU(s) admitted by the cluster's queue", req.kind,
+                 req.user, req.holder, req.gpus)
+        return alloc
+
     def release(self, alloc_id: str, reason: str = "released", now: float | None = None,
                 session: Session | None = None):
         """Close an allocation; closing an unknown or closed one is a no-op (returns None).

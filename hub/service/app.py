@@ -183,10 +183,11 @@ def kube_backend_from_env(ledger: Ledger, backend: str | None = None, settings: 
     backend = os.environ.get("GPULAB_JOB_BACKEND") if backend is None else backend
     if backend != "kubernetes":
         return None
-    from gpulab.hub.jobs.kube import SETTINGS_ENV, KubeJobBackend
+    from gpulab.hub.jobs.kube import SETTINGS_ENV
+    from gpulab.hub.jobs.kueue import backend_from_settings
 
-    return KubeJobBackend.from_settings(ledger, os.environ.get(SETTINGS_ENV) if settings is None
-                                        else settings)
+    return backend_from_settings(ledger, os.environ.get(SETTINGS_ENV) if settings is None
+                                 else settings)
 
 
 def _env(name: str, fallback: str = "") -> str:

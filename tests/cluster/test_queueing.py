@@ -14,6 +14,7 @@ ClusterQueue, and preemptible work borrows idle quota and is preempted when its 
 it. The backend does not create them yet.
 """
 
+import json
 import uuid
 
 import pytest
@@ -22,6 +23,7 @@ import yaml
 from .conftest import _build
 from .controlplane import (
     DEFAULT_STAGES,
+    HERE,
     GPU_PRODUCT_LABEL,
     GPU_RESOURCE,
     GPU_TOLERATION,
@@ -53,6 +55,8 @@ def cp(request, tmp_path_factory):
     _build(request.config)
     stages = [d for d in yaml.safe_load_all(DEFAULT_STAGES.read_text())
               if d and d["metadata"]["name"] != "pod-job-done"]
+    # a test ends a replica by annotating its pod (``gpulab.test/exit``: 0, 1 or oom)
+    stages += [d for d in yaml.safe_load_all((HERE / "stages" / "job-exits.yaml").read_text()) if d]
     path = tmp_path_factory.mktemp("kwok") / "stages.yaml"
     path.write_text(yaml.safe_dump_all(stages))
     plane = ControlPlane(queueing=True, kwok_stages=[path])
@@ -516,3 +520,153 @@ def test_preemptible_work_borrows_idle_quota_and_gives_it_back(cp, people):
                timeout=WAIT, what="ann's borrowing job preempted")
     wait_jobset_running(cp, bob, "mine", 2)
     assert cp.kubectl_json("get", "jobset", "borrow", "-n", ann)["spec"]["suspend"] is True
+
+
+# -- gpulab's job backend with Kueue (c.KubeJobBackend.kueue), as the hub's RBAC allows ----
+
+@pytest.fixture(scope="module")
+def hub_kubeconfig(cp):
+    from . import hubrbac
+
+    return hubrbac.hub_kubeconfig(cp, "gpulab-hub-test")
+
+
+@pytest.fixture
+async def kueue_backend(cp, hub_kubeconfig, tmp_path, monkeypatch):
+    """A KueueJobBackend as the hub's ServiceAccount (helm-values/rbac.yaml), with a real
+    SQLite ledger."""
+    from kubernetes_asyncio.config import kube_config
+    from kubespawner.clients import load_config
+    from traitlets.config import Config
+
+    from gpulab.hub.jobs.kueue import backend_from_settings
+    from gpulab.hub.quota.ledger import Ledger
+    from gpulab.spawner.kube import GPUQuotaMirror
+    from gpulab.spawner.kueuemirror import KueueMirror
+
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", hub_kubeconfig)
+    load_config.cache_clear()
+    ledger = Ledger(f"sqlite:///{tmp_path / 'gpulab.sqlite'}", pool="kubernetes")
+    ledger.migrate()
+    b = backend_from_settings(ledger, json.dumps({
+        "kueue": True, "gpu_model": "NVIDIA-H100", "reconcile_interval": 0.2,
+        "gpu_quota_sync_interval": 0.5}))
+    b.ensure_supervisor()
+    await b.start_watches()
+    yield b
+    for job in b.list():
+        if job["state"] not in ("Succeeded", "Failed", "Stopped"):
+            await b.stop(job["user"], job["name"])
+    await b.shutdown()
+    for mirror in list(GPUQuotaMirror._instances.values()):
+        if mirror._task is not None:
+            mirror._task.cancel()
+    GPUQuotaMirror._instances.clear()
+    for mirror in list(KueueMirror._instances.values()):
+        if mirror._task is not None:
+            mirror._task.cancel()
+    KueueMirror._instances.clear()
+
+
+async def until(check, what, timeout=WAIT):
+    """Poll the (sync) ``check`` in a thread every 0.2 s until it returns something truthy."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        got = await asyncio.to_thread(check)
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.2)
+
+
+def mw(name, workers, gpus=1, **kw):
+    from gpulab.hub.jobs.spec import parse_spec
+
+    return parse_spec({"name": name, "strategy": "multi-worker-mirrored",
+                       "replicas": {"worker": workers}, "resources": {"worker": {"gpus": gpus}},
+                       "script": "train.py", **kw})
+
+
+async def test_kueue_admits_gpulab_jobs_whole_and_the_ledger_follows(cp, kueue_backend):
+    """Through the job backend (the hub's credentials): the person's Kueue objects come from
+    the ledger (the mirror); a job that fits is admitted by Kueue and runs, and only then
+    does the ledger hold its GPUs; one that does not fit waits whole (Queued, Kueue's reason
+    in words, no pod, no GPUs in the ledger) and starts by itself when the first is stopped;
+    JobSet's completion ends it as Succeeded and closes its allocation. A job over the
+    person's quota is refused at once; an admin's quota edit reaches the ClusterQueue."""
+    from gpulab.hub.quota.ledger import AdmissionRefused
+    from gpulab.hub.quota.policy import Quota
+
+    b = kueue_backend
+    user = f"k{uuid.uuid4().hex[:6]}"
+    b.ledger.set_quota("user", user, Quota(max_gpus=2), actor="admin")
+    ns = b.namespace_of(user)
+    cqs = [ns, f"{ns}-preemptible"]
+    try:
+        with pytest.raises(AdmissionRefused) as e:
+            await b.submit(user, (), mw("huge", 3))
+        assert "your quota is 2" in str(e.value)
+
+        first = await b.submit(user, (), mw("first", 2))
+        assert first["state"] == "Queued" and b.ledger.open_allocations(user=user) == []
+        cq = cp.kubectl_json("get", "clusterqueue", ns)
+        assert cq["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "gpulab"
+        assert gpu_quota(cq) == "2"
+        assert "resourcequota" not in cp.kubectl("get", "resourcequota", "-n", ns, "-o", "name").stdout
+        js = cp.kubectl_json("get", "jobset", "first", "-n", ns)
+        assert js["metadata"]["labels"][QUEUE_NAME_LABEL] == "gpulab"
+        owner = {o["kind"] for o in cp.kubectl_json("get", "networkpolicy", "first-replicas",
+                                                      "-n", ns)["metadata"]["ownerReferences"]}
+        assert owner == {"JobSet"}
+        view = await until(lambda: (v := b.get(user, "first"))["state"] == "Running" and v,
+                           "the first job Running")
+        assert [a.gpus for a in b.ledger.open_allocations(user=user)] == [2]
+        assert {r["state"] for r in view["replicas"]} == {"Running"}
+
+        second = await b.submit(user, (), mw("second", 1))
+        assert second["state"] == "Queued"
+        view = await until(lambda: "insufficient" in (v := b.get(user, "second"))["reason"] and v,
+                           "Kueue's reason for the second job")
+        assert view["reason"].startswith("waiting for GPUs in the cluster's queue")
+        assert jobset_pods(cp, ns, "second") == []
+        assert [a.holder for a in b.ledger.open_allocations(user=user)] == ["first"]
+
+        b.ledger.set_quota("user", user, Quota(max_gpus=3), actor="admin")  # reaches Kueue
+        await until(lambda: gpu_quota(cp.kubectl_json("get", "clusterqueue", ns)) == "3",
+                    "the ClusterQueue's quota of 3")
+        await until(lambda: b.get(user, "second")["state"] == "Running", "the second job Running")
+        b.ledger.set_quota("user", user, Quota(max_gpus=2), actor="admin")
+        await b.stop(user, "second")
+        await until(lambda: gpu_quota(cp.kubectl_json("get", "clusterqueue", ns)) == "2",
+                    "the ClusterQueue's quota of 2 again")
+        second = await b.submit(user, (), mw("second-again", 1))
+        await until(lambda: "insufficient" in b.get(user, "second-again")["reason"],
+                    "the third job waiting")
+        stopped = await b.stop(user, "first")
+        assert stopped["state"] == "Stopped"
+        await until(lambda: b.get(user, "second-again")["state"] == "Running",
+                    "the third job Running")
+        assert [(a.holder, a.gpus) for a in b.ledger.open_allocations(user=user)] == [
+            ("second-again", 1)]
+
+        (pod,) = jobset_pods(cp, ns, "second-again")
+        cp.api("PATCH", f"/api/v1/namespaces/{ns}/pods/{pod['metadata']['name']}",
+               {"metadata": {"annotations": {"gpulab.test/exit": "0"}}},
+               content_type="application/merge-patch+json", expect=(200,))
+        done = await until(lambda: (v := b.get(user, "second-again"))["state"] == "Succeeded" and v,
+                           "the third job Succeeded")
+        assert done["reason"] == "completed"
+        assert b.ledger.open_allocations(user=user) == []
+        hours = b.ledger.usage(0)
+        assert hours.get(user, 0) > 0  # both jobs' admitted time is in the GPU-hours
+    finally:
+        cp.kubectl("delete", "jobsets", "--all", "-n", ns, "--wait=false", check=False)
+        cp.kubectl("delete", "clusterqueue", *cqs, "--wait=false", check=False)
+
+
+def gpu_quota(cq):
+    (flavor,) = cq["spec"]["resourceGroups"][0]["flavors"]
+    return next(r["nominalQuota"] for r in flavor["resources"] if r["name"] == GPU_RESOURCE)

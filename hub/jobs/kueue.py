@@ -1,0 +1,351 @@
+"""`KueueJobBackend`: training jobs as JobSets that Kueue queues and admits whole.
+
+On for ``c.KubeJobBackend.kueue = True`` (the cluster runs Kueue and JobSet, the deploy guide's
+"Queueing with Kueue"); otherwise `gpulab.hub.jobs.kube.KubeJobBackend` keeps making Indexed
+Jobs and checking capacity itself. Both share the workflow (`gpulab.hub.jobs.base`), the
+settings of ``c.KubeJobBackend``, the namespaces, the pods' words and the logs.
+
+Submit
+    The name rule and the replica bound as always; a job asking more GPUs than the person's
+    quota is refused at once (it could never be admitted; preemptible work may borrow, so it
+    is not). The job is recorded Queued, without an allocation, and created as one JobSet
+    (`gpulab.hub.jobs.kubeobjects.make_training_jobset`), suspended, labelled with the
+    person's LocalQueue (``gpulab``, or ``gpulab-preemptible`` for ``preemptible`` jobs),
+    then its NetworkPolicy and (for ``source``) its code ConfigMap, both owned by the JobSet.
+    API requests per submit: 2 (+1 with ``source``, +4 for a namespace this process has not
+    prepared yet).
+
+Kueue decides; the ledger follows
+    Shared watches over the JobSets (gpulab's label), their pods and Kueue's Workloads; a
+    pass over the caches every ``reconcile_interval`` seconds, no API request unless
+    something must be done. While a job's Workload is not admitted the job stays Queued with
+    Kueue's reason in words. When Kueue admits it, the ledger records the job's GPUs
+    (`gpulab.hub.quota.ledger.Ledger.adopt`: usage, GPU-hours and the admin page count them
+    as any allocation) and the job is Admitted, then Starting and Running from its pods.
+    When Kueue evicts it (preemption of borrowed GPUs, ``waitForPodsReady``), the job is
+    Queued again and its allocation closed. JobSet's own conditions end it: Completed is
+    Succeeded, Failed is Failed with JobSet's words; every ending closes the allocation.
+    Stop deletes the JobSet (garbage collection removes the rest; Kueue forgets its Workload).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from types import SimpleNamespace
+
+from kubernetes_asyncio.client.rest import ApiException
+from kubespawner.clients import load_config, shared_client
+from kubespawner.reflector import MultiNamespaceResourceReflector
+from traitlets import Unicode
+
+from gpulab.hub.jobs.kube import _LABELS, KubeJobBackend, _PodReflector, pod_words
+from gpulab.hub.jobs.kubeobjects import (
+    JOBSET_API,
+    make_job_network_policy,
+    make_source_configmap,
+    make_training_jobset,
+    mount_source,
+)
+from gpulab.hub.jobs.spec import JobSpec
+from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, Request
+from gpulab.spawner.kueuemirror import KueueMirror
+from gpulab.spawner.kueueobjects import LOCAL_QUEUE, PREEMPTIBLE_QUEUE
+
+log = logging.getLogger("gpulab.jobs.kueue")
+
+JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
+WORKLOAD = ("kueue.x-k8s.io", "v1beta2", "workloads")
+#: seconds after which a job whose JobSet the watch never saw is marked lost
+LOST_AFTER = 30.0
+
+
+class _CustomReflector(MultiNamespaceResourceReflector):
+    """kubespawner's shared watch over a custom resource in all namespaces."""
+
+    api_group_name = "CustomObjectsApi"
+    list_method_name = "list_objects"
+    resource: tuple[str, str, str] = ("", "", "")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        custom, (group, version, plural) = self.api, self.resource
+
+        async def list_objects(**kw):
+            return await custom.list_cluster_custom_object(group, version, plural, **kw)
+
+        self.api = SimpleNamespace(list_objects=list_objects)
+
+
+class _JobSetReflector(_CustomReflector):
+    kind = "jobsets"
+    resource = JOBSET
+
+
+class _WorkloadReflector(_CustomReflector):
+    kind = "workloads"
+    resource = WORKLOAD
+
+
+def _true(obj: dict | None, kind: str) -> dict | None:
+    for c in (obj or {}).get("status", {}).get("conditions") or []:
+        if c.get("type") == kind and c.get("status") == "True":
+            return c
+    return None
+
+
+def _false(obj: dict | None, kind: str) -> dict | None:
+    for c in (obj or {}).get("status", {}).get("conditions") or []:
+        if c.get("type") == kind and c.get("status") == "False":
+            return c
+    return None
+
+
+def workload_admitted(workload: dict | None) -> bool:
+    """Whether Kueue admits the work now (admitted and not being evicted)."""
+    return bool(_true(workload, "Admitted")) and not _true(workload, "Evicted")
+
+
+def waiting_words(workload: dict | None) -> str:
+    """Why a job waits, from its Workload, in words."""
+    if workload is None:
+        return "waiting for GPUs: the cluster's queue has not taken it in yet"
+    evicted = _true(workload, "Evicted")
+    if evicted:
+        return f"waiting for GPUs again: {evicted.get('message') or evicted.get('reason')}"
+    pending = _false(workload, "QuotaReserved")
+    if pending and pending.get("message"):
+        return f"waiting for GPUs in the cluster's queue: {pending['message']}"
+    return "waiting for GPUs in the cluster's queue"
+
+
+def jobset_ended(jobset: dict) -> tuple[str, str] | None:
+    """(Succeeded or Failed, words) once JobSet says the job is over; else None."""
+    if _true(jobset, "Completed"):
+        return "Succeeded", "completed"
+    failed = _true(jobset, "Failed")
+    if failed:
+        return "Failed", failed.get("message") or failed.get("reason") or "failed"
+    return None
+
+
+class KueueJobBackend(KubeJobBackend):
+    """Training jobs as JobSets in the person's Kueue LocalQueue; the ledger follows Kueue's
+    admissions (see the module's words)."""
+
+    launches_queued = True
+
+    local_queue = Unicode(LOCAL_QUEUE, help=f"""
+        The LocalQueue in each person's namespace that their jobs go to (default
+        ``{LOCAL_QUEUE}``, as the Kueue mirror makes it).""").tag(config=True)
+    preemptible_queue = Unicode(PREEMPTIBLE_QUEUE, help=f"""
+        The LocalQueue of jobs marked ``preemptible`` (default ``{PREEMPTIBLE_QUEUE}``): they
+        may borrow idle GPUs and are preempted when their lenders need them.""").tag(config=True)
+
+    queue_cpu = Unicode("1000", help="""
+        The CPUs a person's jobs may request at once, in their Kueue ClusterQueue (Kueue
+        admits only work whose every resource a queue covers; default ``1000``: in practice
+        only GPUs are limited).""").tag(config=True)
+    queue_memory = Unicode("4Ti", help="""
+        The memory a person's jobs may request at once, in their Kueue ClusterQueue (default
+        ``4Ti``).""").tag(config=True)
+
+    def __init__(self, ledger, **kwargs):
+        super().__init__(ledger, **kwargs)
+        self._jobsets_r: _JobSetReflector | None = None
+        self._workloads_r: _WorkloadReflector | None = None
+
+    @property
+    def custom(self):
+        load_config()
+        return shared_client("CustomObjectsApi")
+
+    async def start_watches(self) -> None:
+        async with self._started:
+            if self._jobsets_r is None:
+                load_config()
+                watches = [_JobSetReflector(labels=_LABELS, parent=self),
+                           _PodReflector(labels=_LABELS, parent=self),
+                           _WorkloadReflector(parent=self)]
+                for r in watches:
+                    await r.start()
+                self._jobsets_r, self._pods_r, self._workloads_r = watches
+
+    async def _stop_supervising(self) -> None:
+        for r in (self._jobsets_r, self._pods_r, self._workloads_r):
+            if r is not None:
+                await r.stop()
+        self._jobsets_r = self._pods_r = self._workloads_r = None
+
+    # -- the person's queues ----------------------------------------------------------------
+
+    def mirror(self) -> KueueMirror:
+        """This event loop's `KueueMirror` (the person's Kueue objects from the ledger)."""
+        return KueueMirror.for_loop(
+            self.ledger, self.custom, interval=self.gpu_quota_sync_interval,
+            models=[self.gpu_model], cpu=self.queue_cpu, memory=self.queue_memory, log=log,
+            request_timeout=self.request_timeout)
+
+    async def _ensure_namespace(self, user: str, groups: tuple[str, ...]) -> str:
+        """The namespace (no GPU ResourceQuota), then the person's Kueue objects, applied
+        before their first job (raises what the API said if they cannot be)."""
+        ns = await super()._ensure_namespace(user, groups)
+        mirror = self.mirror()
+        if ns not in mirror.applied:
+            await mirror.register(ns, user, groups, self.user_label(user))
+            self.api_requests += mirror.requests
+            mirror.requests = 0
+        return ns
+
+    # -- submit ----------------------------------------------------------------------------
+
+    async def _prepare(self, user: str, groups: tuple[str, ...], spec: JobSpec) -> None:
+        """No capacity check: Kueue admits what fits."""
+
+    def _admit_or_queue(self, req: Request, spec: JobSpec) -> Allocation | None:
+        """Queued, always (Kueue admits it); refused at once only when it asks more GPUs than
+        the person's quota, which Kueue would never admit (preemptible work may borrow)."""
+        if req.gpus and not spec.preemptible:
+            quota, _ = self.ledger.effective(req.user, req.groups)
+            if quota is not None and req.gpus > quota.max_gpus:
+                raise AdmissionRefused(
+                    f"This job asks for {req.gpus} GPUs and your quota is {quota.max_gpus}: "
+                    "it could never start. Ask for fewer GPUs, or mark it preemptible to "
+                    "borrow idle GPUs.")
+        return None
+
+    async def _create_objects(self, user, groups, spec: JobSpec, ns, user_dir, job_dir) -> None:
+        await self._ensure_namespace(user, groups)
+        jobset = make_training_jobset(
+            **self._object_args(user, spec, ns, user_dir, job_dir),
+            queue_name=self.preemptible_queue if spec.preemptible else self.local_queue)
+        if spec.source is not None:
+            for rj in jobset["spec"]["replicatedJobs"]:
+                mount_source(rj["template"]["spec"]["template"]["spec"], job=spec.name)
+        self.api_requests += 1
+        created = await self.custom.create_namespaced_custom_object(
+            *JOBSET[:2], ns, JOBSET[2], jobset, _request_timeout=self.request_timeout)
+        uid = created["metadata"]["uid"]
+        parent = (JOBSET_API, "JobSet")
+        creating = [self.networking.create_namespaced_network_policy(
+            ns, make_job_network_policy(job=spec.name, namespace=ns,
+                                        user_label=self.user_label(user), parent_uid=uid,
+                                        parent=parent),
+            _request_timeout=self.request_timeout)]
+        if spec.source is not None:
+            creating.append(self.core.create_namespaced_config_map(
+                ns, make_source_configmap(spec=spec, namespace=ns,
+                                          user_label=self.user_label(user), parent_uid=uid,
+                                          parent=parent),
+                _request_timeout=self.request_timeout))
+        # suspended until Kueue admits it: its pods never start before both exist
+        self.api_requests += len(creating)
+        for r in await asyncio.gather(*creating, return_exceptions=True):
+            if isinstance(r, BaseException):
+                raise r
+
+    async def _delete_parent(self, ns: str, name: str) -> None:
+        """Delete the JobSet: garbage collection removes its Jobs, pods, Service, policy and
+        code; Kueue forgets its Workload."""
+        try:
+            self.api_requests += 1
+            await self.custom.delete_namespaced_custom_object(
+                *JOBSET[:2], ns, JOBSET[2], name, propagation_policy="Background",
+                _request_timeout=self.request_timeout)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+    # -- following Kueue and JobSet ----------------------------------------------------------
+
+    def _active_to_supervise(self) -> list[str]:
+        """Queued jobs too: Kueue, not a gpulab pass, admits them."""
+        return [j for j in self.store.active_ids() if j not in self._launching]
+
+    def _workload_of(self, jobset: dict) -> dict | None:
+        uid = jobset["metadata"].get("uid")
+        ns = jobset["metadata"]["namespace"]
+        for w in (self._workloads_r.resources.values() if self._workloads_r else ()):
+            if w["metadata"].get("namespace") == ns and any(
+                    o.get("uid") == uid for o in w["metadata"].get("ownerReferences") or []):
+                return w
+        return None
+
+    async def reconcile(self) -> None:
+        if self._jobsets_r is None:
+            return
+        for job_id in await asyncio.to_thread(self._active_to_supervise):
+            await self._reconcile_job(job_id)
+
+    async def _reconcile_job(self, job_id: str) -> None:
+        job, _ = await asyncio.to_thread(self.store.read, job_id)
+        if job is None:
+            return
+        spec = JobSpec.model_validate_json(job.spec)
+        ns = self.namespace_of(job.user)
+        jobset = self._jobsets_r.resources.get(f"{ns}/{job.name}")
+        now = time.time()
+        if jobset is None:
+            if now - job.created_at > LOST_AFTER:  # the watch has long seen what submit made
+                await asyncio.to_thread(self._finish, job_id, "Failed",
+                                        "lost: its JobSet is gone")
+            return
+        workload = self._workload_of(jobset)
+        states = self._replica_states(spec, ns, job.name)
+        ended = jobset_ended(jobset)
+        if ended is not None:
+            state, words = ended
+            if state == "Failed":
+                failed = [f"{r}-{i}: {v[1]}" for (r, i), v in sorted(states.items())
+                          if v[0] == "Failed"]
+                words = f"{words}" + (f" ({'; '.join(failed[:3])})" if failed else "")
+            await asyncio.to_thread(self._record_states, job_id, states, (state, words), [], now)
+            return
+        if not workload_admitted(workload):
+            if job.state != "Queued":  # evicted: preempted, or its pods never got ready
+                why = waiting_words(workload)
+                log.info("Job %s/%s evicted by Kueue: %s", job.user, job.name, why)
+                await asyncio.to_thread(self.store.requeue, job_id, why)
+            elif job.reason != (why := self._waiting_words(ns, workload)):
+                await asyncio.to_thread(self.store.note_queued, job_id, why)
+            return
+        if job.state == "Queued":
+            allocation = await asyncio.to_thread(self.ledger.adopt, Request(
+                user=job.user, kind="job", holder=job.name, gpus=spec.total_gpus,
+                model=self.gpu_model))
+            if not await asyncio.to_thread(self.store.admit_queued, job_id, allocation,
+                                           self._replica_rows(spec, allocation)):
+                return
+            log.info("Job %s/%s admitted by Kueue (%d GPUs)", job.user, job.name, spec.total_gpus)
+        await asyncio.to_thread(self._record_states, job_id, states, None, [], now)
+
+    def _waiting_words(self, ns: str, workload: dict | None) -> str:
+        want = KueueMirror._instances.get(asyncio.get_running_loop())
+        held = want is not None and want.applied.get(ns) is not None and want.applied[ns].hold
+        if held:
+            return ("waiting: your GPU-hour budget is used up; it starts when the budget's "
+                    "window moves on or an admin raises it (jobs that run go on)")
+        return waiting_words(workload)
+
+    def _replica_states(self, spec: JobSpec, ns: str, name: str) -> dict:
+        pods = self._replica_pods(ns, name)
+        states = {}
+        for role, index in spec.replica_names():
+            mine = pods.get((role, index), [])
+            restarts = sum(1 for p in mine if p.get("status", {}).get("phase") == "Failed")
+            if not mine:
+                states[(role, index)] = ("Pending", "waiting for its pod", None, restarts)
+                continue
+            st, why, code = pod_words(mine[-1], gpus=spec.gpus_of(role), model=self.gpu_model)
+            states[(role, index)] = (st, why, code, restarts)
+        return states
+
+
+
+def backend_from_settings(ledger, raw: str | None) -> KubeJobBackend:
+    """The Kubernetes job backend of the JSON of `gpulab.hub.jobs.kube.backend_settings`:
+    `KueueJobBackend` where they say ``kueue``, else `KubeJobBackend`."""
+    cls = KueueJobBackend if json.loads(raw or "{}").get("kueue") else KubeJobBackend
+    return cls.from_settings(ledger, raw)
