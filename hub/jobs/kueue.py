@@ -60,6 +60,8 @@ JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
 WORKLOAD = ("kueue.x-k8s.io", "v1beta2", "workloads")
 #: seconds after which a job whose JobSet the watch never saw is marked lost
 LOST_AFTER = 30.0
+#: the JobSet's annotation with its owner's groups (JSON list)
+GROUPS_ANNOTATION = "gpulab.io/groups"
 
 
 class _CustomReflector(MultiNamespaceResourceReflector):
@@ -173,6 +175,23 @@ class KueueJobBackend(KubeJobBackend):
                     await r.start()
                 self._jobsets_r, self._pods_r, self._workloads_r = watches
 
+    async def _start_supervising(self) -> None:
+        """The watches, then the quota mirror for everyone with an active job (a restarted
+        service: a held queue lifts when the budget allows, without a new submit)."""
+        await super()._start_supervising()
+        mirror = self.mirror()
+        for job, _ in await asyncio.to_thread(self.store.active):
+            ns = self.namespace_of(job.user)
+            jobset = self._jobsets_r.resources.get(f"{ns}/{job.name}")
+            if ns in mirror.users or jobset is None:
+                continue
+            try:
+                groups = tuple(json.loads(jobset["metadata"].get("annotations", {})
+                                          .get(GROUPS_ANNOTATION, "[]")))
+                await mirror.register(ns, job.user, groups, self.user_label(job.user))
+            except Exception as e:  # the next sync or submit tries again
+                log.warning("Kueue quota of %s not mirrored yet: %s", job.user, e)
+
     async def _stop_supervising(self) -> None:
         for r in (self._jobsets_r, self._pods_r, self._workloads_r):
             if r is not None:
@@ -193,8 +212,8 @@ class KueueJobBackend(KubeJobBackend):
         before their first job (raises what the API said if they cannot be)."""
         ns = await super()._ensure_namespace(user, groups)
         mirror = self.mirror()
-        if ns not in mirror.applied:
-            await mirror.register(ns, user, groups, self.user_label(user))
+        if ns not in mirror.applied or mirror.users[ns][1] != tuple(groups):
+            await mirror.register(ns, user, tuple(groups), self.user_label(user))
             self.api_requests += mirror.requests
             mirror.requests = 0
         return ns
@@ -221,6 +240,10 @@ class KueueJobBackend(KubeJobBackend):
         jobset = make_training_jobset(
             **self._object_args(user, spec, ns, user_dir, job_dir),
             queue_name=self.preemptible_queue if spec.preemptible else self.local_queue)
+        # the person's groups (their quota may be a group's): a restarted service mirrors
+        # the quota of the people whose jobs it finds without waiting for their next submit
+        jobset["metadata"].setdefault("annotations", {})[GROUPS_ANNOTATION] = json.dumps(
+            sorted(groups))
         if spec.source is not None:
             for rj in jobset["spec"]["replicatedJobs"]:
                 mount_source(rj["template"]["spec"]["template"]["spec"], job=spec.name)

@@ -670,3 +670,126 @@ async def test_kueue_admits_gpulab_jobs_whole_and_the_ledger_follows(cp, kueue_b
 def gpu_quota(cq):
     (flavor,) = cq["spec"]["resourceGroups"][0]["flavors"]
     return next(r["nominalQuota"] for r in flavor["resources"] if r["name"] == GPU_RESOURCE)
+
+
+async def test_a_used_up_budget_holds_admissions_and_a_restarted_service_loses_nothing(
+        cp, kueue_backend, hub_kubeconfig):
+    """A GPU-hour budget used up holds the person's ClusterQueue: a new job waits, with the
+    reason in words, and no pod. The service restarts meanwhile (a new backend and mirror on
+    the same ledger, as a new process): when the admin raises the budget, the hold lifts and
+    the job that waited runs; its stop closes its allocation. The hub's credentials cannot
+    change a Kueue object gpulab did not make."""
+    import time
+
+    from gpulab.hub.jobs.kueue import backend_from_settings
+    from gpulab.hub.quota.ledger import Request
+    from gpulab.hub.quota.policy import Quota
+    from gpulab.spawner.kueuemirror import KueueMirror
+
+    b = kueue_backend
+    user = f"h{uuid.uuid4().hex[:6]}"
+    ns = b.namespace_of(user)
+    # half an hour of one GPU, in the last day: the whole budget
+    past = b.ledger.adopt(Request(user=user, kind="job", holder="earlier", gpus=1),
+                          now=time.time() - 1800)
+    b.ledger.release(past.id, "job succeeded")
+    b.ledger.set_quota("user", user, Quota(max_gpus=2, gpu_hours=0.5, window_hours=24),
+                       actor="admin")
+    try:
+        await b.submit(user, ("team",), mw("held", 1))
+        assert cp.kubectl_json("get", "clusterqueue", ns)["spec"]["stopPolicy"] == "Hold"
+        view = await until(lambda: (v := b.get(user, "held"))["reason"].startswith(
+            "waiting: your GPU-hour budget is used up") and v, "the held job's reason")
+        assert view["state"] == "Queued" and jobset_pods(cp, ns, "held") == []
+        js = cp.kubectl_json("get", "jobset", "held", "-n", ns)
+        assert json.loads(js["metadata"]["annotations"]["gpulab.io/groups"]) == ["team"]
+
+        # the service restarts: nothing of the old process is left but the ledger
+        await b.shutdown()
+        for mirror in list(KueueMirror._instances.values()):
+            if mirror._task is not None:
+                mirror._task.cancel()
+        KueueMirror._instances.clear()
+        b2 = backend_from_settings(b.ledger, json.dumps({
+            "kueue": True, "gpu_model": "NVIDIA-H100", "reconcile_interval": 0.2,
+            "gpu_quota_sync_interval": 0.5}))
+        await asyncio_to_thread(b2.recover)
+        b2.ensure_supervisor()
+        b.ledger.set_quota("user", user, Quota(max_gpus=2, gpu_hours=100, window_hours=24),
+                           actor="admin")
+        await until(lambda: "stopPolicy" not in cp.kubectl_json("get", "clusterqueue", ns)["spec"]
+                    or cp.kubectl_json("get", "clusterqueue", ns)["spec"]["stopPolicy"] == "None",
+                    "the hold lifted")
+        await until(lambda: b2.get(user, "held")["state"] == "Running", "the held job Running")
+        assert [a.holder for a in b2.ledger.open_allocations(user=user)] == ["held"]
+        await b2.stop(user, "held")
+        assert b2.ledger.open_allocations(user=user) == []
+        await b2.shutdown()
+    finally:
+        cp.kubectl("delete", "jobsets", "--all", "-n", ns, "--wait=false", check=False)
+        cp.kubectl("delete", "clusterqueue", ns, f"{ns}-preemptible", "--wait=false", check=False)
+
+    # the hub may apply its own Kueue objects, never take over another's
+    foreign = f"other-team-{uuid.uuid4().hex[:6]}"
+    cp.apply({"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue",
+              "metadata": {"name": foreign}, "spec": {"namespaceSelector": {}}})
+    try:
+        r = cp.kubectl("label", "clusterqueue", foreign, "app.kubernetes.io/managed-by=gpulab",
+                       kubeconfig=hub_kubeconfig, check=False)
+        assert r.returncode != 0 and "gpulab-hub-owned-namespaces" in r.stderr, r.stderr
+        r = cp.kubectl("delete", "clusterqueue", foreign, kubeconfig=hub_kubeconfig, check=False)
+        assert r.returncode != 0, r.stdout
+    finally:
+        cp.kubectl("delete", "clusterqueue", foreign, "--wait=false", check=False)
+
+
+async def asyncio_to_thread(fn, *args):
+    import asyncio
+
+    return await asyncio.to_thread(fn, *args)
+
+
+async def test_a_preemptible_job_borrows_is_preempted_and_waits_again(cp, kueue_backend):
+    """ann's preemptible job borrows bob's idle GPUs (admitted in her preemptible queue, the
+    ledger holding them meanwhile); bob's job takes them back: Kueue preempts hers, which is
+    Queued again with the reason and its allocation closed, and runs again by itself when
+    bob's job ends."""
+    b = kueue_backend
+    tag = uuid.uuid4().hex[:6]
+    ann, bob = f"pa{tag}", f"pb{tag}"
+    from gpulab.hub.quota.policy import Quota
+
+    for who in (ann, bob):
+        b.ledger.set_quota("user", who, Quota(max_gpus=2), actor="admin")
+    ours = {b.namespace_of(ann), b.namespace_of(bob)}
+    ours |= {f"{n}-preemptible" for n in ours}
+
+    def others_in_the_cohort():
+        return [q["metadata"]["name"] for q in cp.kubectl_json("get", "clusterqueues")["items"]
+                if q["spec"].get("cohortName") == "gpulab" and q["metadata"]["name"] not in ours]
+
+    # the cohort's spare GPUs are bob's alone (other tests' queues are gone)
+    await until(lambda: not others_in_the_cohort(), "the other tests' ClusterQueues gone")
+    try:
+        await b.submit(bob, (), mw("idle-check", 1, gpus=0))  # bob's queues exist, unused
+        borrow = await b.submit(ann, (), mw("borrow", 4, preemptible=True))
+        assert borrow["state"] == "Queued"
+        await until(lambda: b.get(ann, "borrow")["state"] == "Running", "ann's borrowing job Running")
+        w = workload_of(cp, b.namespace_of(ann), "JobSet", "borrow")
+        assert w["status"]["admission"]["clusterQueue"] == f"{b.namespace_of(ann)}-preemptible"
+        assert [a.gpus for a in b.ledger.open_allocations(user=ann)] == [4]
+
+        await b.submit(bob, (), mw("mine", 2))
+        view = await until(lambda: (v := b.get(ann, "borrow"))["state"] == "Queued" and v,
+                           "ann's job preempted")
+        assert view["reason"].startswith("waiting for GPUs again: Preempted"), view["reason"]
+        assert b.ledger.open_allocations(user=ann) == []
+        await until(lambda: b.get(bob, "mine")["state"] == "Running", "bob's job Running")
+        await b.stop(bob, "mine")
+        await until(lambda: b.get(ann, "borrow")["state"] == "Running", "ann's job running again")
+    finally:
+        for who in (ann, bob):
+            ns = b.namespace_of(who)
+            cp.kubectl("delete", "jobsets", "--all", "-n", ns, "--wait=false", check=False)
+            cp.kubectl("delete", "clusterqueue", ns, f"{ns}-preemptible", "--wait=false",
+                       check=False)
