@@ -5,7 +5,13 @@ Runs in this process against a real control plane (tests/cluster: etcd, kube-api
 scheduler, controller-manager, kwok with fake GPU nodes whose Job pods keep running), as the
 hub's ServiceAccount bound by helm-values/rbac.yaml, with a SQLite quota ledger.
 
-    python bench/k8s_jobs.py [--jobs 6] [--rounds 2] [--window 20]
+    python bench/k8s_jobs.py [--jobs 6] [--rounds 2] [--window 20] [--kueue]
+
+With ``--kueue`` the control plane runs Kueue and JobSet too and the backend is
+`KueueJobBackend` (``c.KubeJobBackend.kueue``): a job is one JobSet that Kueue admits; the
+direct baseline creates the same JobSet (`make_training_jobset`, suspended, in the person's
+LocalQueue) with the client, and step 2 also reports submit to admitted (the Workload's
+Admitted condition, seen by the shared watch).
 
 1. API requests per submit (shared watches excluded) of a parameter-server job (chief, 1 ps,
    2 workers of 1 H100: 3 roles) by a user whose namespace is prepared: goal <= roles + 3.
@@ -68,13 +74,21 @@ async def wait(check, timeout=120.0):
 
 
 async def direct_create(backend, spec, ns: str, user: str) -> None:
-    """The same objects, made directly: Service, then the role Jobs owned by it."""
-    from gpulab.hub.jobs.kubeobjects import make_training_job_objects
+    """The same objects, made directly: Service, then the role Jobs owned by it (with Kueue:
+    the same JobSet, in the person's LocalQueue)."""
+    from gpulab.hub.jobs.kubeobjects import make_training_job_objects, make_training_jobset
 
     common = dict(spec=spec, namespace=ns, user_label=backend.user_label(user),
                   image=backend.image, program=f"/gpulab/shared/users/{user}/train.py",
                   job_dir=f"/gpulab/shared/users/{user}/jobs/{spec.name}",
                   user_dir=f"/gpulab/shared/users/{user}", gpu_model=backend.gpu_model)
+    if getattr(backend, "launches_queued", False):
+        from gpulab.hub.jobs.kueue import JOBSET
+
+        await backend.custom.create_namespaced_custom_object(
+            *JOBSET[:2], ns, JOBSET[2],
+            make_training_jobset(**common, queue_name=backend.local_queue))
+        return
     svc = await backend.core.create_namespaced_service(ns, make_training_job_objects(**common)[0])
     for job in make_training_job_objects(**common, parent_uid=svc.metadata.uid)[1:]:
         await backend.batch.create_namespaced_job(ns, job)
@@ -96,7 +110,18 @@ async def bench(args, kubeconfig: str, db: str) -> None:
     c = Config()
     c.KubeJobBackend.gpu_model = "NVIDIA-H100"
     c.KubeJobBackend.reconcile_interval = 0.2
-    backend = KubeJobBackend(ledger, config=c)
+    if args.kueue:
+        from gpulab.hub.jobs.kueue import KueueJobBackend, workload_admitted
+
+        backend = KueueJobBackend(ledger, config=c)
+    else:
+        backend = KubeJobBackend(ledger, config=c)
+    label = "KueueJobBackend" if args.kueue else "KubeJobBackend"
+
+    def admitted(name: str) -> bool:
+        js = backend._jobsets_r.resources.get(f"{ns}/{name}")
+        return js is not None and workload_admitted(backend._workload_of(js))
+
     # 100 running jobs of one person measure status reads, not the operator's replica bound
     backend.limits = dataclasses.replace(backend.limits, max_replicas_per_user=0)
     backend.ensure_supervisor()
@@ -114,6 +139,7 @@ async def bench(args, kubeconfig: str, db: str) -> None:
     await backend.stop(user, "warm")
 
     times: dict[str, list[float]] = {"direct": [], "gpulab": []}
+    to_admitted: dict[str, list[float]] = {"direct": [], "gpulab": []}
     requests: list[int] = []
     k = 0
     for r in range(args.rounds):
@@ -129,6 +155,9 @@ async def bench(args, kubeconfig: str, db: str) -> None:
                     requests.append(counter.n - before)
                 else:
                     await direct_create(backend, spec, ns, user)
+                if args.kueue:
+                    await wait(lambda: admitted(name))
+                    to_admitted[kind].append(time.perf_counter() - t0)
                 await wait(lambda: all_running(backend, ns, name, n_replicas))
                 times[kind].append(time.perf_counter() - t0)
                 if kind == "gpulab":
@@ -160,12 +189,17 @@ async def bench(args, kubeconfig: str, db: str) -> None:
     await backend.shutdown()
 
     med = {k: statistics.median(v) for k, v in times.items()}
+    goal = "JobSet + NetworkPolicy: 2" if args.kueue else "<= 3 + 3"
     print(f"API requests per submit (3 roles): first job of a user {first}, then median "
-          f"{statistics.median(requests):.0f} (goal <= 3 + 3)")
+          f"{statistics.median(requests):.0f} (goal {goal})")
+    if args.kueue:
+        adm = {k: statistics.median(v) for k, v in to_admitted.items()}
+        print(f"median submit to admitted by Kueue: direct JobSet {adm['direct'] * 1000:.0f} ms, "
+              f"{label} {adm['gpulab'] * 1000:.0f} ms (ratio {adm['gpulab'] / adm['direct']:.2f})")
     print(f"median submit to all {n_replicas} replicas Running: direct objects "
-          f"{med['direct'] * 1000:.0f} ms, KubeJobBackend {med['gpulab'] * 1000:.0f} ms "
+          f"{med['direct'] * 1000:.0f} ms, {label} {med['gpulab'] * 1000:.0f} ms "
           f"({len(times['direct'])} jobs each)")
-    print(f"ratio KubeJobBackend / direct: {med['gpulab'] / med['direct']:.2f} (goal <= 1.2)")
+    print(f"ratio {label} / direct: {med['gpulab'] / med['direct']:.2f} (goal <= 1.2)")
     print(f"API requests per minute for status: 10 jobs {per_minute[10]:.1f}, 100 jobs "
           f"{per_minute[100]:.1f} (goal: the same order; shared watches only)")
 
@@ -175,10 +209,12 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=6, help="jobs per configuration and round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--window", type=float, default=20, help="seconds of status reads")
+    parser.add_argument("--kueue", action="store_true",
+                        help="jobs as JobSets admitted by Kueue (KueueJobBackend)")
     args = parser.parse_args()
     subprocess.run(["bash", str(BUILD_SCRIPT), "--quiet"], check=True)
     with tempfile.TemporaryDirectory(prefix="gpulab-bench-") as tmp:
-        with ControlPlane(kwok_stages=[running_stages(Path(tmp))]) as cp:
+        with ControlPlane(kwok_stages=[running_stages(Path(tmp))], queueing=args.kueue) as cp:
             print(f"control plane up in {cp.startup_seconds:.1f}s")
             asyncio.run(bench(args, rbac_kubeconfig(cp), str(Path(tmp) / "gpulab.sqlite")))
     return 0

@@ -1,6 +1,6 @@
 """gpulab's quota ledger in Kueue's terms (``kueue.x-k8s.io/v1beta2``), built by pure functions.
 
-Issue 18, first step: these builders are not applied by the spawner or the job backend yet.
+`gpulab.spawner.kueuemirror.KueueMirror` applies them (``c.KubeJobBackend.kueue``).
 
 On a cluster gpulab keeps its ledger (notebooks and jobs, GPU-hour budgets, the admin page) and
 lets Kueue decide who runs when. The objects below say a person's quota as Kueue objects, to

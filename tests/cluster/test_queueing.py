@@ -11,7 +11,13 @@ training jobs as JobSets (`gpulab.hub.jobs.kubeobjects.make_training_jobset`): t
 accept them, a job is admitted whole and its pods answer to the host names in TF_CONFIG, one
 over the person's quota waits without a pod, another namespace cannot use a person's
 ClusterQueue, and preemptible work borrows idle quota and is preempted when its lender needs
-it. The backend does not create them yet.
+it.
+
+The last tests run gpulab's job backend with Kueue (``c.KubeJobBackend.kueue``) as the hub's
+ServiceAccount bound by helm-values/rbac.yaml: its quota mirror makes the person's Kueue
+objects from the ledger, jobs wait whole and start by themselves, the ledger follows Kueue's
+admissions, an admin's quota edit reaches the ClusterQueue, a used-up budget holds
+admissions across a service restart, and preemptible jobs are preempted and requeued.
 """
 
 import json
