@@ -32,12 +32,15 @@ import copy
 import dataclasses
 import json
 import os
+from functools import partial
 from typing import Any
 
 from kubernetes_asyncio.client.rest import ApiException
 from kubespawner import KubeSpawner
+from kubespawner.clients import load_config, shared_client
 from traitlets import Bool, Dict, Float, List, Unicode, default
 
+from gpulab.hub.quota.ledger import Request
 from gpulab.hub.quota.policy import Holding, Quota, refusal
 
 from .kubeobjects import (
@@ -45,6 +48,15 @@ from .kubeobjects import (
     free_gpus_by_node,
     parse_quota_refusal,
     server_pod_settings,
+)
+from .kueuemirror import KueueMirror
+from .kueueobjects import (
+    ADMISSION_GATE,
+    LOCAL_QUEUE,
+    QUEUE_CPU,
+    QUEUE_MEMORY,
+    QUEUE_NAME_LABEL,
+    workload_wait_reason,
 )
 from .mixin import GPUSpawnerMixin, LedgerView, SpawnRefused, hub_ledger
 from .namespaces import (
@@ -110,7 +122,9 @@ ALLOWED_EGRESS_HELP = """Where else the pods of user namespaces (notebook server
         """
 
 #: traits the spawner sets for each start (from the profile and its own settings)
-_MANAGED_TRAITS = ("tolerations", "volumes", "volume_mounts", "environment")
+_MANAGED_TRAITS = ("tolerations", "volumes", "volume_mounts", "environment", "extra_labels")
+#: seconds between two reads of a queued notebook's Workload (its reason, for the progress page)
+KUEUE_PROGRESS_SECONDS = 2.0
 
 
 class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
@@ -197,12 +211,14 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
 
     kueue = Bool(
         False,
-        help="""The cluster runs Kueue and gpulab's training jobs are queued by it (the
+        help="""The cluster runs Kueue, which queues and admits gpulab's GPU work (the
         gpulab service's ``c.KubeJobBackend.kueue`` takes this unless set there; see the
-        deploy guide). Then user namespaces get no GPU ResourceQuota: the person's Kueue
-        ClusterQueue holds their quota for jobs (less what their notebooks hold), and a
-        ResourceQuota would refuse the pods of preemptible work that borrows idle GPUs.
-        Notebooks are still admitted by the quota ledger. Default False.
+        deploy guide). A GPU server's pod then carries the person's LocalQueue
+        (``kueue.x-k8s.io/queue-name``): it waits, gated, until Kueue admits it within their
+        quota (the progress page says why it waits; ``start_timeout`` bounds the wait), and
+        the ledger records its GPUs once it runs. Its person's Kueue objects are made from
+        the ledger before the pod. User namespaces get no GPU ResourceQuota (it would refuse
+        the pods of preemptible work that borrows idle GPUs). Default False.
         Example: ``c.KubeGPUSpawner.kueue = True``""",
     ).tag(config=True)
 
@@ -337,6 +353,8 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         profile = dataclasses.replace(selection.profile, gpus=gpus, model=model)
         for name, value in self._server_settings(profile).items():
             setattr(self, name, value)
+        if self.kueue and profile.gpus:  # Kueue admits the pod (its pod integration)
+            self.extra_labels = {**self.extra_labels, QUEUE_NAME_LABEL: LOCAL_QUEUE}
         self.gpu_record_overrides(before)
         self.gpu_profile = profile
         await self.admit_gpus(profile)  # SpawnRefused(409) when the quota is used up
@@ -348,9 +366,64 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         return GPUQuotaMirror.for_loop(self.gpu_ledger, self.api, self.gpu_quota_sync_interval,
                                        self.log)
 
+    # -- Kueue (``kueue``): the pod waits in the person's queue ----------------------------
+
+    async def admit_gpus(self, profile: GPUProfile):
+        """Without Kueue: the ledger admits the GPUs now (the mixin's). With Kueue: nothing is
+        held yet (Kueue admits the pod; `_finish_start` records its GPUs), but a server
+        asking more GPUs than the person's quota is refused at once: it could never start."""
+        if not self.kueue or not profile.gpus:
+            return await super().admit_gpus(profile)
+        if self.gpu_claim_id:
+            await self.release_gpus_async()
+        ledger = await asyncio.to_thread(hub_ledger, self.config, self.gpu_assigns_devices)
+        quota, source = await asyncio.to_thread(ledger.effective, self.user.name,
+                                                self.user_groups)
+        if quota is not None and profile.gpus > quota.max_gpus:
+            raise SpawnRefused(409, f"Cannot start with profile '{profile.display_name}': it "
+                               f"asks for {profile.gpus} GPUs and your quota ({source}) is "
+                               f"{quota.max_gpus}. Choose a smaller profile.")
+        return ()
+
+    def kueue_mirror(self, ledger) -> KueueMirror:
+        load_config()
+        return KueueMirror.for_loop(
+            ledger, shared_client("CustomObjectsApi"), interval=self.gpu_quota_sync_interval,
+            models=[None], cpu=QUEUE_CPU, memory=QUEUE_MEMORY,
+            log=self.log, request_timeout=self.k8s_api_request_timeout)
+
+    async def _kueue_record_gpus(self) -> None:
+        """The pod runs: Kueue admitted it. Its GPUs in the ledger (as any server's)."""
+        ledger = await asyncio.to_thread(hub_ledger, self.config, self.gpu_assigns_devices)
+        profile = self.gpu_profile
+        allocation = await asyncio.to_thread(ledger.adopt, Request(
+            user=self.user.name, kind="notebook", holder=self.gpu_holder_name,
+            gpus=profile.gpus, groups=self.user_groups, model=profile.model))
+        self._adopt(allocation, probe=None)
+
+    async def _kueue_wait_words(self) -> str | None:
+        """Why this server's gated pod waits, from its Workload (None: not gated)."""
+        pod = (self.pod_reflector.pods.get(f"{self.namespace}/{self.pod_name}")
+               if self.pod_reflector else None)
+        if pod is None or not any(g.get("name") == ADMISSION_GATE
+                                  for g in pod["spec"].get("schedulingGates") or []):
+            return None
+        try:
+            workloads = await self._list_json(
+                partial(shared_client("CustomObjectsApi").list_namespaced_custom_object,
+                        "kueue.x-k8s.io", "v1beta2", self.namespace, "workloads"))
+        except (ApiException, asyncio.TimeoutError) as e:
+            self.log.info("Cannot read why %s waits: %s", self._log_name, e)
+            return None
+        uid = pod["metadata"].get("uid")
+        mine = next((w for w in workloads if any(
+            o.get("uid") == uid for o in w["metadata"].get("ownerReferences") or [])), None)
+        return "Waiting for GPUs in your queue: " + workload_wait_reason(mine)
+
     async def _ensure_namespace(self):
         """Create or update the user's namespace (Pod Security labels), then its
-        NetworkPolicies and quota (`prepare_user_namespace`, as the job backend does)."""
+        NetworkPolicies and quota (`prepare_user_namespace`, as the job backend does); with
+        Kueue, the person's Kueue objects (`gpulab.spawner.kueuemirror`)."""
         # opened by admit_gpus already; the first call would migrate, so not on the loop
         ledger = await asyncio.to_thread(hub_ledger, self.config, self.gpu_assigns_devices)
         try:
@@ -365,6 +438,12 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         except NamespaceSettingsError as e:
             raise SpawnRefused(500, f"The server's network settings are wrong: {e}"
                                if e.network else str(e)) from e
+        if self.kueue:
+            mirror = self.kueue_mirror(ledger)
+            if (self.namespace not in mirror.applied
+                    or mirror.users[self.namespace][1] != tuple(self.user_groups)):
+                await mirror.register(self.namespace, self.user.name, tuple(self.user_groups),
+                                      self.user_label)
 
     async def _make_create_pod_request(self, pod, request_timeout):
         try:
@@ -396,6 +475,12 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         except BaseException:
             await self.release_gpus_async("server did not start")
             raise
+        if self.kueue and self.gpu_profile is not None and self.gpu_profile.gpus:
+            try:
+                await self._kueue_record_gpus()
+            except BaseException:
+                await self._kueue_stop_quietly()
+                raise
         self.set_gpu_probe()
         self.log.info("Started %s as pod %s/%s (profile %s, %d GPU(s))", self._log_name,
                       self.namespace, self.pod_name,
@@ -433,8 +518,43 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         return why or (f"Quota exceeded: the cluster allows {limited} GPUs in namespace "
                        f"{self.namespace}, {used} are in use and this server needs {requested}.")
 
+    async def _kueue_stop_quietly(self) -> None:
+        try:
+            await super().stop(now=True)
+        except Exception as e:  # noqa: BLE001 - the start fails with the first error
+            self.log.warning("Could not remove the pod of %s: %s", self._log_name, e)
+
     async def progress(self):
-        """KubeSpawner's progress, with the scheduler's reasons in plain words."""
+        """KubeSpawner's progress, with the scheduler's reasons in plain words; with Kueue,
+        while the pod waits in the queue, why it waits (read from its Workload every
+        `KUEUE_PROGRESS_SECONDS`, an event when it changes)."""
+        events = self._explained_progress()
+        if not self.kueue:
+            async for event in events:
+                yield event
+            return
+        pending = asyncio.ensure_future(events.__anext__())
+        said = None
+        try:
+            while True:
+                done, _ = await asyncio.wait({pending}, timeout=KUEUE_PROGRESS_SECONDS)
+                if pending in done:
+                    try:
+                        event = pending.result()
+                    except StopAsyncIteration:
+                        return
+                    yield event
+                    pending = asyncio.ensure_future(events.__anext__())
+                    continue
+                words = await self._kueue_wait_words()
+                if words and words != said:
+                    said = words
+                    yield {"progress": 50, "message": words}
+        finally:
+            pending.cancel()
+            await events.aclose()
+
+    async def _explained_progress(self):
         explained: dict[str, str | None] = {}
         async for event in super().progress():
             raw = event.get("raw_event")

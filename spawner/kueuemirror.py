@@ -13,9 +13,13 @@ people whose figures changed (no API request otherwise). The objects are
 - per person, the cohort of the group their quota comes from, their two ClusterQueues and two
   LocalQueues.
 
-What a person's in-quota ClusterQueue admits (its nominal GPU quota) is their gpulab quota's
-``max_gpus`` less the GPUs their notebook servers hold (notebooks are admitted by the ledger,
-not by Kueue): notebooks and jobs count against one quota. No quota at all is `UNLIMITED`.
+What a person's in-quota ClusterQueue admits (its nominal GPU quota, of any GPU model: one
+flavor, ``gpulab-gpu``, as gpulab's quota counts GPUs of every model together; each pod's own
+node selector picks the model) is their gpulab quota's ``max_gpus``: their GPU notebook pods
+and their jobs both wait in it, so both count against one quota. No quota at all is
+`UNLIMITED`. Both processes that need the objects keep a mirror (the hub's spawner before a
+GPU server's pod, the service's job backend before a job): they apply the same objects from
+the same ledger.
 A GPU-hour budget used up holds the ClusterQueue (``stopPolicy: Hold``): what runs goes on,
 nothing new is admitted, and the job's reason says why; the hold lifts when the budget's
 window moves on or the admin raises it.
@@ -59,15 +63,14 @@ class Wanted:
     hold: bool
 
 
-def wanted(quota: Quota | None, source: str, *, notebook_gpus: int, budget_used: float) -> Wanted:
+def wanted(quota: Quota | None, source: str, *, budget_used: float) -> Wanted:
     """A person's `Wanted` from their effective quota (and where it comes from: ``user``,
-    ``group 'x'``, ``default``, ``none``), the GPUs their notebooks hold and the GPU-hours
-    used in the budget's window."""
+    ``group 'x'``, ``default``, ``none``) and the GPU-hours used in the budget's window."""
     top = UNLIMITED if quota is None else quota.max_gpus
     group = source[len("group '"):-1] if source.startswith("group '") else None
     hold = bool(quota is not None and quota.gpu_hours is not None
                 and budget_used >= quota.gpu_hours)
-    return Wanted(max(0, top - notebook_gpus), group, hold)
+    return Wanted(top, group, hold)
 
 
 class KueueMirror:
@@ -111,9 +114,6 @@ class KueueMirror:
 
     def _wanted(self, namespaces: list[str]) -> dict[str, Wanted]:
         rows = self.ledger.quotas()
-        notebooks: dict[str, int] = {}
-        for a in self.ledger.open_allocations(kind="notebook"):
-            notebooks[a.user] = notebooks.get(a.user, 0) + a.gpus
         out = {}
         now = time.time()
         for ns in namespaces:
@@ -123,8 +123,7 @@ class KueueMirror:
             if quota is not None and quota.gpu_hours is not None:
                 since = now - (quota.window_hours or 0) * 3600
                 used = self.ledger.usage(since, now, user=user).get(user, 0.0)
-            out[ns] = wanted(quota, source, notebook_gpus=notebooks.get(user, 0),
-                             budget_used=used)
+            out[ns] = wanted(quota, source, budget_used=used)
         return out
 
     # -- writing Kueue's objects -------------------------------------------------------------

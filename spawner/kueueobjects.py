@@ -52,6 +52,12 @@ DEFAULT_FLAVOR = "gpulab-default"
 PREEMPTIBLE_SUFFIX = "-preemptible"
 #: the label that puts a pod or a JobSet in a LocalQueue
 QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"
+#: the scheduling gate Kueue's pod integration puts on a pod until its Workload is admitted
+ADMISSION_GATE = "kueue.x-k8s.io/admission"
+#: what a person's ClusterQueue covers of CPU and memory (Kueue admits only work whose every
+#: requested resource a queue covers): enough never to be what limits them, GPUs do
+QUEUE_CPU = "1000"
+QUEUE_MEMORY = "4Ti"
 
 
 def _slug(text: str, room: int) -> str:
@@ -151,3 +157,32 @@ def make_local_queues(*, namespace: str, user_label: str) -> list[dict]:
                 "spec": {"clusterQueue": cluster_queue}}
     return [local(LOCAL_QUEUE, namespace),
             local(PREEMPTIBLE_QUEUE, namespace + PREEMPTIBLE_SUFFIX)]
+
+
+# -- reading Kueue's Workloads ------------------------------------------------------------
+
+
+def condition(obj: dict | None, kind: str, status: str = "True") -> dict | None:
+    """The condition ``kind`` of ``obj`` if it has that ``status``, else None."""
+    for c in (obj or {}).get("status", {}).get("conditions") or []:
+        if c.get("type") == kind and c.get("status") == status:
+            return c
+    return None
+
+
+def workload_admitted(workload: dict | None) -> bool:
+    """Whether Kueue admits the work now (admitted and not being evicted)."""
+    return bool(condition(workload, "Admitted")) and not condition(workload, "Evicted")
+
+
+def workload_wait_reason(workload: dict | None) -> str:
+    """Why Kueue has not admitted the work (Kueue's own words where it gave some)."""
+    if workload is None:
+        return "the cluster's queue has not taken it in yet"
+    evicted = condition(workload, "Evicted")
+    if evicted:
+        return evicted.get("message") or evicted.get("reason") or "evicted"
+    pending = condition(workload, "QuotaReserved", "False")
+    if pending and pending.get("message"):
+        return pending["message"]
+    return "waiting for quota"

@@ -52,7 +52,15 @@ from gpulab.hub.jobs.kubeobjects import (
 from gpulab.hub.jobs.spec import JobSpec
 from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, Request
 from gpulab.spawner.kueuemirror import KueueMirror
-from gpulab.spawner.kueueobjects import LOCAL_QUEUE, PREEMPTIBLE_QUEUE
+from gpulab.spawner.kueueobjects import (
+    LOCAL_QUEUE,
+    PREEMPTIBLE_QUEUE,
+    QUEUE_CPU,
+    QUEUE_MEMORY,
+    condition,
+    workload_admitted,
+    workload_wait_reason,
+)
 
 log = logging.getLogger("gpulab.jobs.kueue")
 
@@ -91,43 +99,23 @@ class _WorkloadReflector(_CustomReflector):
     resource = WORKLOAD
 
 
-def _true(obj: dict | None, kind: str) -> dict | None:
-    for c in (obj or {}).get("status", {}).get("conditions") or []:
-        if c.get("type") == kind and c.get("status") == "True":
-            return c
-    return None
-
-
-def _false(obj: dict | None, kind: str) -> dict | None:
-    for c in (obj or {}).get("status", {}).get("conditions") or []:
-        if c.get("type") == kind and c.get("status") == "False":
-            return c
-    return None
-
-
-def workload_admitted(workload: dict | None) -> bool:
-    """Whether Kueue admits the work now (admitted and not being evicted)."""
-    return bool(_true(workload, "Admitted")) and not _true(workload, "Evicted")
-
-
 def waiting_words(workload: dict | None) -> str:
     """Why a job waits, from its Workload, in words."""
+    why = workload_wait_reason(workload)
     if workload is None:
-        return "waiting for GPUs: the cluster's queue has not taken it in yet"
-    evicted = _true(workload, "Evicted")
-    if evicted:
-        return f"waiting for GPUs again: {evicted.get('message') or evicted.get('reason')}"
-    pending = _false(workload, "QuotaReserved")
-    if pending and pending.get("message"):
-        return f"waiting for GPUs in the cluster's queue: {pending['message']}"
-    return "waiting for GPUs in the cluster's queue"
+        return f"waiting for GPUs: {why}"
+    if condition(workload, "Evicted"):
+        return f"waiting for GPUs again: {why}"
+    if why == "waiting for quota":
+        return "waiting for GPUs in the cluster's queue"
+    return f"waiting for GPUs in the cluster's queue: {why}"
 
 
 def jobset_ended(jobset: dict) -> tuple[str, str] | None:
     """(Succeeded or Failed, words) once JobSet says the job is over; else None."""
-    if _true(jobset, "Completed"):
+    if condition(jobset, "Completed"):
         return "Succeeded", "completed"
-    failed = _true(jobset, "Failed")
+    failed = condition(jobset, "Failed")
     if failed:
         return "Failed", failed.get("message") or failed.get("reason") or "failed"
     return None
@@ -145,14 +133,6 @@ class KueueJobBackend(KubeJobBackend):
     preemptible_queue = Unicode(PREEMPTIBLE_QUEUE, help=f"""
         The LocalQueue of jobs marked ``preemptible`` (default ``{PREEMPTIBLE_QUEUE}``): they
         may borrow idle GPUs and are preempted when their lenders need them.""").tag(config=True)
-
-    queue_cpu = Unicode("1000", help="""
-        The CPUs a person's jobs may request at once, in their Kueue ClusterQueue (Kueue
-        admits only work whose every resource a queue covers; default ``1000``: in practice
-        only GPUs are limited).""").tag(config=True)
-    queue_memory = Unicode("4Ti", help="""
-        The memory a person's jobs may request at once, in their Kueue ClusterQueue (default
-        ``4Ti``).""").tag(config=True)
 
     def __init__(self, ledger, **kwargs):
         super().__init__(ledger, **kwargs)
@@ -204,7 +184,7 @@ class KueueJobBackend(KubeJobBackend):
         """This event loop's `KueueMirror` (the person's Kueue objects from the ledger)."""
         return KueueMirror.for_loop(
             self.ledger, self.custom, interval=self.gpu_quota_sync_interval,
-            models=[self.gpu_model], cpu=self.queue_cpu, memory=self.queue_memory, log=log,
+            models=[None], cpu=QUEUE_CPU, memory=QUEUE_MEMORY, log=log,
             request_timeout=self.request_timeout)
 
     async def _ensure_namespace(self, user: str, groups: tuple[str, ...]) -> str:

@@ -799,3 +799,107 @@ async def test_a_preemptible_job_borrows_is_preempted_and_waits_again(cp, kueue_
             cp.kubectl("delete", "jobsets", "--all", "-n", ns, "--wait=false", check=False)
             cp.kubectl("delete", "clusterqueue", ns, f"{ns}-preemptible", "--wait=false",
                        check=False)
+
+
+async def test_a_gpu_notebook_waits_in_the_persons_queue_and_the_progress_says_why(
+        cp, hub_kubeconfig, tmp_path, monkeypatch):
+    """With Kueue, a GPU server's pod (KubeGPUSpawner, the hub's credentials) waits gated in
+    the same queue as its person's jobs: while their job holds the quota the pod has no node,
+    the ledger holds nothing for it and the progress stream says why in words; when the job
+    stops Kueue admits the pod, the server starts on an H100 node and the ledger records its
+    GPU; stopping the server closes it. A server asking more than the quota is refused at
+    once."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from jupyterhub.objects import Hub
+    from kubernetes_asyncio.config import kube_config
+    from kubespawner.clients import load_config
+    from traitlets.config import Config
+
+    from gpulab.hub.jobs.kueue import backend_from_settings
+    from gpulab.hub.quota.ledger import Ledger
+    from gpulab.hub.quota.policy import Quota
+    from gpulab.spawner.kube import GPUQuotaMirror, KubeGPUSpawner
+    from gpulab.spawner.kueuemirror import KueueMirror
+    from gpulab.spawner.mixin import GPULedger, SpawnRefused
+
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", hub_kubeconfig)
+    load_config.cache_clear()
+    url = f"sqlite:///{tmp_path / 'gpulab.sqlite'}"
+    ledger = Ledger(url, pool="kubernetes")
+    ledger.migrate()
+    user = f"n{uuid.uuid4().hex[:6]}"
+    ledger.set_quota("user", user, Quota(max_gpus=2), actor="admin")
+    backend = backend_from_settings(ledger, json.dumps({
+        "kueue": True, "gpu_model": "NVIDIA-H100", "reconcile_interval": 0.2}))
+    backend.ensure_supervisor()
+    await backend.start_watches()
+
+    def h100(n):
+        return {"display_name": f"{n} H100", "slug": f"h100-{n}", "kubespawner_override": {
+            "extra_resource_limits": {"nvidia.com/gpu": str(n)},
+            "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100"},
+            "cpu_limit": 1, "mem_limit": "1G"}}
+
+    c = Config()
+    c.GPULedger.db_url = url
+    c.GPULedger.pool = "kubernetes"
+    c.KubeGPUSpawner.kueue = True
+    c.KubeGPUSpawner.profile_list = [h100(1), h100(3)]
+    c.KubeGPUSpawner.storage_pvc_ensure = False
+    c.KubeGPUSpawner.start_timeout = 120
+    c.KubeGPUSpawner.gpu_quota_sync_interval = 0.5
+    GPULedger.clear_instance()
+    s = KubeGPUSpawner(config=c, user=SimpleNamespace(name=user, id=1, url=f"/user/{user}/",
+                                                      groups=[]),
+                       hub=Hub(), api_token="not-a-token", oauth_client_id=f"jupyterhub-user-{user}")
+    ns = s.namespace
+    try:
+        s.user_options = {"profile": "h100-3"}
+        with pytest.raises(SpawnRefused) as e:
+            await s.start()
+        assert e.value.status_code == 409 and "your quota (user) is 2" in e.value.jupyterhub_message
+
+        await backend.submit(user, (), mw("train", 2))
+        await until(lambda: backend.get(user, "train")["state"] == "Running", "the job Running")
+
+        s.user_options = {"profile": "h100-1"}
+        started = asyncio.ensure_future(s.start())
+        events = s.progress()
+        said = []
+        while not any(m.startswith("Waiting for GPUs in your queue:") for m in said):
+            event = await asyncio.wait_for(events.__anext__(), 60)
+            said.append(event.get("message", ""))
+        words = next(m for m in said if m.startswith("Waiting for GPUs in your queue:"))
+        assert "insufficient" in words, said
+        pod = cp.kubectl_json("get", "pod", s.pod_name, "-n", ns)
+        assert pod["metadata"]["labels"][QUEUE_NAME_LABEL] == "gpulab"
+        assert {"name": ADMISSION_GATE} in pod["spec"]["schedulingGates"]
+        assert not pod["spec"].get("nodeName") and not started.done()
+        assert [a.kind for a in ledger.open_allocations(user=user)] == ["job"]
+
+        await backend.stop(user, "train")
+        await asyncio.wait_for(started, 60)
+        pod = cp.kubectl_json("get", "pod", s.pod_name, "-n", ns)
+        assert pod["spec"]["nodeName"].startswith("gpu-h100-")
+        assert [(a.kind, a.holder, a.gpus) for a in ledger.open_allocations(user=user)] == [
+            ("notebook", "default", 1)]
+        await events.aclose()
+        await s.stop()
+        assert ledger.open_allocations(user=user) == []
+    finally:
+        try:
+            await s.stop(now=True)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+        await backend.shutdown()
+        await KubeGPUSpawner._stop_all_reflectors()
+        for mirrors in (GPUQuotaMirror._instances, KueueMirror._instances):
+            for mirror in list(mirrors.values()):
+                if mirror._task is not None:
+                    mirror._task.cancel()
+            mirrors.clear()
+        GPULedger.clear_instance()
+        cp.kubectl("delete", "jobsets,pods", "--all", "-n", ns, "--wait=false", check=False)
+        cp.kubectl("delete", "clusterqueue", ns, f"{ns}-preemptible", "--wait=false", check=False)

@@ -62,25 +62,23 @@ def test_a_jobsets_end_is_its_condition():
 
 
 def test_what_a_persons_kueue_objects_say():
-    assert wanted(None, "none", notebook_gpus=0, budget_used=0) == Wanted(UNLIMITED, None, False)
+    assert wanted(None, "none", budget_used=0) == Wanted(UNLIMITED, None, False)
     q = Quota(max_gpus=4)
-    assert wanted(q, "user", notebook_gpus=1, budget_used=0) == Wanted(3, None, False)
-    assert wanted(q, "user", notebook_gpus=6, budget_used=0) == Wanted(0, None, False)
-    assert wanted(q, "group 'ml team'", notebook_gpus=0, budget_used=0) == \
-        Wanted(4, "ml team", False)
+    assert wanted(q, "user", budget_used=0) == Wanted(4, None, False)
+    assert wanted(q, "group 'ml team'", budget_used=0) == Wanted(4, "ml team", False)
     budget = Quota(max_gpus=4, gpu_hours=10.0, window_hours=24)
-    assert wanted(budget, "default", notebook_gpus=0, budget_used=9.9).hold is False
-    assert wanted(budget, "default", notebook_gpus=0, budget_used=10.0).hold is True
+    assert wanted(budget, "default", budget_used=9.9).hold is False
+    assert wanted(budget, "default", budget_used=10.0).hold is True
 
 
 def test_the_settings_choose_the_backend_and_the_spawners_kueue_reaches_it(tmp_path):
     c = Config()
     c.KubeGPUSpawner.kueue = True
-    c.KueueJobBackend.queue_cpu = "64"
+    c.KueueJobBackend.local_queue = "team"
     raw = backend_settings(c)
-    assert json.loads(raw) == {"kueue": True, "queue_cpu": "64"}
+    assert json.loads(raw) == {"kueue": True, "local_queue": "team"}
     b = backend_from_settings(Ledger(f"sqlite:///{tmp_path / 'l.sqlite'}"), raw)
-    assert type(b) is KueueJobBackend and b.queue_cpu == "64" and b.launches_queued
+    assert type(b) is KueueJobBackend and b.local_queue == "team" and b.launches_queued
     plain = backend_from_settings(Ledger(f"sqlite:///{tmp_path / 'm.sqlite'}"), "{}")
     assert type(plain) is KubeJobBackend and not plain.kueue
 
