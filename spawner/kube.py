@@ -56,6 +56,8 @@ from .kueueobjects import (
     QUEUE_CPU,
     QUEUE_MEMORY,
     QUEUE_NAME_LABEL,
+    ordinal,
+    pending_position,
     workload_wait_reason,
 )
 from .mixin import GPUSpawnerMixin, LedgerView, SpawnRefused, hub_ledger
@@ -379,6 +381,11 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         ledger = await asyncio.to_thread(hub_ledger, self.config, self.gpu_assigns_devices)
         quota, source = await asyncio.to_thread(ledger.effective, self.user.name,
                                                 self.user_groups)
+        if (quota is not None and quota.max_per_request is not None
+                and profile.gpus > quota.max_per_request):
+            raise SpawnRefused(409, f"Cannot start with profile '{profile.display_name}': it "
+                               f"asks for {profile.gpus} GPUs and your quota ({source}) allows "
+                               f"at most {quota.max_per_request} per request.")
         if quota is not None and profile.gpus > quota.max_gpus:
             raise SpawnRefused(409, f"Cannot start with profile '{profile.display_name}': it "
                                f"asks for {profile.gpus} GPUs and your quota ({source}) is "
@@ -418,7 +425,10 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         uid = pod["metadata"].get("uid")
         mine = next((w for w in workloads if any(
             o.get("uid") == uid for o in w["metadata"].get("ownerReferences") or [])), None)
-        return "Waiting for GPUs in your queue: " + workload_wait_reason(mine)
+        place = pending_position(workloads, mine)
+        where = ("" if place is None else " (next in line)" if place == 1
+                 else f" ({ordinal(place)} in line)")
+        return f"Waiting for GPUs in your queue{where}: " + workload_wait_reason(mine)
 
     async def _ensure_namespace(self):
         """Create or update the user's namespace (Pod Security labels), then its
@@ -552,6 +562,8 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
                     yield {"progress": 50, "message": words}
         finally:
             pending.cancel()
+            # the generator runs until the cancelled step has ended: only then can it close
+            await asyncio.gather(pending, return_exceptions=True)
             await events.aclose()
 
     async def _explained_progress(self):

@@ -23,7 +23,7 @@ be kept current from the ledger by server-side apply (as the ResourceQuota mirro
     borrowing; it lends what it does not use and takes it back by preempting borrowers
     (``reclaimWithinCohort: Any``). With ``hold`` (a GPU-hour budget used up) it admits
     nothing new (``stopPolicy: Hold``) while what runs goes on.
-  - ``<namespace>-preemptible``: no quota of its own; it only borrows idle quota, so its work
+  - ``<namespace>.preemptible``: no quota of its own; it only borrows idle quota, so its work
     is what the lenders preempt when they need their GPUs back. Work marked preemptible goes
     here, and only such work borrows.
 
@@ -49,7 +49,9 @@ ROOT_COHORT = "gpulab"
 LOCAL_QUEUE = "gpulab"
 PREEMPTIBLE_QUEUE = "gpulab-preemptible"
 DEFAULT_FLAVOR = "gpulab-default"
-PREEMPTIBLE_SUFFIX = "-preemptible"
+#: a namespace name cannot hold a dot, so no person's namespace (ClusterQueue) is another's
+#: preemptible ClusterQueue (user "bob-preemptible" would collide with bob's "-preemptible")
+PREEMPTIBLE_SUFFIX = ".preemptible"
 #: the label that puts a pod or a JobSet in a LocalQueue
 QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"
 #: the scheduling gate Kueue's pod integration puts on a pod until its Workload is admitted
@@ -186,3 +188,28 @@ def workload_wait_reason(workload: dict | None) -> str:
     if pending and pending.get("message"):
         return pending["message"]
     return "waiting for quota"
+
+
+def pending_position(workloads: list[dict], mine: dict | None) -> int | None:
+    """Where ``mine`` stands among the Workloads of its LocalQueue that wait (not admitted,
+    not finished), in the order Kueue's BestEffortFIFO takes them (higher priority first,
+    then older first): 1 is next; None when it does not wait."""
+    def waiting(w: dict) -> bool:
+        return not workload_admitted(w) and not condition(w, "Finished")
+
+    if mine is None or not waiting(mine):
+        return None
+    queue = mine.get("spec", {}).get("queueName")
+    line = sorted((w for w in workloads if waiting(w)
+                   and w.get("spec", {}).get("queueName") == queue),
+                  key=lambda w: (-(w.get("spec", {}).get("priority") or 0),
+                                 w["metadata"].get("creationTimestamp") or "",
+                                 w["metadata"].get("name") or ""))
+    uid = mine["metadata"].get("uid")
+    return next((i for i, w in enumerate(line, 1) if w["metadata"].get("uid") == uid), None)
+
+
+def ordinal(n: int) -> str:
+    """1st, 2nd, 3rd, 4th, ..., 11th, 12th, 13th, 21st."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"

@@ -242,6 +242,11 @@ def backend_settings(config) -> str:
     ours = dict(config.get("KubeJobBackend", {}))
     ours.update(config.get("KueueJobBackend", {}))  # its own settings (queues, CPU, memory)
     spawner = config.get("KubeGPUSpawner", {})
+    if "kueue" in ours and bool(ours["kueue"]) != bool(spawner.get("kueue", False)):
+        # one switch: the spawner's pods and the backend's jobs in the same queues, and no
+        # GPU ResourceQuota made by one and removed by the other
+        raise ValueError("c.KubeJobBackend.kueue and c.KubeGPUSpawner.kueue differ: set "
+                         "c.KubeGPUSpawner.kueue only (the job backend takes it from there).")
     for mine, theirs in SHARED_WITH_SPAWNER.items():
         if mine not in ours and theirs in spawner:
             ours[mine] = spawner[theirs]

@@ -41,7 +41,7 @@ from kubespawner.clients import load_config, shared_client
 from kubespawner.reflector import MultiNamespaceResourceReflector
 from traitlets import Unicode
 
-from gpulab.hub.jobs.kube import _LABELS, KubeJobBackend, _PodReflector, pod_words
+from gpulab.hub.jobs.kube import _LABELS, KubeJobBackend, _PodReflector, _ts, pod_words
 from gpulab.hub.jobs.kubeobjects import (
     JOBSET_API,
     make_job_network_policy,
@@ -58,6 +58,8 @@ from gpulab.spawner.kueueobjects import (
     QUEUE_CPU,
     QUEUE_MEMORY,
     condition,
+    ordinal,
+    pending_position,
     workload_admitted,
     workload_wait_reason,
 )
@@ -68,6 +70,8 @@ JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
 WORKLOAD = ("kueue.x-k8s.io", "v1beta2", "workloads")
 #: seconds after which a job whose JobSet the watch never saw is marked lost
 LOST_AFTER = 30.0
+#: Kueue's label on a Workload: the uid of the object (JobSet, pod) it is for
+JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 #: the JobSet's annotation with its owner's groups (JSON list)
 GROUPS_ANNOTATION = "gpulab.io/groups"
 
@@ -99,16 +103,27 @@ class _WorkloadReflector(_CustomReflector):
     resource = WORKLOAD
 
 
-def waiting_words(workload: dict | None) -> str:
-    """Why a job waits, from its Workload, in words."""
+def waiting_words(workload: dict | None, place: int | None = None) -> str:
+    """Why a job waits, from its Workload (and ``place``, where it stands in its queue,
+    `pending_position`), in words."""
     why = workload_wait_reason(workload)
     if workload is None:
         return f"waiting for GPUs: {why}"
     if condition(workload, "Evicted"):
         return f"waiting for GPUs again: {why}"
+    where = ("" if place is None else " (next in line)" if place == 1
+             else f" ({ordinal(place)} in line)")
     if why == "waiting for quota":
-        return "waiting for GPUs in the cluster's queue"
-    return f"waiting for GPUs in the cluster's queue: {why}"
+        return f"waiting for GPUs in the cluster's queue{where}"
+    return f"waiting for GPUs in the cluster's queue{where}: {why}"
+
+
+def _when(value: str | None) -> float | None:
+    """A Kubernetes timestamp in seconds (None where there is none or it cannot be read)."""
+    try:
+        return _ts(value)
+    except ValueError:
+        return None
 
 
 def jobset_ended(jobset: dict) -> tuple[str, str] | None:
@@ -138,6 +153,8 @@ class KueueJobBackend(KubeJobBackend):
         super().__init__(ledger, **kwargs)
         self._jobsets_r: _JobSetReflector | None = None
         self._workloads_r: _WorkloadReflector | None = None
+        self._wl_by_uid: dict[tuple[str, str], dict] = {}
+        self._wl_by_ns: dict[str, list[dict]] = {}
 
     @property
     def custom(self):
@@ -205,21 +222,32 @@ class KueueJobBackend(KubeJobBackend):
 
     def _admit_or_queue(self, req: Request, spec: JobSpec) -> Allocation | None:
         """Queued, always (Kueue admits it); refused at once only when it asks more GPUs than
-        the person's quota, which Kueue would never admit (preemptible work may borrow)."""
-        if req.gpus and not spec.preemptible:
-            quota, _ = self.ledger.effective(req.user, req.groups)
-            if quota is not None and req.gpus > quota.max_gpus:
-                raise AdmissionRefused(
-                    f"This job asks for {req.gpus} GPUs and your quota is {quota.max_gpus}: "
-                    "it could never start. Ask for fewer GPUs, or mark it preemptible to "
-                    "borrow idle GPUs.")
+        the person's quota, which Kueue would never admit (preemptible work may borrow), or
+        more than their quota allows per request."""
+        if not req.gpus:
+            return None
+        quota, _ = self.ledger.effective(req.user, req.groups)
+        if quota is None:
+            return None
+        if quota.max_per_request is not None and req.gpus > quota.max_per_request:
+            raise AdmissionRefused(
+                f"This job asks for {req.gpus} GPUs and your quota allows at most "
+                f"{quota.max_per_request} per request. Ask for fewer GPUs.")
+        if not spec.preemptible and req.gpus > quota.max_gpus:
+            raise AdmissionRefused(
+                f"This job asks for {req.gpus} GPUs and your quota is {quota.max_gpus}: "
+                "it could never start. Ask for fewer GPUs, or mark it preemptible to "
+                "borrow idle GPUs.")
         return None
 
     async def _create_objects(self, user, groups, spec: JobSpec, ns, user_dir, job_dir) -> None:
         await self._ensure_namespace(user, groups)
-        jobset = make_training_jobset(
-            **self._object_args(user, spec, ns, user_dir, job_dir),
-            queue_name=self.preemptible_queue if spec.preemptible else self.local_queue)
+        # a job without GPUs is not queued (the ledger never held such work back), nor held
+        # by a used-up GPU-hour budget: its JobSet runs at once
+        queue = (None if not spec.total_gpus
+                 else self.preemptible_queue if spec.preemptible else self.local_queue)
+        jobset = make_training_jobset(**self._object_args(user, spec, ns, user_dir, job_dir),
+                                      queue_name=queue)
         # the person's groups (their quota may be a group's): a restarted service mirrors
         # the quota of the people whose jobs it finds without waiting for their next submit
         jobset["metadata"].setdefault("annotations", {})[GROUPS_ANNOTATION] = json.dumps(
@@ -243,7 +271,9 @@ class KueueJobBackend(KubeJobBackend):
                                           user_label=self.user_label(user), parent_uid=uid,
                                           parent=parent),
                 _request_timeout=self.request_timeout))
-        # suspended until Kueue admits it: its pods never start before both exist
+        # Kueue may admit the JobSet before these exist: its replicas then wait for the
+        # ConfigMap (ContainerCreating) and cannot reach each other until the policy exists
+        # (the namespace's own policy refuses all ingress), never open to others
         self.api_requests += len(creating)
         for r in await asyncio.gather(*creating, return_exceptions=True):
             if isinstance(r, BaseException):
@@ -267,18 +297,29 @@ class KueueJobBackend(KubeJobBackend):
         """Queued jobs too: Kueue, not a gpulab pass, admits them."""
         return [j for j in self.store.active_ids() if j not in self._launching]
 
-    def _workload_of(self, jobset: dict) -> dict | None:
-        uid = jobset["metadata"].get("uid")
-        ns = jobset["metadata"]["namespace"]
+    def _index_workloads(self) -> None:
+        """Once per pass: the Workloads by (namespace, the uid of the object they are for:
+        Kueue's label ``kueue.x-k8s.io/job-uid``), and by namespace."""
+        by_uid: dict[tuple[str, str], dict] = {}
+        by_ns: dict[str, list[dict]] = {}
         for w in (self._workloads_r.resources.values() if self._workloads_r else ()):
-            if w["metadata"].get("namespace") == ns and any(
-                    o.get("uid") == uid for o in w["metadata"].get("ownerReferences") or []):
-                return w
-        return None
+            meta = w["metadata"]
+            ns = meta.get("namespace", "")
+            by_ns.setdefault(ns, []).append(w)
+            uids = {(meta.get("labels") or {}).get(JOB_UID_LABEL)}
+            uids |= {o.get("uid") for o in meta.get("ownerReferences") or []}
+            for uid in uids - {None}:
+                by_uid[(ns, uid)] = w
+        self._wl_by_uid, self._wl_by_ns = by_uid, by_ns
+
+    def _workload_of(self, jobset: dict) -> dict | None:
+        meta = jobset["metadata"]
+        return self._wl_by_uid.get((meta["namespace"], meta.get("uid")))
 
     async def reconcile(self) -> None:
         if self._jobsets_r is None:
             return
+        self._index_workloads()
         for job_id in await asyncio.to_thread(self._active_to_supervise):
             await self._reconcile_job(job_id)
 
@@ -306,7 +347,14 @@ class KueueJobBackend(KubeJobBackend):
                 words = f"{words}" + (f" ({'; '.join(failed[:3])})" if failed else "")
             await asyncio.to_thread(self._record_states, job_id, states, (state, words), [], now)
             return
-        if not workload_admitted(workload):
+        if workload is not None and workload.get("spec", {}).get("active") is False:
+            # an admin deactivated it, or Kueue did (requeued too often): it will not run
+            why = workload_wait_reason(workload)
+            await self._delete_parent(ns, job.name)
+            await asyncio.to_thread(self._finish, job_id, "Failed",
+                                    f"taken out of the cluster's queue: {why}")
+            return
+        if spec.total_gpus and not workload_admitted(workload):
             if job.state != "Queued":  # evicted: preempted, or its pods never got ready
                 why = waiting_words(workload)
                 log.info("Job %s/%s evicted by Kueue: %s", job.user, job.name, why)
@@ -315,11 +363,14 @@ class KueueJobBackend(KubeJobBackend):
                 await asyncio.to_thread(self.store.note_queued, job_id, why)
             return
         if job.state == "Queued":
+            admitted = condition(workload, "Admitted") or {}
             allocation = await asyncio.to_thread(self.ledger.adopt, Request(
                 user=job.user, kind="job", holder=job.name, gpus=spec.total_gpus,
-                model=self.gpu_model))
+                model=self.gpu_model), _when(admitted.get("lastTransitionTime")))
             if not await asyncio.to_thread(self.store.admit_queued, job_id, allocation,
                                            self._replica_rows(spec, allocation)):
+                await asyncio.to_thread(self.ledger.release, allocation.id,
+                                        "job no longer waits")
                 return
             log.info("Job %s/%s admitted by Kueue (%d GPUs)", job.user, job.name, spec.total_gpus)
         await asyncio.to_thread(self._record_states, job_id, states, None, [], now)
@@ -330,7 +381,7 @@ class KueueJobBackend(KubeJobBackend):
         if held:
             return ("waiting: your GPU-hour budget is used up; it starts when the budget's "
                     "window moves on or an admin raises it (jobs that run go on)")
-        return waiting_words(workload)
+        return waiting_words(workload, pending_position(self._wl_by_ns.get(ns, []), workload))
 
     def _replica_states(self, spec: JobSpec, ns: str, name: str) -> dict:
         pods = self._replica_pods(ns, name)

@@ -520,7 +520,7 @@ def test_preemptible_work_borrows_idle_quota_and_gives_it_back(cp, people):
     create(cp, ann, gpulab_jobset("borrow", ann, workers=1, gpus=3, queue="gpulab-preemptible",
                                   strategy="multi-worker-mirrored"))
     w, _, _ = wait_jobset_running(cp, ann, "borrow", 1)
-    assert w["status"]["admission"]["clusterQueue"] == f"{ann}-preemptible"
+    assert w["status"]["admission"]["clusterQueue"] == f"{ann}.preemptible"
     create(cp, bob, gpulab_jobset("mine", bob, workers=2, gpus=1, strategy="multi-worker-mirrored"))
     wait_until(lambda: condition(workload_of(cp, ann, "JobSet", "borrow"), "Evicted") == "True",
                timeout=WAIT, what="ann's borrowing job preempted")
@@ -610,7 +610,7 @@ async def test_kueue_admits_gpulab_jobs_whole_and_the_ledger_follows(cp, kueue_b
     user = f"k{uuid.uuid4().hex[:6]}"
     b.ledger.set_quota("user", user, Quota(max_gpus=2), actor="admin")
     ns = b.namespace_of(user)
-    cqs = [ns, f"{ns}-preemptible"]
+    cqs = [ns, f"{ns}.preemptible"]
     try:
         with pytest.raises(AdmissionRefused) as e:
             await b.submit(user, (), mw("huge", 3))
@@ -636,7 +636,7 @@ async def test_kueue_admits_gpulab_jobs_whole_and_the_ledger_follows(cp, kueue_b
         assert second["state"] == "Queued"
         view = await until(lambda: "insufficient" in (v := b.get(user, "second"))["reason"] and v,
                            "Kueue's reason for the second job")
-        assert view["reason"].startswith("waiting for GPUs in the cluster's queue")
+        assert view["reason"].startswith("waiting for GPUs in the cluster's queue (next in line): ")
         assert jobset_pods(cp, ns, "second") == []
         assert [a.holder for a in b.ledger.open_allocations(user=user)] == ["first"]
 
@@ -733,7 +733,7 @@ async def test_a_used_up_budget_holds_admissions_and_a_restarted_service_loses_n
         await b2.shutdown()
     finally:
         cp.kubectl("delete", "jobsets", "--all", "-n", ns, "--wait=false", check=False)
-        cp.kubectl("delete", "clusterqueue", ns, f"{ns}-preemptible", "--wait=false", check=False)
+        cp.kubectl("delete", "clusterqueue", ns, f"{ns}.preemptible", "--wait=false", check=False)
 
     # the hub may apply its own Kueue objects, never take over another's
     foreign = f"other-team-{uuid.uuid4().hex[:6]}"
@@ -745,6 +745,26 @@ async def test_a_used_up_budget_holds_admissions_and_a_restarted_service_loses_n
         assert r.returncode != 0 and "gpulab-hub-owned-namespaces" in r.stderr, r.stderr
         r = cp.kubectl("delete", "clusterqueue", foreign, kubeconfig=hub_kubeconfig, check=False)
         assert r.returncode != 0, r.stdout
+        # nor make objects labelled as its own that say something its mirror never says
+        gpulab = {"app.kubernetes.io/managed-by": "gpulab"}
+        forged = [
+            # a cohort of another team's, pulled under gpulab's tree
+            {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Cohort",
+             "metadata": {"name": f"team-{foreign}", "labels": gpulab},
+             "spec": {"parentName": "gpulab"}},
+            # a ClusterQueue admitting every namespace
+            {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue",
+             "metadata": {"name": f"gpulab-{foreign}", "labels": gpulab},
+             "spec": {"cohortName": "gpulab", "namespaceSelector": {}}},
+            # a LocalQueue of a gpulab namespace sending work to another team's queue
+            {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
+             "metadata": {"name": "steal", "namespace": ns, "labels": gpulab},
+             "spec": {"clusterQueue": foreign}},
+        ]
+        for obj in forged:
+            r = cp.kubectl("create", "-f", "-", input=yaml.safe_dump(obj),
+                           kubeconfig=hub_kubeconfig, check=False)
+            assert r.returncode != 0 and "gpulab-hub-owned-namespaces" in r.stderr, (obj, r.stderr)
     finally:
         cp.kubectl("delete", "clusterqueue", foreign, "--wait=false", check=False)
 
@@ -768,7 +788,7 @@ async def test_a_preemptible_job_borrows_is_preempted_and_waits_again(cp, kueue_
     for who in (ann, bob):
         b.ledger.set_quota("user", who, Quota(max_gpus=2), actor="admin")
     ours = {b.namespace_of(ann), b.namespace_of(bob)}
-    ours |= {f"{n}-preemptible" for n in ours}
+    ours |= {f"{n}.preemptible" for n in ours}
 
     def others_in_the_cohort():
         return [q["metadata"]["name"] for q in cp.kubectl_json("get", "clusterqueues")["items"]
@@ -782,7 +802,7 @@ async def test_a_preemptible_job_borrows_is_preempted_and_waits_again(cp, kueue_
         assert borrow["state"] == "Queued"
         await until(lambda: b.get(ann, "borrow")["state"] == "Running", "ann's borrowing job Running")
         w = workload_of(cp, b.namespace_of(ann), "JobSet", "borrow")
-        assert w["status"]["admission"]["clusterQueue"] == f"{b.namespace_of(ann)}-preemptible"
+        assert w["status"]["admission"]["clusterQueue"] == f"{b.namespace_of(ann)}.preemptible"
         assert [a.gpus for a in b.ledger.open_allocations(user=ann)] == [4]
 
         await b.submit(bob, (), mw("mine", 2))
@@ -797,7 +817,7 @@ async def test_a_preemptible_job_borrows_is_preempted_and_waits_again(cp, kueue_
         for who in (ann, bob):
             ns = b.namespace_of(who)
             cp.kubectl("delete", "jobsets", "--all", "-n", ns, "--wait=false", check=False)
-            cp.kubectl("delete", "clusterqueue", ns, f"{ns}-preemptible", "--wait=false",
+            cp.kubectl("delete", "clusterqueue", ns, f"{ns}.preemptible", "--wait=false",
                        check=False)
 
 
@@ -868,10 +888,11 @@ async def test_a_gpu_notebook_waits_in_the_persons_queue_and_the_progress_says_w
         started = asyncio.ensure_future(s.start())
         events = s.progress()
         said = []
-        while not any(m.startswith("Waiting for GPUs in your queue:") for m in said):
+        while not any(m.startswith("Waiting for GPUs in your queue (next in line):")
+                      for m in said):
             event = await asyncio.wait_for(events.__anext__(), 60)
             said.append(event.get("message", ""))
-        words = next(m for m in said if m.startswith("Waiting for GPUs in your queue:"))
+        words = next(m for m in said if m.startswith("Waiting for GPUs in your queue"))
         assert "insufficient" in words, said
         pod = cp.kubectl_json("get", "pod", s.pod_name, "-n", ns)
         assert pod["metadata"]["labels"][QUEUE_NAME_LABEL] == "gpulab"
@@ -902,4 +923,55 @@ async def test_a_gpu_notebook_waits_in_the_persons_queue_and_the_progress_says_w
             mirrors.clear()
         GPULedger.clear_instance()
         cp.kubectl("delete", "jobsets,pods", "--all", "-n", ns, "--wait=false", check=False)
-        cp.kubectl("delete", "clusterqueue", ns, f"{ns}-preemptible", "--wait=false", check=False)
+        cp.kubectl("delete", "clusterqueue", ns, f"{ns}.preemptible", "--wait=false", check=False)
+
+
+async def test_idle_gpus_are_shared_fairly_between_two_people(cp, kueue_backend):
+    """Fair sharing: carol lends her idle quota; ann and bob (no quota of their own) each
+    queue four preemptible 1-GPU jobs, ann's first. When carol's job ends and her 4 GPUs are
+    free, Kueue gives them two and two (first come, first served would give ann all four)."""
+    from gpulab.hub.quota.policy import Quota
+
+    b = kueue_backend
+    tag = uuid.uuid4().hex[:6]
+    carol, ann, bob = f"fc{tag}", f"fa{tag}", f"fb{tag}"
+    b.ledger.set_quota("user", carol, Quota(max_gpus=4), actor="admin")
+    for who in (ann, bob):
+        b.ledger.set_quota("user", who, Quota(max_gpus=0), actor="admin")
+    ours = {b.namespace_of(x) for x in (carol, ann, bob)}
+    ours |= {f"{n}.preemptible" for n in ours}
+
+    def others_in_the_cohort():
+        return [q["metadata"]["name"] for q in cp.kubectl_json("get", "clusterqueues")["items"]
+                if q["spec"].get("cohortName") == "gpulab" and q["metadata"]["name"] not in ours]
+
+    await until(lambda: not others_in_the_cohort(), "the other tests' ClusterQueues gone")
+    try:
+        await b.submit(carol, (), mw("lender", 4))
+        await until(lambda: b.get(carol, "lender")["state"] == "Running", "carol's job Running")
+        for who in (ann, bob):
+            for i in range(4):
+                await b.submit(who, (), mw(f"j{i}", 1, preemptible=True))
+        await asyncio_sleep(2)
+        assert {j["state"] for who in (ann, bob) for j in b.list(who)} == {"Queued"}
+        await b.stop(carol, "lender")
+
+        def running(who):
+            return sum(j["state"] == "Running" for j in b.list(who))
+
+        await until(lambda: running(ann) + running(bob) == 4, "4 borrowing jobs Running")
+        await asyncio_sleep(2)  # nothing more is admitted: the 4 GPUs are lent out
+        assert (running(ann), running(bob)) == (2, 2)
+        assert sum(a.gpus for who in (ann, bob) for a in b.ledger.open_allocations(user=who)) == 4
+    finally:
+        for who in (carol, ann, bob):
+            ns = b.namespace_of(who)
+            cp.kubectl("delete", "jobsets", "--all", "-n", ns, "--wait=false", check=False)
+            cp.kubectl("delete", "clusterqueue", ns, f"{ns}.preemptible", "--wait=false",
+                       check=False)
+
+
+async def asyncio_sleep(seconds):
+    import asyncio
+
+    await asyncio.sleep(seconds)

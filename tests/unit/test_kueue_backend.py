@@ -20,6 +20,7 @@ from gpulab.hub.jobs.spec import parse_spec
 from gpulab.hub.quota.ledger import AdmissionRefused, Ledger, Request
 from gpulab.hub.quota.policy import Quota
 from gpulab.spawner.kueuemirror import UNLIMITED, Wanted, wanted
+from gpulab.spawner.kueueobjects import ordinal, pending_position
 
 
 def cond(type_, status, **kw):
@@ -47,6 +48,9 @@ def test_why_a_job_waits_is_kueues_reason_in_words():
         "insufficient unused quota for nvidia.com/gpu")
     assert waiting_words(obj(cond("QuotaReserved", "False"))) == \
         "waiting for GPUs in the cluster's queue"
+    assert waiting_words(pending, 2).startswith(
+        "waiting for GPUs in the cluster's queue (2nd in line): couldn't assign")
+    assert waiting_words(pending, 1).startswith("waiting for GPUs in the cluster's queue (next in line)")
     evicted = obj(cond("Evicted", "True", reason="Preempted",
                        message="Preempted to accommodate a workload (UID: x) due to reclamation"))
     assert waiting_words(evicted).startswith("waiting for GPUs again: Preempted to accommodate")
@@ -114,3 +118,152 @@ def test_the_ledger_adopts_what_kueue_admitted_once_and_counts_it(tmp_path):
     ledger.release(a.id, "job succeeded", now=1000.0 + 1800)
     assert ledger.usage(0, 5000.0)["ann"] == pytest.approx(1.0)  # 2 GPUs for half an hour
     assert ledger.adopt(req, now=3000.0).id != a.id  # admitted again (after a preemption)
+
+
+def test_where_a_workload_stands_in_its_queue():
+    def w(name, created, *conds, queue="gpulab", priority=None):
+        spec = {"queueName": queue}
+        if priority is not None:
+            spec["priority"] = priority
+        return {"metadata": {"name": name, "uid": name, "creationTimestamp": created},
+                "spec": spec, "status": {"conditions": list(conds)}}
+
+    running = w("run", "2026-01-01T00:00:00Z", cond("Admitted", "True"))
+    a = w("a", "2026-01-01T00:00:02Z")
+    b = w("b", "2026-01-01T00:00:01Z")
+    urgent = w("urgent", "2026-01-01T00:00:09Z", priority=10)
+    done = w("done", "2026-01-01T00:00:00Z", cond("Finished", "True"))
+    other = w("other", "2026-01-01T00:00:00Z", queue="gpulab-preemptible")
+    every = [running, a, b, urgent, done, other]
+    assert [pending_position(every, x) for x in (urgent, b, a)] == [1, 2, 3]
+    assert pending_position(every, running) is None and pending_position(every, None) is None
+    assert pending_position(every, other) == 1
+    assert [ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 101)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st"]
+
+
+def test_a_request_over_the_per_request_cap_is_refused_at_once(tmp_path):
+    ledger = Ledger(f"sqlite:///{tmp_path / 'l.sqlite'}", pool="kubernetes")
+    ledger.migrate()
+    ledger.set_quota("user", "ann", Quota(max_gpus=8, max_per_request=2), actor="admin")
+    b = KueueJobBackend(ledger)
+    spec = parse_spec({"name": "j", "strategy": "multi-worker-mirrored", "replicas": {"worker": 4},
+                       "resources": {"worker": {"gpus": 1}}, "script": "t.py", "preemptible": True})
+    with pytest.raises(AdmissionRefused, match="at most 2 per request"):
+        b._admit_or_queue(Request(user="ann", kind="job", holder="j", gpus=4), spec)
+
+
+def test_one_switch_for_the_spawner_and_the_backend():
+    c = Config()
+    c.KubeJobBackend.kueue = True  # the spawner's pods would not be queued: refused
+    with pytest.raises(ValueError, match="set c.KubeGPUSpawner.kueue only"):
+        backend_settings(c)
+
+
+# -- the pass that follows Kueue, on caches as the shared watches fill them -----------------
+
+class _Cache:
+    def __init__(self):
+        self.resources = {}
+
+
+def _wl(uid, *conditions, active=True):
+    return {"metadata": {"name": f"jobset-{uid}", "namespace": "gpulab-ann",
+                         "labels": {"kueue.x-k8s.io/job-uid": uid}},
+            "spec": {"queueName": "gpulab", "active": active},
+            "status": {"conditions": list(conditions)}}
+
+
+def _js(name, uid, *conditions):
+    return {"metadata": {"name": name, "namespace": "gpulab-ann", "uid": uid},
+            "status": {"conditions": list(conditions)}}
+
+
+def _pod(job, role, index, phase):
+    return {"metadata": {"name": f"{job}-{role}-0-{index}", "namespace": "gpulab-ann",
+                         "creationTimestamp": "2026-01-01T00:00:00Z",
+                         "labels": {"gpulab.io/job": job, "gpulab.io/role": role,
+                                    "batch.kubernetes.io/job-completion-index": str(index)}},
+            "status": {"phase": phase}}
+
+
+@pytest.fixture
+async def following(tmp_path, monkeypatch):
+    """A KueueJobBackend with one Queued 2-GPU job 'j' of ann, its watches' caches filled by
+    the test, and JobSet deletions recorded instead of sent."""
+    ledger = Ledger(f"sqlite:///{tmp_path / 'l.sqlite'}", pool="kubernetes")
+    ledger.migrate()
+    b = KueueJobBackend(ledger)
+    spec = parse_spec({"name": "j", "strategy": "multi-worker-mirrored", "replicas": {"worker": 2},
+                       "resources": {"worker": {"gpus": 1}}, "script": "t.py"})
+    b.store.record(job_id="id1", user="ann", spec=spec, allocation=None, job_dir="/x",
+                   replicas=b._replica_rows(spec, None))
+    b._jobsets_r, b._workloads_r, b._pods_r = _Cache(), _Cache(), _Cache()
+    deleted = []
+
+    async def delete(ns, name):
+        deleted.append((ns, name))
+
+    monkeypatch.setattr(b, "_delete_parent", delete)
+    b.deleted = deleted
+    return b
+
+
+async def test_the_ledger_opens_at_kueues_admission_and_closes_at_eviction_and_end(following):
+    b = following
+    b._jobsets_r.resources["gpulab-ann/j"] = _js("j", "u1")
+    b._workloads_r.resources["gpulab-ann/w"] = _wl("u1", cond(
+        "QuotaReserved", "False", message="insufficient unused quota for nvidia.com/gpu"))
+    await b.reconcile()
+    view = b.get("ann", "j")
+    assert view["state"] == "Queued"
+    assert view["reason"] == ("waiting for GPUs in the cluster's queue (next in line): "
+                              "insufficient unused quota for nvidia.com/gpu")
+    assert b.ledger.open_allocations() == []
+
+    b._workloads_r.resources["gpulab-ann/w"] = _wl("u1", cond(
+        "Admitted", "True", lastTransitionTime="2026-01-01T00:00:10Z"))
+    for i in range(2):
+        b._pods_r.resources[f"p{i}"] = _pod("j", "worker", i, "Running")
+    await b.reconcile()
+    assert b.get("ann", "j")["state"] == "Running"
+    (a,) = b.ledger.open_allocations()
+    assert (a.gpus, a.started_at) == (2, 1767225610.0)  # from the Admitted condition's time
+
+    b._workloads_r.resources["gpulab-ann/w"] = _wl("u1", cond("Admitted", "True"), cond(
+        "Evicted", "True", reason="Preempted", message="Preempted to accommodate a workload"))
+    await b.reconcile()
+    view = b.get("ann", "j")
+    assert view["state"] == "Queued" and view["reason"].startswith("waiting for GPUs again: Preempted")
+    assert b.ledger.open_allocations() == []
+
+    b._workloads_r.resources["gpulab-ann/w"] = _wl("u1", cond("Admitted", "True"))
+    await b.reconcile()
+    assert [x.gpus for x in b.ledger.open_allocations()] == [2]  # admitted again
+    b._jobsets_r.resources["gpulab-ann/j"] = _js("j", "u1", cond("Completed", "True"))
+    await b.reconcile()
+    view = b.get("ann", "j")
+    assert (view["state"], view["reason"]) == ("Succeeded", "completed")
+    assert b.ledger.open_allocations() == []
+
+
+async def test_a_deactivated_workload_fails_the_job_and_a_lost_jobset_is_said(following):
+    b = following
+    b._jobsets_r.resources["gpulab-ann/j"] = _js("j", "u1")
+    b._workloads_r.resources["gpulab-ann/w"] = _wl("u1", cond(
+        "Evicted", "True", reason="InactiveWorkload", message="The workload is deactivated"),
+        active=False)
+    await b.reconcile()
+    view = b.get("ann", "j")
+    assert view["state"] == "Failed"
+    assert view["reason"] == "taken out of the cluster's queue: The workload is deactivated"
+    assert b.deleted == [("gpulab-ann", "j")]
+
+
+async def test_an_admission_the_job_can_no_longer_take_is_given_back(following, monkeypatch):
+    b = following
+    b._jobsets_r.resources["gpulab-ann/j"] = _js("j", "u1")
+    b._workloads_r.resources["gpulab-ann/w"] = _wl("u1", cond("Admitted", "True"))
+    monkeypatch.setattr(b.store, "admit_queued", lambda *a: False)  # stopped meanwhile
+    await b.reconcile()
+    assert b.ledger.open_allocations() == []

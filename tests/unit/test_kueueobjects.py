@@ -76,7 +76,7 @@ def test_the_in_quota_queue_never_borrows_and_takes_its_quota_back():
 
 def test_the_preemptible_queue_only_borrows_and_preempts_nobody():
     pre = queues()[1]
-    assert pre["metadata"]["name"] == "gpulab-ann-preemptible"
+    assert pre["metadata"]["name"] == "gpulab-ann.preemptible"
     spec = pre["spec"]
     assert spec["namespaceSelector"] == {
         "matchLabels": {"kubernetes.io/metadata.name": "gpulab-ann"}}
@@ -126,5 +126,18 @@ def test_local_queues_point_at_the_persons_cluster_queues():
         {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
          "metadata": {"name": "gpulab-preemptible", "namespace": "gpulab-ann",
                       "labels": {**MANAGED, "gpulab.io/user": "ann"}},
-         "spec": {"clusterQueue": "gpulab-ann-preemptible"}},
+         "spec": {"clusterQueue": "gpulab-ann.preemptible"}},
     ]
+
+
+def test_no_persons_queue_is_named_as_anothers_preemptible_one():
+    """User "bob-preemptible" has namespace gpulab-bob-preemptible: never the name of bob's
+    preemptible ClusterQueue (a namespace cannot hold the dot that name has)."""
+    bob = make_cluster_queues(namespace="gpulab-bob", user_label="bob", max_gpus=1,
+                              models=[None], cpu="1", memory="1Gi")
+    other = make_cluster_queues(namespace="gpulab-bob-preemptible", user_label="bob-preemptible",
+                                max_gpus=1, models=[None], cpu="1", memory="1Gi")
+    names = [q["metadata"]["name"] for q in bob + other]
+    assert names == ["gpulab-bob", "gpulab-bob.preemptible", "gpulab-bob-preemptible",
+                     "gpulab-bob-preemptible.preemptible"]
+    assert len(set(names)) == 4
