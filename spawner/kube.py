@@ -38,7 +38,7 @@ from typing import Any
 from kubernetes_asyncio.client.rest import ApiException
 from kubespawner import KubeSpawner
 from kubespawner.clients import load_config, shared_client
-from traitlets import Bool, Dict, Float, List, Unicode, default
+from traitlets import Bool, Dict, Float, Integer, List, Unicode, default
 
 from gpulab.hub.quota.ledger import Request
 from gpulab.hub.quota.policy import Holding, Quota, refusal
@@ -53,8 +53,6 @@ from .kueuemirror import KueueMirror
 from .kueueobjects import (
     ADMISSION_GATE,
     LOCAL_QUEUE,
-    QUEUE_CPU,
-    QUEUE_MEMORY,
     QUEUE_NAME_LABEL,
     ordinal,
     pending_position,
@@ -222,6 +220,18 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         the ledger before the pod. User namespaces get no GPU ResourceQuota (it would refuse
         the pods of preemptible work that borrows idle GPUs). Default False.
         Example: ``c.KubeGPUSpawner.kueue = True``""",
+    ).tag(config=True)
+
+    kueue_gpus = Integer(
+        None,
+        allow_none=True,
+        min=0,
+        help="""With ``kueue``: the GPUs gpulab's work may take on the cluster all together
+        (the pool of Kueue's root cohort ``gpulab``, which every person's queues borrow from,
+        each up to their quota). None (default): all GPUs of the cluster's schedulable nodes,
+        counted again as nodes come and go. Set it lower to leave GPUs to work outside gpulab.
+        The gpulab service's ``c.KubeJobBackend.kueue_gpus`` takes this unless set there.
+        Example: ``c.KubeGPUSpawner.kueue_gpus = 16``""",
     ).tag(config=True)
 
     @default("enable_user_namespaces")
@@ -395,9 +405,9 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
     def kueue_mirror(self, ledger) -> KueueMirror:
         load_config()
         return KueueMirror.for_loop(
-            ledger, shared_client("CustomObjectsApi"), interval=self.gpu_quota_sync_interval,
-            models=[None], cpu=QUEUE_CPU, memory=QUEUE_MEMORY,
-            log=self.log, request_timeout=self.k8s_api_request_timeout)
+            ledger, shared_client("CustomObjectsApi"), self.api,
+            interval=self.gpu_quota_sync_interval, log=self.log,
+            request_timeout=self.k8s_api_request_timeout, pool=self.kueue_gpus)
 
     async def _kueue_record_gpus(self) -> None:
         """The pod runs: Kueue admitted it. Its GPUs in the ledger (as any server's)."""

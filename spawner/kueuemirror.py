@@ -8,27 +8,27 @@ notebooks hold, the budgets used) and applies, by server-side apply, only the ob
 people whose figures changed (no API request otherwise). The objects are
 `gpulab.spawner.kueueobjects`'s:
 
-- the ResourceFlavors of the GPU model and of CPU and memory, and the root cohort (once per
-  process);
+- the ResourceFlavors of GPUs (any model) and of CPU and memory (once per process), and the
+  root cohort holding the pool: the GPUs of the cluster's schedulable nodes (their
+  allocatable ``nvidia.com/gpu``, listed at most every ``capacity_seconds``), applied again
+  when that changes;
 - per person, the cohort of the group their quota comes from, their two ClusterQueues and two
   LocalQueues.
 
-What a person's in-quota ClusterQueue admits (its nominal GPU quota, of any GPU model: one
-flavor, ``gpulab-gpu``, as gpulab's quota counts GPUs of every model together; each pod's own
-node selector picks the model) is their gpulab quota's ``max_gpus``: their GPU notebook pods
-and their jobs both wait in it, so both count against one quota. No quota at all is
-`UNLIMITED`. Both processes that need the objects keep a mirror (the hub's spawner before a
-GPU server's pod, the service's job backend before a job): they apply the same objects from
-the same ledger.
-A GPU-hour budget used up holds the ClusterQueue (``stopPolicy: Hold``): what runs goes on,
-nothing new is admitted, and the job's reason says why; the hold lifts when the budget's
-window moves on or the admin raises it.
+What a person's in-quota ClusterQueue admits is what it may borrow from the pool: their gpulab
+quota's ``max_gpus`` (no quota: the whole pool). Their GPU notebook pods and their jobs both
+wait in it, so both count against one quota, and as no queue owns quota, Kueue never admits
+more GPUs than the cluster has however the quotas add up. Both processes that need the
+objects keep a mirror (the hub's spawner before a GPU server's pod, the service's job backend
+before a job): they apply the same objects from the same ledger and nodes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -44,21 +44,33 @@ from .kueueobjects import (
     make_default_flavor,
     make_gpu_flavor,
     make_local_queues,
+    make_priority_class,
 )
 from .namespaces import APPLY, FIELD_MANAGER, api_message, effective_quota_of
+from .profiles import GPU_RESOURCE
 
-#: the nominal GPU quota of a person without any quota (only the hardware limits them)
-UNLIMITED = 10_000
 KUEUE = ("kueue.x-k8s.io", "v1beta2")
-_PLURALS = {"ResourceFlavor": "resourceflavors", "Cohort": "cohorts",
+_PLURALS = {"ResourceFlavor": "resourceflavors", "WorkloadPriorityClass": "workloadpriorityclasses",
+            "Cohort": "cohorts",
             "ClusterQueue": "clusterqueues", "LocalQueue": "localqueues"}
+
+
+def node_gpus(node: dict) -> int:
+    """The GPUs a node gives the pool: its allocatable ``nvidia.com/gpu``, none while it is
+    cordoned (unschedulable)."""
+    if node.get("spec", {}).get("unschedulable"):
+        return 0
+    try:
+        return max(0, int(node.get("status", {}).get("allocatable", {}).get(GPU_RESOURCE, 0)))
+    except (TypeError, ValueError):
+        return 0
 
 
 @dataclass(frozen=True)
 class Wanted:
     """What a person's Kueue objects should say."""
 
-    max_gpus: int
+    max_gpus: int | None  # None: no quota
     group: str | None
     hold: bool
 
@@ -66,7 +78,7 @@ class Wanted:
 def wanted(quota: Quota | None, source: str, *, budget_used: float) -> Wanted:
     """A person's `Wanted` from their effective quota (and where it comes from: ``user``,
     ``group 'x'``, ``default``, ``none``) and the GPU-hours used in the budget's window."""
-    top = UNLIMITED if quota is None else quota.max_gpus
+    top = None if quota is None else quota.max_gpus
     group = source[len("group '"):-1] if source.startswith("group '") else None
     hold = bool(quota is not None and quota.gpu_hours is not None
                 and budget_used >= quota.gpu_hours)
@@ -78,11 +90,15 @@ class KueueMirror:
 
     _instances: dict[Any, KueueMirror] = {}
 
-    def __init__(self, ledger: Ledger, custom, *, interval: float, models: list[str | None],
-                 cpu: str, memory: str, log: logging.Logger, request_timeout: float = 30.0):
-        self.ledger, self.custom, self.interval, self.log = ledger, custom, interval, log
-        self.models, self.cpu, self.memory = models, cpu, memory
-        self.request_timeout = request_timeout
+    def __init__(self, ledger: Ledger, custom, core, *, interval: float, log: logging.Logger,
+                 request_timeout: float = 30.0, capacity_seconds: float = 30.0,
+                 pool: int | None = None):
+        self.ledger, self.custom, self.core, self.interval, self.log = (
+            ledger, custom, core, interval, log)
+        self.pool = pool  # the operator's fixed pool; None: the nodes' GPUs
+        self.request_timeout, self.capacity_seconds = request_timeout, capacity_seconds
+        self.capacity: int | None = None  # the pool as last applied
+        self._capacity_read = -math.inf
         self.users: dict[str, tuple[str, tuple[str, ...], str]] = {}  # ns -> user, groups, label
         self.applied: dict[str, Wanted] = {}
         self._shared_done = False
@@ -90,14 +106,38 @@ class KueueMirror:
         self.requests = 0
 
     @classmethod
-    def for_loop(cls, ledger: Ledger, custom, **kwargs) -> KueueMirror:
+    def for_loop(cls, ledger: Ledger, custom, core, **kwargs) -> KueueMirror:
         loop = asyncio.get_running_loop()
         mirror = cls._instances.get(loop)
-        if mirror is None or mirror.ledger is not ledger:
+        if mirror is None or mirror.ledger is not ledger or mirror.pool != kwargs.get("pool"):
             if mirror is not None and mirror._task is not None:
                 mirror._task.cancel()
-            mirror = cls._instances[loop] = cls(ledger, custom, **kwargs)
+            mirror = cls._instances[loop] = cls(ledger, custom, core, **kwargs)
         return mirror
+
+    async def sync_capacity(self, force: bool = False) -> None:
+        """The pool (the root cohort): the operator's ``pool``, else the cluster's schedulable
+        GPUs, read at most every ``capacity_seconds`` (one node list); applied when it
+        changed (the first time with the flavors and the priority class)."""
+        if self.pool is not None:
+            gpus = self.pool
+        elif not force and time.monotonic() - self._capacity_read < self.capacity_seconds:
+            return
+        else:
+            resp = await self.core.list_node(_preload_content=False,
+                                             _request_timeout=self.request_timeout)
+            self.requests += 1
+            nodes = json.loads(await resp.read())["items"]
+            self._capacity_read = time.monotonic()
+            gpus = sum(node_gpus(n) for n in nodes)
+        if gpus != self.capacity:
+            objects = [] if self._shared_done else [
+                make_gpu_flavor(None), make_default_flavor(), make_priority_class()]
+            for obj in objects + make_cohorts(None, gpus):
+                await self._apply_object(obj)
+            self._shared_done = True
+            self.log.info("Kueue's GPU pool (cohort gpulab): %d GPUs", gpus)
+            self.capacity = gpus
 
     async def register(self, namespace: str, user: str, groups: tuple[str, ...],
                        label: str) -> None:
@@ -143,27 +183,28 @@ class KueueMirror:
     async def apply(self, namespace: str, want: Wanted) -> None:
         """Apply the person's objects (and, the first time, the shared ones)."""
         user, _, label = self.users[namespace]
-        objects: list[dict] = []
-        if not self._shared_done:
-            objects += [make_gpu_flavor(m) for m in dict.fromkeys(self.models)]
-            objects.append(make_default_flavor())
-        objects += make_cohorts(want.group)[0 if not self._shared_done else 1:]
+        await self.sync_capacity(force=self.capacity is None)
+        objects: list[dict] = make_cohorts(want.group)[1:]  # the group's, below the root
         objects += make_cluster_queues(namespace=namespace, user_label=label,
-                                       max_gpus=want.max_gpus, models=self.models,
-                                       cpu=self.cpu, memory=self.memory, group=want.group,
+                                       max_gpus=want.max_gpus, group=want.group,
                                        hold=want.hold)
         if namespace not in self.applied:
             objects += make_local_queues(namespace=namespace, user_label=label)
         for obj in objects:  # in order: flavors and cohorts before the queues naming them
             await self._apply_object(obj)
-        self._shared_done = True
         self.applied[namespace] = want
-        self.log.info("Kueue quota of %s (namespace %s): %d GPUs%s%s", user, namespace,
-                      want.max_gpus, f", in group {want.group}'s cohort" if want.group else "",
+        self.log.info("Kueue quota of %s (namespace %s): %s GPUs%s%s", user, namespace,
+                      "any" if want.max_gpus is None else want.max_gpus,
+                      f", in group {want.group}'s cohort" if want.group else "",
                       ", held (GPU-hour budget used up)" if want.hold else "")
 
     async def sync(self) -> int:
-        """Apply the objects of the people whose figures changed; returns how many."""
+        """The pool, then the objects of the people whose figures changed; returns how many
+        people's."""
+        try:
+            await self.sync_capacity()
+        except ApiException as e:
+            self.log.warning("Could not update Kueue's GPU pool: %s %s", e.status, api_message(e))
         wants = await asyncio.to_thread(self._wanted, list(self.users))
         n = 0
         for ns, want in wants.items():

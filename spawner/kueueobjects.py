@@ -7,32 +7,35 @@ lets Kueue decide who runs when. The objects below say a person's quota as Kueue
 be kept current from the ledger by server-side apply (as the ResourceQuota mirror of
 `gpulab.spawner.namespaces` is):
 
-- `make_gpu_flavor`: one ResourceFlavor per GPU model, selecting nodes by the label
-  ``nvidia.com/gpu.product`` (no model: any GPU node); `make_default_flavor` for CPU and memory.
-- `make_cohorts`: the root cohort ``gpulab`` and, for a group, a cohort of its own below it.
-  A person's ClusterQueues sit in the cohort of the group their quota comes from (the root
-  one when it is their own or the default quota): unused quota is lent within the tree, and
-  taken back first within the group. A group quota in gpulab is each member's quota (the
-  most generous applies, `gpulab.hub.quota.policy.effective_quota`), so the group cohort has
-  no quota of its own: its members' nominal quotas add up.
+- `make_gpu_flavor`: the ResourceFlavor of GPUs (``gpulab-gpu``: any model, as gpulab's quota
+  counts GPUs of every model together; each pod's own node selector picks its model);
+  `make_default_flavor` for CPU and memory.
+- `make_cohorts`: the root cohort ``gpulab``, which holds the pool: the cluster's GPUs
+  (counted from its nodes), and, for a group, a cohort of its own below it. A person's
+  ClusterQueues sit in the cohort of the group their quota comes from (the root one when it
+  is their own or the default quota).
 - `make_cluster_queues`: per person, two ClusterQueues, both admitting only workloads of the
   person's own namespace (``namespaceSelector``), so a LocalQueue made in another namespace
-  that names them admits nothing:
+  that names them admits nothing. Neither holds quota of its own: both borrow from the pool,
+  so Kueue never admits more GPUs than the cluster has, however the quotas add up.
 
-  - ``<namespace>`` (in-quota work): the person's GPU quota as nominal quota, never
-    borrowing; it lends what it does not use and takes it back by preempting borrowers
-    (``reclaimWithinCohort: Any``). With ``hold`` (a GPU-hour budget used up) it admits
-    nothing new (``stopPolicy: Hold``) while what runs goes on.
-  - ``<namespace>.preemptible``: no quota of its own; it only borrows idle quota, so its work
-    is what the lenders preempt when they need their GPUs back. Work marked preemptible goes
-    here, and only such work borrows.
+  - ``<namespace>`` (in-quota work): borrows up to the person's GPU quota
+    (``borrowingLimit``). With ``hold`` (a GPU-hour budget used up) it admits nothing new
+    (``stopPolicy: Hold``) while what runs goes on. When the pool is full, its work waits
+    for GPUs to come back, taking back those lent to preemptible work first; fair sharing
+    decides whose waiting work is admitted first.
+  - ``<namespace>.preemptible``: borrows without a limit, with fair-sharing weight 0: its
+    work is the first whose GPUs are taken back when anyone's in-quota work needs them.
+    Work marked preemptible goes here, with the priority class `PREEMPTIBLE_PRIORITY_CLASS`
+    (`make_priority_class`): in-quota work preempts only work of a lower priority, so it
+    never takes GPUs from another person's in-quota work.
 
 - `make_local_queues`: the two LocalQueues in the person's namespace, `LOCAL_QUEUE` and
   `PREEMPTIBLE_QUEUE`, the names gpulab's pods and JobSets carry in the label
   ``kueue.x-k8s.io/queue-name``.
 
 CPU and memory are covered too (Kueue admits only workloads whose every requested resource a
-ClusterQueue covers), with the operator's per-person amounts.
+ClusterQueue covers), from the pool's large `POOL_CPU` and `POOL_MEMORY`.
 """
 
 from __future__ import annotations
@@ -56,10 +59,15 @@ PREEMPTIBLE_SUFFIX = ".preemptible"
 QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"
 #: the scheduling gate Kueue's pod integration puts on a pod until its Workload is admitted
 ADMISSION_GATE = "kueue.x-k8s.io/admission"
-#: what a person's ClusterQueue covers of CPU and memory (Kueue admits only work whose every
-#: requested resource a queue covers): enough never to be what limits them, GPUs do
-QUEUE_CPU = "1000"
-QUEUE_MEMORY = "4Ti"
+#: the WorkloadPriorityClass of preemptible work (label ``kueue.x-k8s.io/priority-class``):
+#: below every in-quota workload's priority (0), so in-quota work preempts it and nothing else
+PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
+PREEMPTIBLE_PRIORITY_CLASS = "gpulab-preemptible"
+PREEMPTIBLE_PRIORITY = -1000
+#: the CPU and memory of the root cohort's pool (Kueue admits only work whose every requested
+#: resource a queue covers): enough never to be what limits anyone, GPUs do
+POOL_CPU = "100000"
+POOL_MEMORY = "10000Ti"
 
 
 def _slug(text: str, room: int) -> str:
@@ -89,15 +97,38 @@ def make_default_flavor() -> dict:
             "metadata": {"name": DEFAULT_FLAVOR, "labels": dict(MANAGED_BY)}, "spec": {}}
 
 
+def make_priority_class() -> dict:
+    """The WorkloadPriorityClass preemptible work carries (see `PREEMPTIBLE_PRIORITY_CLASS`)."""
+    return {"apiVersion": KUEUE_API, "kind": "WorkloadPriorityClass",
+            "metadata": {"name": PREEMPTIBLE_PRIORITY_CLASS, "labels": dict(MANAGED_BY)},
+            "value": PREEMPTIBLE_PRIORITY,
+            "description": "gpulab: preemptible work, borrowing idle GPUs until their owners "
+                           "need them"}
+
+
 def cohort_name(group: str | None) -> str:
     """The root cohort, or ``gpulab-group-<group>`` for a group's members."""
     return ROOT_COHORT if group is None else f"gpulab-group-{_slug(group, 50)}"
 
 
-def make_cohorts(group: str | None) -> list[dict]:
-    """The cohorts a person's queues need: the root, and their group's below it."""
+def make_cohorts(group: str | None, capacity: int | None = None) -> list[dict]:
+    """The cohorts a person's queues need: the root, and their group's below it. With
+    ``capacity`` (the cluster's GPUs), the root holds the whole pool: the GPUs of every model
+    (flavor ``gpulab-gpu``) and `POOL_CPU` CPUs and `POOL_MEMORY` of memory, which every
+    person's queues borrow from, each up to their quota."""
+    spec: dict[str, Any] = {}
+    if capacity is not None:
+        spec["resourceGroups"] = [
+            {"coveredResources": [GPU_RESOURCE],
+             "flavors": [{"name": gpu_flavor_name(None), "resources": [
+                 {"name": GPU_RESOURCE, "nominalQuota": _count("capacity", capacity)}]}]},
+            {"coveredResources": ["cpu", "memory"],
+             "flavors": [{"name": DEFAULT_FLAVOR, "resources": [
+                 {"name": "cpu", "nominalQuota": POOL_CPU},
+                 {"name": "memory", "nominalQuota": POOL_MEMORY}]}]},
+        ]
     root = {"apiVersion": KUEUE_API, "kind": "Cohort",
-            "metadata": {"name": ROOT_COHORT, "labels": dict(MANAGED_BY)}, "spec": {}}
+            "metadata": {"name": ROOT_COHORT, "labels": dict(MANAGED_BY)}, "spec": spec}
     if group is None:
         return [root]
     return [root, {"apiVersion": KUEUE_API, "kind": "Cohort",
@@ -111,36 +142,39 @@ def _count(name: str, value: Any) -> str:
     return str(value)
 
 
-def make_cluster_queues(*, namespace: str, user_label: str, max_gpus: int,
-                        models: list[str | None], cpu: str, memory: str,
+def make_cluster_queues(*, namespace: str, user_label: str, max_gpus: int | None,
                         group: str | None = None, hold: bool = False) -> list[dict]:
-    """``[in-quota, preemptible]``: the person's two ClusterQueues (see the module)."""
-    gpus = _count("max_gpus", max_gpus)
-    if not models:
-        raise ValueError("at least one GPU model (None: any) is needed")
+    """``[in-quota, preemptible]``: the person's two ClusterQueues (see the module).
+    ``max_gpus`` None: no quota (borrowing up to the whole pool)."""
+    limit = None if max_gpus is None else _count("max_gpus", max_gpus)
 
     def queue(name: str, own: bool) -> dict:
-        def resource(res: str, amount: str) -> dict:
-            # in-quota work never borrows; preemptible work has nothing but what it borrows
-            return ({"name": res, "nominalQuota": amount, "borrowingLimit": "0"} if own
-                    else {"name": res, "nominalQuota": "0"})
+        gpu: dict[str, Any] = {"name": GPU_RESOURCE, "nominalQuota": "0"}
+        if own and limit is not None:
+            gpu["borrowingLimit"] = limit
         spec: dict[str, Any] = {
             "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
             "cohortName": cohort_name(group),
             "queueingStrategy": "BestEffortFIFO",
             "resourceGroups": [
                 {"coveredResources": [GPU_RESOURCE],
-                 "flavors": [{"name": gpu_flavor_name(m),
-                              "resources": [resource(GPU_RESOURCE, gpus)]}
-                             for m in dict.fromkeys(models)]},
+                 "flavors": [{"name": gpu_flavor_name(None), "resources": [gpu]}]},
                 {"coveredResources": ["cpu", "memory"],
                  "flavors": [{"name": DEFAULT_FLAVOR,
-                              "resources": [resource("cpu", cpu), resource("memory", memory)]}]},
+                              "resources": [{"name": "cpu", "nominalQuota": "0"},
+                                            {"name": "memory", "nominalQuota": "0"}]}]},
             ],
-            "preemption": ({"reclaimWithinCohort": "Any", "withinClusterQueue": "LowerPriority"}
+            # in-quota work takes GPUs back only from work of a lower priority (preemptible
+            # work's `PREEMPTIBLE_PRIORITY_CLASS`), never from another person's in-quota work;
+            # fair sharing orders who is admitted first, and the preemptible queue's weight 0
+            # makes its borrowed GPUs the first taken back
+            "preemption": ({"reclaimWithinCohort": "LowerPriority",
+                            "withinClusterQueue": "LowerPriority"}
                            if own else
                            {"reclaimWithinCohort": "Never", "withinClusterQueue": "Never"}),
         }
+        if not own:
+            spec["fairSharing"] = {"weight": "0"}
         if hold:
             spec["stopPolicy"] = "Hold"
         return {"apiVersion": KUEUE_API, "kind": "ClusterQueue",

@@ -65,7 +65,7 @@ from kubernetes_asyncio.client.rest import ApiException
 from kubespawner.clients import load_config, shared_client
 from kubespawner.reflector import MultiNamespaceResourceReflector
 from kubespawner.slugs import safe_slug
-from traitlets import Bool, Dict, Float, List, Unicode, default
+from traitlets import Bool, Dict, Float, Integer, List, Unicode, default
 from traitlets.config import LoggingConfigurable
 
 from gpulab.extensions.contract import (
@@ -229,7 +229,7 @@ SHARED_WITH_SPAWNER = {"namespace_template": "user_namespace_template",
                        "pod_security_level": "pod_security_level",
                        "hub_namespace": "hub_namespace", "allowed_egress": "allowed_egress",
                        "gpu_quota_sync_interval": "gpu_quota_sync_interval",
-                       "kueue": "kueue"}
+                       "kueue": "kueue", "kueue_gpus": "kueue_gpus"}
 #: the environment variable the gpulab service falls back to for these settings when its
 #: config file has no ``GpulabService.kube_jobs`` (the hub writes them there)
 SETTINGS_ENV = "GPULAB_KUBE_JOBS"
@@ -326,6 +326,11 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         (`gpulab.hub.jobs.kueue.KueueJobBackend`). False (default): Indexed Jobs, admitted by
         the ledger after a capacity check. Taken from ``c.KubeGPUSpawner.kueue`` unless set
         here. Example: ``c.KubeJobBackend.kueue = True``""").tag(config=True)
+    kueue_gpus = Integer(None, allow_none=True, min=0, help="""
+        With ``kueue``: the GPUs gpulab's work may take on the cluster all together (Kueue's
+        root cohort ``gpulab``); None (default): all GPUs of the schedulable nodes. Taken from
+        ``c.KubeGPUSpawner.kueue_gpus`` unless set here (both must agree).
+        Example: ``c.KubeJobBackend.kueue_gpus = 16``""").tag(config=True)
     progress_cache_seconds = Float(5.0, help="""
         Seconds a job's progress, read from its lead replica's log when someone looks at the
         job, is reused (default 5): one log request per watched job and period, none for jobs

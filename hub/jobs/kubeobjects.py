@@ -47,7 +47,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpulab.spawner.kubeobjects import MANAGED_BY, USER_LABEL, escape_expansion, server_pod_settings
-from gpulab.spawner.kueueobjects import QUEUE_NAME_LABEL
+from gpulab.spawner.kueueobjects import PRIORITY_CLASS_LABEL, QUEUE_NAME_LABEL
 from gpulab.spawner.profiles import GPU_MODEL_LABEL, GPU_RESOURCE
 
 from gpulab.hub.jobs.spec import ROLES, JobSpec
@@ -310,6 +310,7 @@ def make_training_jobset(
     user_subpath: str = "",
     datasets_subpath: str | None = None,
     queue_name: str | None = None,
+    priority_class: str | None = None,
     port: int = TF_PORT,
 ) -> dict:
     """The job as one JobSet (``jobset.x-k8s.io/v1alpha2``): a replicated job per role (one
@@ -323,13 +324,17 @@ def make_training_jobset(
       lost for good restarts the whole JobSet (fresh servers, the chief restores its last
       checkpoint), within ``retries`` restarts;
     - with ``queue_name`` (the person's Kueue LocalQueue), created suspended with the label
-      ``kueue.x-k8s.io/queue-name``: Kueue admits it whole, then unsuspends it.
+      ``kueue.x-k8s.io/queue-name``: Kueue admits it whole, then unsuspends it; with
+      ``priority_class``, Kueue's WorkloadPriorityClass of it (label
+      ``kueue.x-k8s.io/priority-class``).
 
     `gpulab.hub.jobs.kueue.KueueJobBackend` creates it; `KubeJobBackend` (no Kueue) creates
     `make_training_job_objects`."""
     labels = job_labels(user_label=user_label, job=spec.name)
     if queue_name:
         labels[QUEUE_NAME_LABEL] = queue_name
+    if priority_class:
+        labels[PRIORITY_CLASS_LABEL] = priority_class
     replicated = [{
         "name": role,
         "replicas": 1,

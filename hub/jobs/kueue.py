@@ -54,9 +54,8 @@ from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, Request
 from gpulab.spawner.kueuemirror import KueueMirror
 from gpulab.spawner.kueueobjects import (
     LOCAL_QUEUE,
+    PREEMPTIBLE_PRIORITY_CLASS,
     PREEMPTIBLE_QUEUE,
-    QUEUE_CPU,
-    QUEUE_MEMORY,
     condition,
     ordinal,
     pending_position,
@@ -200,9 +199,9 @@ class KueueJobBackend(KubeJobBackend):
     def mirror(self) -> KueueMirror:
         """This event loop's `KueueMirror` (the person's Kueue objects from the ledger)."""
         return KueueMirror.for_loop(
-            self.ledger, self.custom, interval=self.gpu_quota_sync_interval,
-            models=[None], cpu=QUEUE_CPU, memory=QUEUE_MEMORY, log=log,
-            request_timeout=self.request_timeout)
+            self.ledger, self.custom, self.core, interval=self.gpu_quota_sync_interval,
+            log=log, request_timeout=self.request_timeout,
+            capacity_seconds=self.node_cache_seconds, pool=self.kueue_gpus)
 
     async def _ensure_namespace(self, user: str, groups: tuple[str, ...]) -> str:
         """The namespace (no GPU ResourceQuota), then the person's Kueue objects, applied
@@ -246,8 +245,10 @@ class KueueJobBackend(KubeJobBackend):
         # by a used-up GPU-hour budget: its JobSet runs at once
         queue = (None if not spec.total_gpus
                  else self.preemptible_queue if spec.preemptible else self.local_queue)
-        jobset = make_training_jobset(**self._object_args(user, spec, ns, user_dir, job_dir),
-                                      queue_name=queue)
+        # preemptible work has a priority below in-quota work's: what in-quota work may preempt
+        jobset = make_training_jobset(
+            **self._object_args(user, spec, ns, user_dir, job_dir), queue_name=queue,
+            priority_class=PREEMPTIBLE_PRIORITY_CLASS if queue and spec.preemptible else None)
         # the person's groups (their quota may be a group's): a restarted service mirrors
         # the quota of the people whose jobs it finds without waiting for their next submit
         jobset["metadata"].setdefault("annotations", {})[GROUPS_ANNOTATION] = json.dumps(

@@ -6,12 +6,13 @@ Each test has a ClusterQueue of its own (4 H100 GPUs, one ResourceFlavor for
 pods and keeps them Running (no Stage ends them), so quota frees only when a test deletes.
 
 The last tests (issue 18's first step) use gpulab's own builders instead: the Kueue objects of
-two people's quotas (`gpulab.spawner.kueueobjects`, 2 H100s each, in the root cohort) and
+two people's quotas (`gpulab.spawner.kueueobjects`, 2 GPUs each, borrowed from the root
+cohort's pool of 4) and
 training jobs as JobSets (`gpulab.hub.jobs.kubeobjects.make_training_jobset`): the webhooks
 accept them, a job is admitted whole and its pods answer to the host names in TF_CONFIG, one
 over the person's quota waits without a pod, another namespace cannot use a person's
-ClusterQueue, and preemptible work borrows idle quota and is preempted when its lender needs
-it.
+ClusterQueue, and preemptible work borrows the idle pool and is preempted (a lower priority)
+when someone's in-quota work needs it.
 
 The last tests run gpulab's job backend with Kueue (``c.KubeJobBackend.kueue``) as the hub's
 ServiceAccount bound by helm-values/rbac.yaml: its quota mirror makes the person's Kueue
@@ -399,17 +400,18 @@ def test_manager_rbac_binds_the_controllers_own_roles_to_its_service_account(tmp
 
 # -- gpulab's own objects: its JobSets in the Kueue queues of its quota mirror (issue 18) ----
 
-def gpulab_queues(cp, ns, user, max_gpus):
+def gpulab_queues(cp, ns, user, max_gpus, pool):
     """``user``'s Kueue objects as `gpulab.spawner.kueueobjects` builds them, for namespace
-    ``ns`` (quota ``max_gpus`` H100s), applied and Active."""
+    ``ns`` (quota ``max_gpus``), in the root cohort holding a pool of ``pool`` GPUs, applied
+    and Active."""
     from gpulab.spawner.kueueobjects import (
         make_cluster_queues, make_cohorts, make_default_flavor, make_gpu_flavor,
-        make_local_queues)
+        make_local_queues, make_priority_class)
 
-    queues = make_cluster_queues(namespace=ns, user_label=user, max_gpus=max_gpus,
-                                 models=["NVIDIA-H100"], cpu="64", memory="256Gi")
+    queues = make_cluster_queues(namespace=ns, user_label=user, max_gpus=max_gpus)
     locals_ = make_local_queues(namespace=ns, user_label=user)
-    cp.apply(make_gpu_flavor("NVIDIA-H100"), make_default_flavor(), *make_cohorts(None))
+    cp.apply(make_gpu_flavor(None), make_default_flavor(), make_priority_class(),
+             *make_cohorts(None, pool))
     cp.apply(*queues, *locals_)
     for q in queues:
         name = q["metadata"]["name"]
@@ -420,12 +422,13 @@ def gpulab_queues(cp, ns, user, max_gpus):
 
 @pytest.fixture
 def people(cp):
-    """Two people, each a namespace with gpulab's queues (2 H100s each), in the root cohort."""
+    """Two people, each a namespace with gpulab's queues (a quota of 2 GPUs each), in the
+    root cohort holding a pool of 4 GPUs."""
     made = []
     for user in ("ann", "bob"):
         ns = f"gpulab-{user}-{uuid.uuid4().hex[:6]}"
         cp.create_namespace(ns)
-        made.append((ns, gpulab_queues(cp, ns, user, 2)))
+        made.append((ns, gpulab_queues(cp, ns, user, 2, pool=4)))
     yield {"ann": made[0][0], "bob": made[1][0]}
     for ns, cqs in made:
         cp.kubectl("delete", "jobsets,pods", "--all", "-n", ns, "--wait=false", check=False)
@@ -436,6 +439,7 @@ def people(cp):
 def gpulab_jobset(name, ns, *, workers, gpus, queue="gpulab", strategy="parameter-server"):
     from gpulab.hub.jobs.kubeobjects import make_training_jobset
     from gpulab.hub.jobs.spec import parse_spec
+    from gpulab.spawner.kueueobjects import PREEMPTIBLE_PRIORITY_CLASS, PREEMPTIBLE_QUEUE
 
     replicas = ({"chief": 1, "ps": 1, "worker": workers} if strategy == "parameter-server"
                 else {"worker": workers})
@@ -445,7 +449,8 @@ def gpulab_jobset(name, ns, *, workers, gpus, queue="gpulab", strategy="paramete
                                 program="/gpulab/shared/users/ann/train.py",
                                 job_dir="/gpulab/shared/users/ann/jobs/" + name,
                                 user_dir="/gpulab/shared/users/ann", gpu_model="NVIDIA-H100",
-                                queue_name=queue)
+                                queue_name=queue, priority_class=PREEMPTIBLE_PRIORITY_CLASS
+                                if queue == PREEMPTIBLE_QUEUE else None)
 
 
 def test_gpulabs_jobset_is_admitted_whole_and_its_pods_have_the_host_names_of_tf_config(cp, people):
@@ -507,9 +512,9 @@ def test_only_the_persons_own_namespace_uses_their_cluster_queue(cp, people):
 
 
 def test_preemptible_work_borrows_idle_quota_and_gives_it_back(cp, people):
-    """ann's preemptible job borrows bob's idle GPUs (her in-quota queue never borrows); when
-    bob's own work needs them, Kueue preempts ann's job (its Workload evicted, its JobSet
-    suspended) and admits bob's."""
+    """ann's preemptible job borrows idle GPUs of the pool beyond her quota (her in-quota
+    queue borrows only up to it); when bob's in-quota work needs them, Kueue preempts ann's
+    job (its Workload evicted, its JobSet suspended) and admits bob's."""
     ann, bob = people["ann"], people["bob"]
     create(cp, ann, gpulab_jobset("big", ann, workers=1, gpus=4, queue="gpulab",
                                   strategy="multi-worker-mirrored"))
@@ -621,6 +626,8 @@ async def test_kueue_admits_gpulab_jobs_whole_and_the_ledger_follows(cp, kueue_b
         cq = cp.kubectl_json("get", "clusterqueue", ns)
         assert cq["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "gpulab"
         assert gpu_quota(cq) == "2"
+        # the pool: every GPU of the cluster's nodes (3 x 8 H100, 4 A10), lent up to quotas
+        assert pool_gpus(cp) == "28"
         assert "resourcequota" not in cp.kubectl("get", "resourcequota", "-n", ns, "-o", "name").stdout
         js = cp.kubectl_json("get", "jobset", "first", "-n", ns)
         assert js["metadata"]["labels"][QUEUE_NAME_LABEL] == "gpulab"
@@ -674,7 +681,14 @@ async def test_kueue_admits_gpulab_jobs_whole_and_the_ledger_follows(cp, kueue_b
 
 
 def gpu_quota(cq):
+    """A person's GPU quota in their in-quota ClusterQueue: what it may borrow of the pool."""
     (flavor,) = cq["spec"]["resourceGroups"][0]["flavors"]
+    return next(r.get("borrowingLimit") for r in flavor["resources"] if r["name"] == GPU_RESOURCE)
+
+
+def pool_gpus(cp):
+    """The GPUs of the pool (the root cohort gpulab)."""
+    (flavor,) = cp.kubectl_json("get", "cohort", "gpulab")["spec"]["resourceGroups"][0]["flavors"]
     return next(r["nominalQuota"] for r in flavor["resources"] if r["name"] == GPU_RESOURCE)
 
 
@@ -756,6 +770,9 @@ async def test_a_used_up_budget_holds_admissions_and_a_restarted_service_loses_n
             {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue",
              "metadata": {"name": f"gpulab-{foreign}", "labels": gpulab},
              "spec": {"cohortName": "gpulab", "namespaceSelector": {}}},
+            # a priority above everyone's, to preempt other people's work with
+            {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass",
+             "metadata": {"name": f"gpulab-{foreign}", "labels": gpulab}, "value": 1000},
             # a LocalQueue of a gpulab namespace sending work to another team's queue
             {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
              "metadata": {"name": "steal", "namespace": ns, "labels": gpulab},
@@ -776,11 +793,12 @@ async def asyncio_to_thread(fn, *args):
 
 
 async def test_a_preemptible_job_borrows_is_preempted_and_waits_again(cp, kueue_backend):
-    """ann's preemptible job borrows bob's idle GPUs (admitted in her preemptible queue, the
-    ledger holding them meanwhile); bob's job takes them back: Kueue preempts hers, which is
-    Queued again with the reason and its allocation closed, and runs again by itself when
-    bob's job ends."""
+    """ann's preemptible job borrows the idle pool beyond her quota (admitted in her
+    preemptible queue, the ledger holding its GPUs meanwhile); bob's in-quota job needs them:
+    Kueue preempts hers (lower priority), which is Queued again with the reason and its
+    allocation closed, and runs again by itself when bob's job ends."""
     b = kueue_backend
+    b.kueue_gpus = 4  # a pool of 4 GPUs (c.KubeJobBackend.kueue_gpus), which ann's job fills
     tag = uuid.uuid4().hex[:6]
     ann, bob = f"pa{tag}", f"pb{tag}"
     from gpulab.hub.quota.policy import Quota
@@ -927,12 +945,14 @@ async def test_a_gpu_notebook_waits_in_the_persons_queue_and_the_progress_says_w
 
 
 async def test_idle_gpus_are_shared_fairly_between_two_people(cp, kueue_backend):
-    """Fair sharing: carol lends her idle quota; ann and bob (no quota of their own) each
-    queue four preemptible 1-GPU jobs, ann's first. When carol's job ends and her 4 GPUs are
-    free, Kueue gives them two and two (first come, first served would give ann all four)."""
+    """Fair sharing: carol's job fills the pool of 4 GPUs; ann and bob (no quota of their
+    own) each queue four preemptible 1-GPU jobs, ann's first. When carol's job ends and the
+    4 GPUs are free, Kueue gives them two and two (first come, first served would give ann
+    all four)."""
     from gpulab.hub.quota.policy import Quota
 
     b = kueue_backend
+    b.kueue_gpus = 4  # a pool of 4 GPUs, which carol's job fills
     tag = uuid.uuid4().hex[:6]
     carol, ann, bob = f"fc{tag}", f"fa{tag}", f"fb{tag}"
     b.ledger.set_quota("user", carol, Quota(max_gpus=4), actor="admin")

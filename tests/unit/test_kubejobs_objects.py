@@ -312,6 +312,12 @@ def build_jobset(spec=PS_SPEC, **kw):
     return make_training_jobset(**args)
 
 
+def test_a_preemptible_jobset_carries_kueues_priority_class():
+    js = build_jobset(priority_class="gpulab-preemptible")
+    assert js["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "gpulab-preemptible"
+    assert "kueue.x-k8s.io/priority-class" not in build_jobset()["metadata"]["labels"]
+
+
 def test_jobset_literal():
     js = build_jobset()
     assert js["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and js["kind"] == "JobSet"

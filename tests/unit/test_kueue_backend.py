@@ -19,7 +19,7 @@ from gpulab.hub.jobs.kueue import (
 from gpulab.hub.jobs.spec import parse_spec
 from gpulab.hub.quota.ledger import AdmissionRefused, Ledger, Request
 from gpulab.hub.quota.policy import Quota
-from gpulab.spawner.kueuemirror import UNLIMITED, Wanted, wanted
+from gpulab.spawner.kueuemirror import KueueMirror, Wanted, node_gpus, wanted
 from gpulab.spawner.kueueobjects import ordinal, pending_position
 
 
@@ -66,7 +66,7 @@ def test_a_jobsets_end_is_its_condition():
 
 
 def test_what_a_persons_kueue_objects_say():
-    assert wanted(None, "none", budget_used=0) == Wanted(UNLIMITED, None, False)
+    assert wanted(None, "none", budget_used=0) == Wanted(None, None, False)  # the pool
     q = Quota(max_gpus=4)
     assert wanted(q, "user", budget_used=0) == Wanted(4, None, False)
     assert wanted(q, "group 'ml team'", budget_used=0) == Wanted(4, "ml team", False)
@@ -78,11 +78,13 @@ def test_what_a_persons_kueue_objects_say():
 def test_the_settings_choose_the_backend_and_the_spawners_kueue_reaches_it(tmp_path):
     c = Config()
     c.KubeGPUSpawner.kueue = True
+    c.KubeGPUSpawner.kueue_gpus = 12
     c.KueueJobBackend.local_queue = "team"
     raw = backend_settings(c)
-    assert json.loads(raw) == {"kueue": True, "local_queue": "team"}
+    assert json.loads(raw) == {"kueue": True, "kueue_gpus": 12, "local_queue": "team"}
     b = backend_from_settings(Ledger(f"sqlite:///{tmp_path / 'l.sqlite'}"), raw)
     assert type(b) is KueueJobBackend and b.local_queue == "team" and b.launches_queued
+    assert b.kueue_gpus == 12
     plain = backend_from_settings(Ledger(f"sqlite:///{tmp_path / 'm.sqlite'}"), "{}")
     assert type(plain) is KubeJobBackend and not plain.kueue
 
@@ -158,6 +160,73 @@ def test_one_switch_for_the_spawner_and_the_backend():
     c.KubeJobBackend.kueue = True  # the spawner's pods would not be queued: refused
     with pytest.raises(ValueError, match="set c.KubeGPUSpawner.kueue only"):
         backend_settings(c)
+
+
+def test_the_pool_counts_the_gpus_of_schedulable_nodes():
+    def node(gpus, unschedulable=False):
+        n = {"status": {"allocatable": {"cpu": "8"} if gpus is None
+                        else {"nvidia.com/gpu": gpus}}}
+        if unschedulable:
+            n["spec"] = {"unschedulable": True}
+        return n
+
+    assert [node_gpus(node(g)) for g in ("8", "0", None, "-2", "lots")] == [8, 0, 0, 0, 0]
+    assert node_gpus(node("8", unschedulable=True)) == 0
+
+
+class _Resp:
+    def __init__(self, body):
+        self.body = body
+
+    async def read(self):
+        return json.dumps(self.body).encode()
+
+
+class _Core:
+    def __init__(self, nodes):
+        self.nodes, self.lists = nodes, 0
+
+    async def list_node(self, **kw):
+        self.lists += 1
+        return _Resp({"items": self.nodes})
+
+
+class _Custom:
+    def __init__(self):
+        self.applied = []
+
+    async def patch_cluster_custom_object(self, group, version, plural, name, body, **kw):
+        self.applied.append((plural, name, body))
+
+
+async def test_the_mirror_applies_the_pool_when_it_changes_and_an_operators_pool_as_it_is(
+        tmp_path):
+    import logging
+
+    ledger = Ledger(f"sqlite:///{tmp_path / 'l.sqlite'}", pool="kubernetes")
+    ledger.migrate()
+    gpu = {"status": {"allocatable": {"nvidia.com/gpu": "8"}}}
+    core, custom = _Core([gpu, gpu]), _Custom()
+    m = KueueMirror(ledger, custom, core, interval=60, log=logging.getLogger("t"),
+                    capacity_seconds=0)
+    await m.sync_capacity()
+    assert [(p, n) for p, n, _ in custom.applied] == [
+        ("resourceflavors", "gpulab-gpu"), ("resourceflavors", "gpulab-default"),
+        ("workloadpriorityclasses", "gpulab-preemptible"), ("cohorts", "gpulab")]
+    pool = custom.applied[-1][2]["spec"]["resourceGroups"][0]["flavors"][0]["resources"][0]
+    assert pool["nominalQuota"] == "16"
+    custom.applied.clear()
+    await m.sync_capacity()  # the same nodes: nothing applied
+    assert custom.applied == [] and core.lists == 2
+    core.nodes.append({"status": {"allocatable": {"nvidia.com/gpu": "4"}}})
+    await m.sync_capacity()
+    assert [(p, n) for p, n, _ in custom.applied] == [("cohorts", "gpulab")]
+    assert m.capacity == 20
+
+    fixed = KueueMirror(ledger, _Custom(), _Core([]), interval=60, log=logging.getLogger("t"),
+                        pool=6)
+    await fixed.sync_capacity()
+    assert fixed.core.lists == 0 and fixed.capacity == 6
 
 
 # -- the pass that follows Kueue, on caches as the shared watches fill them -----------------

@@ -6,6 +6,9 @@ import re
 import pytest
 
 from gpulab.spawner.kueueobjects import (
+    POOL_CPU,
+    POOL_MEMORY,
+    PREEMPTIBLE_PRIORITY_CLASS,
     cohort_name,
     gpu_flavor_name,
     make_cluster_queues,
@@ -13,6 +16,7 @@ from gpulab.spawner.kueueobjects import (
     make_default_flavor,
     make_gpu_flavor,
     make_local_queues,
+    make_priority_class,
 )
 
 MANAGED = {"app.kubernetes.io/managed-by": "gpulab"}
@@ -20,8 +24,7 @@ DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
 
 def queues(**kw):
-    args = dict(namespace="gpulab-ann", user_label="ann", max_gpus=2,
-                models=["NVIDIA-H100"], cpu="32", memory="128Gi")
+    args = dict(namespace="gpulab-ann", user_label="ann", max_gpus=2)
     args.update(kw)
     return make_cluster_queues(**args)
 
@@ -51,7 +54,7 @@ def test_names_are_dns_labels_and_never_shared(texts):
             assert len(n) <= 63 and DNS_LABEL.fullmatch(n), n
 
 
-def test_the_in_quota_queue_never_borrows_and_takes_its_quota_back():
+def test_the_in_quota_queue_borrows_up_to_the_quota_and_preempts_only_lower_priorities():
     own = queues()[0]
     assert own == {
         "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue",
@@ -62,19 +65,24 @@ def test_the_in_quota_queue_never_borrows_and_takes_its_quota_back():
             "queueingStrategy": "BestEffortFIFO",
             "resourceGroups": [
                 {"coveredResources": ["nvidia.com/gpu"],
-                 "flavors": [{"name": gpu_flavor_name("NVIDIA-H100"), "resources": [
-                     {"name": "nvidia.com/gpu", "nominalQuota": "2", "borrowingLimit": "0"}]}]},
+                 "flavors": [{"name": "gpulab-gpu", "resources": [
+                     {"name": "nvidia.com/gpu", "nominalQuota": "0", "borrowingLimit": "2"}]}]},
                 {"coveredResources": ["cpu", "memory"],
                  "flavors": [{"name": "gpulab-default", "resources": [
-                     {"name": "cpu", "nominalQuota": "32", "borrowingLimit": "0"},
-                     {"name": "memory", "nominalQuota": "128Gi", "borrowingLimit": "0"}]}]},
+                     {"name": "cpu", "nominalQuota": "0"},
+                     {"name": "memory", "nominalQuota": "0"}]}]},
             ],
-            "preemption": {"reclaimWithinCohort": "Any", "withinClusterQueue": "LowerPriority"},
+            # never another person's in-quota work (priority 0 as its own)
+            "preemption": {"reclaimWithinCohort": "LowerPriority",
+                           "withinClusterQueue": "LowerPriority"},
         },
     }
+    # no quota: borrowing up to the whole pool
+    unlimited = queues(max_gpus=None)[0]["spec"]["resourceGroups"][0]["flavors"][0]
+    assert unlimited["resources"] == [{"name": "nvidia.com/gpu", "nominalQuota": "0"}]
 
 
-def test_the_preemptible_queue_only_borrows_and_preempts_nobody():
+def test_the_preemptible_queue_borrows_without_limit_and_gives_back_first():
     pre = queues()[1]
     assert pre["metadata"]["name"] == "gpulab-ann.preemptible"
     spec = pre["spec"]
@@ -85,16 +93,35 @@ def test_the_preemptible_queue_only_borrows_and_preempts_nobody():
             for r in flavor["resources"]:
                 assert r["nominalQuota"] == "0" and "borrowingLimit" not in r, r
     assert spec["preemption"] == {"reclaimWithinCohort": "Never", "withinClusterQueue": "Never"}
+    assert spec["fairSharing"] == {"weight": "0"}  # its borrowed GPUs go back first
 
 
-def test_a_group_quota_puts_both_queues_in_the_groups_cohort_below_the_root():
+def test_preemptible_work_has_a_priority_below_everyone_elses():
+    assert make_priority_class() == {
+        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass",
+        "metadata": {"name": PREEMPTIBLE_PRIORITY_CLASS, "labels": MANAGED},
+        "value": -1000, "description": make_priority_class()["description"]}
+    assert make_priority_class()["value"] < 0  # a workload without a class has 0
+
+
+def test_the_root_cohort_holds_the_pool_and_a_groups_cohort_nothing():
     for q in queues(group="ml team"):
         assert q["spec"]["cohortName"] == cohort_name("ml team")
     root, group = make_cohorts("ml team")
     assert root["metadata"]["name"] == "gpulab" and root["spec"] == {}
     assert group["metadata"]["name"] == cohort_name("ml team")
-    assert group["spec"] == {"parentName": "gpulab"}  # no quota of its own: members' add up
+    assert group["spec"] == {"parentName": "gpulab"}  # no quota of its own
     assert [c["metadata"]["name"] for c in make_cohorts(None)] == ["gpulab"]
+    [pool] = make_cohorts(None, 28)
+    assert pool["spec"]["resourceGroups"] == [
+        {"coveredResources": ["nvidia.com/gpu"], "flavors": [{"name": "gpulab-gpu", "resources": [
+            {"name": "nvidia.com/gpu", "nominalQuota": "28"}]}]},
+        {"coveredResources": ["cpu", "memory"], "flavors": [{"name": "gpulab-default", "resources": [
+            {"name": "cpu", "nominalQuota": POOL_CPU},
+            {"name": "memory", "nominalQuota": POOL_MEMORY}]}]},
+    ]
+    with pytest.raises(ValueError, match="capacity"):
+        make_cohorts(None, -1)
 
 
 def test_a_used_up_budget_holds_new_admissions():
@@ -102,19 +129,10 @@ def test_a_used_up_budget_holds_new_admissions():
     assert all("stopPolicy" not in q["spec"] for q in queues())
 
 
-def test_every_model_gets_the_quota_in_its_flavor():
-    gpu_group = queues(models=["NVIDIA-H100", "NVIDIA-A10", "NVIDIA-H100"])[0][
-        "spec"]["resourceGroups"][0]
-    assert [f["name"] for f in gpu_group["flavors"]] == [
-        gpu_flavor_name("NVIDIA-H100"), gpu_flavor_name("NVIDIA-A10")]
-
-
-@pytest.mark.parametrize("bad", [-1, 1.5, True, "2", None])
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
 def test_a_bad_gpu_count_is_refused(bad):
     with pytest.raises(ValueError, match="max_gpus"):
         queues(max_gpus=bad)
-    with pytest.raises(ValueError, match="model"):
-        queues(models=[])
 
 
 def test_local_queues_point_at_the_persons_cluster_queues():
@@ -133,10 +151,9 @@ def test_local_queues_point_at_the_persons_cluster_queues():
 def test_no_persons_queue_is_named_as_anothers_preemptible_one():
     """User "bob-preemptible" has namespace gpulab-bob-preemptible: never the name of bob's
     preemptible ClusterQueue (a namespace cannot hold the dot that name has)."""
-    bob = make_cluster_queues(namespace="gpulab-bob", user_label="bob", max_gpus=1,
-                              models=[None], cpu="1", memory="1Gi")
+    bob = make_cluster_queues(namespace="gpulab-bob", user_label="bob", max_gpus=1)
     other = make_cluster_queues(namespace="gpulab-bob-preemptible", user_label="bob-preemptible",
-                                max_gpus=1, models=[None], cpu="1", memory="1Gi")
+                                max_gpus=1)
     names = [q["metadata"]["name"] for q in bob + other]
     assert names == ["gpulab-bob", "gpulab-bob.preemptible", "gpulab-bob-preemptible",
                      "gpulab-bob-preemptible.preemptible"]
