@@ -57,8 +57,11 @@ _PLURALS = {"ResourceFlavor": "resourceflavors", "WorkloadPriorityClass": "workl
 
 def node_gpus(node: dict) -> int:
     """The GPUs a node gives the pool: its allocatable ``nvidia.com/gpu``, none while it is
-    cordoned (unschedulable)."""
+    cordoned (unschedulable) or not Ready."""
     if node.get("spec", {}).get("unschedulable"):
+        return 0
+    ready = [c for c in node.get("status", {}).get("conditions") or [] if c.get("type") == "Ready"]
+    if not ready or ready[0].get("status") != "True":
         return 0
     try:
         return max(0, int(node.get("status", {}).get("allocatable", {}).get(GPU_RESOURCE, 0)))

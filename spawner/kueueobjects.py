@@ -13,7 +13,8 @@ be kept current from the ledger by server-side apply (as the ResourceQuota mirro
 - `make_cohorts`: the root cohort ``gpulab``, which holds the pool: the cluster's GPUs
   (counted from its nodes), and, for a group, a cohort of its own below it. A person's
   ClusterQueues sit in the cohort of the group their quota comes from (the root one when it
-  is their own or the default quota).
+  is their own or the default quota); their preemptible ClusterQueue sits right below the
+  root whatever their group.
 - `make_cluster_queues`: per person, two ClusterQueues, both admitting only workloads of the
   person's own namespace (``namespaceSelector``), so a LocalQueue made in another namespace
   that names them admits nothing. Neither holds quota of its own: both borrow from the pool,
@@ -154,7 +155,11 @@ def make_cluster_queues(*, namespace: str, user_label: str, max_gpus: int | None
             gpu["borrowingLimit"] = limit
         spec: dict[str, Any] = {
             "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
-            "cohortName": cohort_name(group),
+            # the preemptible queue right below the root, whatever the group: fair sharing
+            # compares the subtrees below the two queues' common cohort, and only a queue of
+            # its own (weight 0) counts as the first to give back; inside a group's cohort
+            # (weight 1) its GPUs would be as hard to take back as the group's in-quota work
+            "cohortName": cohort_name(group) if own else ROOT_COHORT,
             "queueingStrategy": "BestEffortFIFO",
             "resourceGroups": [
                 {"coveredResources": [GPU_RESOURCE],

@@ -773,6 +773,21 @@ async def test_a_used_up_budget_holds_admissions_and_a_restarted_service_loses_n
             # a priority above everyone's, to preempt other people's work with
             {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass",
              "metadata": {"name": f"gpulab-{foreign}", "labels": gpulab}, "value": 1000},
+            # a ClusterQueue owning quota of its own (beyond the pool, reclaimable from others)
+            {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue",
+             "metadata": {"name": f"gpulab-{foreign}", "labels": gpulab},
+             "spec": {"cohortName": "gpulab", "namespaceSelector": {"matchLabels": {
+                 "kubernetes.io/metadata.name": f"gpulab-{foreign}"}},
+                 "resourceGroups": [{"coveredResources": [GPU_RESOURCE], "flavors": [{
+                     "name": "gpulab-gpu", "resources": [
+                         {"name": GPU_RESOURCE, "nominalQuota": "100"}]}]}],
+                 "preemption": {"reclaimWithinCohort": "Any",
+                                "withinClusterQueue": "LowerPriority"}}},
+            # a job of a gpulab namespace with a priority above everyone's in Kueue
+            {**gpulab_jobset("vip", ns, workers=1, gpus=1, strategy="multi-worker-mirrored"),
+             "metadata": {"name": "vip", "namespace": ns, "labels": {
+                 **gpulab, "kueue.x-k8s.io/queue-name": "gpulab",
+                 "kueue.x-k8s.io/priority-class": "system-cluster-critical"}}},
             # a LocalQueue of a gpulab namespace sending work to another team's queue
             {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
              "metadata": {"name": "steal", "namespace": ns, "labels": gpulab},

@@ -44,6 +44,9 @@ def test_spawner_settings_are_traits(values):
         unknown = sorted(set(config[section]) - set(traits))
         assert not unknown, f"{section}: {unknown} are not settings"
         for name, value in config[section].items():
+            if value is None:  # null: the trait's own default, where it allows None
+                assert traits[name].allow_none, f"{section}.{name} may not be null"
+                continue
             traits[name].validate(obj, value)  # TraitError when the value is malformed
 
 

@@ -163,15 +163,18 @@ def test_one_switch_for_the_spawner_and_the_backend():
 
 
 def test_the_pool_counts_the_gpus_of_schedulable_nodes():
-    def node(gpus, unschedulable=False):
+    def node(gpus, unschedulable=False, ready="True"):
         n = {"status": {"allocatable": {"cpu": "8"} if gpus is None
-                        else {"nvidia.com/gpu": gpus}}}
+                        else {"nvidia.com/gpu": gpus},
+                        "conditions": [{"type": "Ready", "status": ready}]}}
         if unschedulable:
             n["spec"] = {"unschedulable": True}
         return n
 
     assert [node_gpus(node(g)) for g in ("8", "0", None, "-2", "lots")] == [8, 0, 0, 0, 0]
     assert node_gpus(node("8", unschedulable=True)) == 0
+    assert node_gpus(node("8", ready="Unknown")) == 0
+    assert node_gpus({"status": {"allocatable": {"nvidia.com/gpu": "8"}}}) == 0  # no Ready
 
 
 class _Resp:
@@ -205,7 +208,8 @@ async def test_the_mirror_applies_the_pool_when_it_changes_and_an_operators_pool
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'l.sqlite'}", pool="kubernetes")
     ledger.migrate()
-    gpu = {"status": {"allocatable": {"nvidia.com/gpu": "8"}}}
+    gpu = {"status": {"allocatable": {"nvidia.com/gpu": "8"},
+                      "conditions": [{"type": "Ready", "status": "True"}]}}
     core, custom = _Core([gpu, gpu]), _Custom()
     m = KueueMirror(ledger, custom, core, interval=60, log=logging.getLogger("t"),
                     capacity_seconds=0)
@@ -218,7 +222,8 @@ async def test_the_mirror_applies_the_pool_when_it_changes_and_an_operators_pool
     custom.applied.clear()
     await m.sync_capacity()  # the same nodes: nothing applied
     assert custom.applied == [] and core.lists == 2
-    core.nodes.append({"status": {"allocatable": {"nvidia.com/gpu": "4"}}})
+    core.nodes.append({"status": {"allocatable": {"nvidia.com/gpu": "4"},
+                                  "conditions": [{"type": "Ready", "status": "True"}]}})
     await m.sync_capacity()
     assert [(p, n) for p, n, _ in custom.applied] == [("cohorts", "gpulab")]
     assert m.capacity == 20

@@ -105,8 +105,10 @@ def test_preemptible_work_has_a_priority_below_everyone_elses():
 
 
 def test_the_root_cohort_holds_the_pool_and_a_groups_cohort_nothing():
-    for q in queues(group="ml team"):
-        assert q["spec"]["cohortName"] == cohort_name("ml team")
+    own, pre = queues(group="ml team")
+    assert own["spec"]["cohortName"] == cohort_name("ml team")
+    # preemptible work right below the root: the first given back, whoever needs GPUs
+    assert pre["spec"]["cohortName"] == "gpulab"
     root, group = make_cohorts("ml team")
     assert root["metadata"]["name"] == "gpulab" and root["spec"] == {}
     assert group["metadata"]["name"] == cohort_name("ml team")
