@@ -46,7 +46,7 @@ from .kueueobjects import (
     make_local_queues,
     make_priority_class,
 )
-from .namespaces import APPLY, FIELD_MANAGER, api_message, effective_quota_of
+from .namespaces import APPLY, FIELD_MANAGER, LedgerMirror, api_message, effective_quota_of
 from .profiles import GPU_RESOURCE
 
 KUEUE = ("kueue.x-k8s.io", "v1beta2")
@@ -88,9 +88,10 @@ def wanted(quota: Quota | None, source: str, *, budget_used: float) -> Wanted:
     return Wanted(top, group, hold)
 
 
-class KueueMirror:
+class KueueMirror(LedgerMirror):
     """See the module."""
 
+    what = "Kueue quota"
     _instances: dict[Any, KueueMirror] = {}
 
     def __init__(self, ledger: Ledger, custom, core, *, interval: float, log: logging.Logger,
@@ -209,24 +210,4 @@ class KueueMirror:
         except ApiException as e:
             self.log.warning("Could not update Kueue's GPU pool: %s %s", e.status, api_message(e))
         wants = await asyncio.to_thread(self._wanted, list(self.users))
-        n = 0
-        for ns, want in wants.items():
-            if self.applied.get(ns) == want:
-                continue
-            try:
-                await self.apply(ns, want)
-                n += 1
-            except ApiException as e:
-                self.log.warning("Could not update the Kueue quota of namespace %s: %s %s",
-                                 ns, e.status, api_message(e))
-        return n
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            try:
-                await self.sync()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a ledger or API hiccup must not end the mirror
-                self.log.exception("Kueue quota mirror: sync failed")
+        return await self._apply_changed(wants)

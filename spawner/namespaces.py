@@ -125,7 +125,41 @@ async def apply_network_policies(policies: list[dict], api=None) -> int:
     return sum(await asyncio.gather(*(one(p) for p in policies)))
 
 
-class GPUQuotaMirror:
+class LedgerMirror:
+    """What gpulab's mirrors of the ledger in Kubernetes share: ``users`` (namespace ->
+    user, groups, label) registered, ``applied`` (namespace -> what was written last), an
+    ``apply(namespace, want)`` of their own, and a ``sync`` every ``interval`` seconds that
+    applies only what changed."""
+
+    #: what a mirror writes, in words for the log
+    what = "GPU quota"
+
+    async def _apply_changed(self, wants: dict[str, Any]) -> int:
+        """Apply the ``wants`` that differ from what was applied; returns how many."""
+        n = 0
+        for ns, want in wants.items():
+            if ns in self.applied and self.applied[ns] == want:
+                continue
+            try:
+                await self.apply(ns, want)
+                n += 1
+            except ApiException as e:
+                self.log.warning("Could not update the %s of namespace %s: %s %s",
+                                 self.what, ns, e.status, api_message(e))
+        return n
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.sync()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a ledger or API hiccup must not end the mirror
+                self.log.exception("%s mirror: sync failed", self.what)
+
+
+class GPUQuotaMirror(LedgerMirror):
     """Keeps each user namespace's ResourceQuota equal to the user's effective gpulab quota.
 
     One per process and event loop: `prepare_user_namespace` registers each user namespace;
@@ -178,28 +212,9 @@ class GPUQuotaMirror:
     async def sync(self) -> int:
         """Write the ResourceQuotas that differ from the ledger; returns how many."""
         rows = await asyncio.to_thread(self.ledger.quotas)
-        n = 0
-        for ns, (user, groups, _) in list(self.users.items()):
-            want = effective_max_gpus(rows, user, groups)
-            if ns in self.applied and self.applied[ns] == want:
-                continue
-            try:
-                await self.apply(ns, want)
-                n += 1
-            except ApiException as e:
-                self.log.warning("Could not update the GPU quota of namespace %s: %s %s",
-                                 ns, e.status, api_message(e))
-        return n
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            try:
-                await self.sync()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a ledger or API hiccup must not end the mirror
-                self.log.exception("GPU quota mirror: sync failed")
+        return await self._apply_changed({
+            ns: effective_max_gpus(rows, user, groups)
+            for ns, (user, groups, _) in list(self.users.items())})
 
 
 async def prepare_user_namespace(
