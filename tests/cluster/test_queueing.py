@@ -797,6 +797,8 @@ async def test_a_used_up_budget_holds_admissions_and_a_restarted_service_loses_n
             r = cp.kubectl("create", "-f", "-", input=yaml.safe_dump(obj),
                            kubeconfig=hub_kubeconfig, check=False)
             assert r.returncode != 0 and "gpulab-hub-owned-namespaces" in r.stderr, (obj, r.stderr)
+            if obj["kind"] == "JobSet":
+                assert "no priority but gpulab-preemptible" in r.stderr, r.stderr
     finally:
         cp.kubectl("delete", "clusterqueue", foreign, "--wait=false", check=False)
 
@@ -811,34 +813,47 @@ async def test_a_preemptible_job_borrows_is_preempted_and_waits_again(cp, kueue_
     """ann's preemptible job borrows the idle pool beyond her quota (admitted in her
     preemptible queue, the ledger holding its GPUs meanwhile); bob's in-quota job needs them:
     Kueue preempts hers (lower priority), which is Queued again with the reason and its
-    allocation closed, and runs again by itself when bob's job ends."""
+    allocation closed, and runs again by itself when bob's job ends. Their quotas are their
+    groups' (each in-quota queue in its group's cohort), and bob's teammate carl already
+    uses 2 GPUs: bob's group then uses as much as ann's preemptible job, which is taken back
+    all the same (fair sharing alone would keep it if her preemptible queue were in her
+    group's cohort)."""
     b = kueue_backend
-    b.kueue_gpus = 4  # a pool of 4 GPUs (c.KubeJobBackend.kueue_gpus), which ann's job fills
+    b.kueue_gpus = 6  # a pool of 6 GPUs (c.KubeJobBackend.kueue_gpus): carl's 2, ann's 4
     tag = uuid.uuid4().hex[:6]
-    ann, bob = f"pa{tag}", f"pb{tag}"
+    ann, bob, carl = f"pa{tag}", f"pb{tag}", f"pc{tag}"
     from gpulab.hub.quota.policy import Quota
+    from gpulab.spawner.kueueobjects import cohort_name
 
-    for who in (ann, bob):
-        b.ledger.set_quota("user", who, Quota(max_gpus=2), actor="admin")
-    ours = {b.namespace_of(ann), b.namespace_of(bob)}
+    groups = {ann: (f"ga{tag}",), bob: (f"gb{tag}",), carl: (f"gb{tag}",)}
+    for g in (f"ga{tag}", f"gb{tag}"):
+        b.ledger.set_quota("group", g, Quota(max_gpus=2), actor="admin")
+    ours = {b.namespace_of(x) for x in (ann, bob, carl)}
     ours |= {f"{n}.preemptible" for n in ours}
 
     def others_in_the_cohort():
         return [q["metadata"]["name"] for q in cp.kubectl_json("get", "clusterqueues")["items"]
-                if q["spec"].get("cohortName") == "gpulab" and q["metadata"]["name"] not in ours]
+                if q["spec"].get("cohortName", "").startswith("gpulab")
+                and q["metadata"]["name"] not in ours]
 
     # the cohort's spare GPUs are bob's alone (other tests' queues are gone)
     await until(lambda: not others_in_the_cohort(), "the other tests' ClusterQueues gone")
     try:
-        await b.submit(bob, (), mw("idle-check", 1, gpus=0))  # bob's queues exist, unused
-        borrow = await b.submit(ann, (), mw("borrow", 4, preemptible=True))
+        await b.submit(bob, groups[bob], mw("idle-check", 1, gpus=0))  # bob's queues, unused
+        await b.submit(carl, groups[carl], mw("team", 2))
+        await until(lambda: b.get(carl, "team")["state"] == "Running", "carl's job Running")
+        borrow = await b.submit(ann, groups[ann], mw("borrow", 4, preemptible=True))
         assert borrow["state"] == "Queued"
         await until(lambda: b.get(ann, "borrow")["state"] == "Running", "ann's borrowing job Running")
         w = workload_of(cp, b.namespace_of(ann), "JobSet", "borrow")
         assert w["status"]["admission"]["clusterQueue"] == f"{b.namespace_of(ann)}.preemptible"
         assert [a.gpus for a in b.ledger.open_allocations(user=ann)] == [4]
+        cohorts = {q["metadata"]["name"]: q["spec"]["cohortName"]
+                   for q in cp.kubectl_json("get", "clusterqueues")["items"]}
+        assert cohorts[b.namespace_of(bob)] == cohort_name(groups[bob][0])
+        assert cohorts[f"{b.namespace_of(ann)}.preemptible"] == "gpulab"
 
-        await b.submit(bob, (), mw("mine", 2))
+        await b.submit(bob, groups[bob], mw("mine", 2))
         view = await until(lambda: (v := b.get(ann, "borrow"))["state"] == "Queued" and v,
                            "ann's job preempted")
         assert view["reason"].startswith("waiting for GPUs again: Preempted"), view["reason"]
@@ -846,12 +861,15 @@ async def test_a_preemptible_job_borrows_is_preempted_and_waits_again(cp, kueue_
         await until(lambda: b.get(bob, "mine")["state"] == "Running", "bob's job Running")
         await b.stop(bob, "mine")
         await until(lambda: b.get(ann, "borrow")["state"] == "Running", "ann's job running again")
+        assert b.get(carl, "team")["state"] == "Running"  # in-quota work is never preempted
     finally:
-        for who in (ann, bob):
+        for who in (ann, bob, carl):
             ns = b.namespace_of(who)
             cp.kubectl("delete", "jobsets", "--all", "-n", ns, "--wait=false", check=False)
             cp.kubectl("delete", "clusterqueue", ns, f"{ns}.preemptible", "--wait=false",
                        check=False)
+        cp.kubectl("delete", "cohort", cohort_name(f"ga{tag}"), cohort_name(f"gb{tag}"),
+                   "--wait=false", check=False)
 
 
 async def test_a_gpu_notebook_waits_in_the_persons_queue_and_the_progress_says_why(
