@@ -172,14 +172,29 @@ class KueueJobBackend(KubeJobBackend):
                 self._jobsets_r, self._pods_r, self._workloads_r = watches
 
     async def _start_supervising(self) -> None:
-        """The watches, then the quota mirror for everyone with an active job (a restarted
-        service: a held queue lifts when the budget allows, without a new submit)."""
+        """The watches, then, for every active job, its NetworkPolicy and code where they
+        are missing and its person's quota mirror (a restarted service: a held queue lifts
+        when the budget allows, without a new submit)."""
         await super()._start_supervising()
         mirror = self.mirror()
         for job, _ in await asyncio.to_thread(self.store.active):
             ns = self.namespace_of(job.user)
             jobset = self._jobsets_r.resources.get(f"{ns}/{job.name}")
-            if ns in mirror.users or jobset is None:
+            if jobset is None:
+                continue
+            # a service that stopped between the JobSet and its companions: the replicas
+            # would never reach each other (nor find their code) without them
+            try:
+                made = await self._create_companions(
+                    job.user, JobSpec.model_validate_json(job.spec), ns,
+                    jobset["metadata"]["uid"], exist_ok=True)
+                if made:
+                    log.warning("Job %s/%s: made its NetworkPolicy or code again (%d), missing "
+                                "since the service stopped", job.user, job.name, made)
+            except Exception as e:  # the job's pass says what its replicas do meanwhile
+                log.warning("Job %s/%s: could not check its NetworkPolicy and code: %s",
+                            job.user, job.name, e)
+            if ns in mirror.users:
                 continue
             try:
                 groups = tuple(json.loads(jobset["metadata"].get("annotations", {})
@@ -259,7 +274,16 @@ class KueueJobBackend(KubeJobBackend):
         self.api_requests += 1
         created = await self.custom.create_namespaced_custom_object(
             *JOBSET[:2], ns, JOBSET[2], jobset, _request_timeout=self.request_timeout)
-        uid = created["metadata"]["uid"]
+        # Kueue may admit the JobSet before these exist: its replicas then wait for the
+        # ConfigMap (ContainerCreating) and cannot reach each other until the policy exists
+        # (the namespace's own policy refuses all ingress), never open to others
+        await self._create_companions(user, spec, ns, created["metadata"]["uid"])
+
+    async def _create_companions(self, user: str, spec: JobSpec, ns: str, uid: str, *,
+                                 exist_ok: bool = False) -> int:
+        """The job's NetworkPolicy and (for a ``source`` spec) code ConfigMap, owned by its
+        JobSet (``uid``); with ``exist_ok`` those that exist already are left as they are.
+        Returns how many were created."""
         parent = (JOBSET_API, "JobSet")
         creating = [self.networking.create_namespaced_network_policy(
             ns, make_job_network_policy(job=spec.name, namespace=ns,
@@ -272,13 +296,15 @@ class KueueJobBackend(KubeJobBackend):
                                           user_label=self.user_label(user), parent_uid=uid,
                                           parent=parent),
                 _request_timeout=self.request_timeout))
-        # Kueue may admit the JobSet before these exist: its replicas then wait for the
-        # ConfigMap (ContainerCreating) and cannot reach each other until the policy exists
-        # (the namespace's own policy refuses all ingress), never open to others
         self.api_requests += len(creating)
+        made = 0
         for r in await asyncio.gather(*creating, return_exceptions=True):
+            if isinstance(r, ApiException) and r.status == 409 and exist_ok:
+                continue
             if isinstance(r, BaseException):
                 raise r
+            made += 1
+        return made
 
     async def _delete_parent(self, ns: str, name: str) -> None:
         """Delete the JobSet: garbage collection removes its Jobs, pods, Service, policy and

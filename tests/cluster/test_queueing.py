@@ -696,7 +696,8 @@ async def test_a_used_up_budget_holds_admissions_and_a_restarted_service_loses_n
         cp, kueue_backend, hub_kubeconfig):
     """A GPU-hour budget used up holds the person's ClusterQueue: a new job waits, with the
     reason in words, and no pod. The service restarts meanwhile (a new backend and mirror on
-    the same ledger, as a new process): when the admin raises the budget, the hold lifts and
+    the same ledger, as a new process, which had stopped before making the job's
+    NetworkPolicy: the new one makes it): when the admin raises the budget, the hold lifts and
     the job that waited runs; its stop closes its allocation. The hub's credentials cannot
     change a Kueue object gpulab did not make."""
     import time
@@ -724,7 +725,9 @@ async def test_a_used_up_budget_holds_admissions_and_a_restarted_service_loses_n
         js = cp.kubectl_json("get", "jobset", "held", "-n", ns)
         assert json.loads(js["metadata"]["annotations"]["gpulab.io/groups"]) == ["team"]
 
-        # the service restarts: nothing of the old process is left but the ledger
+        # the service restarts: nothing of the old process is left but the ledger, and it
+        # stopped between the JobSet and its NetworkPolicy (deleted here)
+        cp.kubectl("delete", "networkpolicy", "held-replicas", "-n", ns)
         await b.shutdown()
         for mirror in list(KueueMirror._instances.values()):
             if mirror._task is not None:
@@ -735,6 +738,13 @@ async def test_a_used_up_budget_holds_admissions_and_a_restarted_service_loses_n
             "gpu_quota_sync_interval": 0.5}))
         await asyncio_to_thread(b2.recover)
         b2.ensure_supervisor()
+        def policy_of_held():
+            r = cp.kubectl("get", "networkpolicy", "held-replicas", "-n", ns, "-o", "json",
+                           check=False)
+            return json.loads(r.stdout) if r.returncode == 0 else None
+
+        policy = await until(policy_of_held, "the job's NetworkPolicy made again")
+        assert [o["kind"] for o in policy["metadata"]["ownerReferences"]] == ["JobSet"]
         b.ledger.set_quota("user", user, Quota(max_gpus=2, gpu_hours=100, window_hours=24),
                            actor="admin")
         await until(lambda: "stopPolicy" not in cp.kubectl_json("get", "clusterqueue", ns)["spec"]
