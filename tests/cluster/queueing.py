@@ -30,9 +30,12 @@ kueue-system and jobset-system (the pod integration needs one); fair sharing on;
 on (timeout 5 minutes, no blocking admission); the VisibilityOnDemand API server off (it would be
 one more server with its own delegated authentication; nothing uses it yet).
 
-Readiness: both ``/readyz`` answer 200 (Kueue's includes its webhook server), and a server-side
-dry-run create of a ResourceFlavor (Kueue's webhooks) and of a JobSet (JobSet's and Kueue's)
-passes, so the API server reaches both webhook servers through the configurations.
+Readiness: both ``/readyz`` answer 200 (Kueue's includes its webhook server), and server-side
+dry-run creates of a ResourceFlavor (Kueue's webhooks), a JobSet and a pod in a LocalQueue pass
+and come back mutated by JobSet's webhook (network defaulted) and Kueue's (JobSet suspended, pod
+gated): the API server calls the webhooks through their configurations. A dry run that merely
+passes is not enough: the API server reads new webhook configurations a moment after they are
+applied, and a JobSet made before then lacks JobSet's defaults (its controller panics on it).
 """
 
 from __future__ import annotations
@@ -364,19 +367,40 @@ def start_queueing(cp: ControlPlane, deadline: float) -> None:
 
     flavor = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor",
               "metadata": {"name": "gpulab-probe"}, "spec": {}}
+    # in a LocalQueue and not suspended: Kueue's webhook suspends it, JobSet's defaults its
+    # network (DNS host names on)
     jobset = {
         "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
-        "metadata": {"name": "gpulab-probe", "namespace": "default"},
-        "spec": {"suspend": True, "replicatedJobs": [{"name": "r", "replicas": 1, "template": {"spec": {
+        "metadata": {"name": "gpulab-probe", "namespace": "default",
+                     "labels": {"kueue.x-k8s.io/queue-name": "gpulab-probe"}},
+        "spec": {"replicatedJobs": [{"name": "r", "replicas": 1, "template": {"spec": {
             "template": {"spec": {"restartPolicy": "Never",
                                   "containers": [{"name": "c", "image": "registry.invalid/probe:1"}]}}}}}]},
     }
+    # Kueue's pod webhook gates a pod of a LocalQueue until admission
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "gpulab-probe", "namespace": "default",
+                        "labels": {"kueue.x-k8s.io/queue-name": "gpulab-probe"}},
+           "spec": {"containers": [{"name": "c", "image": "registry.invalid/probe:1"}]}}
+
+    def mutated(obj: dict[str, Any]) -> bool:
+        if obj["kind"] == "JobSet":
+            return (obj["spec"].get("suspend") is True
+                    and (obj["spec"].get("network") or {}).get("enableDNSHostnames") is True)
+        if obj["kind"] == "Pod":
+            return {"name": "kueue.x-k8s.io/admission"} in obj["spec"].get("schedulingGates", [])
+        return True
 
     def dry_run_passes() -> bool:
-        for obj in (flavor, jobset):
-            r = cp.kubectl("create", "--dry-run=server", "-o", "name", "-f", "-", input=json.dumps(obj), check=False)
+        # the API server calls webhooks only once it has read their configurations, a moment
+        # after they are applied: until both mutate, an object made would miss their defaults
+        # (a JobSet without its network makes JobSet's controller panic on it for ever)
+        for obj in (flavor, jobset, pod):
+            r = cp.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(obj), check=False)
             if r.returncode != 0:
                 raise ControlPlaneError(r.stderr.strip())
+            if not mutated(json.loads(r.stdout)):
+                return False
         return True
 
     cp._wait(deadline, "the Kueue and JobSet webhooks (server-side dry runs)", dry_run_passes)
