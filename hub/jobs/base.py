@@ -113,6 +113,7 @@ class JobBackend:
         self.queue = queue
         self.store = JobStore(ledger, self.name)
         self._task: asyncio.Task | None = None
+        self._round: asyncio.Future | None = None  # the supervision round under way
         #: supervision passes and stops exclude each other
         self._lock = asyncio.Lock()
         #: the name rule, the replica bound and the admission of one submit at a time
@@ -363,17 +364,26 @@ class JobBackend:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._supervise_forever())
 
+    async def _supervise_round(self) -> bool:
+        """One round under the lock: the queue's pass, then the supervision pass; whether
+        there is more to supervise."""
+        async with self._lock:
+            if self.queue is not None:
+                await self._queue_pass()
+            more = await self._supervise_pass()
+            if not more and self.queue is not None:  # queued jobs wait for passes
+                more = bool(await asyncio.to_thread(self.store.active_ids))
+        return more
+
     async def _supervise_forever(self) -> None:
         await self._start_supervising()
         while True:
+            # each round a task of its own, which `shutdown` lets finish: a cancel would stop
+            # only the waiting, not what the round runs in worker threads (a queue pass could
+            # admit a job after the stop)
+            self._round = asyncio.ensure_future(self._supervise_round())
             try:
-                async with self._lock:
-                    if self.queue is not None:
-                        await self._queue_pass()
-                    more = await self._supervise_pass()
-                    if not more and self.queue is not None:  # queued jobs wait for passes
-                        more = bool(await asyncio.to_thread(self.store.active_ids))
-                if not more:
+                if not await asyncio.shield(self._round):
                     self._task = None
                     return
             except asyncio.CancelledError:
@@ -498,9 +508,12 @@ class JobBackend:
 
     async def shutdown(self) -> None:
         """Stop supervising; the jobs keep running (a restarted service picks them up)."""
-        if self._task:
-            self._task.cancel()
-            self._task = None
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+        running, self._round = self._round, None
+        if running is not None:  # the round under way ends first: nothing acts after the stop
+            await asyncio.gather(running, return_exceptions=True)
         await self._stop_supervising()
 
 

@@ -66,3 +66,33 @@ async def test_an_admitted_queued_job_survives_a_restart_and_waits_again_if_its_
     await after.shutdown()
     ledger.release(nb.id)
     assert ledger.open_allocations() == []
+
+
+async def test_a_stop_waits_for_the_pass_under_way(ledger, tmp_path, monkeypatch):
+    """The queue's pass runs in a worker thread; a stop that only cancelled would return
+    while it goes on (and may admit a job after the stop: this test file's first test failed
+    so once, on a loaded machine). `shutdown` returns after the round under way ends."""
+    import asyncio
+    import threading
+    import time
+
+    (tmp_path / "ann").mkdir()
+    b = backend(ledger, tmp_path)
+    ledger.admit(Request("bob", "notebook", "nb", 1))
+    in_pass, ended = threading.Event(), []
+    schedule = b.queue.schedule
+
+    def slow_schedule():
+        in_pass.set()
+        time.sleep(0.5)
+        try:
+            return schedule()
+        finally:
+            ended.append(time.monotonic())
+
+    monkeypatch.setattr(b.queue, "schedule", slow_schedule)
+    await b.submit("ann", (), parse_spec(SPEC))  # Queued; starts the supervisor
+    assert await asyncio.to_thread(in_pass.wait, 10)
+    await b.shutdown()
+    stopped = time.monotonic()
+    assert ended and ended[0] <= stopped  # the pass ended before the stop returned
