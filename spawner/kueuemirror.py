@@ -8,10 +8,11 @@ notebooks hold, the budgets used) and applies, by server-side apply, only the ob
 people whose figures changed (no API request otherwise). The objects are
 `gpulab.spawner.kueueobjects`'s:
 
-- the ResourceFlavors of GPUs (any model) and of CPU and memory (once per process), and the
-  root cohort holding the pool: the GPUs of the cluster's schedulable nodes (their
-  allocatable ``nvidia.com/gpu``, listed at most every ``capacity_seconds``), applied again
-  when that changes;
+- the ResourceFlavors of GPUs (any model) and of CPU and memory and preemptible work's
+  WorkloadPriorityClass (once per process), and the root cohort holding the pool: the
+  operator's ``pool`` (``kueue_gpus``), else the GPUs of the cluster's Ready, schedulable nodes
+  (their allocatable ``nvidia.com/gpu``, listed at most every ``capacity_seconds``), applied
+  again when that changes;
 - per person, the cohort of the group their quota comes from, their two ClusterQueues and two
   LocalQueues.
 
