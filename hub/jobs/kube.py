@@ -65,7 +65,7 @@ from kubernetes_asyncio.client.rest import ApiException
 from kubespawner.clients import load_config, shared_client
 from kubespawner.reflector import MultiNamespaceResourceReflector
 from kubespawner.slugs import safe_slug
-from traitlets import Bool, Dict, Float, Integer, List, Unicode, default
+from traitlets import Bool, Dict, Float, Integer, List, Unicode, Union, default
 from traitlets.config import LoggingConfigurable
 
 from gpulab.extensions.contract import (
@@ -229,7 +229,8 @@ SHARED_WITH_SPAWNER = {"namespace_template": "user_namespace_template",
                        "pod_security_level": "pod_security_level",
                        "hub_namespace": "hub_namespace", "allowed_egress": "allowed_egress",
                        "gpu_quota_sync_interval": "gpu_quota_sync_interval",
-                       "kueue": "kueue", "kueue_gpus": "kueue_gpus"}
+                       "kueue": "kueue", "kueue_gpus": "kueue_gpus",
+                       "node_selector": "node_selector", "tolerations": "tolerations"}
 #: the environment variable the gpulab service falls back to for these settings when its
 #: config file has no ``GpulabService.kube_jobs`` (the hub writes them there)
 SETTINGS_ENV = "GPULAB_KUBE_JOBS"
@@ -304,6 +305,16 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
     allowed_egress = List(Dict(), help=ALLOWED_EGRESS_HELP + """
         (KubeJobBackend: taken from ``c.KubeGPUSpawner.allowed_egress`` unless set here.)""").tag(
         config=True)
+    node_selector = Dict(Unicode(), help="""
+        Node labels every replica's pod must match, beside the GPU model's selector; none
+        unless set. Taken from ``c.KubeGPUSpawner.node_selector`` (KubeSpawner's trait): an operator who
+        puts notebooks on a node pool puts training jobs there too.
+        """).tag(config=True)
+    tolerations = Union([List(Dict()), Dict()], default_value=[], help="""
+        Tolerations of every replica's pod, beside the GPU toleration gpulab adds to GPU
+        roles; none unless set. Taken from ``c.KubeGPUSpawner.tolerations`` (KubeSpawner's
+        trait: a list of Kubernetes Toleration objects, or a dict of them by name).
+        """).tag(config=True)
     unschedulable_timeout = Float(300.0, help="""
         Seconds a replica may stay unschedulable before the whole job is removed with the
         reason (default 300), so that a half-started job never holds GPUs.""").tag(config=True)
@@ -631,7 +642,8 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
                     user_dir=user_dir, gpu_model=self.gpu_model,
                     shared_volume=self.shared_volume, shared_mount=self.shared_mount_path,
                     user_subpath=self._expand(self.user_subpath_template, user),
-                    datasets_subpath=self.datasets_subpath or None)
+                    datasets_subpath=self.datasets_subpath or None,
+                    node_selector=self.node_selector or None, tolerations=self.tolerations or None)
 
     async def _create_objects(self, user, groups, spec: JobSpec, ns, user_dir, job_dir) -> None:
         await self._ensure_namespace(user, groups)

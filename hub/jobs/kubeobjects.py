@@ -132,10 +132,11 @@ def _resources(spec: JobSpec, role: str) -> dict[str, dict[str, str]]:
 def _pod_spec(*, spec: JobSpec, role: str, image: str, program: str, user_dir: str,
               gpu_model: str | None, shared_volume: Mapping[str, Any] | None, shared_mount: str,
               user_subpath: str, datasets_subpath: str | None, env: list[dict],
-              port: int) -> dict:
+              port: int, node_selector: Mapping[str, str] | None = None,
+              tolerations: list | dict | None = None) -> dict:
     gpus = spec.gpus_of(role)
     shared = server_pod_settings(
-        gpus=gpus, tolerations=[], volumes=[], volume_mounts=[], environment={}, home=None,
+        gpus=gpus, tolerations=tolerations or [], volumes=[], volume_mounts=[], environment={}, home=None,
         shared_volume=shared_volume, shared_mount=shared_mount, user_subpath=user_subpath,
         datasets_subpath=datasets_subpath)
     container: dict[str, Any] = {
@@ -163,8 +164,11 @@ def _pod_spec(*, spec: JobSpec, role: str, image: str, program: str, user_dir: s
         pod["volumes"] = shared["volumes"]
     if shared["tolerations"]:
         pod["tolerations"] = shared["tolerations"]
+    selector = dict(node_selector or {})
     if gpus and gpu_model:
-        pod["nodeSelector"] = {GPU_MODEL_LABEL: gpu_model}
+        selector[GPU_MODEL_LABEL] = gpu_model
+    if selector:
+        pod["nodeSelector"] = selector
     return pod
 
 
@@ -199,6 +203,8 @@ def make_training_job_objects(
     datasets_subpath: str | None = None,
     parent_uid: str | None = None,
     port: int = TF_PORT,
+    node_selector: Mapping[str, str] | None = None,
+    tolerations: list | dict | None = None,
 ) -> list[dict]:
     """``[service, *jobs]``: the parent Service, then one Indexed Job per role (ROLES order).
 
@@ -225,7 +231,8 @@ def make_training_job_objects(
             spec=spec, namespace=namespace, user_label=user_label, image=image,
             program=program, job_dir=job_dir, user_dir=user_dir, gpu_model=gpu_model,
             shared_volume=shared_volume, shared_mount=shared_mount, user_subpath=user_subpath,
-            datasets_subpath=datasets_subpath, port=port, host=replica_host):
+            datasets_subpath=datasets_subpath, port=port, host=replica_host,
+            node_selector=node_selector, tolerations=tolerations):
         pod["subdomain"] = spec.name
         job_spec = _role_job_spec(spec=spec, role=role, pod=pod, labels=role_labels)
         meta: dict[str, Any] = {"name": role_job_name(spec.name, role), "namespace": namespace,
@@ -272,9 +279,12 @@ def _role_env(*, spec: JobSpec, cluster: Mapping[str, list[str]], role: str, job
 def _role_pods(*, spec: JobSpec, namespace: str, user_label: str, image: str, program: str,
                job_dir: str, user_dir: str, gpu_model: str | None,
                shared_volume: Mapping[str, Any] | None, shared_mount: str, user_subpath: str,
-               datasets_subpath: str | None, port: int, host):
+               datasets_subpath: str | None, port: int, host,
+               node_selector: Mapping[str, str] | None = None, tolerations: list | dict | None = None):
     """``(role, pod spec, role labels)`` of each role the spec has, in ROLES order, their
-    ``TF_CONFIG`` naming the replicas by ``host`` (`replica_host`, `jobset_replica_host`)."""
+    ``TF_CONFIG`` naming the replicas by ``host`` (`replica_host`, `jobset_replica_host`);
+    ``node_selector`` and ``tolerations`` (KubeSpawner's traits of the same names, for a node
+    pool) go to every pod, the GPU model's selector and GPU toleration added to them."""
     cluster = tf_cluster(spec=spec, namespace=namespace, port=port, host=host)
     for role in ROLES:
         if not spec.count(role):
@@ -284,7 +294,8 @@ def _role_pods(*, spec: JobSpec, namespace: str, user_label: str, image: str, pr
         pod = _pod_spec(spec=spec, role=role, image=image, program=program, user_dir=user_dir,
                         gpu_model=gpu_model, shared_volume=shared_volume,
                         shared_mount=shared_mount, user_subpath=user_subpath,
-                        datasets_subpath=datasets_subpath, env=env, port=port)
+                        datasets_subpath=datasets_subpath, env=env, port=port,
+                        node_selector=node_selector, tolerations=tolerations)
         yield role, pod, job_labels(user_label=user_label, job=spec.name, role=role)
 
 
@@ -312,6 +323,8 @@ def make_training_jobset(
     queue_name: str | None = None,
     priority_class: str | None = None,
     port: int = TF_PORT,
+    node_selector: Mapping[str, str] | None = None,
+    tolerations: list | dict | None = None,
 ) -> dict:
     """The job as one JobSet (``jobset.x-k8s.io/v1alpha2``): a replicated job per role (one
     Indexed Job each, as `make_training_job_objects` makes them), JobSet's own headless
@@ -344,7 +357,7 @@ def make_training_jobset(
         spec=spec, namespace=namespace, user_label=user_label, image=image, program=program,
         job_dir=job_dir, user_dir=user_dir, gpu_model=gpu_model, shared_volume=shared_volume,
         shared_mount=shared_mount, user_subpath=user_subpath, datasets_subpath=datasets_subpath,
-        port=port, host=jobset_replica_host)]
+        port=port, host=jobset_replica_host, node_selector=node_selector, tolerations=tolerations)]
     rules: list[dict[str, Any]] = []
     if spec.count("ps"):
         rules.append({"name": "lostParameterServer", "action": "RestartJobSet",

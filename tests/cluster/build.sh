@@ -7,7 +7,12 @@
 #   kueue                                                           (module ./kueue/go.mod, Kueue v0.17.0)
 #   jobset                                                          (module ./jobset/go.mod, JobSet v0.11.1)
 # with the manifests they ship (CRDs, webhook configurations, RBAC: their module's
-# config/components/{crd,webhook,rbac}) copied into bin/kueue-manifests and bin/jobset-manifests.
+# config/components/{crd,webhook,rbac}) copied into bin/kueue-manifests and bin/jobset-manifests;
+# and, for the real node (node.py), its components:
+#   kubelet kube-proxy                                              (module ./node/go.mod, Kubernetes v1.37.2)
+#   containerd containerd-shim-runc-v2 ctr                          (module ./containerd/go.mod, containerd v2.4.2)
+#   coredns                                                         (module ./dns/go.mod, CoreDNS v1.15.0)
+# (runc and the CNI plugins are Debian's packages, which work here).
 # Kueue and JobSet need different controller-runtime versions, hence a module each. A cold build
 # of the two on two cores: about 9 minutes after the control plane's (Kueue 5.2, JobSet 3.6),
 # 11.7 with an empty Go build cache (Kueue 7.9, JobSet 3.7); downloads not counted.
@@ -16,13 +21,13 @@
 #   ${GPULAB_CLUSTER_BIN_CACHE:-${XDG_CACHE_HOME:-~/.cache}/gpulab/cluster-bin}/<key>/
 # where <key> hashes the module files (go.mod, go.sum, the main packages) and the build recipe
 # below; a fresh clone with the same key copies them from there in a second, without Go.
-# There are two keys, one per group of binaries: the control plane (the first six, and kwok's
-# CRDs) and the queueing controllers (kueue, jobset and their manifests), so that adding or
-# bumping one group never invalidates the other's cache.
+# There are three keys, one per group of binaries: the control plane (the first six, and kwok's
+# CRDs), the queueing controllers (kueue, jobset and their manifests) and the node's, so that
+# adding or bumping one group never invalidates another's cache.
 # Anything else is built with `go build` through Go's build and module caches: the first build on
 # two cores takes tens of minutes (mostly kube-apiserver), a relink with a warm cache minutes.
 #
-# Usage: tests/cluster/build.sh [-f|--force] [-q|--quiet] [--print-key] [binary ...]   (no names: all eight)
+# Usage: tests/cluster/build.sh [-f|--force] [-q|--quiet] [--print-key] [binary ...]   (no names: all)
 #   -f  rebuild (and re-cache) even when bin/ or the cache has the binaries
 #   -q  print nothing when everything is up to date
 #   --print-key  print the cache keys (e.g. for a CI cache), one line per group, and exit
@@ -42,7 +47,7 @@ for arg in "$@"; do
         -f|--force) force=1 ;;
         -q|--quiet) quiet=1 ;;
         --print-key) print_key=1 ;;
-        -h|--help) sed -n '2,29p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,35p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "build.sh: unknown option $arg" >&2; exit 2 ;;
         *) wanted+=("$arg") ;;
     esac
@@ -58,6 +63,12 @@ targets=(
     "kwok                    kwok    sigs.k8s.io/kwok/cmd/kwok                      k8s"
     "kueue                   kueue   sigs.k8s.io/kueue/cmd/kueue                    queueing"
     "jobset                  jobset  sigs.k8s.io/jobset                             queueing"
+    "kubelet                 node    k8s.io/kubernetes/cmd/kubelet                  node"
+    "kube-proxy              node    k8s.io/kubernetes/cmd/kube-proxy               node"
+    "containerd              containerd github.com/containerd/containerd/v2/cmd/containerd node"
+    "containerd-shim-runc-v2 containerd github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 node"
+    "ctr                     containerd github.com/containerd/containerd/v2/cmd/ctr node"
+    "coredns                 dns     gpulab.test/cluster/dns                        node"
 )
 
 if ((${#wanted[@]})); then
@@ -89,6 +100,8 @@ inputs_k8s=(go.mod go.sum tools.go etcd/go.mod etcd/go.sum etcd/main.go kwok/go.
 # the queueing group's recipe also names the manifest folders copied from the modules
 recipe_queueing="$recipe manifests=[config/components/crd config/components/webhook config/components/rbac]"
 inputs_queueing=(kueue/go.mod kueue/go.sum kueue/tools.go jobset/go.mod jobset/go.sum jobset/tools.go)
+inputs_node=(node/go.mod node/go.sum node/tools.go containerd/go.mod containerd/go.sum containerd/tools.go
+             dns/go.mod dns/go.sum dns/main.go)
 hash_inputs() {  # recipe, files...
     local r="$1" text
     shift
@@ -102,9 +115,11 @@ hash_inputs() {  # recipe, files...
 declare -A keys
 keys[k8s]="$(hash_inputs "$recipe" "${inputs_k8s[@]}")"
 keys[queueing]="$(hash_inputs "$recipe_queueing" "${inputs_queueing[@]}")"
+keys[node]="$(hash_inputs "$recipe" "${inputs_node[@]}")"
 if ((print_key)); then
     echo "k8s ${keys[k8s]}"
     echo "queueing ${keys[queueing]}"
+    echo "node ${keys[node]}"
     exit 0
 fi
 
@@ -115,8 +130,8 @@ command -v flock >/dev/null 2>&1 && flock 9
 
 cache_root="${GPULAB_CLUSTER_BIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpulab/cluster-bin}"
 declare -A caches
-if mkdir -p "$cache_root/${keys[k8s]}" "$cache_root/${keys[queueing]}" 2>/dev/null \
-        && [[ -w "$cache_root/${keys[k8s]}" && -w "$cache_root/${keys[queueing]}" ]]; then
+if mkdir -p "$cache_root/${keys[k8s]}" "$cache_root/${keys[queueing]}" "$cache_root/${keys[node]}" 2>/dev/null \
+        && [[ -w "$cache_root/${keys[k8s]}" && -w "$cache_root/${keys[queueing]}" && -w "$cache_root/${keys[node]}" ]]; then
     # ... and one build at a time across checkouts sharing the cache (two cold builds at
     # once would only halve each other's speed).
     exec 8>"$cache_root/.lock"
@@ -129,6 +144,7 @@ else
     echo "build.sh: cannot write the binary cache in $cache_root; building into $bin only" >&2
     caches[k8s]=""
     caches[queueing]=""
+    caches[node]=""
 fi
 
 say() { ((quiet)) || echo "build.sh: $*"; }
@@ -175,7 +191,7 @@ for t in "${targets[@]}"; do
         continue
     fi
     need_go
-    if [[ "$moddir" == "." ]]; then ldflags="$k8s_ldflags"; else ldflags="$other_ldflags"; fi
+    if [[ "$moddir" == "." || "$moddir" == "node" ]]; then ldflags="$k8s_ldflags"; else ldflags="$other_ldflags"; fi
     echo "build.sh: building $name ($pkg) ..."
     t0=$SECONDS
     tmp="$bin/.$name.tmp"
@@ -241,9 +257,10 @@ copy_manifests jobset-manifests jobset queueing jobset sigs.k8s.io/jobset \
 # Binaries of other keys not used for 30 days go (about 400 MB each).
 if [[ -n "${caches[k8s]}" ]]; then
     find "$cache_root" -mindepth 1 -maxdepth 1 -type d ! -name "${keys[k8s]}" ! -name "${keys[queueing]}" \
+        ! -name "${keys[node]}" ! -name images \
         -mtime +30 -exec rm -rf {} + 2>/dev/null || true
 fi
 
 if ((built || copied || !quiet)); then
-    echo "build.sh: $built built, $copied from the cache, $skipped up to date, $((SECONDS - start_all))s, in $bin (keys ${keys[k8s]}, ${keys[queueing]})"
+    echo "build.sh: $built built, $copied from the cache, $skipped up to date, $((SECONDS - start_all))s, in $bin (keys ${keys[k8s]}, ${keys[queueing]}, ${keys[node]})"
 fi

@@ -453,6 +453,22 @@ class ControlPlane:
         return f"https://127.0.0.1:{self._ports['apiserver']}"
 
     @property
+    def api_port(self) -> int:
+        """The API server's port on 127.0.0.1."""
+        return self._ports["apiserver"]
+
+    @property
+    def ca_pem(self) -> bytes:
+        """The cluster CA certificate (PEM)."""
+        return self._ca_pem
+
+    def issue_certificate(self, common_name: str, **kwargs: Any) -> tuple[bytes, bytes]:
+        """(certificate PEM, key PEM) signed by the cluster CA (``_CA.issue``'s arguments): for a
+        node's kubelet (``system:node:NAME`` in ``system:nodes``) and its serving certificate."""
+        assert self._ca is not None, "start the control plane first"
+        return self._ca.issue(common_name, **kwargs)
+
+    @property
     def kubeconfig(self) -> str:
         """Path of the admin kubeconfig (client certificate CN=admin, O=system:masters)."""
         return str(self._path("admin.kubeconfig"))
@@ -687,6 +703,10 @@ class ControlPlane:
         )
         self._write(pki / "apiserver.crt", crt)
         self._write(pki / "apiserver.key", key, 0o600)
+        # the API server's identity towards kubelets (logs, exec, port-forward of a real node)
+        crt, key = ca.issue("kube-apiserver-kubelet-client", organizations=["system:masters"])
+        self._write(pki / "apiserver-kubelet-client.crt", crt)
+        self._write(pki / "apiserver-kubelet-client.key", key, 0o600)
         sa_key = ec.generate_private_key(ec.SECP256R1())
         self._write(pki / "sa.key", _pem_key(sa_key), 0o600)
         self._write(pki / "sa.pub", sa_key.public_key().public_bytes(
@@ -743,6 +763,9 @@ class ControlPlane:
             f"--tls-cert-file={pki / 'apiserver.crt'}",
             f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--client-ca-file={pki / 'ca.crt'}",
+            f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+            f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+            f"--kubelet-certificate-authority={pki / 'ca.crt'}",
             "--authorization-mode=Node,RBAC",
             "--enable-admission-plugins=NodeRestriction,ResourceQuota,PodSecurity",
             f"--service-cluster-ip-range={SERVICE_CIDR}",

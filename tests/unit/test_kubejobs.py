@@ -103,6 +103,19 @@ def test_settings_shared_with_the_spawner_reach_the_service(tmp_path):
     assert b.shared_mount_path == "/data" and b.datasets_subpath == "datasets"
 
 
+def test_the_spawners_node_pool_is_the_jobs_unless_the_backend_says_otherwise(tmp_path):
+    """KubeSpawner's ``node_selector`` and ``tolerations`` set for notebooks reach the job
+    backend (replicas run on the same node pool); the backend's own setting wins."""
+    tol = [{"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}]
+    c = Config()
+    c.KubeGPUSpawner.node_selector = {"pool": "ml"}
+    c.KubeGPUSpawner.tolerations = tol
+    b = KubeJobBackend.from_settings(Ledger(f"sqlite:///{tmp_path / 'l.sqlite'}"), backend_settings(c))
+    assert b.node_selector == {"pool": "ml"} and b.tolerations == tol
+    c.KubeJobBackend.node_selector = {"pool": "batch"}
+    assert json.loads(backend_settings(c))["node_selector"] == {"pool": "batch"}
+
+
 def test_network_settings_are_the_spawners_and_the_hub_namespace_reaches_the_service(
         tmp_path, monkeypatch):
     nfs = [{"to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}], "ports": [{"protocol": "TCP", "port": 2049}]}]

@@ -395,3 +395,26 @@ def test_the_longest_names_fit_jobsets_pod_name_rule():
         last = rj["template"]["spec"]["completions"] - 1
         pod = f"{name}-{rj['name']}-{rj['replicas'] - 1}-{last}-abcde"
         assert len(pod) <= 63 and re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", pod), pod
+
+
+def test_the_operators_node_pool_reaches_every_replica_beside_the_gpu_placement():
+    """``node_selector`` and ``tolerations`` (KubeSpawner's traits, shared by the job backend)
+    go to every pod of both builders; GPU roles keep the model's selector and GPU toleration."""
+    pool = {"pool": "training"}
+    tol = [{"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}]
+    gpu_tol = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    jobs = build(node_selector=pool, tolerations=tol)[1:]
+    jobset = build_jobset(node_selector=pool, tolerations=tol)
+    pods = {**{j["metadata"]["name"]: j["spec"]["template"]["spec"] for j in jobs},
+            **{f"js-{r['name']}": r["template"]["spec"]["template"]["spec"]
+               for r in jobset["spec"]["replicatedJobs"]}}
+    assert len(pods) == 6
+    for name, pod in pods.items():
+        if name.endswith("worker"):  # the GPU role
+            assert pod["nodeSelector"] == {**pool, "nvidia.com/gpu.product": "NVIDIA-H100"}, name
+            assert pod["tolerations"] == [*tol, gpu_tol], name
+        else:
+            assert pod["nodeSelector"] == pool and pod["tolerations"] == tol, name
+    # without them, nothing but the GPU placement (as before)
+    plain = {j["metadata"]["name"]: j["spec"]["template"]["spec"] for j in build()[1:]}
+    assert "nodeSelector" not in plain["digits-chief"] and "tolerations" not in plain["digits-chief"]
