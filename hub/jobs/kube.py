@@ -779,7 +779,10 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
                 st, why, code, restarts = states[(r.role, r.index)]
                 if outcome is not None and r.role in delete_roles and st != "Succeeded":
                     st, why = "Stopped", f"removed: the job {outcome[0].lower()}"
-                r.state, r.reason, r.exit_code, r.restarts = st, why, code, restarts
+                # counted from the failed pods a pass sees, which the cluster may remove once
+                # their replacement runs (seen on a real node): a count never goes down
+                r.state, r.reason, r.exit_code = st, why, code
+                r.restarts = max(r.restarts or 0, restarts)
             if outcome is None:
                 running = all(v[0] in ("Running", "Succeeded") for v in states.values())
                 if running:

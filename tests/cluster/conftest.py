@@ -16,6 +16,7 @@ from .controlplane import BIN_DIR, BINARIES, BUILD_SCRIPT, HERE, ControlPlane, C
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cluster: a real Kubernetes control plane")
+    config.addinivalue_line("markers", "node: pods run for real on a node of the cluster tier (node.py)")
 
 
 def pytest_collection_modifyitems(config, items):

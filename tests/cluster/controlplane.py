@@ -766,6 +766,8 @@ class ControlPlane:
             f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
             f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
             f"--kubelet-certificate-authority={pki / 'ca.crt'}",
+            # a real node's kubelet at its address (node.py): no DNS names nodes here
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
             "--authorization-mode=Node,RBAC",
             "--enable-admission-plugins=NodeRestriction,ResourceQuota,PodSecurity",
             f"--service-cluster-ip-range={SERVICE_CIDR}",

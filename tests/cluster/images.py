@@ -159,7 +159,11 @@ def singleuser_archive(venv: Path) -> tuple[str, Path]:
     ``jupyterhub-singleuser`` as the command, as ``images/singleuser/Dockerfile`` does."""
     venv = venv.resolve()
     stamp = (venv / ".gpulab-installed")
-    made_of = f"{stamp.read_text() if stamp.exists() else venv.stat().st_mtime} {venv} 1"
+    # setup.sh's stamp says what was installed; a developer's reinstall of gpulab alone
+    # (pip install --no-deps .) shows in its files' times
+    package = sorted(venv.glob("lib/python3*/site-packages/gpulab"))
+    newest = max((f.stat().st_mtime_ns for d in package for f in d.rglob("*.py")), default=0)
+    made_of = f"{stamp.read_text() if stamp.exists() else venv.stat().st_mtime} {newest} {venv} 1"
     rootfs = debian_rootfs()
     key = hashlib.sha256(f"{rootfs.name} {made_of}".encode()).hexdigest()[:16]
     name = f"{SINGLEUSER_REPO}:{key}"

@@ -245,8 +245,11 @@ class Node:
                            ("net.ipv4.conf.all.route_localnet", "1")):
             _run("ip", "netns", "exec", self.netns, "sysctl", "-q", "-w", f"{key}={value}", check=False)
 
-    def _hierarchies(self) -> list[Path]:
-        return [p for p in CGROUP_V1.iterdir() if p.is_dir() and (p / "tasks").exists()]
+    def _hierarchies(self, *, unified: bool = False) -> list[Path]:
+        """The cgroup v1 hierarchies; with ``unified``, also the v2 one of this hybrid layout
+        (``/sys/fs/cgroup/unified``), where runc makes the containers' cgroups too."""
+        return [p for p in CGROUP_V1.iterdir() if p.is_dir() and (
+            (p / "tasks").exists() or (unified and (p / "cgroup.procs").exists()))]
 
     def _cgroups(self) -> None:
         self._made.append("cgroups")
@@ -288,7 +291,7 @@ class Node:
                     os.kill(int(entry.name), signal.SIGKILL)
 
     def _remove_cgroups(self) -> None:
-        for h in self._hierarchies():
+        for h in self._hierarchies(unified=True):
             root = h / self.name
             if not root.exists():
                 continue

@@ -341,3 +341,23 @@ async def test_an_admission_the_job_can_no_longer_take_is_given_back(following, 
     monkeypatch.setattr(b.store, "admit_queued", lambda *a: False)  # stopped meanwhile
     await b.reconcile()
     assert b.ledger.open_allocations() == []
+
+
+async def test_a_restart_stays_counted_when_the_failed_pod_is_gone(following):
+    """A replica's restarts count its failed pods; the cluster removes a failed pod once its
+    replacement runs (seen on the real node of the cluster tier), and the count stays."""
+    b = following
+    b._jobsets_r.resources["gpulab-ann/j"] = _js("j", "u1")
+    b._workloads_r.resources["gpulab-ann/w"] = _wl("u1", cond("Admitted", "True"))
+    b._pods_r.resources["p0"] = _pod("j", "worker", 0, "Running")
+    b._pods_r.resources["p1"] = _pod("j", "worker", 1, "Failed")
+    await b.reconcile()
+    assert [r["restarts"] for r in b.get("ann", "j")["replicas"]] == [0, 1]
+    del b._pods_r.resources["p1"]
+    b._pods_r.resources["p1b"] = _pod("j", "worker", 1, "Running")
+    await b.reconcile()
+    view = b.get("ann", "j")
+    assert view["state"] == "Running" and [r["restarts"] for r in view["replicas"]] == [0, 1]
+    b._jobsets_r.resources["gpulab-ann/j"] = _js("j", "u1", cond("Completed", "True"))
+    await b.reconcile()
+    assert [r["restarts"] for r in b.get("ann", "j")["replicas"]] == [0, 1]

@@ -1,0 +1,368 @@
+"""Kubernetes mode for real (issue 19): a real hub with KubeGPUSpawner, and the gpulab service
+with Kueue + JobSet, run notebooks and training jobs in pods of a real node (``node.py``:
+containerd, runc, a kubelet, kube-proxy and CoreDNS), with the hub's RBAC-bound credentials.
+
+The hub is configured as the z2jh chart configures it from ``helm-values/values.yaml``
+(`gpulab.hub.deploy.kubernetes.kubernetes_config` on a chart-like configuration), but for what
+this machine cannot have: a dummy login instead of the identity provider, a SQLite ledger, no
+home PVC (no storage provisioner), and the shared storage as a host folder behind a PV and PVC
+in the person's namespace instead of an NFS export (this kernel has no NFS). It runs on this
+side of the node's veth, at ``HOST_IP``; pods reach it through the ``hub`` Service of its
+namespace (selector-less, an EndpointSlice to ``HOST_IP``), by cluster DNS and kube-proxy, as
+they reach the hub pod on a cluster. The node is reserved by a taint: the hub puts notebooks
+and (through KubeSpawner's ``node_selector`` and ``tolerations``, shared with the job backend)
+training replicas there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+from gpulab.spawner.kubeobjects import make_user_namespace
+from tests.app.hubctl import Browser, free_port
+
+from . import hubrbac
+from .controlplane import ControlPlane, wait_until
+from .images import NOTEBOOK_UID, singleuser_archive
+from .node import HOST_IP, REAL_NODE_LABEL, REAL_NODE_TOLERATION, Node
+
+pytestmark = [pytest.mark.cluster, pytest.mark.node]
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+HUB_NAMESPACE = "gpulab-hub"
+PEOPLE = ("ann", "bob")
+PASSWORD = "pw"
+SHARED_MOUNT = "/gpulab/shared"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """The control plane with Kueue and JobSet, one real node, the notebook image in it."""
+    plane = ControlPlane(queueing=True)
+    plane.start()
+    node = Node(plane)
+    try:
+        node.start()
+        t0 = time.monotonic()
+        image, archive = singleuser_archive(Path(sys.prefix))
+        node.import_image(archive)
+        print(f"control plane {plane.startup_seconds:.1f}s, node {node.startup_seconds:.1f}s, "
+              f"image {time.monotonic() - t0:.1f}s ({plane.dir})")
+        yield plane, node, image
+    finally:
+        node.stop()
+        plane.stop()
+
+
+@pytest.fixture(scope="module")
+def shared(cluster):
+    """The team's storage: a host folder with ``users/<name>`` (theirs) and ``datasets/``
+    (root's, read-only for everyone), offered in each person's namespace as the PVC
+    ``gpulab-shared`` of a hostPath PV, as an operator would provision it."""
+    plane, _, _ = cluster
+    root = Path(tempfile.mkdtemp(prefix="gpulab-shared-"))
+    os.chmod(root, 0o755)
+    (root / "datasets").mkdir()
+    (root / "datasets" / "README").write_text("team data\n")
+    for person in PEOPLE:
+        home = root / "users" / person
+        home.mkdir(parents=True)
+        os.chown(home, NOTEBOOK_UID, 100)
+        ns = f"gpulab-{person}"
+        plane.apply(make_user_namespace(name=ns, user_label=person))
+        plane.apply(
+            {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"shared-{person}"},
+             "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
+                      "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                      "claimRef": {"namespace": ns, "name": "gpulab-shared"},
+                      "hostPath": {"path": str(root), "type": "Directory"}}},
+            {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+             "metadata": {"name": "gpulab-shared", "namespace": ns},
+             "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "",
+                      "volumeName": f"shared-{person}", "resources": {"requests": {"storage": "1Gi"}}}},
+        )
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+HUB_CONFIG = """\
+import os
+from gpulab.hub.deploy.kubernetes import kubernetes_config
+
+# what the chart makes of helm-values/values.yaml (hub.config), for this machine
+c.JupyterHub.authenticator_class = "dummy"
+c.DummyAuthenticator.password = {password!r}
+c.Authenticator.allow_all = True
+c.JupyterHub.ip = "127.0.0.1"
+c.JupyterHub.port = {port}
+c.JupyterHub.hub_ip = {host_ip!r}
+c.JupyterHub.hub_port = {hub_port}
+# servers reach the hub through its Service, as in the chart (the proxy, here outside the
+# cluster, at the hub's own address)
+c.KubeGPUSpawner.hub_connect_url = "http://hub.{hub_ns}.svc.cluster.local:{hub_port}"
+c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{proxy_api}"
+c.JupyterHub.db_url = "sqlite:///{dir}/jupyterhub.sqlite"
+c.JupyterHub.cookie_secret_file = "{dir}/cookie_secret"
+c.JupyterHub.allow_named_servers = True
+c.KubeGPUSpawner.image = {image!r}
+c.KubeGPUSpawner.start_timeout = 240
+c.KubeGPUSpawner.enable_user_namespaces = True
+c.KubeGPUSpawner.user_namespace_template = "gpulab-{{username}}"
+c.KubeGPUSpawner.pod_security_level = "baseline"
+c.KubeGPUSpawner.kueue = True
+c.KubeGPUSpawner.storage_pvc_ensure = False
+c.KubeGPUSpawner.shared_volume = {{"persistentVolumeClaim": {{"claimName": "gpulab-shared"}}}}
+# the operator's node pool (KubeSpawner's own traits): the real node
+c.KubeGPUSpawner.node_selector = {node_selector!r}
+c.KubeGPUSpawner.tolerations = [{toleration!r}]
+c.KubeGPUSpawner.cpu_limit = 2
+c.KubeGPUSpawner.mem_limit = "3G"
+c.GPUJobs.allowed_images = [{image!r}]
+c.KubeJobBackend.image = {image!r}
+c.GPULedger.pool = "kubernetes"
+# the service finds the API server as the hub does (in a pod: the in-cluster configuration)
+c.JupyterHub.services = [{{"name": "gpulab", "environment": {{"KUBECONFIG": os.environ["KUBECONFIG"]}}}}]
+kubernetes_config(c, first_admin="admin", service_ip={host_ip!r}, config_dir="{dir}/service")
+"""
+
+
+class KubeHub:
+    """``jupyterhub`` with the configuration above, its proxy and the gpulab service."""
+
+    def __init__(self, folder: Path, kubeconfig: str, image: str):
+        self.dir = folder
+        self.port, self.hub_port, self.proxy_api = free_port(), free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.service_api = self.url + "/services/gpulab/api/v1/"
+        (folder / "jupyterhub_config.py").write_text(HUB_CONFIG.format(
+            password=PASSWORD, port=self.port, host_ip=HOST_IP, hub_port=self.hub_port,
+            hub_ns=HUB_NAMESPACE, proxy_api=self.proxy_api, dir=folder, image=image,
+            node_selector={REAL_NODE_LABEL[0]: REAL_NODE_LABEL[1]}, toleration=REAL_NODE_TOLERATION))
+        self.env = {**os.environ, "KUBECONFIG": kubeconfig, "POD_NAMESPACE": HUB_NAMESPACE,
+                    "POD_IP": HOST_IP, "GPULAB_LEDGER_URL": f"sqlite:///{folder}/ledger.sqlite",
+                    "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 90) -> KubeHub:
+        self.log = open(self.dir / "hub.log", "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", "jupyterhub_config.py"],
+                                     cwd=self.dir, env=self.env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"jupyterhub exited {self.proc.returncode}: {self.output()[-3000:]}")
+            try:
+                return (requests.get(self.url + "/hub/api/", timeout=2).ok
+                        and requests.get(self.service_api + "openapi.json", timeout=2).ok)
+            except requests.ConnectionError:
+                return False
+
+        wait_until(up, timeout=timeout, interval=0.5, what="the hub and the gpulab service",
+                   fatal=(RuntimeError,))
+        return self
+
+    def output(self) -> str:
+        return (self.dir / "hub.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def hub(cluster, shared, tmp_path_factory):
+    plane, _, image = cluster
+    kubeconfig = hubrbac.hub_kubeconfig(plane, HUB_NAMESPACE)
+    h = KubeHub(tmp_path_factory.mktemp("kubehub"), kubeconfig, image)
+    # the chart's hub Service, its pod being this side of the node's veth
+    plane.apply(
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "hub", "namespace": HUB_NAMESPACE},
+         "spec": {"ports": [{"name": "hub", "port": h.hub_port, "targetPort": h.hub_port},
+                            {"name": "gpulab", "port": 8002, "targetPort": 8002}]}},
+        {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+         "metadata": {"name": "hub-test", "namespace": HUB_NAMESPACE,
+                      "labels": {"kubernetes.io/service-name": "hub",
+                                 "endpointslice.kubernetes.io/managed-by": "gpulab-test"}},
+         "addressType": "IPv4", "endpoints": [{"addresses": [HOST_IP], "conditions": {"ready": True}}],
+         "ports": [{"name": "hub", "port": h.hub_port, "protocol": "TCP"},
+                   {"name": "gpulab", "port": 8002, "protocol": "TCP"}]},
+    )
+    h.start()
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def people(hub):
+    made = {}
+    for name in PEOPLE:
+        b = Browser(hub, name)
+        b.login(PASSWORD)
+        made[name] = b
+    return made
+
+
+def pod_of(plane, ns: str, selector: str) -> dict:
+    _, pods = plane.api("GET", f"/api/v1/namespaces/{ns}/pods?labelSelector={selector}", expect=(200,))
+    assert len(pods["items"]) == 1, [p["metadata"]["name"] for p in pods["items"]]
+    return pods["items"][0]
+
+
+def test_a_notebook_server_runs_in_a_pod_of_the_node(cluster, hub, people, shared):
+    """KubeGPUSpawner's pod on the real node: the server answers through the proxy, a kernel
+    runs in it, the person's shared folder is writable and ``datasets/`` is not, no
+    service-account token is mounted, and Pod Security's level holds for the namespace."""
+    plane, node, image = cluster
+    ann = people["ann"]
+    r = ann.start_server()
+    assert r.status_code in (201, 202), r.text
+    ann.wait_ready(timeout=240)
+    pod = pod_of(plane, "gpulab-ann", "component=singleuser-server")
+    assert pod["spec"]["nodeName"] == node.name and pod["status"]["phase"] == "Running"
+    assert pod["status"]["podIP"].startswith("10.245."), pod["status"]
+    # through the proxy, with the person's token
+    r = requests.get(hub.url + "/user/ann/api/status", headers={"Authorization": f"token {ann.token()}"})
+    assert r.status_code == 200 and "kernels" in r.json(), r.text
+    out = ann.run_in_kernel(textwrap.dedent(f"""\
+        import os, socket
+        print("host", socket.gethostname())
+        print("uid", os.getuid())
+        mine = os.environ["GPULAB_USER_DIR"]
+        with open(os.path.join(mine, "note.txt"), "w") as f:
+            f.write("written in the pod")
+        try:
+            open("{SHARED_MOUNT}/datasets/mine.txt", "w")
+            print("datasets writable")
+        except OSError as e:
+            print("datasets", type(e).__name__)
+        print("token", os.path.exists("/var/run/secrets/kubernetes.io/serviceaccount/token"))
+        print("hub", socket.gethostbyname("hub.{HUB_NAMESPACE}.svc.cluster.local"))
+        """), timeout=120)
+    assert f"host {pod['metadata']['name']}" in out, out
+    assert f"uid {NOTEBOOK_UID}" in out and "datasets OSError" in out and "token False" in out, out
+    assert re.search(r"^hub 10\.96\.\d+\.\d+$", out, re.M), out  # the hub Service's ClusterIP
+    assert (shared / "users" / "ann" / "note.txt").read_text() == "written in the pod"
+    assert not (shared / "datasets" / "mine.txt").exists()
+    # Pod Security "baseline" of the namespace: a privileged pod is refused there
+    bad = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "priv", "namespace": "gpulab-ann"},
+           "spec": {"containers": [{"name": "c", "image": image,
+                                    "securityContext": {"privileged": True}}]}}
+    status, body = plane.api("POST", "/api/v1/namespaces/gpulab-ann/pods", bad)
+    assert status == 403 and "baseline" in json.dumps(body), body
+    ann.stop_server()
+    wait_until(lambda: not plane.api("GET", "/api/v1/namespaces/gpulab-ann/pods?labelSelector="
+                                            "component=singleuser-server")[1]["items"],
+               timeout=60, what="the notebook pod gone")
+
+
+def replica_process(job: str, role: str, index: int, timeout: float = 180) -> psutil.Process:
+    """The process of replica ``role-index`` of ``job`` running in a pod of the node (a
+    container's processes are this machine's, in namespaces of their own)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for p in psutil.process_iter(["environ", "status"]):
+            try:
+                env = p.info["environ"] or {}
+            except psutil.Error:
+                continue
+            if env.get("GPULAB_JOB_NAME") != job or "TF_CONFIG" not in env:
+                continue
+            task = json.loads(env["TF_CONFIG"])["task"]
+            if (task["type"], task["index"]) == (role, index) and p.info["status"] != psutil.STATUS_ZOMBIE:
+                return p
+        time.sleep(0.5)
+    raise TimeoutError(f"no running {role}-{index} of {job}")
+
+
+def wait_job(person, name, states, timeout=600) -> dict:
+    deadline = time.time() + timeout
+    job = {}
+    while time.time() < deadline:
+        job = person.service("GET", f"jobs/{name}").json()
+        if job["state"] in states:
+            return job
+        time.sleep(1)
+    raise TimeoutError(f"job {name} is {job.get('state')} ({job.get('reason')}), not {states}")
+
+
+def wait_epochs(person, name, epochs, timeout=400) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        job = person.service("GET", f"jobs/{name}").json()
+        assert job["state"] not in ("Failed", "Succeeded", "Stopped"), job
+        if (job.get("progress") or {}).get("epoch", 0) >= epochs:
+            return job
+        time.sleep(1)
+    raise TimeoutError(f"job {name} did not report {epochs} epochs")
+
+
+def accuracy(text: str) -> float:
+    found = re.findall(r"^test accuracy: ([0-9.]+)$", text, re.M)
+    assert found, text[-3000:]
+    return float(found[-1])
+
+
+def test_a_parameter_server_job_runs_in_pods_and_survives_a_killed_worker(cluster, hub, people, shared):
+    """The parameter-server digits example as a JobSet on the node: its replicas find each
+    other by the host names of TF_CONFIG (cluster DNS), the progress and logs reach the jobs
+    API, TensorBoard's and the checkpoints' files land in the person's shared folder, and a
+    worker killed mid-training is replaced while the job goes on to Succeeded."""
+    plane, node, _ = cluster
+    bob = people["bob"]
+    spec = {"name": "digits-ps", "strategy": "parameter-server",
+            "replicas": {"chief": 1, "ps": 1, "worker": 2},
+            "source": (EXAMPLES / "digits_parameter_server.py").read_text(),
+            "args": ["--sleep-per-epoch", "1"], "retries": 3}
+    r = bob.service("POST", "jobs", json=spec)
+    assert r.status_code in (201, 202), r.text
+    wait_epochs(bob, "digits-ps", 1)
+    pods = plane.api("GET", "/api/v1/namespaces/gpulab-bob/pods?labelSelector=gpulab.io/job=digits-ps")[1]
+    assert {p["spec"]["nodeName"] for p in pods["items"]} == {node.name}
+    replica_process("digits-ps", "worker", 1).send_signal(signal.SIGKILL)
+
+    job = wait_job(bob, "digits-ps", {"Succeeded", "Failed"})
+    chief_log = bob.service("GET", "jobs/digits-ps/logs/chief-0").json()["text"]
+    assert job["state"] == "Succeeded", (job, chief_log[-3000:])
+    assert accuracy(chief_log) >= 0.90
+    worker1 = next(x for x in job["replicas"] if x["name"] == "worker-1")
+    assert worker1["restarts"] >= 1, job["replicas"]
+    folder = shared / "users" / "bob" / "jobs" / "digits-ps"
+    assert list((folder / "tensorboard").rglob("events.out.tfevents.*")), sorted(folder.rglob("*"))
+    assert [p for p in (folder / "checkpoints").rglob("*") if p.is_file()]
+
+
+def test_a_multi_worker_job_runs_in_pods(cluster, hub, people, shared):
+    ann = people["ann"]
+    spec = {"name": "digits-mw", "strategy": "multi-worker-mirrored", "replicas": {"worker": 2},
+            "source": (EXAMPLES / "digits_multi_worker.py").read_text()}
+    r = ann.service("POST", "jobs", json=spec)
+    assert r.status_code in (201, 202), r.text
+    job = wait_job(ann, "digits-mw", {"Succeeded", "Failed"})
+    log = ann.service("GET", "jobs/digits-mw/logs/worker-0").json()["text"]
+    assert job["state"] == "Succeeded", (job, log[-3000:])
+    assert accuracy(log) >= 0.90
+    assert job["progress"] and job["progress"]["step"] >= 1
+    folder = shared / "users" / "ann" / "jobs" / "digits-mw"
+    assert list((folder / "tensorboard").rglob("events.out.tfevents.*")), sorted(folder.rglob("*"))
