@@ -4,11 +4,18 @@
 #   bash scripts/test.sh -m "not app"    only the fast unit tier (any pytest arguments)
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# System packages the tests drive for real: Debian's Chromium (the browser tier) and
-# PostgreSQL's server (the ledger's concurrency tests start their own cluster).
+# System packages the tests drive for real: Debian's Chromium (the browser tier),
+# PostgreSQL's server (the ledger's concurrency tests start their own cluster), and for the
+# cluster tier's real node (tests/cluster/node.py) runc, the CNI plugins, iptables and
+# conntrack (kube-proxy), and debootstrap (the notebook image's root filesystem).
 need=()
 command -v chromium >/dev/null || need+=(chromium)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
+command -v runc >/dev/null || need+=(runc)
+[ -x /usr/lib/cni/bridge ] || need+=(containernetworking-plugins)
+command -v iptables >/dev/null || need+=(iptables)
+command -v conntrack >/dev/null || need+=(conntrack)
+command -v debootstrap >/dev/null || need+=(debootstrap)
 if ((${#need[@]})); then
   if [[ $(id -u) -ne 0 ]]; then
     echo "scripts/test.sh: missing ${need[*]}; run as root (sudo) so it can apt-get install them" >&2

@@ -305,7 +305,7 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
     allowed_egress = List(Dict(), help=ALLOWED_EGRESS_HELP + """
         (KubeJobBackend: taken from ``c.KubeGPUSpawner.allowed_egress`` unless set here.)""").tag(
         config=True)
-    node_selector = Dict(Unicode(), help="""
+    node_selector = Dict(Unicode(), default_value={}, help="""
         Node labels every replica's pod must match, beside the GPU model's selector; none
         unless set. Taken from ``c.KubeGPUSpawner.node_selector`` (KubeSpawner's trait): an operator who
         puts notebooks on a node pool puts training jobs there too.

@@ -259,10 +259,15 @@ def test_a_notebook_server_runs_in_a_pod_of_the_node(cluster, hub, people, share
             print("datasets", type(e).__name__)
         print("token", os.path.exists("/var/run/secrets/kubernetes.io/serviceaccount/token"))
         print("hub", socket.gethostbyname("hub.{HUB_NAMESPACE}.svc.cluster.local"))
+        import urllib.request
+        url = os.environ["GPULAB_SERVICE_URL"] + "api/v1/openapi.json"
+        print("service", url, urllib.request.urlopen(url, timeout=30).status)
         """), timeout=120)
     assert f"host {pod['metadata']['name']}" in out, out
     assert f"uid {NOTEBOOK_UID}" in out and "datasets OSError" in out and "token False" in out, out
     assert re.search(r"^hub 10\.96\.\d+\.\d+$", out, re.M), out  # the hub Service's ClusterIP
+    # the gpulab service, through the hub Service's extra port, as the chart sets it up
+    assert f"service http://hub.{HUB_NAMESPACE}.svc.cluster.local:8002/services/gpulab/api/v1/openapi.json 200" in out, out
     assert (shared / "users" / "ann" / "note.txt").read_text() == "written in the pod"
     assert not (shared / "datasets" / "mine.txt").exists()
     # Pod Security "baseline" of the namespace: a privileged pod is refused there
@@ -353,7 +358,9 @@ def test_a_parameter_server_job_runs_in_pods_and_survives_a_killed_worker(cluste
     assert [p for p in (folder / "checkpoints").rglob("*") if p.is_file()]
 
 
-def test_a_multi_worker_job_runs_in_pods(cluster, hub, people, shared):
+def test_a_multi_worker_job_runs_in_pods_and_tensorboard_shows_it(cluster, hub, people, shared):
+    """The multi-worker example as a JobSet to Succeeded; then TensorBoard, in the person's
+    notebook pod, lists its run (and refuses another person)."""
     ann = people["ann"]
     spec = {"name": "digits-mw", "strategy": "multi-worker-mirrored", "replicas": {"worker": 2},
             "source": (EXAMPLES / "digits_multi_worker.py").read_text()}
@@ -366,3 +373,25 @@ def test_a_multi_worker_job_runs_in_pods(cluster, hub, people, shared):
     assert job["progress"] and job["progress"]["step"] >= 1
     folder = shared / "users" / "ann" / "jobs" / "digits-mw"
     assert list((folder / "tensorboard").rglob("events.out.tfevents.*")), sorted(folder.rglob("*"))
+    # TensorBoard in the person's notebook pod shows the job's run, read from shared storage
+    assert ann.start_server().status_code in (201, 202)
+    ann.wait_ready(timeout=240)
+    try:
+        base = f"{hub.url}/user/ann/tensorboard/"
+        headers = {"Authorization": f"token {ann.token()}"}
+        r = requests.get(base, headers=headers, timeout=120)  # started on first use
+        assert r.status_code == 200 and "TensorBoard" in r.text, r.text[:300]
+        runs: list = []
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            runs = requests.get(base + "data/runs", headers=headers, timeout=30).json()
+            if any(run.startswith("jobs/digits-mw/") or run.startswith("digits-mw/") for run in runs):
+                break
+            time.sleep(1)
+        assert any("digits-mw" in run for run in runs), runs
+        bob = people["bob"]
+        r = requests.get(base, headers={"Authorization": f"token {bob.token()}"},
+                         allow_redirects=False, timeout=30)
+        assert r.status_code == 403, (r.status_code, r.text[:200])
+    finally:
+        ann.stop_server()
