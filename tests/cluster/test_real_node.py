@@ -34,6 +34,8 @@ import requests
 
 from gpulab.spawner.kubeobjects import make_user_namespace
 from tests.app.hubctl import Browser, free_port
+from tests.app.test_jobs_api import wait_state
+from tests.tf.test_jobs_training import accuracy
 
 from . import hubrbac
 from .controlplane import ControlPlane, wait_until
@@ -301,17 +303,6 @@ def replica_process(job: str, role: str, index: int, timeout: float = 180) -> ps
     raise TimeoutError(f"no running {role}-{index} of {job}")
 
 
-def wait_job(person, name, states, timeout=600) -> dict:
-    deadline = time.time() + timeout
-    job = {}
-    while time.time() < deadline:
-        job = person.service("GET", f"jobs/{name}").json()
-        if job["state"] in states:
-            return job
-        time.sleep(1)
-    raise TimeoutError(f"job {name} is {job.get('state')} ({job.get('reason')}), not {states}")
-
-
 def wait_epochs(person, name, epochs, timeout=400) -> dict:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -321,12 +312,6 @@ def wait_epochs(person, name, epochs, timeout=400) -> dict:
             return job
         time.sleep(1)
     raise TimeoutError(f"job {name} did not report {epochs} epochs")
-
-
-def accuracy(text: str) -> float:
-    found = re.findall(r"^test accuracy: ([0-9.]+)$", text, re.M)
-    assert found, text[-3000:]
-    return float(found[-1])
 
 
 def test_a_parameter_server_job_runs_in_pods_and_survives_a_killed_worker(cluster, hub, people, shared):
@@ -347,7 +332,7 @@ def test_a_parameter_server_job_runs_in_pods_and_survives_a_killed_worker(cluste
     assert {p["spec"]["nodeName"] for p in pods["items"]} == {node.name}
     replica_process("digits-ps", "worker", 1).send_signal(signal.SIGKILL)
 
-    job = wait_job(bob, "digits-ps", {"Succeeded", "Failed"})
+    job = wait_state(bob, "digits-ps", {"Succeeded", "Failed"}, timeout=600)
     chief_log = bob.service("GET", "jobs/digits-ps/logs/chief-0").json()["text"]
     assert job["state"] == "Succeeded", (job, chief_log[-3000:])
     assert accuracy(chief_log) >= 0.90
@@ -366,7 +351,7 @@ def test_a_multi_worker_job_runs_in_pods_and_tensorboard_shows_it(cluster, hub, 
             "source": (EXAMPLES / "digits_multi_worker.py").read_text()}
     r = ann.service("POST", "jobs", json=spec)
     assert r.status_code in (201, 202), r.text
-    job = wait_job(ann, "digits-mw", {"Succeeded", "Failed"})
+    job = wait_state(ann, "digits-mw", {"Succeeded", "Failed"}, timeout=600)
     log = ann.service("GET", "jobs/digits-mw/logs/worker-0").json()["text"]
     assert job["state"] == "Succeeded", (job, log[-3000:])
     assert accuracy(log) >= 0.90
