@@ -765,7 +765,8 @@ class ControlPlane:
             f"--client-ca-file={pki / 'ca.crt'}",
             f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
             f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
-            f"--kubelet-certificate-authority={pki / 'ca.crt'}",
+            # (no --kubelet-certificate-authority: kwok's kubelet API, which some tests serve
+            # pod logs from, has a self-signed certificate)
             # a real node's kubelet at its address (node.py): no DNS names nodes here
             "--kubelet-preferred-address-types=InternalIP,Hostname",
             "--authorization-mode=Node,RBAC",
