@@ -203,9 +203,7 @@ class Node:
 
     def import_image(self, archive: Path) -> None:
         """Import an OCI image archive into the node's containerd (namespace ``k8s.io``)."""
-        r = self._ctr("images", "import", "--no-unpack=false", str(archive), timeout=600)
-        if r.returncode != 0:
-            r = self._ctr("images", "import", str(archive), timeout=600)
+        r = self._ctr("images", "import", str(archive), timeout=600)
         if r.returncode != 0:
             raise NodeError(f"importing {archive} failed: {r.stderr.strip()}")
 
