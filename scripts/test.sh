@@ -7,7 +7,8 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # System packages the tests drive for real: Debian's Chromium (the browser tier),
 # PostgreSQL's server (the ledger's concurrency tests start their own cluster), and for the
 # cluster tier's real node (tests/cluster/node.py) runc, the CNI plugins, iptables and
-# conntrack (kube-proxy), and debootstrap (the notebook image's root filesystem).
+# conntrack (kube-proxy), ipset (kube-router's NetworkPolicy firewall), and debootstrap (the
+# notebook image's root filesystem).
 need=()
 command -v chromium >/dev/null || need+=(chromium)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
@@ -15,6 +16,7 @@ command -v runc >/dev/null || need+=(runc)
 [ -x /usr/lib/cni/bridge ] || need+=(containernetworking-plugins)
 command -v iptables >/dev/null || need+=(iptables)
 command -v conntrack >/dev/null || need+=(conntrack)
+command -v ipset >/dev/null || need+=(ipset)
 command -v debootstrap >/dev/null || need+=(debootstrap)
 if ((${#need[@]})); then
   if [[ $(id -u) -ne 0 ]]; then

@@ -121,6 +121,19 @@ ALLOWED_EGRESS_HELP = """Where else the pods of user namespaces (notebook server
             ]
         """
 
+ALLOWED_SERVER_INGRESS_HELP = """Who else may connect to notebook servers, as NetworkPolicy
+        ingress rules (``from`` and/or ``ports``) added to the servers' policy of every user
+        namespace (default ``[]``: only the hub and proxy pods of ``hub_namespace``, on the
+        server's port). For a hub or proxy that does not run in a pod of the cluster (its
+        address then matches no pod selector). A rule without ``from`` lets anyone in. Example:
+        a proxy at 10.0.0.7::
+
+            c.KubeGPUSpawner.allowed_server_ingress = [
+                {"from": [{"ipBlock": {"cidr": "10.0.0.7/32"}}],
+                 "ports": [{"protocol": "TCP", "port": 8888}]},
+            ]
+        """
+
 #: traits the spawner sets for each start (from the profile and its own settings)
 _MANAGED_TRAITS = ("tolerations", "volumes", "volume_mounts", "environment", "extra_labels")
 #: seconds between two reads of a queued notebook's Workload (its reason, for the progress page)
@@ -200,6 +213,7 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         return hub_namespace_default()
 
     allowed_egress = List(Dict(), help=ALLOWED_EGRESS_HELP).tag(config=True)
+    allowed_server_ingress = List(Dict(), help=ALLOWED_SERVER_INGRESS_HELP).tag(config=True)
 
     gpu_quota_sync_interval = Float(
         GPU_QUOTA_SYNC_INTERVAL,
@@ -451,7 +465,8 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
                 api=self.api, ledger=ledger, namespace=self.namespace, user=self.user.name,
                 groups=self.user_groups, user_label=self.user_label,
                 pod_security_level=self.pod_security_level, hub_namespace=self.hub_namespace,
-                allowed_egress=self.allowed_egress, sync_interval=self.gpu_quota_sync_interval,
+                allowed_egress=self.allowed_egress, allowed_server_ingress=self.allowed_server_ingress,
+                sync_interval=self.gpu_quota_sync_interval,
                 request_timeout=self.k8s_api_request_timeout, log=self.log,
                 server_port=self.port, server_component=self.component_label,
                 gpu_resource_quota=not self.kueue)

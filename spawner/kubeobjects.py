@@ -116,6 +116,7 @@ def make_user_network_policies(
     server_port: int = 8888,
     server_component: str = "singleuser-server",
     allowed_egress: Iterable[Mapping[str, Any]] = (),
+    allowed_server_ingress: Iterable[Mapping[str, Any]] = (),
 ) -> list[dict]:
     """The NetworkPolicies gpulab keeps in each user namespace: ``[user pods, servers]``.
 
@@ -127,17 +128,16 @@ def make_user_network_policies(
       mirror, or the internet without the cloud metadata address).
     - `SERVERS_POLICY` lets the hub and the proxy (``component`` ``hub`` or ``proxy`` in
       ``hub_namespace``) reach the notebook servers (KubeSpawner's ``component:
-      <server_component>`` pods) on ``server_port``, and nobody else.
+      <server_component>`` pods) on ``server_port``, and, by ``allowed_server_ingress``
+      (NetworkPolicy ingress rules of the operator: a hub or proxy outside the cluster), whom
+      the operator names; nobody else.
 
     A training job's replicas reach each other through the job's own policy
     (`gpulab.hub.jobs.kubeobjects.make_job_network_policy`). NetworkPolicies add up: a pod
     accepts what any policy selecting it allows, so these two never open replicas to others.
     """
-    rules = [dict(rule) for rule in allowed_egress]
-    for rule in rules:
-        if not rule or set(rule) - {"to", "ports"}:
-            raise ValueError("allowed_egress: each rule is a NetworkPolicy egress rule with "
-                             f"'to' and/or 'ports', got {rule!r}")
+    rules = _policy_rules("allowed_egress", "egress", "to", allowed_egress)
+    ingress_rules = _policy_rules("allowed_server_ingress", "ingress", "from", allowed_server_ingress)
     labels = {**MANAGED_BY, USER_LABEL: user_label}
     hub_ns = _hub_namespace_selector(hub_namespace)
     egress: list[dict] = [
@@ -167,10 +167,23 @@ def make_user_network_policies(
                               "key": COMPONENT_LABEL, "operator": "In",
                               "values": ["hub", "proxy"]}]}}],
                 "ports": [{"protocol": "TCP", "port": server_port}],
-            }],
+            }, *copy.deepcopy(ingress_rules)],
         },
     }
     return [user_pods, servers]
+
+
+def _policy_rules(setting: str, kind: str, peers: str, rules: Iterable[Mapping[str, Any]]) -> list[dict]:
+    """``rules`` as a list of NetworkPolicy rules, each a mapping with ``peers`` and/or
+    ``ports`` (lists) and nothing else; `ValueError` naming ``setting`` otherwise."""
+    out = []
+    for rule in rules:
+        if (not isinstance(rule, Mapping) or not rule or set(rule) - {peers, "ports"}
+                or not all(isinstance(v, list) for v in rule.values())):
+            raise ValueError(f"{setting}: each rule is a NetworkPolicy {kind} rule with "
+                             f"'{peers}' and/or 'ports' (lists), got {rule!r}")
+        out.append(dict(rule))
+    return out
 
 
 def _with(value: list | dict, key: str, item: dict) -> list | dict:

@@ -62,7 +62,8 @@ DATASETS_SUBPATH = "datasets"
 
 class NamespaceSettingsError(ValueError):
     """A setting of the namespace is wrong (found before any API request). ``network``:
-    the NetworkPolicies' settings (``allowed_egress``), else ``pod_security_level``. Each
+    the NetworkPolicies' settings (``allowed_egress``, ``allowed_server_ingress``), else
+    ``pod_security_level``. Each
     caller words it for its own readers."""
 
     def __init__(self, message: str, *, network: bool = False):
@@ -233,6 +234,7 @@ async def prepare_user_namespace(
     log: logging.Logger,
     server_port: int = 8888,
     server_component: str = "singleuser-server",
+    allowed_server_ingress: list[dict] | tuple = (),
     networking=None,
     gpu_resource_quota: bool = True,
 ) -> int:
@@ -242,12 +244,13 @@ async def prepare_user_namespace(
     ``api`` is a ``CoreV1Api``, ``networking`` a ``NetworkingV1Api`` (default: kubespawner's
     shared one). ``server_port`` and ``server_component`` are the notebook servers'
     (KubeSpawner's ``port`` and ``component_label``), for the policy that lets the hub and
-    the proxy reach them. Each request may take ``request_timeout`` seconds
+    the proxy reach them; ``allowed_server_ingress``, the operator's further ingress rules
+    for them. Each request may take ``request_timeout`` seconds
     (``asyncio.TimeoutError`` otherwise); ``sync_interval`` is the mirror's period when
     this call starts it. ``gpu_resource_quota`` False (Kueue admits the namespace's work,
     `gpulab.spawner.kueuemirror`): no GPU ResourceQuota, and one left from before is removed
-    (it would refuse the pods of preemptible work that borrows beyond the person's quota). Raises `NamespaceSettingsError` for a bad ``pod_security_level``
-    or ``allowed_egress`` before any request, and the API's ``ApiException`` as it comes.
+    (it would refuse the pods of preemptible work that borrows beyond the person's quota). Raises `NamespaceSettingsError` for a bad ``pod_security_level``,
+    ``allowed_egress`` or ``allowed_server_ingress`` before any request, and the API's ``ApiException`` as it comes.
     """
     if pod_security_level not in POD_SECURITY_LEVELS:
         raise NamespaceSettingsError(f"pod_security_level {pod_security_level!r} is not one "
@@ -258,7 +261,7 @@ async def prepare_user_namespace(
         policies = make_user_network_policies(
             namespace=namespace, user_label=user_label, hub_namespace=hub_namespace,
             server_port=server_port, server_component=server_component,
-            allowed_egress=allowed_egress)
+            allowed_egress=allowed_egress, allowed_server_ingress=allowed_server_ingress)
     except ValueError as e:
         raise NamespaceSettingsError(str(e), network=True) from e
     await asyncio.wait_for(

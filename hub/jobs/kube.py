@@ -76,6 +76,7 @@ from gpulab.extensions.contract import (
 )
 from gpulab.spawner.kube import (
     ALLOWED_EGRESS_HELP,
+    ALLOWED_SERVER_INGRESS_HELP,
     HUB_NAMESPACE_HELP,
     api_message,
     hub_namespace_default,
@@ -228,6 +229,8 @@ SHARED_WITH_SPAWNER = {"namespace_template": "user_namespace_template",
                        "datasets_subpath": "datasets_subpath",
                        "pod_security_level": "pod_security_level",
                        "hub_namespace": "hub_namespace", "allowed_egress": "allowed_egress",
+                       "allowed_server_ingress": "allowed_server_ingress",
+                       "server_port": "port", "server_component": "component_label",
                        "gpu_quota_sync_interval": "gpu_quota_sync_interval",
                        "kueue": "kueue", "kueue_gpus": "kueue_gpus",
                        "node_selector": "node_selector", "tolerations": "tolerations"}
@@ -305,6 +308,19 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
     allowed_egress = List(Dict(), help=ALLOWED_EGRESS_HELP + """
         (KubeJobBackend: taken from ``c.KubeGPUSpawner.allowed_egress`` unless set here.)""").tag(
         config=True)
+    allowed_server_ingress = List(Dict(), help=ALLOWED_SERVER_INGRESS_HELP + """
+        (KubeJobBackend: taken from ``c.KubeGPUSpawner.allowed_server_ingress`` unless set
+        here; it prepares the namespace's policies too.)""").tag(config=True)
+    server_port = Integer(8888, help="""
+        The notebook servers' port, which the servers' NetworkPolicy opens to the hub and the
+        proxy. Taken from ``c.KubeGPUSpawner.port`` (KubeSpawner's trait, default 8888): the
+        backend prepares the same namespace and must not write another port there.
+        """).tag(config=True)
+    server_component = Unicode("singleuser-server", help="""
+        The ``component`` label of notebook server pods, which the servers' NetworkPolicy
+        selects. Taken from ``c.KubeGPUSpawner.component_label`` (KubeSpawner's trait, default
+        ``singleuser-server``).
+        """).tag(config=True)
     node_selector = Dict(Unicode(), default_value={}, help="""
         Node labels every replica's pod must match, beside the GPU model's selector; none
         unless set. Taken from ``c.KubeGPUSpawner.node_selector`` (KubeSpawner's trait): an operator who
@@ -571,6 +587,8 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
                 api=self.core, ledger=self.ledger, namespace=ns, user=user, groups=groups,
                 user_label=self.user_label(user), pod_security_level=self.pod_security_level,
                 hub_namespace=self.hub_namespace, allowed_egress=self.allowed_egress,
+                allowed_server_ingress=self.allowed_server_ingress,
+                server_port=self.server_port, server_component=self.server_component,
                 sync_interval=self.gpu_quota_sync_interval,
                 request_timeout=self.request_timeout, log=log, networking=self.networking,
                 gpu_resource_quota=not self.kueue)

@@ -12,7 +12,8 @@
 #   kubelet kube-proxy                                              (module ./node/go.mod, Kubernetes v1.37.2)
 #   containerd containerd-shim-runc-v2 ctr                          (module ./containerd/go.mod, containerd v2.4.2)
 #   coredns                                                         (module ./dns/go.mod, CoreDNS v1.15.0)
-# (runc and the CNI plugins are Debian's packages, which work here).
+#   kube-router (its NetworkPolicy firewall only)                   (module ./kuberouter/go.mod, kube-router v2.1.0)
+# (runc, the CNI plugins and ipset are Debian's packages, which work here).
 # Kueue and JobSet need different controller-runtime versions, hence a module each. A cold build
 # of the two on two cores: about 9 minutes after the control plane's (Kueue 5.2, JobSet 3.6),
 # 11.7 with an empty Go build cache (Kueue 7.9, JobSet 3.7); downloads not counted.
@@ -21,9 +22,10 @@
 #   ${GPULAB_CLUSTER_BIN_CACHE:-${XDG_CACHE_HOME:-~/.cache}/gpulab/cluster-bin}/<key>/
 # where <key> hashes the module files (go.mod, go.sum, the main packages) and the build recipe
 # below; a fresh clone with the same key copies them from there in a second, without Go.
-# There are three keys, one per group of binaries: the control plane (the first six, and kwok's
-# CRDs), the queueing controllers (kueue, jobset and their manifests) and the node's, so that
-# adding or bumping one group never invalidates another's cache.
+# There are four keys, one per group of binaries: the control plane (the first six, and kwok's
+# CRDs), the queueing controllers (kueue, jobset and their manifests), the node's, and the
+# node's NetworkPolicy firewall, so that adding or bumping one group never invalidates another's
+# cache.
 # Anything else is built with `go build` through Go's build and module caches: the first build on
 # two cores takes tens of minutes (mostly kube-apiserver), a relink with a warm cache minutes.
 #
@@ -47,7 +49,7 @@ for arg in "$@"; do
         -f|--force) force=1 ;;
         -q|--quiet) quiet=1 ;;
         --print-key) print_key=1 ;;
-        -h|--help) sed -n '2,35p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,36p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "build.sh: unknown option $arg" >&2; exit 2 ;;
         *) wanted+=("$arg") ;;
     esac
@@ -69,6 +71,7 @@ targets=(
     "containerd-shim-runc-v2 containerd github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 node"
     "ctr                     containerd github.com/containerd/containerd/v2/cmd/ctr node"
     "coredns                 dns     gpulab.test/cluster/dns                        node"
+    "kube-router             kuberouter github.com/cloudnativelabs/kube-router/v2/cmd/kube-router netpol"
 )
 
 if ((${#wanted[@]})); then
@@ -102,6 +105,7 @@ recipe_queueing="$recipe manifests=[config/components/crd config/components/webh
 inputs_queueing=(kueue/go.mod kueue/go.sum kueue/tools.go jobset/go.mod jobset/go.sum jobset/tools.go)
 inputs_node=(node/go.mod node/go.sum node/tools.go containerd/go.mod containerd/go.sum containerd/tools.go
              dns/go.mod dns/go.sum dns/main.go)
+inputs_netpol=(kuberouter/go.mod kuberouter/go.sum kuberouter/tools.go)
 hash_inputs() {  # recipe, files...
     local r="$1" text
     shift
@@ -116,10 +120,12 @@ declare -A keys
 keys[k8s]="$(hash_inputs "$recipe" "${inputs_k8s[@]}")"
 keys[queueing]="$(hash_inputs "$recipe_queueing" "${inputs_queueing[@]}")"
 keys[node]="$(hash_inputs "$recipe" "${inputs_node[@]}")"
+keys[netpol]="$(hash_inputs "$recipe" "${inputs_netpol[@]}")"
 if ((print_key)); then
     echo "k8s ${keys[k8s]}"
     echo "queueing ${keys[queueing]}"
     echo "node ${keys[node]}"
+    echo "netpol ${keys[netpol]}"
     exit 0
 fi
 
@@ -130,8 +136,10 @@ command -v flock >/dev/null 2>&1 && flock 9
 
 cache_root="${GPULAB_CLUSTER_BIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpulab/cluster-bin}"
 declare -A caches
-if mkdir -p "$cache_root/${keys[k8s]}" "$cache_root/${keys[queueing]}" "$cache_root/${keys[node]}" 2>/dev/null \
-        && [[ -w "$cache_root/${keys[k8s]}" && -w "$cache_root/${keys[queueing]}" && -w "$cache_root/${keys[node]}" ]]; then
+if mkdir -p "$cache_root/${keys[k8s]}" "$cache_root/${keys[queueing]}" "$cache_root/${keys[node]}" \
+            "$cache_root/${keys[netpol]}" 2>/dev/null \
+        && [[ -w "$cache_root/${keys[k8s]}" && -w "$cache_root/${keys[queueing]}" && -w "$cache_root/${keys[node]}" \
+              && -w "$cache_root/${keys[netpol]}" ]]; then
     # ... and one build at a time across checkouts sharing the cache (two cold builds at
     # once would only halve each other's speed).
     exec 8>"$cache_root/.lock"
@@ -145,6 +153,7 @@ else
     caches[k8s]=""
     caches[queueing]=""
     caches[node]=""
+    caches[netpol]=""
 fi
 
 say() { ((quiet)) || echo "build.sh: $*"; }
@@ -257,10 +266,10 @@ copy_manifests jobset-manifests jobset queueing jobset sigs.k8s.io/jobset \
 # Binaries of other keys not used for 30 days go (about 400 MB each).
 if [[ -n "${caches[k8s]}" ]]; then
     find "$cache_root" -mindepth 1 -maxdepth 1 -type d ! -name "${keys[k8s]}" ! -name "${keys[queueing]}" \
-        ! -name "${keys[node]}" ! -name images \
+        ! -name "${keys[node]}" ! -name "${keys[netpol]}" ! -name images \
         -mtime +30 -exec rm -rf {} + 2>/dev/null || true
 fi
 
 if ((built || copied || !quiet)); then
-    echo "build.sh: $built built, $copied from the cache, $skipped up to date, $((SECONDS - start_all))s, in $bin (keys ${keys[k8s]}, ${keys[queueing]}, ${keys[node]})"
+    echo "build.sh: $built built, $copied from the cache, $skipped up to date, $((SECONDS - start_all))s, in $bin (keys ${keys[k8s]}, ${keys[queueing]}, ${keys[node]}, ${keys[netpol]})"
 fi

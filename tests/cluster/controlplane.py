@@ -937,8 +937,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--enable-crds", default="", metavar="KINDS",
                         help="comma-separated kwok kinds read from the API, e.g. Stage")
     parser.add_argument("--queueing", action="store_true", help="also run Kueue and JobSet (see queueing.py)")
+    parser.add_argument("--node", action="store_true",
+                        help="also run a real node where pods run (see node.py; needs root)")
+    parser.add_argument("--image", action="store_true",
+                        help="with --node: also import gpulab.test/singleuser, made from this Python's "
+                             "environment (see images.py; minutes the first time)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder on exit")
     args = parser.parse_args(argv)
+    if args.image and not args.node:
+        parser.error("--image needs --node")
 
     cp = ControlPlane(
         kwok_stages=args.stages,
@@ -956,22 +963,41 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     print("starting the control plane ...", flush=True)
+    node = None
     try:
         cp.start()
-    except ControlPlaneError as e:
+        if args.node:
+            from .images import singleuser_archive
+            from .node import Node
+
+            print("starting the real node ...", flush=True)
+            node = Node(cp, keep_dir=args.keep or None).start()
+            if args.image:
+                print("importing gpulab.test/singleuser ...", flush=True)
+                node.import_image(singleuser_archive(Path(sys.prefix))[1])
+    except ControlPlaneError as e:  # NodeError too
         print(e, file=sys.stderr)
+        cp.stop()
         return 1
     except KeyboardInterrupt:
+        if node is not None:
+            node.stop()
         cp.stop()
         return 130
     try:
         print(f"ready in {cp.startup_seconds:.1f}s: {cp.server}, nodes {', '.join(cp.node_names)}")
+        if node is not None:
+            from .node import REAL_NODE_LABEL, REAL_NODE_TAINT
+
+            print(f"real node {node.name}: pods need the label selector {'='.join(REAL_NODE_LABEL)} and "
+                  f"a toleration of {REAL_NODE_TAINT['key']}={REAL_NODE_TAINT['value']}:{REAL_NODE_TAINT['effect']}; "
+                  f"images: {', '.join(i for i in node.images() if not i.startswith('sha256:'))}")
         print(f"logs in {cp.logs_dir}")
         print(f"export KUBECONFIG={cp.kubeconfig}")
         print(f"kubectl: {cp.bin_dir / 'kubectl'}")
         print("Ctrl-C stops it.", flush=True)
         while True:
-            for p in cp._procs:
+            for p in [*cp._procs, *(node._procs if node is not None else [])]:
                 if p.exited() is not None:
                     print(f"{p.name} exited ({p.exited()}):\n{p.tail(30)}", file=sys.stderr)
                     return 1
@@ -980,6 +1006,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\nstopping ...", flush=True)
         return 0
     finally:
+        if node is not None:
+            node.stop()
         cp.stop()
 
 

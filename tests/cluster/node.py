@@ -3,7 +3,9 @@
 Where kwok's nodes only pretend, pods bound to this node run: containerd v2 (built from its Go
 module by build.sh) with Debian's ``runc``, Debian's CNI plugins (a ``bridge`` with
 ``host-local`` addresses), the v1.37.2 kubelet and kube-proxy (iptables mode, so Services work),
-and images made here (``images.py``: no registry is reachable).
+kube-router's firewall for NetworkPolicies (its network policy controller alone, as k3s embeds
+it: iptables and Debian's ``ipset``; kube-proxy and CoreDNS do the rest), and images made here
+(``images.py``: no registry is reachable).
 
 The node lives in a network namespace of its own, ``gpulab-node-<id>``, joined to this one by a
 veth pair: the node's address is ``NODE_IP`` (the kubelet refuses a loopback one), this side's end
@@ -46,10 +48,20 @@ from typing import Any
 
 import yaml
 
-from .controlplane import BIN_DIR, BUILD_SCRIPT, ControlPlane, ControlPlaneError, _Process, kubeconfig_dict, wait_until
+from .controlplane import (
+    BIN_DIR,
+    BUILD_SCRIPT,
+    SERVICE_CIDR,
+    ControlPlane,
+    ControlPlaneError,
+    _Process,
+    kubeconfig_dict,
+    wait_until,
+)
 from .images import PAUSE_IMAGE, pause_archive
 
-NODE_BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr", "kubelet", "kube-proxy", "coredns")
+NODE_BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr", "kubelet", "kube-proxy", "coredns", "kube-router")
+FIREWALL_HEALTH_PORT = 20244  # kube-router's /healthz, on the node's loopback
 DNS_IP = "10.96.0.10"  # the kube-dns Service's address, in the control plane's SERVICE_CIDR
 CNI_DIR = Path("/usr/lib/cni")
 HOST_IP = "10.246.0.1"
@@ -83,6 +95,8 @@ def host_requirements() -> list[str]:
         missing.append("util-linux")
     if not shutil.which("conntrack"):
         missing.append("conntrack")
+    if not shutil.which("ipset"):
+        missing.append("ipset")
     return missing
 
 
@@ -161,6 +175,7 @@ class Node:
             self._spawn_in_node("kube-proxy", [str(self.bin_dir / "kube-proxy"),
                                                f"--config={self._path('kube-proxy.yaml')}", "--v=1"])
             self._wait(deadline, f"node {self.name} Ready", self._ready)
+            self._start_firewall(deadline)
         except BaseException as e:
             tails = self.log_tails()
             self.stop()
@@ -305,7 +320,8 @@ class Node:
         server = f"https://127.0.0.1:{cp.api_port}"
         for who, cn, orgs in (("kubelet", f"system:node:{self.name}", ["system:nodes"]),
                               ("kube-proxy", "system:kube-proxy", []),
-                              ("coredns", "gpulab-test:coredns", [])):
+                              ("coredns", "gpulab-test:coredns", []),
+                              ("kube-router", "gpulab-test:kube-router", [])):
             crt, key = cp.issue_certificate(cn, organizations=orgs)
             cfg = kubeconfig_dict(server=server, ca_pem=cp.ca_pem, user=cn, cert_pem=crt, key_pem=key)
             (self._path(f"{who}.kubeconfig")).write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -454,6 +470,46 @@ state = "{state}"
             return r.stdout.strip() == "200"
 
         self._wait(deadline, "CoreDNS ready", ready)
+
+    def _start_firewall(self, deadline: float) -> None:
+        """NetworkPolicies enforced as on a cluster: kube-router's network policy controller
+        (``--run-firewall`` alone: no BGP router, no service proxy), in the node's namespace,
+        with the read access its upstream ClusterRole grants. It filters pod traffic in the
+        bridge (``bridge-nf-call-iptables``) and to the node, with iptables chains and ipsets of
+        the node's namespace; pods' own node reaches them (kubelet probes), as upstream."""
+        user = "gpulab-test:kube-router"
+        self.cp.apply(
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+             "metadata": {"name": user},
+             "rules": [{"apiGroups": [""], "resources": ["namespaces", "pods", "services", "nodes", "endpoints"],
+                        "verbs": ["list", "get", "watch"]},
+                       {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
+                        "verbs": ["list", "get", "watch"]},
+                       {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                        "verbs": ["list", "get", "watch"]}]},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+             "metadata": {"name": user},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": user},
+             "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]},
+        )
+        self._spawn_in_node("kube-router", [
+            str(self.bin_dir / "kube-router"),
+            "--run-firewall=true", "--run-router=false", "--run-service-proxy=false",
+            f"--kubeconfig={self._path('kube-router.kubeconfig')}",
+            f"--hostname-override={self.name}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            f"--health-port={FIREWALL_HEALTH_PORT}", "--metrics-port=0",
+            "--v=1",
+        ])
+
+        def ready() -> bool:
+            r = self.exec_in_node("python3", "-c", f"import urllib.request as u; print(u.urlopen("
+                                  f"'http://127.0.0.1:{FIREWALL_HEALTH_PORT}/healthz', timeout=2).status)",
+                                  timeout=10)
+            chains = self.exec_in_node("iptables", "-w", "-S", "KUBE-ROUTER-FORWARD", timeout=10)
+            return r.stdout.strip() == "200" and chains.returncode == 0
+
+        self._wait(deadline, "kube-router's firewall", ready)
 
     def _kubelet_argv(self) -> list[str]:
         return [

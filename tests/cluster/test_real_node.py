@@ -9,7 +9,8 @@ home PVC (no storage provisioner), and the shared storage as a host folder behin
 in the person's namespace instead of an NFS export (this kernel has no NFS). It runs on this
 side of the node's veth, at ``HOST_IP``; pods reach it through the ``hub`` Service of its
 namespace (selector-less, an EndpointSlice to ``HOST_IP``), by cluster DNS and kube-proxy, as
-they reach the hub pod on a cluster. The node is reserved by a taint: the hub puts notebooks
+they reach the hub pod on a cluster; the NetworkPolicies let them (and the proxy in) by
+address, as an operator configures a hub outside the cluster. The node is reserved by a taint: the hub puts notebooks
 and (through KubeSpawner's ``node_selector`` and ``tolerations``, shared with the job backend)
 training replicas there.
 """
@@ -40,7 +41,7 @@ from tests.tf.test_jobs_training import accuracy
 from . import hubrbac
 from .controlplane import ControlPlane, wait_until
 from .images import NOTEBOOK_UID, singleuser_archive
-from .node import HOST_IP, REAL_NODE_LABEL, REAL_NODE_TOLERATION, Node
+from .node import HOST_IP, NODE_IP, REAL_NODE_LABEL, REAL_NODE_TOLERATION, Node
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
 
@@ -132,6 +133,11 @@ c.KubeGPUSpawner.shared_volume = {{"persistentVolumeClaim": {{"claimName": "gpul
 # the operator's node pool (KubeSpawner's own traits): the real node
 c.KubeGPUSpawner.node_selector = {node_selector!r}
 c.KubeGPUSpawner.tolerations = [{toleration!r}]
+# kube-router enforces the NetworkPolicies. This cluster's DNS serves on its node's own network
+# (as NodeLocal DNSCache does), and the hub and proxy run outside the cluster, at HOST_IP: no pod
+# selector matches them, so the operator names them by address
+c.KubeGPUSpawner.allowed_egress = {egress!r}
+c.KubeGPUSpawner.allowed_server_ingress = {ingress!r}
 c.KubeGPUSpawner.cpu_limit = 2
 c.KubeGPUSpawner.mem_limit = "3G"
 c.GPUJobs.allowed_images = [{image!r}]
@@ -154,7 +160,13 @@ class KubeHub:
         (folder / "jupyterhub_config.py").write_text(HUB_CONFIG.format(
             password=PASSWORD, port=self.port, host_ip=HOST_IP, hub_port=self.hub_port,
             hub_ns=HUB_NAMESPACE, proxy_api=self.proxy_api, dir=folder, image=image,
-            node_selector={REAL_NODE_LABEL[0]: REAL_NODE_LABEL[1]}, toleration=REAL_NODE_TOLERATION))
+            node_selector={REAL_NODE_LABEL[0]: REAL_NODE_LABEL[1]}, toleration=REAL_NODE_TOLERATION,
+            egress=[{"to": [{"ipBlock": {"cidr": f"{NODE_IP}/32"}}],
+                     "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]},
+                    {"to": [{"ipBlock": {"cidr": f"{HOST_IP}/32"}}],
+                     "ports": [{"protocol": "TCP", "port": self.hub_port}, {"protocol": "TCP", "port": 8002}]}],
+            ingress=[{"from": [{"ipBlock": {"cidr": f"{HOST_IP}/32"}}],
+                      "ports": [{"protocol": "TCP", "port": 8888}]}]))
         self.env = {**os.environ, "KUBECONFIG": kubeconfig, "POD_NAMESPACE": HUB_NAMESPACE,
                     "POD_IP": HOST_IP, "GPULAB_LEDGER_URL": f"sqlite:///{folder}/ledger.sqlite",
                     "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
@@ -282,6 +294,105 @@ def test_a_notebook_server_runs_in_a_pod_of_the_node(cluster, hub, people, share
     wait_until(lambda: not plane.api("GET", "/api/v1/namespaces/gpulab-ann/pods?labelSelector="
                                             "component=singleuser-server")[1]["items"],
                timeout=60, what="the notebook pod gone")
+
+
+PROBE = """\
+import socket, sys
+
+
+def probe(host, port):
+    s = socket.socket()
+    s.settimeout(5)
+    try:
+        s.connect((host, int(port)))
+        return "open"
+    except OSError as e:
+        return "closed " + type(e).__name__
+    finally:
+        s.close()
+
+"""
+
+
+def probe_lines(targets: dict[str, tuple[str, int]]) -> str:
+    """Python code that prints ``<name> open`` or ``<name> closed <error>`` for each target."""
+    return PROBE + "".join(f"print({name!r}, probe({host!r}, {port}), flush=True)\n"
+                           for name, (host, port) in targets.items())
+
+
+def probed(out: str) -> dict[str, str]:
+    """``{name: "open" | "closed <error>"}`` from what `probe_lines` printed."""
+    return {m.group(1): m.group(2) for m in re.finditer(r"^(\S+) (open|closed \w+)$", out, re.M)}
+
+
+def opened(results: dict[str, str]) -> dict[str, bool]:
+    """Which connections went through (a refusal by a policy is a reset or a timeout)."""
+    return {name: r == "open" for name, r in results.items()}
+
+
+def test_network_policies_keep_peoples_pods_apart(cluster, hub, people, shared):
+    """kube-router enforces the policies gpulab makes. Bob's parameter-server job: its chief
+    reaches its ps and worker on their TF port (its own job), the hub and the gpulab service,
+    but not Ann's notebook. Ann's notebook pod reaches the hub but not Bob's TF servers. A pod
+    of another team (a namespace gpulab does not manage, so no policy limits what it opens)
+    reaches neither Bob's TF servers nor Ann's notebook. The node itself reaches both, so
+    they are listening and only the policies refuse; the proxy reaches Ann's notebook."""
+    plane, node, image = cluster
+    ann, bob = people["ann"], people["bob"]
+    assert ann.start_server().status_code in (201, 202)
+    ann.wait_ready(timeout=240)
+    try:
+        notebook_ip = pod_of(plane, "gpulab-ann", "component=singleuser-server")["status"]["podIP"]
+        hub_host = f"hub.{HUB_NAMESPACE}.svc.cluster.local"
+        # Bob's job: the chief runs only after its ps and worker accept connections on their
+        # TF port (the runtime waits for them); then it probes, and stays until stopped
+        program = probe_lines({"ann-notebook": (notebook_ip, 8888), "hub": (hub_host, hub.hub_port),
+                               "service": (hub_host, 8002)}) + "import time\ntime.sleep(600)\n"
+        r = bob.service("POST", "jobs", json={
+            "name": "tf-servers", "strategy": "parameter-server",
+            "replicas": {"chief": 1, "ps": 1, "worker": 1}, "source": program})
+        assert r.status_code in (201, 202), r.text
+        deadline = time.time() + 300
+        chief = {}
+        while time.time() < deadline and len(chief) < 3:
+            job = bob.service("GET", "jobs/tf-servers").json()
+            assert job["state"] not in ("Failed", "Succeeded", "Stopped"), job
+            chief = probed(bob.service("GET", "jobs/tf-servers/logs/chief-0").json()["text"])
+            time.sleep(1)
+        assert opened(chief) == {"ann-notebook": False, "hub": True, "service": True}, chief
+        pods = plane.api("GET", "/api/v1/namespaces/gpulab-bob/pods?labelSelector=gpulab.io/job=tf-servers")[1]
+        servers = {p["metadata"]["labels"]["gpulab.io/role"]: p["status"]["podIP"] for p in pods["items"]}
+        targets = {"bob-ps": (servers["ps"], 2222), "bob-worker": (servers["worker"], 2222),
+                   "ann-notebook": (notebook_ip, 8888)}
+
+        # Ann's notebook pod: the hub yes, Bob's TF servers no
+        out = probed(ann.run_in_kernel(probe_lines({"bob-ps": targets["bob-ps"], "bob-worker": targets["bob-worker"],
+                                                    "hub": (hub_host, hub.hub_port)}), timeout=60))
+        assert opened(out) == {"bob-ps": False, "bob-worker": False, "hub": True}, out
+
+        # another team's pod, which no policy limits: refused by Bob's and Ann's pods
+        plane.create_namespace("other-team")
+        plane.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "probe", "namespace": "other-team"},
+                     "spec": {"nodeSelector": {REAL_NODE_LABEL[0]: REAL_NODE_LABEL[1]},
+                              "tolerations": [REAL_NODE_TOLERATION], "restartPolicy": "Never",
+                              "automountServiceAccountToken": False,
+                              "containers": [{"name": "probe", "image": image, "imagePullPolicy": "Never",
+                                              "command": ["python3", "-c", probe_lines(
+                                                  {**targets, "dns": (NODE_IP, 53)})]}]}})
+        wait_until(lambda: plane.api("GET", "/api/v1/namespaces/other-team/pods/probe")[1]
+                   .get("status", {}).get("phase") in ("Succeeded", "Failed"), timeout=120, what="the probe pod")
+        _, log = plane.api("GET", "/api/v1/namespaces/other-team/pods/probe/log")
+        assert opened(probed(log)) == {"bob-ps": False, "bob-worker": False, "ann-notebook": False,
+                                       "dns": True}, log
+
+        # the node itself (as its kubelet's probes would): everything listens
+        r = node.exec_in_node("python3", "-c", probe_lines(targets))
+        assert opened(probed(r.stdout)) == {"bob-ps": True, "bob-worker": True, "ann-notebook": True}, r
+        assert bob.service("POST", "jobs/tf-servers/stop").status_code == 200
+        wait_state(bob, "tf-servers", {"Stopped"}, timeout=120)
+    finally:
+        ann.stop_server()
+        plane.api("DELETE", "/api/v1/namespaces/other-team")
 
 
 def replica_process(job: str, role: str, index: int, timeout: float = 180) -> psutil.Process:

@@ -273,6 +273,25 @@ def test_allowed_egress_takes_egress_rules_only(bad):
                                    allowed_egress=[bad])
 
 
+def test_allowed_server_ingress_is_added_to_the_servers_only():
+    """A hub and proxy outside the cluster (an operator's ``allowed_server_ingress``) reach
+    the servers; the rule goes to the servers' policy, nowhere else."""
+    proxy = {"from": [{"ipBlock": {"cidr": "10.1.2.3/32"}}], "ports": [{"protocol": "TCP", "port": 8888}]}
+    pods, servers = make_user_network_policies(namespace="n", user_label="ann", hub_namespace="hub",
+                                               allowed_server_ingress=[proxy])
+    assert servers["spec"]["ingress"][1:] == [proxy]
+    assert "ingress" not in pods["spec"] and len(pods["spec"]["egress"]) == 2
+
+
+@pytest.mark.parametrize("bad", [{}, {"to": []}, {"from": [], "podSelector": {}}, {"from": {"ipBlock": {}}},
+                                 "10.0.0.1/32"],
+                         ids=["empty", "egress-rule", "extra-key", "not-a-list", "not-a-rule"])
+def test_allowed_server_ingress_takes_ingress_rules_only(bad):
+    with pytest.raises(ValueError, match="allowed_server_ingress"):
+        make_user_network_policies(namespace="n", user_label="ann", hub_namespace="hub",
+                                   allowed_server_ingress=[bad])
+
+
 INTERNET = {"to": [{"ipBlock": {"cidr": "0.0.0.0/0",
                                 "except": ["169.254.169.254/32", "10.0.0.0/8"]}}]}
 HUB = Endpoint.pod("gpulab", component="hub")

@@ -36,6 +36,7 @@ from tests.doubles import FakeKubeAPI, offline_kubeconfig
 
 log = logging.getLogger("test")
 BAD_EGRESS = [{"from": [{"podSelector": {}}]}]
+BAD_INGRESS = [{"to": [{"podSelector": {}}]}]
 
 
 @pytest.fixture
@@ -178,7 +179,8 @@ async def test_the_event_loop_runs_while_the_quota_is_read(ledger, monkeypatch):
 @pytest.mark.parametrize("kw, network", [
     ({"pod_security_level": "lax"}, False),
     ({"allowed_egress": BAD_EGRESS}, True),
-], ids=["pod-security-level", "allowed-egress"])
+    ({"allowed_server_ingress": BAD_INGRESS}, True),
+], ids=["pod-security-level", "allowed-egress", "allowed-server-ingress"])
 async def test_bad_settings_are_refused_before_any_request(ledger, kw, network):
     api = FakeKubeAPI()
     with pytest.raises(NamespaceSettingsError) as e:
@@ -209,7 +211,9 @@ def backend(config, tmp_path, **traits):
     ({"pod_security_level": "lax"},
      "pod_security_level 'lax' is not one of privileged, baseline, restricted."),
     ({"allowed_egress": BAD_EGRESS}, "The server's network settings are wrong: allowed_egress:"),
-], ids=["pod-security-level", "allowed-egress"])
+    ({"allowed_server_ingress": BAD_INGRESS},
+     "The server's network settings are wrong: allowed_server_ingress:"),
+], ids=["pod-security-level", "allowed-egress", "allowed-server-ingress"])
 async def test_the_spawner_refuses_bad_namespace_settings_with_500(config, traits, message):
     s = spawner(config, **traits)
     with pytest.raises(SpawnRefused) as e:
@@ -222,7 +226,9 @@ async def test_the_spawner_refuses_bad_namespace_settings_with_500(config, trait
     ({"pod_security_level": "lax"},
      "pod_security_level 'lax' is not one of privileged, baseline, restricted."),
     ({"allowed_egress": BAD_EGRESS}, "The cluster's network settings are wrong: allowed_egress:"),
-], ids=["pod-security-level", "allowed-egress"])
+    ({"allowed_server_ingress": BAD_INGRESS},
+     "The cluster's network settings are wrong: allowed_server_ingress:"),
+], ids=["pod-security-level", "allowed-egress", "allowed-server-ingress"])
 async def test_the_job_backend_refuses_bad_namespace_settings_with_500(
         config, tmp_path, traits, message):
     b = backend(config, tmp_path, **traits)
@@ -264,6 +270,34 @@ async def test_both_callers_read_the_quota_off_the_loop_and_prepare_the_same_nam
     for key, obj in made.stored.items():
         del obj["metadata"]["resourceVersion"], also.stored[key]["metadata"]["resourceVersion"]
         assert obj == also.stored[key], key
+
+
+async def test_the_backend_writes_the_servers_policy_the_spawner_writes(config, tmp_path, monkeypatch):
+    """The servers' port, their ``component`` label and ``allowed_server_ingress``, set on
+    c.KubeGPUSpawner only, reach the job backend (which prepares the same namespace): it does
+    not write its defaults over the servers' policy, which would shut the proxy out."""
+    from gpulab.hub.jobs.kube import backend_settings
+
+    outside_proxy = [{"from": [{"ipBlock": {"cidr": "10.9.8.7/32"}}], "ports": [{"protocol": "TCP", "port": 9000}]}]
+    s = spawner(config, port=9000, component_label="notebook", allowed_server_ingress=outside_proxy)
+    await asyncio.to_thread(hub_ledger, s.config, False)
+    made = FakeKubeAPI()
+    s.api = made
+    monkeypatch.setattr("gpulab.spawner.namespaces.shared_client", lambda name: made)
+    await s._ensure_namespace()
+
+    b = KubeJobBackend.from_settings(Ledger(f"sqlite:///{tmp_path / 'jobs.sqlite'}"), backend_settings(s.config))
+    await asyncio.to_thread(b.ledger.migrate)
+    also = FakeKubeAPI()
+    monkeypatch.setattr(KubeJobBackend, "core", property(lambda self: also))
+    monkeypatch.setattr(KubeJobBackend, "networking", property(lambda self: also))
+    await b._ensure_namespace("ann", ())
+    key = ("NetworkPolicy", "gpulab-ann", "gpulab-servers")
+    spec = made.stored[key]["spec"]
+    assert spec["podSelector"] == {"matchLabels": {"component": "notebook"}}
+    assert spec["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 9000}]
+    assert spec["ingress"][1:] == outside_proxy
+    assert also.stored[key]["spec"] == spec
 
 
 async def test_the_quota_refusal_message_reads_the_ledger_off_the_loop(config, reads_of):
