@@ -484,14 +484,15 @@ class JobBackend:
                                     "stopped by " + (actor or user))
         return await asyncio.to_thread(self.get, user, name)
 
-    def _finish(self, job_id: str, state: str, reason: str) -> None:
+    def _finish(self, job_id: str, state: str, reason: str, at: float | None = None) -> None:
         """End a job (sync; in a thread): first the driver frees what it held (processes'
-        groups, sandboxes), then the job is final and its GPUs free in one commit."""
+        groups, sandboxes), then the job is final and its GPUs free in one commit (``at``:
+        when it ended, default now)."""
         job, _ = self.store.read(job_id)
         if job is None or job.state in FINAL:
             return
         self._release(job, JobSpec.model_validate_json(job.spec))
-        if self.store.finish(job_id, state, reason):
+        if self.store.finish(job_id, state, reason, at):
             log.info("Job %s/%s: %s (%s)", job.user, job.name, state, reason)
         if self.queue is not None:  # it leaves the line, waiting or holding
             self.queue.forget(job.user, "job", job.name, f"job {state.lower()}")

@@ -787,8 +787,10 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
                                            role_job_name(name, role), ns)
         await asyncio.to_thread(self._record_states, job_id, states, outcome, delete_roles, now)
 
-    def _record_states(self, job_id: str, states, outcome, delete_roles, now: float) -> None:
-        """What a reconcile pass saw, in the job's rows (in a thread), and its end if any."""
+    def _record_states(self, job_id: str, states, outcome, delete_roles, now: float,
+                       ended_at: float | None = None) -> None:
+        """What a reconcile pass saw, in the job's rows (in a thread), and its end if any
+        (``ended_at``: when it ended, default now)."""
         with self.ledger.Session.begin() as s:
             job, reps = self.store.load(s, job_id)
             if job is None or job.state in FINAL:
@@ -813,4 +815,4 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
                                if v[0] not in ("Running", "Succeeded")]
                     job.reason = "; ".join(waiting[:3])
         if outcome is not None:
-            self._finish(job_id, *outcome)
+            self._finish(job_id, *outcome, at=ended_at)

@@ -135,6 +135,12 @@ def jobset_ended(jobset: dict) -> tuple[str, str] | None:
     return None
 
 
+def jobset_ended_at(jobset: dict) -> str | None:
+    """The time of JobSet's Completed or Failed condition (None: none, or no time)."""
+    done = condition(jobset, "Completed") or condition(jobset, "Failed") or {}
+    return done.get("lastTransitionTime")
+
+
 class KueueJobBackend(KubeJobBackend):
     """Training jobs as JobSets in the person's Kueue LocalQueue; the ledger follows Kueue's
     admissions (see the module's words)."""
@@ -372,7 +378,10 @@ class KueueJobBackend(KubeJobBackend):
                 failed = [f"{r}-{i}: {v[1]}" for (r, i), v in sorted(states.items())
                           if v[0] == "Failed"]
                 words = f"{words}" + (f" ({'; '.join(failed[:3])})" if failed else "")
-            await asyncio.to_thread(self._record_states, job_id, states, (state, words), [], now)
+            # the GPUs were free when JobSet said so, not when this pass saw it (the
+            # service may have been down meanwhile)
+            at = await asyncio.to_thread(self._seen_late, job, jobset_ended_at(jobset), now)
+            await asyncio.to_thread(self._record_states, job_id, states, (state, words), [], now, at)
             return
         if workload is not None and workload.get("spec", {}).get("active") is False:
             # an admin deactivated it, or Kueue did (requeued too often): it will not run
@@ -385,7 +394,9 @@ class KueueJobBackend(KubeJobBackend):
             if job.state != "Queued":  # evicted: preempted, or its pods never got ready
                 why = waiting_words(workload)
                 log.info("Job %s/%s evicted by Kueue: %s", job.user, job.name, why)
-                await asyncio.to_thread(self.store.requeue, job_id, why)
+                evicted = condition(workload, "Evicted") or {}
+                at = await asyncio.to_thread(self._seen_late, job, evicted.get("lastTransitionTime"), now)
+                await asyncio.to_thread(self.store.requeue, job_id, why, at)
             elif job.reason != (why := self._waiting_words(ns, workload)):
                 await asyncio.to_thread(self.store.note_queued, job_id, why)
             return
@@ -401,6 +412,17 @@ class KueueJobBackend(KubeJobBackend):
                 return
             log.info("Job %s/%s admitted by Kueue (%d GPUs)", job.user, job.name, spec.total_gpus)
         await asyncio.to_thread(self._record_states, job_id, states, None, [], now)
+
+    def _seen_late(self, job, stamp: str | None, now: float) -> float:
+        """When something Kubernetes stamped happened to ``job`` (a condition's
+        ``lastTransitionTime``), for closing its allocation then: never later than ``now``,
+        never before the allocation opened; ``now`` where there is no readable time."""
+        at = _when(stamp)
+        if at is None:
+            return now
+        at = min(at, now)
+        allocation = self.ledger.get(job.allocation_id) if job.allocation_id else None
+        return max(at, allocation.started_at) if allocation is not None else at
 
     def _waiting_words(self, ns: str, workload: dict | None) -> str:
         want = KueueMirror._instances.get(asyncio.get_running_loop())

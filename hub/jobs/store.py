@@ -196,9 +196,10 @@ class JobStore:
             job.reason = reason[:1000]
         return True
 
-    def requeue(self, job_id: str, reason: str) -> bool:
+    def requeue(self, job_id: str, reason: str, at: float | None = None) -> bool:
         """A preempted job back to Queued: its replicas Pending (their restarts kept), its
-        GPUs released in the same commit. False when it was not active."""
+        GPUs released in the same commit (``at``: when it was preempted; default now). False
+        when it was not active."""
         with self.ledger.Session.begin() as s:
             job, reps = self.load(s, job_id)
             if job is None or job.state in FINAL:
@@ -210,7 +211,7 @@ class JobStore:
                 r.state, r.reason, r.pid, r.pid_started, r.exit_code = (
                     "Pending", "preempted: waits with its job", 0, 0.0, None)
             if alloc:
-                self.ledger.release(alloc, "job preempted", session=s)
+                self.ledger.release(alloc, "job preempted", now=at, session=s)
         return True
 
     def remove(self, job_id: str) -> None:
@@ -219,17 +220,19 @@ class JobStore:
             s.execute(delete(ReplicaRow).where(ReplicaRow.job_id == job_id))
             s.execute(delete(JobRow).where(JobRow.id == job_id))
 
-    def finish(self, job_id: str, state: str, reason: str) -> bool:
+    def finish(self, job_id: str, state: str, reason: str, at: float | None = None) -> bool:
         """The job final, its live replicas stopped and its GPUs released, in one commit:
-        nobody sees a finished job that still holds GPUs. False when it was already final."""
+        nobody sees a finished job that still holds GPUs. ``at``: when it ended (default now;
+        earlier for an end seen late, e.g. by a service that was down). False when it was
+        already final."""
         with self.ledger.Session.begin() as s:
             job, reps = self.load(s, job_id)
             if job is None or job.state in FINAL:
                 return False
-            job.state, job.reason, job.finished_at = state, reason, time.time()
+            job.state, job.reason, job.finished_at = state, reason, time.time() if at is None else at
             for r in reps:
                 if r.state in LIVE_REPLICA_STATES:
                     r.state, r.reason = "Stopped", "stopped with the job"
             if job.allocation_id:
-                self.ledger.release(job.allocation_id, f"job {state.lower()}", session=s)
+                self.ledger.release(job.allocation_id, f"job {state.lower()}", now=at, session=s)
         return True

@@ -4,6 +4,7 @@ once, and the ledger adopting what Kueue admitted. (Against the real Kueue and J
 tests/cluster/test_queueing.py.)"""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from traitlets.config import Config
@@ -361,3 +362,53 @@ async def test_a_restart_stays_counted_when_the_failed_pod_is_gone(following):
     b._jobsets_r.resources["gpulab-ann/j"] = _js("j", "u1", cond("Completed", "True"))
     await b.reconcile()
     assert [r["restarts"] for r in b.get("ann", "j")["replicas"]] == [0, 1]
+
+
+async def test_an_end_seen_late_counts_the_gpus_until_kubernetes_end_only(following):
+    """A service that was down sees an eviction and an end late: the allocations close at
+    the times Kubernetes stamped (the GPU-hours stop there), never before they opened nor in
+    the future."""
+    b = following
+    b._jobsets_r.resources["gpulab-ann/j"] = _js("j", "u1")
+    b._workloads_r.resources["gpulab-ann/w"] = _wl("u1", cond(
+        "Admitted", "True", lastTransitionTime="2026-01-01T00:00:10Z"))
+    await b.reconcile()
+    (first,) = b.ledger.open_allocations()
+    b._workloads_r.resources["gpulab-ann/w"] = _wl("u1", cond("Admitted", "True"), cond(
+        "Evicted", "True", reason="Preempted", lastTransitionTime="2026-01-01T01:00:10Z"))
+    await b.reconcile()
+    assert b.ledger.get(first.id).ended_at == 1767229210.0  # one hour after admission
+
+    b._workloads_r.resources["gpulab-ann/w"] = _wl("u1", cond(
+        "Admitted", "True", lastTransitionTime="2026-01-01T02:00:00Z"))
+    await b.reconcile()
+    (second,) = b.ledger.open_allocations()
+    assert second.started_at == 1767232800.0
+    b._jobsets_r.resources["gpulab-ann/j"] = _js("j", "u1", cond(
+        "Completed", "True", lastTransitionTime="2026-01-01T02:30:00Z"))
+    await b.reconcile()
+    assert b.get("ann", "j")["state"] == "Succeeded"
+    assert b.ledger.get(second.id).ended_at == 1767234600.0
+    hours = sum((a.ended_at - a.started_at) * a.gpus for a in (b.ledger.get(first.id), b.ledger.get(second.id)))
+    assert hours / 3600 == 3.0  # 2 GPUs for one hour, then for half an hour
+
+
+async def test_a_stamp_out_of_bounds_is_clamped(following):
+    """A condition time before the allocation opened (clock skew) or in the future closes it
+    when it opened, or now."""
+    b = following
+    b._jobsets_r.resources["gpulab-ann/j"] = _js("j", "u1")
+    b._workloads_r.resources["gpulab-ann/w"] = _wl("u1", cond(
+        "Admitted", "True", lastTransitionTime="2026-01-01T00:00:10Z"))
+    await b.reconcile()
+    (a,) = b.ledger.open_allocations()
+    b._jobsets_r.resources["gpulab-ann/j"] = _js("j", "u1", cond(
+        "Failed", "True", message="boom", lastTransitionTime="2025-12-31T00:00:00Z"))
+    await b.reconcile()
+    assert b.ledger.get(a.id).ended_at == a.started_at
+    job, _ = b.store.read("id1")
+    assert job.finished_at == a.started_at
+    unheld = SimpleNamespace(allocation_id=None)
+    assert b._seen_late(unheld, "2999-01-01T00:00:00Z", 1000.0) == 1000.0
+    assert b._seen_late(unheld, "not a time", 1234.5) == 1234.5
+    assert b._seen_late(unheld, None, 1234.5) == 1234.5
