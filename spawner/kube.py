@@ -248,6 +248,28 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         Example: ``c.KubeGPUSpawner.kueue_gpus = 16``""",
     ).tag(config=True)
 
+    kueue_gpu_models = Bool(
+        False,
+        help="""With ``kueue``: split the pool by GPU model (the nodes' label
+        ``nvidia.com/gpu.product``), one ResourceFlavor per model, so that work asking for a
+        model (a profile's or a job's node selector) is admitted only when that model's GPUs
+        are free, and work asking for none is placed on a model that has them; a person's
+        quota then counts the GPUs of every model together as ``gpulab.io/gpus``. Needs this
+        entry in Kueue's configuration (``resources.transformations``)::
+
+            - input: nvidia.com/gpu
+              strategy: Retain
+              outputs: {gpulab.io/gpus: "1"}
+
+        which applies to every workload of the cluster: only for a Kueue that admits
+        gpulab's work alone (another team's ClusterQueues would have to cover
+        ``gpulab.io/gpus`` too). Without it the quota holds per model only. Ignored with
+        ``kueue_gpus`` (a count of any model). Default False: one pool of any model, where
+        work for a model whose nodes are full may be admitted and wait for them.
+        The gpulab service's ``c.KubeJobBackend.kueue_gpu_models`` takes this unless set
+        there. Example: ``c.KubeGPUSpawner.kueue_gpu_models = True``""",
+    ).tag(config=True)
+
     @default("enable_user_namespaces")
     def _enable_user_namespaces_default(self):
         return True
@@ -421,7 +443,8 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         return KueueMirror.for_loop(
             ledger, shared_client("CustomObjectsApi"), self.api,
             interval=self.gpu_quota_sync_interval, log=self.log,
-            request_timeout=self.k8s_api_request_timeout, pool=self.kueue_gpus)
+            request_timeout=self.k8s_api_request_timeout, pool=self.kueue_gpus,
+            by_model=self.kueue_gpu_models)
 
     async def _kueue_record_gpus(self) -> None:
         """The pod runs: Kueue admitted it. Its GPUs in the ledger (as any server's)."""

@@ -8,11 +8,13 @@ notebooks hold, the budgets used) and applies, by server-side apply, only the ob
 people whose figures changed (no API request otherwise). The objects are
 `gpulab.spawner.kueueobjects`'s:
 
-- the ResourceFlavors of GPUs (any model) and of CPU and memory and preemptible work's
-  WorkloadPriorityClass (once per process), and the root cohort holding the pool: the
-  operator's ``pool`` (``kueue_gpus``), else the GPUs of the cluster's Ready, schedulable nodes
-  (their allocatable ``nvidia.com/gpu``, listed at most every ``capacity_seconds``), applied
-  again when that changes;
+- the ResourceFlavors of GPUs (any model; with ``by_model``, one per model, by the nodes'
+  ``nvidia.com/gpu.product``, and the quota's), of CPU and memory, and preemptible work's
+  WorkloadPriorityClass, and the root cohort holding the pool: the operator's ``pool``
+  (``kueue_gpus``: a count of any model), else the GPUs of the cluster's Ready, schedulable
+  nodes (their allocatable ``nvidia.com/gpu``, per model with ``by_model``, listed at most
+  every ``capacity_seconds``), applied again when that changes (everyone's queues too when
+  the models change);
 - per person, the cohort of the group their quota comes from, their two ClusterQueues and two
   LocalQueues.
 
@@ -40,15 +42,19 @@ from gpulab.hub.quota.ledger import Ledger
 from gpulab.hub.quota.policy import Quota
 
 from .kueueobjects import (
+    QUOTA_FLAVOR,
+    gpu_models,
     make_cluster_queues,
     make_cohorts,
     make_default_flavor,
     make_gpu_flavor,
     make_local_queues,
     make_priority_class,
+    make_quota_flavor,
+    split_by_model,
 )
 from .namespaces import APPLY, FIELD_MANAGER, LedgerMirror, api_message, effective_quota_of
-from .profiles import GPU_RESOURCE
+from .profiles import GPU_MODEL_LABEL, GPU_RESOURCE
 
 KUEUE = ("kueue.x-k8s.io", "v1beta2")
 _PLURALS = {"ResourceFlavor": "resourceflavors", "WorkloadPriorityClass": "workloadpriorityclasses",
@@ -68,6 +74,18 @@ def node_gpus(node: dict) -> int:
         return max(0, int(node.get("status", {}).get("allocatable", {}).get(GPU_RESOURCE, 0)))
     except (TypeError, ValueError):
         return 0
+
+
+def pool_of(nodes: list[dict]) -> dict[str | None, int]:
+    """The GPUs ``nodes`` give the pool, per model (their ``nvidia.com/gpu.product`` label;
+    None for GPU nodes without one)."""
+    pool: dict[str | None, int] = {}
+    for node in nodes:
+        gpus = node_gpus(node)
+        if gpus:
+            model = (node.get("metadata", {}).get("labels") or {}).get(GPU_MODEL_LABEL) or None
+            pool[model] = pool.get(model, 0) + gpus
+    return pool
 
 
 @dataclass(frozen=True)
@@ -97,12 +115,14 @@ class KueueMirror(LedgerMirror):
 
     def __init__(self, ledger: Ledger, custom, core, *, interval: float, log: logging.Logger,
                  request_timeout: float = 30.0, capacity_seconds: float = 30.0,
-                 pool: int | None = None):
+                 pool: int | None = None, by_model: bool = False):
         self.ledger, self.custom, self.core, self.interval, self.log = (
             ledger, custom, core, interval, log)
         self.pool = pool  # the operator's fixed pool; None: the nodes' GPUs
+        self.by_model = by_model  # the nodes' GPUs per model (``kueue_gpu_models``)
         self.request_timeout, self.capacity_seconds = request_timeout, capacity_seconds
-        self.capacity: int | None = None  # the pool as last applied
+        self.capacity: dict[str | None, int] | None = None  # the pool as last applied, per model
+        self._flavors: set[str | None] = set()  # the GPU models whose flavors were applied
         self._capacity_read = -math.inf
         self.users: dict[str, tuple[str, tuple[str, ...], str]] = {}  # ns -> user, groups, label
         self.applied: dict[str, Wanted] = {}
@@ -114,7 +134,8 @@ class KueueMirror(LedgerMirror):
     def for_loop(cls, ledger: Ledger, custom, core, **kwargs) -> KueueMirror:
         loop = asyncio.get_running_loop()
         mirror = cls._instances.get(loop)
-        if mirror is None or mirror.ledger is not ledger or mirror.pool != kwargs.get("pool"):
+        if (mirror is None or mirror.ledger is not ledger or mirror.pool != kwargs.get("pool")
+                or mirror.by_model != kwargs.get("by_model", False)):
             if mirror is not None and mirror._task is not None:
                 mirror._task.cancel()
             mirror = cls._instances[loop] = cls(ledger, custom, core, **kwargs)
@@ -122,10 +143,11 @@ class KueueMirror(LedgerMirror):
 
     async def sync_capacity(self, force: bool = False) -> None:
         """The pool (the root cohort): the operator's ``pool``, else the cluster's schedulable
-        GPUs, read at most every ``capacity_seconds`` (one node list); applied when it
-        changed (the first time with the flavors and the priority class)."""
+        GPUs (per model with ``by_model``), read at most every ``capacity_seconds`` (one node
+        list); applied when it changed (the first time with the flavors and the priority
+        class; a new model's flavor before the cohort names it)."""
         if self.pool is not None:
-            gpus = self.pool
+            capacity: dict[str | None, int] = {None: self.pool}
         elif not force and time.monotonic() - self._capacity_read < self.capacity_seconds:
             return
         else:
@@ -134,15 +156,25 @@ class KueueMirror(LedgerMirror):
             self.requests += 1
             nodes = json.loads(await resp.read())["items"]
             self._capacity_read = time.monotonic()
-            gpus = sum(node_gpus(n) for n in nodes)
-        if gpus != self.capacity:
-            objects = [] if self._shared_done else [
-                make_gpu_flavor(None), make_default_flavor(), make_priority_class()]
-            for obj in objects + make_cohorts(None, gpus):
-                await self._apply_object(obj)
-            self._shared_done = True
-            self.log.info("Kueue's GPU pool (cohort gpulab): %d GPUs", gpus)
-            self.capacity = gpus
+            capacity = pool_of(nodes) if self.by_model else {None: sum(node_gpus(n) for n in nodes)}
+        if capacity == self.capacity:
+            return
+        models = gpu_models(capacity)
+        objects = [] if self._shared_done else [make_default_flavor(), make_priority_class()]
+        if split_by_model(models) and QUOTA_FLAVOR not in self._flavors:
+            objects.append(make_quota_flavor())
+        objects += [make_gpu_flavor(m) for m in models if m not in self._flavors]
+        for obj in objects + make_cohorts(None, capacity):  # flavors before the cohort
+            await self._apply_object(obj)
+        self._shared_done = True
+        self._flavors.update(models)
+        if split_by_model(models):
+            self._flavors.add(QUOTA_FLAVOR)
+        if self.capacity is not None and models != gpu_models(self.capacity):
+            self.applied.clear()  # every person's queues list the models' flavors again
+        self.log.info("Kueue's GPU pool (cohort gpulab): %s", ", ".join(
+            f"{n} {m} GPUs" if m else f"{n} GPUs" for m, n in capacity.items()) or "no GPUs")
+        self.capacity = capacity
 
     async def register(self, namespace: str, user: str, groups: tuple[str, ...],
                        label: str) -> None:
@@ -192,7 +224,7 @@ class KueueMirror(LedgerMirror):
         objects: list[dict] = make_cohorts(want.group)[1:]  # the group's, below the root
         objects += make_cluster_queues(namespace=namespace, user_label=label,
                                        max_gpus=want.max_gpus, group=want.group,
-                                       hold=want.hold)
+                                       hold=want.hold, models=gpu_models(self.capacity))
         if namespace not in self.applied:
             objects += make_local_queues(namespace=namespace, user_label=label)
         for obj in objects:  # in order: flavors and cohorts before the queues naming them

@@ -7,11 +7,18 @@ lets Kueue decide who runs when. The objects below say a person's quota as Kueue
 be kept current from the ledger by server-side apply (as the ResourceQuota mirror of
 `gpulab.spawner.namespaces` is):
 
-- `make_gpu_flavor`: the ResourceFlavor of GPUs (``gpulab-gpu``: any model, as gpulab's quota
-  counts GPUs of every model together; each pod's own node selector picks its model);
-  `make_default_flavor` for CPU and memory.
+- `make_gpu_flavor`: the ResourceFlavor of GPUs, ``gpulab-gpu`` (any model: gpulab's quota
+  counts GPUs of every model together; each pod's own node selector picks its model).
+  With the pool split by model (``kueue_gpu_models``), one flavor per model instead
+  (``gpulab-gpu-<model>``, selecting the nodes labelled ``nvidia.com/gpu.product=<model>``;
+  ``gpulab-gpu`` for GPU nodes that say no model), so that Kueue admits work for a model only
+  when that model's GPUs are free and puts it on those nodes; the quota, which no per-model
+  limit can say, is then `QUOTA_RESOURCE` (flavor `make_quota_flavor`), the GPUs of every
+  model together, which `GPU_QUOTA_TRANSFORMATION` in Kueue's configuration makes every
+  ``nvidia.com/gpu`` a pod asks for count as too. `make_default_flavor`: CPU and memory.
 - `make_cohorts`: the root cohort ``gpulab``, which holds the pool: the cluster's GPUs
-  (counted from its nodes), and, for a group, a cohort of its own below it. A person's
+  (counted from its nodes; per model and their sum as `QUOTA_RESOURCE` when split), and, for
+  a group, a cohort of its own below it. A person's
   ClusterQueues sit in the cohort of the group their quota comes from (the root one when it
   is their own or the default quota); their preemptible ClusterQueue sits right below the
   root whatever their group.
@@ -21,8 +28,9 @@ be kept current from the ledger by server-side apply (as the ResourceQuota mirro
   so Kueue never admits more GPUs than the cluster has, however the quotas add up.
 
   - ``<namespace>`` (in-quota work): borrows up to the person's GPU quota
-    (``borrowingLimit``). With ``hold`` (a GPU-hour budget used up) it admits nothing new
-    (``stopPolicy: Hold``) while what runs goes on. When the pool is full, its work waits
+    (``borrowingLimit``; split by model, of `QUOTA_RESOURCE` and of each model's GPUs, so the
+    quota still holds per model where Kueue's configuration lacks the transformation). With
+    ``hold`` (a GPU-hour budget used up) it admits nothing new (``stopPolicy: Hold``) while what runs goes on. When the pool is full, its work waits
     for GPUs to come back, taking back those lent to preemptible work first; fair sharing
     decides whose waiting work is admitted first.
   - ``<namespace>.preemptible``: borrows without a limit, with fair-sharing weight 0: its
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .kubeobjects import MANAGED_BY, USER_LABEL
@@ -69,6 +78,15 @@ PREEMPTIBLE_PRIORITY = -1000
 #: resource a queue covers): enough never to be what limits anyone, GPUs do
 POOL_CPU = "100000"
 POOL_MEMORY = "10000Ti"
+#: the GPUs of every model together, as gpulab's quota counts them: Kueue's configuration
+#: turns each ``nvidia.com/gpu`` a workload asks for into one of these too
+#: (`GPU_QUOTA_TRANSFORMATION`), and a person's ClusterQueue may borrow their quota of it
+QUOTA_RESOURCE = "gpulab.io/gpus"
+QUOTA_FLAVOR = "gpulab-quota"
+#: the entry of Kueue's Configuration (``resources.transformations``) that makes
+#: `QUOTA_RESOURCE` count the GPUs workloads ask for (``Retain``: nvidia.com/gpu is still
+#: assigned a model's flavor)
+GPU_QUOTA_TRANSFORMATION = {"input": GPU_RESOURCE, "strategy": "Retain", "outputs": {QUOTA_RESOURCE: "1"}}
 
 
 def _slug(text: str, room: int) -> str:
@@ -93,6 +111,27 @@ def make_gpu_flavor(model: str | None) -> dict:
             "spec": spec}
 
 
+def make_quota_flavor() -> dict:
+    """The flavor of `QUOTA_RESOURCE` (no node labels: it places nothing)."""
+    return {"apiVersion": KUEUE_API, "kind": "ResourceFlavor",
+            "metadata": {"name": QUOTA_FLAVOR, "labels": dict(MANAGED_BY)}, "spec": {}}
+
+
+def split_by_model(models: Sequence[str | None]) -> bool:
+    """Whether a pool of these models is split by model (then queues also cover
+    `QUOTA_RESOURCE`, the GPUs of every model together)."""
+    return any(m is not None for m in models)
+
+
+def gpu_models(capacity: Mapping[str | None, int] | int | None) -> list[str | None]:
+    """The models of a pool (a count per model, or one count of any model), in the order
+    queues list their flavors: named models by name, then GPUs of no known model."""
+    if capacity is None or isinstance(capacity, int):
+        return [None]
+    named = sorted(m for m in capacity if m is not None)
+    return [*named, *([None] if None in capacity or not named else [])]
+
+
 def make_default_flavor() -> dict:
     return {"apiVersion": KUEUE_API, "kind": "ResourceFlavor",
             "metadata": {"name": DEFAULT_FLAVOR, "labels": dict(MANAGED_BY)}, "spec": {}}
@@ -112,17 +151,25 @@ def cohort_name(group: str | None) -> str:
     return ROOT_COHORT if group is None else f"gpulab-group-{_slug(group, 50)}"
 
 
-def make_cohorts(group: str | None, capacity: int | None = None) -> list[dict]:
+def make_cohorts(group: str | None, capacity: Mapping[str | None, int] | int | None = None) -> list[dict]:
     """The cohorts a person's queues need: the root, and their group's below it. With
-    ``capacity`` (the cluster's GPUs), the root holds the whole pool: the GPUs of every model
-    (flavor ``gpulab-gpu``) and `POOL_CPU` CPUs and `POOL_MEMORY` of memory, which every
-    person's queues borrow from, each up to their quota."""
+    ``capacity`` (the cluster's GPUs: a count per model, None for GPUs of no known model; or
+    one count of any model), the root holds the whole pool: each model's GPUs in its flavor,
+    their sum as `QUOTA_RESOURCE`, and `POOL_CPU` CPUs and `POOL_MEMORY` of memory, which
+    every person's queues borrow from, each up to their quota."""
     spec: dict[str, Any] = {}
     if capacity is not None:
+        counts = {None: capacity} if isinstance(capacity, int) else dict(capacity) or {None: 0}
+        total = sum(int(_count("capacity", n)) for n in counts.values())
+        models = gpu_models(counts)
         spec["resourceGroups"] = [
             {"coveredResources": [GPU_RESOURCE],
-             "flavors": [{"name": gpu_flavor_name(None), "resources": [
-                 {"name": GPU_RESOURCE, "nominalQuota": _count("capacity", capacity)}]}]},
+             "flavors": [{"name": gpu_flavor_name(m), "resources": [
+                 {"name": GPU_RESOURCE, "nominalQuota": _count("capacity", counts.get(m, 0))}]}
+                 for m in models]},
+            *([{"coveredResources": [QUOTA_RESOURCE],
+                "flavors": [{"name": QUOTA_FLAVOR, "resources": [
+                    {"name": QUOTA_RESOURCE, "nominalQuota": str(total)}]}]}] if split_by_model(models) else []),
             {"coveredResources": ["cpu", "memory"],
              "flavors": [{"name": DEFAULT_FLAVOR, "resources": [
                  {"name": "cpu", "nominalQuota": POOL_CPU},
@@ -144,15 +191,20 @@ def _count(name: str, value: Any) -> str:
 
 
 def make_cluster_queues(*, namespace: str, user_label: str, max_gpus: int | None,
-                        group: str | None = None, hold: bool = False) -> list[dict]:
+                        group: str | None = None, hold: bool = False,
+                        models: Sequence[str | None] = (None,)) -> list[dict]:
     """``[in-quota, preemptible]``: the person's two ClusterQueues (see the module).
-    ``max_gpus`` None: no quota (borrowing up to the whole pool)."""
+    ``max_gpus`` None: no quota (borrowing up to the whole pool). ``models``: the pool's
+    (`gpu_models`), whose flavors the queues list in that order."""
     limit = None if max_gpus is None else _count("max_gpus", max_gpus)
 
-    def queue(name: str, own: bool) -> dict:
-        gpu: dict[str, Any] = {"name": GPU_RESOURCE, "nominalQuota": "0"}
+    def borrowing(resource: str, own: bool) -> dict[str, Any]:
+        r: dict[str, Any] = {"name": resource, "nominalQuota": "0"}
         if own and limit is not None:
-            gpu["borrowingLimit"] = limit
+            r["borrowingLimit"] = limit
+        return r
+
+    def queue(name: str, own: bool) -> dict:
         spec: dict[str, Any] = {
             "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
             # the preemptible queue right below the root, whatever the group: fair sharing
@@ -163,7 +215,11 @@ def make_cluster_queues(*, namespace: str, user_label: str, max_gpus: int | None
             "queueingStrategy": "BestEffortFIFO",
             "resourceGroups": [
                 {"coveredResources": [GPU_RESOURCE],
-                 "flavors": [{"name": gpu_flavor_name(None), "resources": [gpu]}]},
+                 "flavors": [{"name": gpu_flavor_name(m), "resources": [borrowing(GPU_RESOURCE, own)]}
+                             for m in models]},
+                *([{"coveredResources": [QUOTA_RESOURCE],
+                    "flavors": [{"name": QUOTA_FLAVOR, "resources": [borrowing(QUOTA_RESOURCE, own)]}]}]
+                  if split_by_model(models) else []),
                 {"coveredResources": ["cpu", "memory"],
                  "flavors": [{"name": DEFAULT_FLAVOR,
                               "resources": [{"name": "cpu", "nominalQuota": "0"},
@@ -217,16 +273,31 @@ def workload_admitted(workload: dict | None) -> bool:
 
 
 def workload_wait_reason(workload: dict | None) -> str:
-    """Why Kueue has not admitted the work (Kueue's own words where it gave some)."""
+    """Why Kueue has not admitted the work (Kueue's own words where it gave some, with
+    gpulab's resource and flavor names said plainly: `kueue_words`)."""
     if workload is None:
         return "the cluster's queue has not taken it in yet"
     evicted = condition(workload, "Evicted")
     if evicted:
-        return evicted.get("message") or evicted.get("reason") or "evicted"
+        return kueue_words(evicted.get("message") or evicted.get("reason") or "evicted")
     pending = condition(workload, "QuotaReserved", "False")
     if pending and pending.get("message"):
-        return pending["message"]
+        return kueue_words(pending["message"])
     return "waiting for quota"
+
+
+_OTHER_MODEL = re.compile(r"(, )?flavor gpulab-gpu\S* doesn't match node affinity")
+_MODEL_FLAVOR = re.compile(r"nvidia\.com/gpu in flavor gpulab-gpu-([a-z0-9-]+?)(?:-[0-9a-f]{8})?(?=[,;\s]|$)")
+
+
+def kueue_words(message: str) -> str:
+    """Kueue's message about gpulab's queues with its names said plainly: the quota's
+    resource as the person's GPU quota, a model's flavor as that model's GPUs; the flavors of
+    the models the work did not ask for are left out."""
+    out = _OTHER_MODEL.sub("", message).replace(": , ", ": ")
+    out = out.replace(f"{QUOTA_RESOURCE} in flavor {QUOTA_FLAVOR}", "your GPU quota (GPUs of every model)")
+    out = _MODEL_FLAVOR.sub(lambda m: f"{m.group(1)} GPUs", out)
+    return out.replace(f"{GPU_RESOURCE} in flavor {gpu_flavor_name(None)}", "GPUs")
 
 
 def pending_position(workloads: list[dict], mine: dict | None) -> int | None:

@@ -233,6 +233,7 @@ SHARED_WITH_SPAWNER = {"namespace_template": "user_namespace_template",
                        "server_port": "port", "server_component": "component_label",
                        "gpu_quota_sync_interval": "gpu_quota_sync_interval",
                        "kueue": "kueue", "kueue_gpus": "kueue_gpus",
+                       "kueue_gpu_models": "kueue_gpu_models",
                        "node_selector": "node_selector", "tolerations": "tolerations"}
 #: the environment variable the gpulab service falls back to for these settings when its
 #: config file has no ``GpulabService.kube_jobs`` (the hub writes them there)
@@ -358,6 +359,11 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         root cohort ``gpulab``); None (default): all GPUs of the schedulable nodes. Taken from
         ``c.KubeGPUSpawner.kueue_gpus`` unless set here (both must agree).
         Example: ``c.KubeJobBackend.kueue_gpus = 16``""").tag(config=True)
+    kueue_gpu_models = Bool(False, help="""
+        With ``kueue``: the pool split by GPU model, the quota counted as ``gpulab.io/gpus``
+        (needs Kueue's resource transformation: see ``c.KubeGPUSpawner.kueue_gpu_models``).
+        Default False. Taken from ``c.KubeGPUSpawner.kueue_gpu_models`` unless set here (both
+        must agree). Example: ``c.KubeJobBackend.kueue_gpu_models = True``""").tag(config=True)
     progress_cache_seconds = Float(5.0, help="""
         Seconds a job's progress, read from its lead replica's log when someone looks at the
         job, is reused (default 5): one log request per watched job and period, none for jobs

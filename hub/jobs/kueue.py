@@ -222,7 +222,8 @@ class KueueJobBackend(KubeJobBackend):
         return KueueMirror.for_loop(
             self.ledger, self.custom, self.core, interval=self.gpu_quota_sync_interval,
             log=log, request_timeout=self.request_timeout,
-            capacity_seconds=self.node_cache_seconds, pool=self.kueue_gpus)
+            capacity_seconds=self.node_cache_seconds, pool=self.kueue_gpus,
+            by_model=self.kueue_gpu_models)
 
     async def _ensure_namespace(self, user: str, groups: tuple[str, ...]) -> str:
         """The namespace (no GPU ResourceQuota), then the person's Kueue objects, applied

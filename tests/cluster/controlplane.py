@@ -406,6 +406,9 @@ class ControlPlane:
         Also run Kueue v0.17.0 and JobSet v0.11.1 (``queueing.py`` says how: CRDs, RBAC, loopback
         webhooks, Kueue's configuration). Off by default: it adds about 10-15 seconds to
         ``start()`` and needs ``bin/kueue``, ``bin/jobset`` and their manifests (build.sh).
+    kueue_settings
+        Top-level sections of Kueue's configuration that replace or add to
+        ``queueing.kueue_configuration``'s (an operator's choice, e.g. ``resources``).
     start_timeout
         Seconds ``start()`` may take before it fails with the components' log tails.
     keep_dir
@@ -421,6 +424,7 @@ class ControlPlane:
         kwok_enable_crds: Sequence[str] = (),
         kwok_args: Sequence[str] = (),
         queueing: bool = False,
+        kueue_settings: dict[str, Any] | None = None,
         start_timeout: float | None = None,
         keep_dir: bool | None = None,
     ):
@@ -430,6 +434,7 @@ class ControlPlane:
         self.kwok_enable_crds = list(kwok_enable_crds)
         self.kwok_args = list(kwok_args)
         self.queueing = queueing
+        self.kueue_settings = dict(kueue_settings or {})
         #: files and folders made outside self.dir (removed by stop)
         self._made_outside: list[Path] = []
         if start_timeout is None:

@@ -346,8 +346,10 @@ def start_queueing(cp: ControlPlane, deadline: float) -> None:
         cp._write(kubeconfig, yaml.safe_dump(kubeconfig_dict(
             server=cp.server, ca_pem=cp._ca_pem, user=user, cert_pem=crt, key_pem=key), sort_keys=False), 0o600)
         config = home / "config.yaml"
-        cp._write(config, yaml.safe_dump(builders[name](
-            webhook_port=ports[name][0], health_port=ports[name][1], cert_dir=str(certs)), sort_keys=False))
+        settings = builders[name](webhook_port=ports[name][0], health_port=ports[name][1], cert_dir=str(certs))
+        if name == "kueue":
+            settings.update(copy.deepcopy(cp.kueue_settings))  # the operator's own, on top
+        cp._write(config, yaml.safe_dump(settings, sort_keys=False))
         argv = [str(cp.bin_dir / name), f"--config={config}", "--zap-log-level=info"]
         if name == "jobset":
             argv.append("--metrics-bind-address=0")  # as the file says; explicit, the flag default is :8443

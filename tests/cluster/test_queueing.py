@@ -27,6 +27,8 @@ import uuid
 import pytest
 import yaml
 
+from gpulab.spawner.kueueobjects import QUOTA_RESOURCE
+
 from .conftest import _build
 from .controlplane import (
     DEFAULT_STAGES,
@@ -56,18 +58,25 @@ ADMISSION_GATE = "kueue.x-k8s.io/admission"
 WAIT = 60
 
 
-@pytest.fixture(scope="module")
-def cp(request, tmp_path_factory):
-    """A control plane of its own with Kueue and JobSet, whose pods run until deleted."""
+def queueing_plane(request, tmp_path_factory, **kwargs) -> ControlPlane:
+    """A started control plane of its own with Kueue and JobSet (``kwargs``: ControlPlane's),
+    whose pods run until deleted, or until a test ends a replica by annotating its pod
+    (``gpulab.test/exit``: 0, 1 or oom)."""
     _build(request.config)
     stages = [d for d in yaml.safe_load_all(DEFAULT_STAGES.read_text())
               if d and d["metadata"]["name"] != "pod-job-done"]
-    # a test ends a replica by annotating its pod (``gpulab.test/exit``: 0, 1 or oom)
     stages += [d for d in yaml.safe_load_all((HERE / "stages" / "job-exits.yaml").read_text()) if d]
     path = tmp_path_factory.mktemp("kwok") / "stages.yaml"
     path.write_text(yaml.safe_dump_all(stages))
-    plane = ControlPlane(queueing=True, kwok_stages=[path])
+    plane = ControlPlane(queueing=True, kwok_stages=[path], **kwargs)
     plane.start()
+    return plane
+
+
+@pytest.fixture(scope="module")
+def cp(request, tmp_path_factory):
+    """A control plane of its own with Kueue and JobSet, whose pods run until deleted."""
+    plane = queueing_plane(request, tmp_path_factory)
     print(f"control plane with Kueue and JobSet up in {plane.startup_seconds:.1f}s ({plane.dir})")
     plane.apply({
         "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": FLAVOR},
@@ -406,11 +415,11 @@ def gpulab_queues(cp, ns, user, max_gpus, pool):
     and Active."""
     from gpulab.spawner.kueueobjects import (
         make_cluster_queues, make_cohorts, make_default_flavor, make_gpu_flavor,
-        make_local_queues, make_priority_class)
+        make_local_queues, make_priority_class, make_quota_flavor)
 
     queues = make_cluster_queues(namespace=ns, user_label=user, max_gpus=max_gpus)
     locals_ = make_local_queues(namespace=ns, user_label=user)
-    cp.apply(make_gpu_flavor(None), make_default_flavor(), make_priority_class(),
+    cp.apply(make_gpu_flavor(None), make_quota_flavor(), make_default_flavor(), make_priority_class(),
              *make_cohorts(None, pool))
     cp.apply(*queues, *locals_)
     for q in queues:
@@ -543,7 +552,13 @@ def hub_kubeconfig(cp):
 
 
 @pytest.fixture
-async def kueue_backend(cp, hub_kubeconfig, tmp_path, monkeypatch):
+def kueue_backend_settings():
+    """Settings of ``kueue_backend`` beside its own (a module may override this)."""
+    return {}
+
+
+@pytest.fixture
+async def kueue_backend(cp, hub_kubeconfig, kueue_backend_settings, tmp_path, monkeypatch):
     """A KueueJobBackend as the hub's ServiceAccount (helm-values/rbac.yaml), with a real
     SQLite ledger."""
     from kubernetes_asyncio.config import kube_config
@@ -561,7 +576,7 @@ async def kueue_backend(cp, hub_kubeconfig, tmp_path, monkeypatch):
     ledger.migrate()
     b = backend_from_settings(ledger, json.dumps({
         "kueue": True, "gpu_model": "NVIDIA-H100", "reconcile_interval": 0.2,
-        "gpu_quota_sync_interval": 0.5}))
+        "gpu_quota_sync_interval": 0.5, **kueue_backend_settings}))
     b.ensure_supervisor()
     await b.start_watches()
     yield b
@@ -626,8 +641,9 @@ async def test_kueue_admits_gpulab_jobs_whole_and_the_ledger_follows(cp, kueue_b
         cq = cp.kubectl_json("get", "clusterqueue", ns)
         assert cq["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "gpulab"
         assert gpu_quota(cq) == "2"
-        # the pool: every GPU of the cluster's nodes (3 x 8 H100, 4 A10), lent up to quotas
-        assert pool_gpus(cp) == "28"
+        # the pool: every GPU of the cluster's nodes (3 x 8 H100, 4 A10), of any model (by
+        # default: test_queueing_models.py splits it), lent up to quotas
+        assert pool_gpus(cp) == {"gpulab-gpu": "28"}
         assert "resourcequota" not in cp.kubectl("get", "resourcequota", "-n", ns, "-o", "name").stdout
         js = cp.kubectl_json("get", "jobset", "first", "-n", ns)
         assert js["metadata"]["labels"][QUEUE_NAME_LABEL] == "gpulab"
@@ -681,15 +697,27 @@ async def test_kueue_admits_gpulab_jobs_whole_and_the_ledger_follows(cp, kueue_b
 
 
 def gpu_quota(cq):
-    """A person's GPU quota in their in-quota ClusterQueue: what it may borrow of the pool."""
-    (flavor,) = cq["spec"]["resourceGroups"][0]["flavors"]
-    return next(r.get("borrowingLimit") for r in flavor["resources"] if r["name"] == GPU_RESOURCE)
+    """A person's GPU quota in their in-quota ClusterQueue: what it may borrow of the pool's
+    GPUs of any model (the quota's resource where the pool is split by model)."""
+    groups = {tuple(g["coveredResources"]): g for g in cq["spec"]["resourceGroups"]}
+    resource = QUOTA_RESOURCE if (QUOTA_RESOURCE,) in groups else GPU_RESOURCE
+    (flavor,) = groups[(resource,)]["flavors"]
+    return next(r.get("borrowingLimit") for r in flavor["resources"] if r["name"] == resource)
 
 
 def pool_gpus(cp):
-    """The GPUs of the pool (the root cohort gpulab)."""
-    (flavor,) = cp.kubectl_json("get", "cohort", "gpulab")["spec"]["resourceGroups"][0]["flavors"]
-    return next(r["nominalQuota"] for r in flavor["resources"] if r["name"] == GPU_RESOURCE)
+    """The GPUs of the pool (the root cohort gpulab): ``{flavor: count}`` per model, and
+    their sum under ``"total"``."""
+    groups = cp.kubectl_json("get", "cohort", "gpulab")["spec"]["resourceGroups"]
+    out = {}
+    for g in groups:
+        for f in g["flavors"]:
+            for r in f["resources"]:
+                if r["name"] == GPU_RESOURCE:
+                    out[f["name"]] = r["nominalQuota"]
+                elif r["name"] == QUOTA_RESOURCE:
+                    out["total"] = r["nominalQuota"]
+    return out
 
 
 async def test_a_used_up_budget_holds_admissions_and_a_restarted_service_loses_nothing(

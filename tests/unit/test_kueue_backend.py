@@ -205,34 +205,71 @@ class _Custom:
 
 async def test_the_mirror_applies_the_pool_when_it_changes_and_an_operators_pool_as_it_is(
         tmp_path):
+    """One pool of any model by default. Split by model: a flavor each (the nodes' product
+    label) and their sum as the quota's resource; applied again when the nodes change; a new
+    model re-applies everyone's queues (they list the models' flavors). An operator's fixed
+    pool is one count of any model, and no node is listed for it."""
     import logging
+
+    from gpulab.spawner.kueueobjects import QUOTA_RESOURCE, gpu_flavor_name
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'l.sqlite'}", pool="kubernetes")
     ledger.migrate()
-    gpu = {"status": {"allocatable": {"nvidia.com/gpu": "8"},
-                      "conditions": [{"type": "Ready", "status": "True"}]}}
-    core, custom = _Core([gpu, gpu]), _Custom()
-    m = KueueMirror(ledger, custom, core, interval=60, log=logging.getLogger("t"),
-                    capacity_seconds=0)
+
+    def gpu_node(gpus, model="NVIDIA-H100"):
+        return {"metadata": {"labels": {"nvidia.com/gpu.product": model} if model else {}},
+                "status": {"allocatable": {"nvidia.com/gpu": gpus},
+                           "conditions": [{"type": "Ready", "status": "True"}]}}
+
+    h100 = gpu_flavor_name("NVIDIA-H100")
+    # one pool of any model (the default)
+    core, custom = _Core([gpu_node("8"), gpu_node("4", "NVIDIA-A10")]), _Custom()
+    m = KueueMirror(ledger, custom, core, interval=60, log=logging.getLogger("t"), capacity_seconds=0)
     await m.sync_capacity()
     assert [(p, n) for p, n, _ in custom.applied] == [
-        ("resourceflavors", "gpulab-gpu"), ("resourceflavors", "gpulab-default"),
-        ("workloadpriorityclasses", "gpulab-preemptible"), ("cohorts", "gpulab")]
-    pool = custom.applied[-1][2]["spec"]["resourceGroups"][0]["flavors"][0]["resources"][0]
-    assert pool["nominalQuota"] == "16"
+        ("resourceflavors", "gpulab-default"), ("workloadpriorityclasses", "gpulab-preemptible"),
+        ("resourceflavors", "gpulab-gpu"), ("cohorts", "gpulab")]
+    assert m.capacity == {None: 12}
+    gpus, _ = custom.applied[-1][2]["spec"]["resourceGroups"]
+    assert gpus["flavors"] == [{"name": "gpulab-gpu", "resources": [{"name": "nvidia.com/gpu", "nominalQuota": "12"}]}]
+
+    # split by model
+    core, custom = _Core([gpu_node("8"), gpu_node("8")]), _Custom()
+    m = KueueMirror(ledger, custom, core, interval=60, log=logging.getLogger("t"),
+                    capacity_seconds=0, by_model=True)
+    await m.sync_capacity()
+    assert [(p, n) for p, n, _ in custom.applied] == [
+        ("resourceflavors", "gpulab-default"), ("workloadpriorityclasses", "gpulab-preemptible"),
+        ("resourceflavors", "gpulab-quota"), ("resourceflavors", h100), ("cohorts", "gpulab")]
+    gpus, quota, _ = custom.applied[-1][2]["spec"]["resourceGroups"]
+    assert gpus["flavors"] == [{"name": h100, "resources": [{"name": "nvidia.com/gpu", "nominalQuota": "16"}]}]
+    assert quota["flavors"] == [{"name": "gpulab-quota", "resources": [{"name": QUOTA_RESOURCE, "nominalQuota": "16"}]}]
     custom.applied.clear()
     await m.sync_capacity()  # the same nodes: nothing applied
     assert custom.applied == [] and core.lists == 2
-    core.nodes.append({"status": {"allocatable": {"nvidia.com/gpu": "4"},
-                                  "conditions": [{"type": "Ready", "status": "True"}]}})
+    core.nodes.append(gpu_node("4"))
+    m.applied["gpulab-ann"] = "what was applied"
     await m.sync_capacity()
     assert [(p, n) for p, n, _ in custom.applied] == [("cohorts", "gpulab")]
-    assert m.capacity == 20
+    assert m.capacity == {"NVIDIA-H100": 20} and m.applied  # the same models: queues as they are
+    custom.applied.clear()
+    core.nodes += [gpu_node("4", "NVIDIA-A10"), gpu_node("2", None)]
+    await m.sync_capacity()
+    a10 = gpu_flavor_name("NVIDIA-A10")
+    assert [(p, n) for p, n, _ in custom.applied] == [
+        ("resourceflavors", a10), ("resourceflavors", "gpulab-gpu"), ("cohorts", "gpulab")]
+    gpus, quota, _ = custom.applied[-1][2]["spec"]["resourceGroups"]
+    assert [(f["name"], f["resources"][0]["nominalQuota"]) for f in gpus["flavors"]] == [
+        (a10, "4"), (h100, "20"), ("gpulab-gpu", "2")]
+    assert quota["flavors"][0]["resources"][0]["nominalQuota"] == "26"
+    assert m.applied == {}  # new models: everyone's queues are applied again
 
     fixed = KueueMirror(ledger, _Custom(), _Core([]), interval=60, log=logging.getLogger("t"),
-                        pool=6)
+                        pool=6, by_model=True)
     await fixed.sync_capacity()
-    assert fixed.core.lists == 0 and fixed.capacity == 6
+    assert fixed.core.lists == 0 and fixed.capacity == {None: 6}
+    gpus, _ = fixed.custom.applied[-1][2]["spec"]["resourceGroups"]  # a count of any model
+    assert gpus["flavors"] == [{"name": "gpulab-gpu", "resources": [{"name": "nvidia.com/gpu", "nominalQuota": "6"}]}]
 
 
 # -- the pass that follows Kueue, on caches as the shared watches fill them -----------------

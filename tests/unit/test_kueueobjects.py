@@ -6,17 +6,21 @@ import re
 import pytest
 
 from gpulab.spawner.kueueobjects import (
+    GPU_QUOTA_TRANSFORMATION,
     POOL_CPU,
     POOL_MEMORY,
     PREEMPTIBLE_PRIORITY_CLASS,
     cohort_name,
     gpu_flavor_name,
+    gpu_models,
+    kueue_words,
     make_cluster_queues,
     make_cohorts,
     make_default_flavor,
     make_gpu_flavor,
     make_local_queues,
     make_priority_class,
+    make_quota_flavor,
 )
 
 MANAGED = {"app.kubernetes.io/managed-by": "gpulab"}
@@ -82,6 +86,30 @@ def test_the_in_quota_queue_borrows_up_to_the_quota_and_preempts_only_lower_prio
     assert unlimited["resources"] == [{"name": "nvidia.com/gpu", "nominalQuota": "0"}]
 
 
+def test_split_by_model_the_queues_list_a_flavor_per_model_and_the_quota_counts_them_all():
+    """A pool split by model (``kueue_gpu_models``): one flavor per model, in the pool's
+    order; the person's quota on the GPUs of every model together (``gpulab.io/gpus``) and
+    on each model's too (where Kueue lacks the transformation, the quota still holds per
+    model). A pool of any model has neither."""
+    models = gpu_models({"NVIDIA-H100": 24, None: 2, "NVIDIA-A10": 4})
+    assert models == ["NVIDIA-A10", "NVIDIA-H100", None]
+    own, pre = queues(models=models)
+    gpus, quota, _ = own["spec"]["resourceGroups"]
+    assert [f["name"] for f in gpus["flavors"]] == [
+        gpu_flavor_name("NVIDIA-A10"), gpu_flavor_name("NVIDIA-H100"), "gpulab-gpu"]
+    assert all(f["resources"] == [{"name": "nvidia.com/gpu", "nominalQuota": "0", "borrowingLimit": "2"}]
+               for f in gpus["flavors"])
+    assert quota["flavors"] == [{"name": "gpulab-quota", "resources": [
+        {"name": "gpulab.io/gpus", "nominalQuota": "0", "borrowingLimit": "2"}]}]
+    assert [f["name"] for f in pre["spec"]["resourceGroups"][0]["flavors"]] == [
+        f["name"] for f in gpus["flavors"]]
+    assert gpu_models(None) == gpu_models(6) == gpu_models({}) == gpu_models({None: 3}) == [None]
+    assert [g["coveredResources"] for g in queues(models=[None])[0]["spec"]["resourceGroups"]] == [
+        ["nvidia.com/gpu"], ["cpu", "memory"]]
+    assert GPU_QUOTA_TRANSFORMATION == {"input": "nvidia.com/gpu", "strategy": "Retain",
+                                        "outputs": {"gpulab.io/gpus": "1"}}
+
+
 def test_the_preemptible_queue_borrows_without_limit_and_gives_back_first():
     pre = queues()[1]
     assert pre["metadata"]["name"] == "gpulab-ann.preemptible"
@@ -122,8 +150,18 @@ def test_the_root_cohort_holds_the_pool_and_a_groups_cohort_nothing():
             {"name": "cpu", "nominalQuota": POOL_CPU},
             {"name": "memory", "nominalQuota": POOL_MEMORY}]}]},
     ]
-    with pytest.raises(ValueError, match="capacity"):
-        make_cohorts(None, -1)
+    [pool] = make_cohorts(None, {"NVIDIA-H100": 24, "NVIDIA-A10": 4})
+    gpus, quota, _ = pool["spec"]["resourceGroups"]
+    assert gpus["flavors"] == [
+        {"name": gpu_flavor_name("NVIDIA-A10"), "resources": [{"name": "nvidia.com/gpu", "nominalQuota": "4"}]},
+        {"name": gpu_flavor_name("NVIDIA-H100"), "resources": [{"name": "nvidia.com/gpu", "nominalQuota": "24"}]}]
+    assert quota["flavors"] == [{"name": "gpulab-quota", "resources": [{"name": "gpulab.io/gpus", "nominalQuota": "28"}]}]
+    assert make_quota_flavor()["spec"] == {} and make_quota_flavor()["metadata"]["name"] == "gpulab-quota"
+    [empty] = make_cohorts(None, {})  # no GPU node (yet): a pool of 0
+    assert empty["spec"]["resourceGroups"][0]["flavors"][0]["resources"][0]["nominalQuota"] == "0"
+    for bad in (-1, {"NVIDIA-H100": -1}, {"NVIDIA-H100": 1.5}):
+        with pytest.raises(ValueError, match="capacity"):
+            make_cohorts(None, bad)
 
 
 def test_a_used_up_budget_holds_new_admissions():
@@ -160,3 +198,20 @@ def test_no_persons_queue_is_named_as_anothers_preemptible_one():
     assert names == ["gpulab-bob", "gpulab-bob.preemptible", "gpulab-bob-preemptible",
                      "gpulab-bob-preemptible.preemptible"]
     assert len(set(names)) == 4
+
+
+def test_kueues_words_name_the_quota_and_the_models_plainly():
+    h100 = gpu_flavor_name("NVIDIA-H100")
+    a10 = gpu_flavor_name("NVIDIA-A10")
+    assert kueue_words(
+        f"couldn't assign flavors to pod set worker: flavor {h100} doesn't match node affinity, "
+        f"insufficient unused quota for nvidia.com/gpu in flavor {a10}, 1 more needed") == (
+        "couldn't assign flavors to pod set worker: insufficient unused quota for nvidia-a10 GPUs, 1 more needed")
+    assert kueue_words(
+        "couldn't assign flavors to pod set worker: insufficient quota for gpulab.io/gpus in flavor "
+        "gpulab-quota, previously considered podsets requests (0) + current podset request (1) > "
+        "maximum capacity (0)").startswith(
+        "couldn't assign flavors to pod set worker: insufficient quota for your GPU quota (GPUs of every model), ")
+    assert kueue_words("insufficient unused quota for nvidia.com/gpu in flavor gpulab-gpu, 2 more needed") == (
+        "insufficient unused quota for GPUs, 2 more needed")
+    assert kueue_words("Preempted to accommodate a workload") == "Preempted to accommodate a workload"
