@@ -56,6 +56,8 @@ from .kueueobjects import (
     QUEUE_NAME_LABEL,
     ordinal,
     pending_position,
+    pending_workloads_path,
+    visibility_place,
     workload_wait_reason,
 )
 from .mixin import GPUSpawnerMixin, LedgerView, SpawnRefused, hub_ledger
@@ -156,6 +158,8 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
     ledger's pool set with ``c.GPULedger.pool = "kubernetes"``, and the hub's ServiceAccount
     bound by ``helm-values/rbac.yaml``.
     """
+
+    _said_no_visibility = False  # logged once that Kueue's visibility API did not answer
 
     gpu_assigns_devices = False
 
@@ -472,10 +476,33 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         uid = pod["metadata"].get("uid")
         mine = next((w for w in workloads if any(
             o.get("uid") == uid for o in w["metadata"].get("ownerReferences") or [])), None)
-        place = pending_position(workloads, mine)
+        place = await self._queue_place(workloads, mine)
         where = ("" if place is None else " (next in line)" if place == 1
                  else f" ({ordinal(place)} in line)")
         return f"Waiting for GPUs in your queue{where}: " + workload_wait_reason(mine)
+
+    async def _queue_place(self, workloads: list[dict], mine: dict | None) -> int | None:
+        """Where the server's Workload stands in its LocalQueue (1 is next): Kueue's own
+        answer from its visibility API, else (an API server without it, or no permission)
+        worked out from the namespace's Workloads as Kueue orders them."""
+        queue = (mine or {}).get("spec", {}).get("queueName")
+        if mine is None or not queue:
+            return None
+        client = shared_client("CustomObjectsApi").api_client
+        try:
+            resp = await asyncio.wait_for(client.call_api(
+                pending_workloads_path(self.namespace, queue), "GET",
+                header_params={"Accept": "application/json"}, auth_settings=["BearerToken"],
+                _preload_content=False, _return_http_data_only=True), self.k8s_api_request_timeout)
+            pending = json.loads(await resp.read()).get("items") or []
+        except (ApiException, asyncio.TimeoutError, ValueError) as e:
+            if not self._said_no_visibility:
+                self._said_no_visibility = True
+                self.log.info("Kueue's visibility API did not answer for %s (%s): its place in "
+                              "the queue is worked out from the Workloads", self._log_name,
+                              getattr(e, "status", None) or type(e).__name__)
+            return pending_position(workloads, mine)
+        return visibility_place(pending, mine["metadata"]["name"])
 
     async def _ensure_namespace(self):
         """Create or update the user's namespace (Pod Security labels), then its

@@ -319,6 +319,25 @@ def pending_position(workloads: list[dict], mine: dict | None) -> int | None:
     return next((i for i, w in enumerate(line, 1) if w["metadata"].get("uid") == uid), None)
 
 
+#: Kueue's visibility API (an aggregated API of Kueue's controller): the pending workloads of a
+#: LocalQueue, each with its position, as Kueue's scheduler orders them
+VISIBILITY_API = "visibility.kueue.x-k8s.io/v1beta2"
+
+
+def pending_workloads_path(namespace: str, local_queue: str) -> str:
+    return f"/apis/{VISIBILITY_API}/namespaces/{namespace}/localqueues/{local_queue}/pendingworkloads"
+
+
+def visibility_place(pending: list[dict], workload_name: str) -> int | None:
+    """Where ``workload_name`` stands in its LocalQueue by the visibility API's answer
+    (``positionInLocalQueue``, from 0): 1 is next; None when it is not pending there."""
+    for w in pending:
+        if w.get("metadata", {}).get("name") == workload_name:
+            position = w.get("positionInLocalQueue")
+            return position + 1 if isinstance(position, int) and position >= 0 else None
+    return None
+
+
 def ordinal(n: int) -> str:
     """1st, 2nd, 3rd, 4th, ..., 11th, 12th, 13th, 21st."""
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")

@@ -92,6 +92,7 @@ GPU_TAINT = {"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}
 GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
 KWOK_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 SERVICE_CIDR = "10.96.0.0/16"
+FRONT_PROXY_CLIENT = "front-proxy-client"  # the aggregation layer's client certificate's name
 POD_CIDR = "10.244.0.1/16"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 
@@ -712,6 +713,11 @@ class ControlPlane:
         crt, key = ca.issue("kube-apiserver-kubelet-client", organizations=["system:masters"])
         self._write(pki / "apiserver-kubelet-client.crt", crt)
         self._write(pki / "apiserver-kubelet-client.key", key, 0o600)
+        # the aggregation layer's client (Kueue's visibility API server): it authenticates
+        # the requests it proxies by this certificate and the X-Remote-* headers
+        crt, key = ca.issue(FRONT_PROXY_CLIENT)
+        self._write(pki / "front-proxy-client.crt", crt)
+        self._write(pki / "front-proxy-client.key", key, 0o600)
         sa_key = ec.generate_private_key(ec.SECP256R1())
         self._write(pki / "sa.key", _pem_key(sa_key), 0o600)
         self._write(pki / "sa.pub", sa_key.public_key().public_bytes(
@@ -774,6 +780,14 @@ class ControlPlane:
             # pod logs from, has a self-signed certificate)
             # a real node's kubelet at its address (node.py): no DNS names nodes here
             "--kubelet-preferred-address-types=InternalIP,Hostname",
+            # the aggregation layer, for API servers of extensions (Kueue's visibility API)
+            f"--requestheader-client-ca-file={pki / 'ca.crt'}",
+            f"--requestheader-allowed-names={FRONT_PROXY_CLIENT}",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={pki / 'front-proxy-client.crt'}",
+            f"--proxy-client-key-file={pki / 'front-proxy-client.key'}",
             "--authorization-mode=Node,RBAC",
             "--enable-admission-plugins=NodeRestriction,ResourceQuota,PodSecurity",
             f"--service-cluster-ip-range={SERVICE_CIDR}",

@@ -27,8 +27,13 @@ What ``start_queueing`` adds to a started control plane (see ``ControlPlane``'s 
 Kueue's Configuration (``kueue_configuration``): frameworks ``batch/job``,
 ``jobset.x-k8s.io/jobset`` and ``pod``; ``managedJobsNamespaceSelector`` exempts kube-system,
 kueue-system and jobset-system (the pod integration needs one); fair sharing on; waitForPodsReady
-on (timeout 5 minutes, no blocking admission); the VisibilityOnDemand API server off (it would be
-one more server with its own delegated authentication; nothing uses it yet).
+on (timeout 5 minutes, no blocking admission); its visibility API server (VisibilityOnDemand:
+where pending work stands in its queues) on loopback, registered with the API server's
+aggregation layer as Kueue's manifests register it (``config/components/visibility``: an
+APIService skipping TLS verification, the delegated authentication's RBAC), through a Service
+of type ExternalName ``localhost`` instead of the controller's pod (``visibility_objects``). Its
+serving certificate, Kueue's fixed ``/visibility/tls.{crt,key}``, is made like the metrics
+one below.
 
 Readiness: both ``/readyz`` answer 200 (Kueue's includes its webhook server), and server-side
 dry-run creates of a ResourceFlavor (Kueue's webhooks), a JobSet and a pod in a LocalQueue pass
@@ -41,6 +46,7 @@ applied, and a JobSet made before then lacks JobSet's defaults (its controller p
 from __future__ import annotations
 
 import copy
+import functools
 import http.client
 import json
 import os
@@ -70,7 +76,8 @@ CONTROLLERS = {
 # --------------------------------------------------------------------------- pure builders
 
 
-def kueue_configuration(*, webhook_port: int, health_port: int, cert_dir: str) -> dict[str, Any]:
+def kueue_configuration(*, webhook_port: int, health_port: int, cert_dir: str,
+                        visibility_port: int = 8082) -> dict[str, Any]:
     """Kueue's ``config.kueue.x-k8s.io/v1beta2`` Configuration for a controller on loopback."""
     return {
         "apiVersion": "config.kueue.x-k8s.io/v1beta2",
@@ -90,7 +97,8 @@ def kueue_configuration(*, webhook_port: int, health_port: int, cert_dir: str) -
         "waitForPodsReady": {"timeout": "5m", "blockAdmission": False},
         "fairSharing": {"preemptionStrategies": ["LessThanOrEqualToFinalShare", "LessThanInitialShare"]},
         "integrations": {"frameworks": list(KUEUE_FRAMEWORKS)},
-        "featureGates": {"VisibilityOnDemand": False},
+        # the visibility API server (VisibilityOnDemand, on by default), on loopback
+        "visibilityServer": {"bindAddress": "127.0.0.1", "bindPort": visibility_port},
     }
 
 
@@ -269,22 +277,55 @@ def _http_ok(port: int, path: str) -> bool:
 # from this fixed path at start (cmd/kueue/main.go), even with the metrics server off, and exits
 # without it. Its content does not matter here (metrics bindAddress "0": nothing serves it).
 KUEUE_METRICS_CERTS = Path("/etc/kueue/metrics/certs")
+# ... and its visibility API server's serving certificate from this one (pkg/visibility/server.go)
+KUEUE_VISIBILITY_CERTS = Path("/visibility")
 
 
-def _kueue_metrics_certs(ca: Any) -> list[Path]:
-    """Make sure ``KUEUE_METRICS_CERTS`` has a tls.crt and tls.key (a throwaway pair if not);
-    what it made (files, then the folders it created, innermost first), for `remove_made`
-    when the control plane stops: nothing of the tests stays in /etc."""
+def visibility_objects(*, port: int, namespace: str, service_account: str) -> list[dict[str, Any]]:
+    """What Kueue's ``config/components/visibility`` registers (its v1beta2 APIService, which
+    skips TLS verification as upstream's does, and the delegated authentication's read access
+    in kube-system) plus the delegation of authentication and authorization
+    (``system:auth-delegator``), for a controller on loopback: the APIService's Service is an
+    ExternalName ``localhost`` and its port the visibility server's own."""
+    sa = {"kind": "ServiceAccount", "name": service_account, "namespace": namespace}
+    return [
+        {"apiVersion": "v1", "kind": "Service",
+         "metadata": {"name": "visibility-server", "namespace": namespace},
+         "spec": {"type": "ExternalName", "externalName": "localhost"}},
+        {"apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService",
+         "metadata": {"name": "v1beta2.visibility.kueue.x-k8s.io"},
+         "spec": {"group": "visibility.kueue.x-k8s.io", "version": "v1beta2",
+                  "groupPriorityMinimum": 100, "versionPriority": 100, "insecureSkipTLSVerify": True,
+                  "service": {"name": "visibility-server", "namespace": namespace, "port": port}}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": {"name": "visibility-server-auth-reader", "namespace": "kube-system"},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                     "name": "extension-apiserver-authentication-reader"},
+         "subjects": [sa]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+         "metadata": {"name": "kueue-visibility-server-auth-delegator"},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                     "name": "system:auth-delegator"},
+         "subjects": [sa]},
+    ]
+
+
+def _kueue_metrics_certs(ca: Any, folder: Path = KUEUE_METRICS_CERTS) -> list[Path]:
+    """Make sure ``folder`` (``KUEUE_METRICS_CERTS``, ``KUEUE_VISIBILITY_CERTS``) has a
+    tls.crt and tls.key (a throwaway pair for ``localhost`` if not); what it made (files, then
+    the folders it created, innermost first), for `remove_made` when the control plane stops:
+    nothing of the tests stays there."""
     from .controlplane import ControlPlaneError  # noqa: PLC0415 - a cycle
 
-    crt, key = KUEUE_METRICS_CERTS / "tls.crt", KUEUE_METRICS_CERTS / "tls.key"
+    crt, key = folder / "tls.crt", folder / "tls.key"
     if crt.is_file() and key.is_file():
         return []
-    folders = [p for p in (KUEUE_METRICS_CERTS, *KUEUE_METRICS_CERTS.parents) if not p.exists()]
+    folders = [p for p in (folder, *folder.parents) if not p.exists()]
     made = [p for p in (key, crt) if not p.exists()] + folders
     try:
-        KUEUE_METRICS_CERTS.mkdir(parents=True, exist_ok=True)
-        pem_crt, pem_key = ca.issue("kueue-metrics-unused", server_names=["localhost"], client=False, server=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        pem_crt, pem_key = ca.issue("kueue-localhost", server_names=["localhost"], server_ips=["127.0.0.1"],
+                                    client=False, server=True)
         for path, data, mode in ((key, pem_key, 0o600), (crt, pem_crt, 0o644)):
             tmp = path.with_name(f".{path.name}.{os.getpid()}")
             tmp.write_bytes(data)
@@ -293,8 +334,8 @@ def _kueue_metrics_certs(ca: Any) -> list[Path]:
     except OSError as e:
         remove_made(made)
         raise ControlPlaneError(
-            f"Kueue needs a (never used) metrics certificate in {KUEUE_METRICS_CERTS} and it "
-            f"cannot be written: {e}; create tls.crt and tls.key there once (any pair)") from e
+            f"Kueue needs a certificate in {folder} and it cannot be written: {e}; create "
+            f"tls.crt and tls.key there once (any pair for localhost)") from e
     return made
 
 
@@ -333,7 +374,14 @@ def start_queueing(cp: ControlPlane, deadline: float) -> None:
                                 check=False).returncode == 0)
 
     cp._made_outside += _kueue_metrics_certs(ca)
-    builders = {"kueue": kueue_configuration, "jobset": jobset_configuration}
+    cp._made_outside += _kueue_metrics_certs(ca, KUEUE_VISIBILITY_CERTS)
+    # before Kueue starts: its visibility server reads the API server's authentication
+    # configuration once, at start, and Kueue exits where it may not
+    visibility_port = free_port()
+    namespace, sa, _ = CONTROLLERS["kueue"]
+    cp.apply(*visibility_objects(port=visibility_port, namespace=namespace, service_account=sa))
+    builders = {"kueue": functools.partial(kueue_configuration, visibility_port=visibility_port),
+                "jobset": jobset_configuration}
     for name, (namespace, sa, _) in CONTROLLERS.items():
         home = cp._path(name)
         certs = home / "certs"
@@ -350,7 +398,10 @@ def start_queueing(cp: ControlPlane, deadline: float) -> None:
         if name == "kueue":
             settings.update(copy.deepcopy(cp.kueue_settings))  # the operator's own, on top
         cp._write(config, yaml.safe_dump(settings, sort_keys=False))
-        argv = [str(cp.bin_dir / name), f"--config={config}", "--zap-log-level=info"]
+        # --kubeconfig too: Kueue's visibility server delegates authentication and
+        # authorization to the API server named by that flag (KUBECONFIG is not read there)
+        argv = [str(cp.bin_dir / name), f"--config={config}", f"--kubeconfig={kubeconfig}",
+                "--zap-log-level=info"]
         if name == "jobset":
             argv.append("--metrics-bind-address=0")  # as the file says; explicit, the flag default is :8443
         cp._spawn(name, argv, env={"KUBECONFIG": str(kubeconfig), "HOME": str(home), "PATH": "/usr/bin:/bin"})
@@ -406,3 +457,11 @@ def start_queueing(cp: ControlPlane, deadline: float) -> None:
         return True
 
     cp._wait(deadline, "the Kueue and JobSet webhooks (server-side dry runs)", dry_run_passes)
+
+    # Kueue's visibility API through the API server (the aggregation layer)
+    def visibility_available() -> bool:
+        status, body = cp.api("GET", "/apis/apiregistration.k8s.io/v1/apiservices/v1beta2.visibility.kueue.x-k8s.io")
+        return status == 200 and any(c.get("type") == "Available" and c.get("status") == "True"
+                                     for c in body.get("status", {}).get("conditions", []))
+
+    cp._wait(deadline, "Kueue's visibility API (APIService Available)", visibility_available)

@@ -327,7 +327,7 @@ def test_kueue_configuration():
         "waitForPodsReady": {"timeout": "5m", "blockAdmission": False},
         "fairSharing": {"preemptionStrategies": ["LessThanOrEqualToFinalShare", "LessThanInitialShare"]},
         "integrations": {"frameworks": ["batch/job", "jobset.x-k8s.io/jobset", "pod"]},
-        "featureGates": {"VisibilityOnDemand": False},
+        "visibilityServer": {"bindAddress": "127.0.0.1", "bindPort": 8082},
     }
 
 
@@ -983,6 +983,12 @@ async def test_a_gpu_notebook_waits_in_the_persons_queue_and_the_progress_says_w
             said.append(event.get("message", ""))
         words = next(m for m in said if m.startswith("Waiting for GPUs in your queue"))
         assert "insufficient" in words, said
+        # the place is Kueue's own, from its visibility API (with the hub's credentials)
+        assert not s._said_no_visibility
+        status, pending = cp.api("GET", f"/apis/visibility.kueue.x-k8s.io/v1beta2/namespaces/{ns}"
+                                 "/localqueues/gpulab/pendingworkloads", expect=(200,))
+        assert [(w["positionInLocalQueue"], w["metadata"]["ownerReferences"][0]["name"])
+                for w in pending["items"]] == [(0, s.pod_name)], pending
         pod = cp.kubectl_json("get", "pod", s.pod_name, "-n", ns)
         assert pod["metadata"]["labels"][QUEUE_NAME_LABEL] == "gpulab"
         assert {"name": ADMISSION_GATE} in pod["spec"]["schedulingGates"]

@@ -21,6 +21,8 @@ from gpulab.spawner.kueueobjects import (
     make_local_queues,
     make_priority_class,
     make_quota_flavor,
+    pending_workloads_path,
+    visibility_place,
 )
 
 MANAGED = {"app.kubernetes.io/managed-by": "gpulab"}
@@ -215,3 +217,12 @@ def test_kueues_words_name_the_quota_and_the_models_plainly():
     assert kueue_words("insufficient unused quota for nvidia.com/gpu in flavor gpulab-gpu, 2 more needed") == (
         "insufficient unused quota for GPUs, 2 more needed")
     assert kueue_words("Preempted to accommodate a workload") == "Preempted to accommodate a workload"
+
+
+def test_the_visibility_apis_place_counts_from_one():
+    pending = [{"metadata": {"name": "a"}, "positionInLocalQueue": 0},
+               {"metadata": {"name": "b"}, "positionInLocalQueue": 1},
+               {"metadata": {"name": "c"}}]
+    assert [visibility_place(pending, n) for n in ("a", "b", "c", "gone")] == [1, 2, None, None]
+    assert pending_workloads_path("gpulab-ann", "gpulab") == (
+        "/apis/visibility.kueue.x-k8s.io/v1beta2/namespaces/gpulab-ann/localqueues/gpulab/pendingworkloads")

@@ -405,3 +405,46 @@ def test_the_spawners_shared_settings_reach_the_backend(tmp_path):
     b = KubeJobBackend.from_settings(Ledger(f"sqlite:///{tmp_path / 'm.sqlite'}"),
                                      backend_settings(c))
     assert b.gpu_quota_sync_interval == 30.0
+
+
+async def test_a_waiting_notebooks_place_is_kueues_and_worked_out_where_kueue_cannot_say(
+        config, monkeypatch):
+    """The place in the queue comes from Kueue's visibility API (positionInLocalQueue, from
+    0); where it does not answer (not registered: 404/503, no permission: 403) it is worked
+    out from the namespace's Workloads, and that is logged once."""
+    from kubernetes_asyncio.client.rest import ApiException
+
+    s = spawner(config)
+    mine = {"metadata": {"name": "pod-x", "uid": "u2", "creationTimestamp": "2026-01-01T00:00:02Z"},
+            "spec": {"queueName": "gpulab"}, "status": {}}
+    other = {"metadata": {"name": "pod-y", "uid": "u1", "creationTimestamp": "2026-01-01T00:00:01Z"},
+             "spec": {"queueName": "gpulab"}, "status": {}}
+    asked = []
+
+    class Resp:
+        def __init__(self, body):
+            self.body = body
+
+        async def read(self):
+            return json.dumps(self.body).encode()
+
+    answers = [ApiException(status=503, reason="Service Unavailable"), ApiException(status=403, reason="Forbidden"),
+               Resp({"items": [{"metadata": {"name": "pod-x"}, "positionInLocalQueue": 2}]})]
+
+    class Client:
+        async def call_api(self, path, method, **kw):
+            asked.append((method, path))
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    monkeypatch.setattr("gpulab.spawner.kube.shared_client",
+                        lambda name: SimpleNamespace(api_client=Client()))
+    assert await s._queue_place([mine, other], mine) == 2  # behind the older one
+    assert s._said_no_visibility
+    assert await s._queue_place([mine, other], mine) == 2
+    assert await s._queue_place([mine, other], mine) == 3  # Kueue's own word
+    assert asked == [("GET", "/apis/visibility.kueue.x-k8s.io/v1beta2/namespaces/gpulab-ann"
+                             "/localqueues/gpulab/pendingworkloads")] * 3
+    assert await s._queue_place([], None) is None and len(asked) == 3
