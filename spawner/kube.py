@@ -248,7 +248,7 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         (the pool of Kueue's root cohort ``gpulab``, which every person's queues borrow from,
         each up to their quota). None (default): all GPUs of the cluster's schedulable nodes,
         counted again as nodes come and go. Set it lower to leave GPUs to work outside gpulab.
-        The gpulab service's ``c.KubeJobBackend.kueue_gpus`` takes this unless set there.
+        The gpulab service's job backend takes it from here.
         Example: ``c.KubeGPUSpawner.kueue_gpus = 16``""",
     ).tag(config=True)
 
@@ -270,8 +270,8 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         ``gpulab.io/gpus`` too). Without it the quota holds per model only. Ignored with
         ``kueue_gpus`` (a count of any model). Default False: one pool of any model, where
         work for a model whose nodes are full may be admitted and wait for them.
-        The gpulab service's ``c.KubeJobBackend.kueue_gpu_models`` takes this unless set
-        there. Example: ``c.KubeGPUSpawner.kueue_gpu_models = True``""",
+        The gpulab service's job backend takes it from here.
+        Example: ``c.KubeGPUSpawner.kueue_gpu_models = True``""",
     ).tag(config=True)
 
     @default("enable_user_namespaces")

@@ -252,6 +252,12 @@ def backend_settings(config) -> str:
         # GPU ResourceQuota made by one and removed by the other
         raise ValueError("c.KubeJobBackend.kueue and c.KubeGPUSpawner.kueue differ: set "
                          "c.KubeGPUSpawner.kueue only (the job backend takes it from there).")
+    for name, default in (("kueue_gpus", None), ("kueue_gpu_models", False)):
+        # the hub's and the service's quota mirrors write the same pool: two pools would
+        # undo each other for ever
+        if name in ours and ours[name] != spawner.get(name, default):
+            raise ValueError(f"c.KubeJobBackend.{name} and c.KubeGPUSpawner.{name} differ: set "
+                             f"c.KubeGPUSpawner.{name} only (the job backend takes it from there).")
     for mine, theirs in SHARED_WITH_SPAWNER.items():
         if mine not in ours and theirs in spawner:
             ours[mine] = spawner[theirs]
@@ -357,13 +363,15 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
     kueue_gpus = Integer(None, allow_none=True, min=0, help="""
         With ``kueue``: the GPUs gpulab's work may take on the cluster all together (Kueue's
         root cohort ``gpulab``); None (default): all GPUs of the schedulable nodes. Taken from
-        ``c.KubeGPUSpawner.kueue_gpus`` unless set here (both must agree).
-        Example: ``c.KubeJobBackend.kueue_gpus = 16``""").tag(config=True)
+        ``c.KubeGPUSpawner.kueue_gpus``; set it there (the hub's quota mirror writes the same
+        pool): a different value here is refused. Example: ``c.KubeGPUSpawner.kueue_gpus = 16``
+        """).tag(config=True)
     kueue_gpu_models = Bool(False, help="""
         With ``kueue``: the pool split by GPU model, the quota counted as ``gpulab.io/gpus``
         (needs Kueue's resource transformation: see ``c.KubeGPUSpawner.kueue_gpu_models``).
-        Default False. Taken from ``c.KubeGPUSpawner.kueue_gpu_models`` unless set here (both
-        must agree). Example: ``c.KubeJobBackend.kueue_gpu_models = True``""").tag(config=True)
+        Default False. Taken from ``c.KubeGPUSpawner.kueue_gpu_models``; set it there (the
+        hub's quota mirror writes the same pool): a different value here is refused.
+        Example: ``c.KubeGPUSpawner.kueue_gpu_models = True``""").tag(config=True)
     progress_cache_seconds = Float(5.0, help="""
         Seconds a job's progress, read from its lead replica's log when someone looks at the
         job, is reused (default 5): one log request per watched job and period, none for jobs

@@ -161,6 +161,13 @@ def test_one_switch_for_the_spawner_and_the_backend():
     c.KubeJobBackend.kueue = True  # the spawner's pods would not be queued: refused
     with pytest.raises(ValueError, match="set c.KubeGPUSpawner.kueue only"):
         backend_settings(c)
+    for name, value in (("kueue_gpus", 8), ("kueue_gpu_models", True)):
+        c = Config()
+        setattr(c.KubeJobBackend, name, value)  # the two quota mirrors would write two pools
+        with pytest.raises(ValueError, match=f"set c.KubeGPUSpawner.{name} only"):
+            backend_settings(c)
+        setattr(c.KubeGPUSpawner, name, value)  # the same: fine
+        assert json.loads(backend_settings(c))[name] == value
 
 
 def test_the_pool_counts_the_gpus_of_schedulable_nodes():
