@@ -89,8 +89,8 @@ def test_gpus_of_a_server_the_hub_lost_come_back(users, hub):
                            now=time.time() - 120)
         # and one of a spawn that is just beginning: within the grace, it is kept
         young = ledger.admit(Request(user="bob", kind="notebook", holder="other", gpus=1))
-        assert [h["name"] for h in bob.service("GET", "me").json()["holdings"]] == [
-            "default", "other"]
+        # (no look at bob's holdings here: the service's pass may close the lost one at any
+        # moment from now on, the first look included)
         deadline = time.time() + 30
         while time.time() < deadline and ledger.get(lost.id).open:
             time.sleep(0.5)
