@@ -71,6 +71,10 @@ CONTROLLERS = {
     "kueue": ("kueue-system", "kueue-controller-manager", "kueue-manifests"),
     "jobset": ("jobset-system", "jobset-controller-manager", "jobset-manifests"),
 }
+# Kueue registers every webhook handler (no-op ones for integrations it does not run) before
+# its manager starts serving; JobSet registers its own in a goroutine once its manager runs,
+# after its controllers' caches sync (main.go setupControllers), and serves all of them
+REGISTERS_WEBHOOKS_LATE = frozenset({"jobset"})
 
 
 # --------------------------------------------------------------------------- pure builders
@@ -414,8 +418,15 @@ def start_queueing(cp: ControlPlane, deadline: float) -> None:
         port = ports[name][0]
         # a path the controller does not serve answers 404; a served one answers a bad review 200/400
         served = lambda path, port=port: _https(port, cp.ca_file, "POST", path, b"{}") != 404  # noqa: E731
-        webhooks += loopback_webhooks(kustomize_webhooks(manifests[name] / "webhook"), prefix=name, port=port,
-                                      ca_pem=cp._ca_pem, keep_path=served)
+        docs = kustomize_webhooks(manifests[name] / "webhook")
+        keep = served
+        if name in REGISTERS_WEBHOOKS_LATE:
+            # its /readyz passes before its handlers exist: a path probed in between would
+            # answer 404 and its webhook be left out for good (the JobSet never mutated)
+            paths = [w["clientConfig"]["service"]["path"] for d in docs for w in d["webhooks"]]
+            cp._wait(deadline, f"{name}'s webhook handlers", lambda paths=paths, ok=served: all(map(ok, paths)))
+            keep = None
+        webhooks += loopback_webhooks(docs, prefix=name, port=port, ca_pem=cp._ca_pem, keep_path=keep)
     cp.apply(*webhooks)
 
     flavor = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor",
