@@ -541,6 +541,26 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
 
     # -- start, and what the person reads ------------------------------------------------
 
+    async def delete_forever(self):
+        """KubeSpawner's (the PVC, where ``delete_pvc``); then, with Kueue, for the default
+        server (JupyterHub calls this for it only when the person's account is deleted: it
+        refuses to remove a default server otherwise), the person's ClusterQueues and
+        LocalQueues (`KueueMirror.remove`: what waits in them is never admitted; what runs
+        finishes), even where KubeSpawner's part failed. Their namespace and the shared
+        storage stay. An API error is logged (JupyterHub deletes the account anyway): an admin
+        can delete the queues as the deploy guide says."""
+        try:
+            await super().delete_forever()
+        finally:
+            if self.kueue and not self.name:
+                ledger = await asyncio.to_thread(hub_ledger, self.config, self.gpu_assigns_devices)
+                try:
+                    await self.kueue_mirror(ledger).remove(self.namespace)
+                except ApiException as e:
+                    self.log.warning("Could not delete the Kueue queues of %s (namespace %s): "
+                                     "%s %s", self.user.name, self.namespace, e.status,
+                                     api_message(e))
+
     async def stop(self, now=False):
         await super().stop(now=now)
         # the pod is gone: its GPUs go back (off the event loop; clear_state, which JupyterHub

@@ -5,8 +5,11 @@ registers a person's namespace the first time it prepares it). When a namespace 
 registered its objects are applied at once (the person's first job finds its queue); then
 every ``interval`` seconds the mirror reads the ledger (in one worker thread: quotas, the GPUs
 notebooks hold, the budgets used) and applies, by server-side apply, only the objects of the
-people whose figures changed (no API request otherwise). The objects are
-`gpulab.spawner.kueueobjects`'s:
+people whose figures changed (no API request otherwise, but one list of gpulab's
+ClusterQueues before such a change and every ``capacity_seconds``: a person whose queue is
+gone, because their account was deleted (`KueueMirror.remove`, from
+``KubeGPUSpawner.delete_forever``), is forgotten rather than given their queues again, until
+their next server or job). The objects are `gpulab.spawner.kueueobjects`'s:
 
 - the ResourceFlavors of GPUs (any model; with ``by_model``, one per model, by the nodes'
   ``nvidia.com/gpu.product``, and the quota's), of CPU and memory, and preemptible work's
@@ -41,6 +44,7 @@ from kubernetes_asyncio.client.rest import ApiException
 from gpulab.hub.quota.ledger import Ledger
 from gpulab.hub.quota.policy import Quota
 
+from .kubeobjects import MANAGED_BY
 from .kueueobjects import (
     QUOTA_FLAVOR,
     gpu_models,
@@ -124,6 +128,7 @@ class KueueMirror(LedgerMirror):
         self.capacity: dict[str | None, int] | None = None  # the pool as last applied, per model
         self._flavors: set[str | None] = set()  # the GPU models whose flavors were applied
         self._capacity_read = -math.inf
+        self._gone_checked = -math.inf  # when gpulab's ClusterQueues were last listed
         self.users: dict[str, tuple[str, tuple[str, ...], str]] = {}  # ns -> user, groups, label
         self.applied: dict[str, Wanted] = {}
         self._shared_done = False
@@ -236,11 +241,85 @@ class KueueMirror(LedgerMirror):
                       ", held (GPU-hour budget used up)" if want.hold else "")
 
     async def sync(self) -> int:
-        """The pool, then the objects of the people whose figures changed; returns how many
-        people's."""
+        """The pool, then the objects of the people whose figures changed (the people whose
+        ClusterQueue is gone forgotten first: `forget_gone`); returns how many people's."""
         try:
             await self.sync_capacity()
         except ApiException as e:
             self.log.warning("Could not update Kueue's GPU pool: %s %s", e.status, api_message(e))
         wants = await asyncio.to_thread(self._wanted, list(self.users))
-        return await self._apply_changed(wants)
+        # before anyone's queues are applied again (they would be made again if they were
+        # deleted), and every capacity_seconds (a returning person is then applied anew)
+        again = any(ns in self.applied and self.applied[ns] != w for ns, w in wants.items())
+        if again or time.monotonic() - self._gone_checked >= self.capacity_seconds:
+            try:
+                await self.forget_gone()
+            except ApiException as e:
+                self.log.warning("Could not list gpulab's ClusterQueues (the hub's RBAC needs "
+                                 "list on clusterqueues): %s %s", e.status, api_message(e))
+        return await self._apply_changed({ns: w for ns, w in wants.items() if ns in self.users})
+
+    # -- people who left ---------------------------------------------------------------------
+
+    def forget(self, namespace: str) -> None:
+        """Mirror ``namespace``'s person no more (until they are registered again)."""
+        self.users.pop(namespace, None)
+        self.applied.pop(namespace, None)
+
+    async def forget_gone(self) -> list[str]:
+        """Forget the people whose in-quota ClusterQueue is gone or being deleted (their
+        account was deleted: `remove`, in whichever process did it; or an admin deleted it),
+        so that no later pass makes it again; their next server or job (`register`) does.
+        One list of gpulab's ClusterQueues, read from etcd (not the watch cache, which may not
+        hold a queue just applied yet), when anyone is mirrored; returns whom it forgot."""
+        self._gone_checked = time.monotonic()
+        if not self.applied:
+            return []
+        known = list(self.applied)  # applied before the list: each is in its answer if it exists
+        resp = await self.custom.list_cluster_custom_object(
+            *KUEUE, "clusterqueues", label_selector=_selector(MANAGED_BY),
+            _preload_content=False, _request_timeout=self.request_timeout)
+        self.requests += 1
+        there = {q["metadata"]["name"] for q in json.loads(await resp.read())["items"]
+                 if not q["metadata"].get("deletionTimestamp")}
+        gone = [ns for ns in known if ns not in there and ns in self.applied]
+        for ns in gone:
+            user = self.users.get(ns, ("?",))[0]
+            self.forget(ns)
+            self.log.info("Kueue quota of %s (namespace %s): their ClusterQueue is gone (their "
+                          "account was deleted, or an admin deleted it); no longer mirrored, "
+                          "until their next server or job", user, ns)
+        return gone
+
+    async def remove(self, namespace: str) -> int:
+        """The person has left (their hub account is being deleted): delete their two
+        ClusterQueues and two LocalQueues and forget them. Kueue keeps a ClusterQueue until
+        the work it admitted ends and admits nothing more from it; their namespace, its
+        storage and their jobs' records stay. Returns how many objects were deleted (a
+        missing one is not an error)."""
+        self.forget(namespace)
+        deleted = 0
+        for obj in (make_cluster_queues(namespace=namespace, user_label="-", max_gpus=0)
+                    + make_local_queues(namespace=namespace, user_label="-")):
+            meta = obj["metadata"]
+            plural = _PLURALS[obj["kind"]]
+            self.requests += 1
+            try:
+                if "namespace" in meta:
+                    await self.custom.delete_namespaced_custom_object(
+                        *KUEUE, meta["namespace"], plural, meta["name"],
+                        _request_timeout=self.request_timeout)
+                else:
+                    await self.custom.delete_cluster_custom_object(
+                        *KUEUE, plural, meta["name"], _request_timeout=self.request_timeout)
+                deleted += 1
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+        self.log.info("Kueue quota of namespace %s removed (%d objects): its person left",
+                      namespace, deleted)
+        return deleted
+
+
+def _selector(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels.items())

@@ -796,7 +796,7 @@ async def test_a_used_up_budget_holds_admissions_and_a_restarted_service_loses_n
                        kubeconfig=hub_kubeconfig, check=False)
         assert r.returncode != 0 and "gpulab-hub-owned-namespaces" in r.stderr, r.stderr
         r = cp.kubectl("delete", "clusterqueue", foreign, kubeconfig=hub_kubeconfig, check=False)
-        assert r.returncode != 0, r.stdout
+        assert r.returncode != 0 and "gpulab-hub-owned-namespaces" in r.stderr, r.stderr
         # nor make objects labelled as its own that say something its mirror never says
         gpulab = {"app.kubernetes.io/managed-by": "gpulab"}
         forged = [
@@ -839,6 +839,92 @@ async def test_a_used_up_budget_holds_admissions_and_a_restarted_service_loses_n
                 assert "no priority but gpulab-preemptible" in r.stderr, r.stderr
     finally:
         cp.kubectl("delete", "clusterqueue", foreign, "--wait=false", check=False)
+
+
+async def test_a_person_who_left_loses_their_queues_and_a_returning_one_gets_new_ones(
+        cp, kueue_backend, hub_kubeconfig, tmp_path):
+    """A person's account is deleted: the hub (KubeGPUSpawner.delete_forever of the default
+    server, as JupyterHub calls it, with the hub's credentials, in a process of its own: a
+    thread with its own event loop here) deletes their ClusterQueues and LocalQueues. Kueue
+    lets their running job finish and never admits the one that waits. The service's mirror
+    forgets them: an admin's quota edit does not make the queues again. When the person comes
+    back, their first job gets new queues, with their quota of now, and runs."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from jupyterhub.objects import Hub
+    from traitlets.config import Config
+
+    from gpulab.hub.quota.policy import Quota
+    from gpulab.spawner.kube import KubeGPUSpawner
+    from gpulab.spawner.mixin import GPULedger
+
+    b = kueue_backend
+    user = f"d{uuid.uuid4().hex[:6]}"
+    ns = b.namespace_of(user)
+    queues = [("clusterqueue", ns, None), ("clusterqueue", f"{ns}.preemptible", None),
+              ("localqueue", "gpulab", ns), ("localqueue", "gpulab-preemptible", ns)]
+
+    def present():
+        out = []
+        for kind, name, where in queues:
+            r = cp.kubectl("get", kind, name, *(["-n", where] if where else []), "-o", "json",
+                           check=False)
+            if r.returncode == 0 and not json.loads(r.stdout)["metadata"].get("deletionTimestamp"):
+                out.append(name if kind == "clusterqueue" else f"{where}/{name}")
+        return out
+
+    b.ledger.set_quota("user", user, Quota(max_gpus=1), actor="admin")
+    try:
+        await b.submit(user, (), mw("runs", 1))
+        await until(lambda: b.get(user, "runs")["state"] == "Running", "the first job Running")
+        await b.submit(user, (), mw("waits", 1))
+        await until(lambda: b.get(user, "waits")["reason"].startswith("waiting"), "the second waiting")
+        assert len(present()) == 4
+
+        def hub_deletes_the_account():
+            async def go():
+                c = Config()
+                c.GPULedger.db_url = b.ledger.url
+                c.GPULedger.pool = "kubernetes"
+                c.KubeGPUSpawner.kueue = True
+                s = KubeGPUSpawner(config=c, user=SimpleNamespace(
+                    name=user, id=2, url=f"/user/{user}/", groups=[]), hub=Hub(),
+                    api_token="not-a-token", oauth_client_id=f"jupyterhub-user-{user}")
+                assert s.namespace == ns
+                await s.delete_forever()
+            GPULedger.clear_instance()
+            try:
+                asyncio.run(go())
+            finally:
+                GPULedger.clear_instance()
+
+        await asyncio.to_thread(hub_deletes_the_account)
+        assert present() == []
+        # the running job goes on (Kueue keeps its ClusterQueue until it ends), the waiting one
+        # is never admitted
+        mirror = b.mirror()
+        b.ledger.set_quota("user", user, Quota(max_gpus=2), actor="admin")  # room for both
+        await until(lambda: ns not in mirror.users, "the service's mirror forgetting the person")
+        await asyncio.sleep(3)  # six passes of the mirror (0.5 s), and of the backend
+        assert present() == []
+        assert b.get(user, "runs")["state"] == "Running"
+        assert b.get(user, "waits")["state"] == "Queued" and jobset_pods(cp, ns, "waits") == []
+        await b.stop(user, "runs")
+        await b.stop(user, "waits")
+        await until(lambda: cp.kubectl("get", "clusterqueue", ns, check=False).returncode != 0,
+                    "the ClusterQueue gone once its work ended")
+
+        # the person comes back: new queues with their first job, which runs
+        await b.submit(user, (), mw("again", 2))
+        assert len(present()) == 4
+        cq = cp.kubectl_json("get", "clusterqueue", ns)
+        assert gpu_quota(cq) == "2"
+        await until(lambda: b.get(user, "again")["state"] == "Running", "the returning job Running")
+        await b.stop(user, "again")
+    finally:
+        cp.kubectl("delete", "jobsets", "--all", "-n", ns, "--wait=false", check=False)
+        cp.kubectl("delete", "clusterqueue", ns, f"{ns}.preemptible", "--wait=false", check=False)
 
 
 async def asyncio_to_thread(fn, *args):

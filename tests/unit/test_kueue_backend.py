@@ -279,6 +279,100 @@ async def test_the_mirror_applies_the_pool_when_it_changes_and_an_operators_pool
     assert gpus["flavors"] == [{"name": "gpulab-gpu", "resources": [{"name": "nvidia.com/gpu", "nominalQuota": "6"}]}]
 
 
+class _Kueue:
+    """Kueue's objects as an API server keeps them, for two mirrors (the hub's, the
+    service's) at once: server-side apply makes or changes, delete removes (404 when gone)."""
+
+    def __init__(self):
+        self.objects: dict[tuple, dict] = {}
+        self.lists = 0
+
+    def client(self):
+        server = self
+
+        class Client:
+            async def patch_cluster_custom_object(self, group, version, plural, name, body, **kw):
+                server.objects[(plural, None, name)] = body
+
+            async def patch_namespaced_custom_object(self, group, version, ns, plural, name, body,
+                                                     **kw):
+                server.objects[(plural, ns, name)] = body
+
+            async def delete_cluster_custom_object(self, group, version, plural, name, **kw):
+                server.delete(plural, None, name)
+
+            async def delete_namespaced_custom_object(self, group, version, ns, plural, name, **kw):
+                server.delete(plural, ns, name)
+
+            async def list_cluster_custom_object(self, group, version, plural, label_selector,
+                                                 **kw):
+                server.lists += 1
+                assert label_selector == "app.kubernetes.io/managed-by=gpulab"
+                return _Resp({"items": [o for (p, _, _), o in server.objects.items()
+                                        if p == plural]})
+
+        return Client()
+
+    def delete(self, plural, ns, name):
+        from kubernetes_asyncio.client.rest import ApiException
+
+        if self.objects.pop((plural, ns, name), None) is None:
+            raise ApiException(status=404, reason="Not Found")
+
+    def queues(self):
+        return sorted((p, ns, n) for p, ns, n in self.objects if p in ("clusterqueues", "localqueues"))
+
+
+async def test_a_person_who_left_loses_their_queues_and_no_mirror_makes_them_again(tmp_path):
+    """The hub removes a departed person's ClusterQueues and LocalQueues; the service's
+    mirror, which applied them too, forgets the person before it would apply them again (an
+    admin's quota edit), and a returning person is given new queues at their next job."""
+    import logging
+    import time
+
+    ledger = Ledger(f"sqlite:///{tmp_path / 'l.sqlite'}", pool="kubernetes")
+    ledger.migrate()
+    ledger.set_quota("user", "ann", Quota(max_gpus=2), actor="admin")
+    kueue = _Kueue()
+    log = logging.getLogger("t")
+    hub = KueueMirror(ledger, kueue.client(), _Core([]), interval=60, log=log, pool=4)
+    service = KueueMirror(ledger, kueue.client(), _Core([]), interval=60, log=log, pool=4)
+    for m in (hub, service):
+        await m.register("gpulab-ann", "ann", (), "ann")
+        await m.register("gpulab-bob", "bob", (), "bob")
+        m._task.cancel()
+    mine = [("clusterqueues", None, "gpulab-ann"), ("clusterqueues", None, "gpulab-ann.preemptible"),
+            ("localqueues", "gpulab-ann", "gpulab"), ("localqueues", "gpulab-ann", "gpulab-preemptible")]
+    assert set(mine) <= set(kueue.queues())
+
+    assert await hub.remove("gpulab-ann") == 4
+    assert not set(mine) & set(kueue.queues()) and "gpulab-ann" not in hub.users
+    assert await hub.remove("gpulab-ann") == 0  # gone already: not an error
+
+    # nothing changed, the queues listed lately: the service's pass asks nothing
+    service._gone_checked = time.monotonic()
+    lists = kueue.lists
+    assert await service.sync() == 0 and kueue.lists == lists
+    # the admin edits ann's quota: the service's pass lists the queues first, forgets her
+    ledger.set_quota("user", "ann", Quota(max_gpus=3), actor="admin")
+    assert await service.sync() == 0
+    assert kueue.lists == lists + 1
+    assert "gpulab-ann" not in service.users and "gpulab-ann" not in service.applied
+    assert not set(mine) & set(kueue.queues())
+    assert "gpulab-bob" in service.applied  # the others stay mirrored
+    # nothing changed since: no list until capacity_seconds have passed
+    assert await service.sync() == 0 and kueue.lists == lists + 1
+    service._gone_checked -= service.capacity_seconds
+    await service.sync()
+    assert kueue.lists == lists + 2
+
+    # ann comes back: her first job applies her queues anew, with her quota of now
+    await service.register("gpulab-ann", "ann", (), "ann")
+    assert set(mine) <= set(kueue.queues())
+    limit = kueue.objects[("clusterqueues", None, "gpulab-ann")]["spec"]["resourceGroups"][0]
+    assert limit["flavors"][0]["resources"][0]["borrowingLimit"] == "3"
+
+
 # -- the pass that follows Kueue, on caches as the shared watches fill them -----------------
 
 class _Cache:
