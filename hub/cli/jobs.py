@@ -116,7 +116,7 @@ def _spec_arguments(s) -> None:
                    help="start now or be refused; by default a job whose GPUs are busy waits "
                         "in the queue (Queued) and starts by itself")
     s.add_argument("--priority", type=int, help="order among your own queued jobs "
-                   "(-100..100, higher first; default 0)")
+                   "(-100..100, higher first; default 0; refused on a cluster queued by Kueue)")
     s.add_argument("--preemptible", action="store_true", default=None,
                    help="may borrow GPUs idle beyond your quota; stopped and queued again "
                         "(resuming from its checkpoint) when in-quota work needs them")

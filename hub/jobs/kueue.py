@@ -41,6 +41,7 @@ from kubespawner.clients import load_config, shared_client
 from kubespawner.reflector import MultiNamespaceResourceReflector
 from traitlets import Unicode
 
+from gpulab.hub.jobs.base import JobError
 from gpulab.hub.jobs.kube import _LABELS, KubeJobBackend, _PodReflector, _ts, pod_words
 from gpulab.hub.jobs.kubeobjects import (
     JOBSET_API,
@@ -239,7 +240,17 @@ class KueueJobBackend(KubeJobBackend):
     # -- submit ----------------------------------------------------------------------------
 
     async def _prepare(self, user: str, groups: tuple[str, ...], spec: JobSpec) -> None:
-        """No capacity check: Kueue admits what fits."""
+        """No capacity check: Kueue admits what fits. A ``priority`` is refused before
+        anything is made: in Kueue one number both orders a queue and decides whose admitted
+        work may be preempted, across people (every queue borrows from one pool), so a
+        person's priority 100 would take GPUs from other people's work of priority 0; their
+        jobs wait in submit order instead."""
+        if spec.priority:
+            raise JobError(
+                "priority: this cluster's queue (Kueue) cannot order your own jobs by priority "
+                "without letting them take GPUs from other people's; your jobs wait in the "
+                "order you submit them. Submit without a priority (or with 0).", 400,
+                field="priority")
 
     def _admit_or_queue(self, req: Request, spec: JobSpec) -> Allocation | None:
         """Queued, always (Kueue admits it); refused at once only when it asks more GPUs than

@@ -168,7 +168,9 @@ class JobSpec(Strict):
                        "Queued, answered 202) rather than be refused; false: start now or "
                        "be refused (409)")
     priority: int = Field(0, ge=-100, le=100, description="order among your own queued "
-                          "work (higher first); others' work is ordered by fair share")
+                          "work (higher first); others' work is ordered by fair share. Refused (400) where "
+                          "the cluster's queue is Kueue, which cannot order one person's work "
+                          "without preempting others'")
     preemptible: bool = Field(False, description="may borrow GPUs idle beyond your quota; "
                               "stopped (SIGTERM) and queued again when in-quota work needs "
                               "them, then resumed from its last checkpoint")

@@ -110,6 +110,23 @@ def test_a_job_over_the_persons_quota_is_refused_at_once(tmp_path):
     assert ledger.open_allocations() == []  # Kueue admits; nothing is held at submit
 
 
+async def test_a_priority_is_refused_before_anything_is_made(tmp_path):
+    """In Kueue a priority would also decide whose work is preempted, across people: a job
+    with one is refused with a 400 that says so, before a row or an object exists; 0 is
+    the default and passes that check."""
+    from gpulab.hub.jobs.base import JobError
+
+    ledger = Ledger(f"sqlite:///{tmp_path / 'l.sqlite'}", pool="kubernetes")
+    ledger.migrate()
+    b = KueueJobBackend(ledger)
+    with pytest.raises(JobError) as e:
+        await b.submit("ann", (), parse_spec({"name": "j", "strategy": "multi-worker-mirrored", "script": "t.py", "priority": 50}))
+    assert e.value.status == 400 and e.value.field == "priority"
+    assert "wait in the order you submit them" in e.value.message
+    assert b.list() == [] and ledger.open_allocations() == []
+    await b._prepare("ann", (), parse_spec({"name": "j", "strategy": "multi-worker-mirrored", "script": "t.py", "priority": 0}))
+
+
 def test_the_ledger_adopts_what_kueue_admitted_once_and_counts_it(tmp_path):
     ledger = Ledger(f"sqlite:///{tmp_path / 'l.sqlite'}", pool="kubernetes")
     ledger.migrate()
