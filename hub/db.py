@@ -7,9 +7,10 @@ run by `gpulab.hub.quota.ledger.Ledger.migrate`.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
-from sqlalchemy import create_engine, event
+from sqlalchemy import create_engine, event, exc
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase
 
@@ -45,8 +46,41 @@ def make_engine(url: str, echo: bool = False) -> Engine:
     # serializable): admission reads after its locks, each statement in a snapshot of its own
     # (`_Direct`); under one snapshot per transaction, taken before the pool's lock is granted,
     # two admissions hand out one GPU
-    return create_engine(url, echo=echo, pool_pre_ping=True, pool_size=10, max_overflow=20,
-                         isolation_level="READ COMMITTED")
+    engine = create_engine(url, echo=echo, pool_size=10, max_overflow=20,
+                           isolation_level="READ COMMITTED")
+    _ping_when_idle(engine)
+    return engine
+
+
+#: a pooled PostgreSQL connection idle for longer than this is pinged before it is handed out
+IDLE_PING_SECONDS = 1.0
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    """SQLAlchemy's ``pool_pre_ping``, but only for a connection that sat in the pool for
+    longer than `IDLE_PING_SECONDS`: one that was in use a moment ago is handed out without
+    a round trip. Under load (bench/admission.py) that is a ping less for every admission and
+    every release; a quiet service pings as before, so a connection the server dropped while
+    it was idle (a restart, an idle timeout, a proxy) is replaced before anyone uses it. One
+    that dies within the second after its last use fails that one transaction, which is
+    rolled back and its connection dropped (`gpulab.hub.quota.ledger._Direct`, SQLAlchemy's
+    ``Connection``)."""
+
+    @event.listens_for(engine, "checkin")
+    def _checked_in(_dbapi_conn, record):
+        if record is not None:
+            record.info["gpulab_idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checked_out(dbapi_conn, record, _proxy):
+        since = record.info.get("gpulab_idle_since")
+        if since is None or time.monotonic() - since <= IDLE_PING_SECONDS:
+            return  # new, or in use a moment ago
+        try:
+            engine.dialect.do_ping(dbapi_conn)
+        except engine.dialect.loaded_dbapi.Error as e:
+            # the pool drops this connection and checks out another (up to three tries)
+            raise exc.DisconnectionError(f"a pooled connection is gone: {e}") from e
 
 
 def alembic_config(url: str):

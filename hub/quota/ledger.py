@@ -594,7 +594,7 @@ class _Direct:
     """Admission and release on the DBAPI connection itself, without SQLAlchemy's
     ``Connection`` (measured: SQLAlchemy's execution costs more than SQLite's own work for these
     small statements, see bench/admission.py). The statements are the Core ones above, compiled
-    once; the connection comes from the engine's pool (and its pre-ping on PostgreSQL).
+    once; the connection comes from the engine's pool (pinged where it sat idle, `gpulab.hub.db`).
 
     On SQLite the process's write lock (`_Writers`) is held around the transaction, which begins
     with ``BEGIN IMMEDIATE`` (the database's write lock). On PostgreSQL each step is one round

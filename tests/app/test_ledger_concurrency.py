@@ -287,3 +287,40 @@ def test_lost_connections_on_postgresql(postgres):
     assert returned and all(r == (TransactionStatus.IDLE, PipelineStatus.OFF, False)
                             for r in returned), returned
     ledger.engine.dispose()
+
+
+def test_a_connection_dropped_while_idle_is_replaced_unseen_on_postgresql(postgres, monkeypatch):
+    """The engine pings a pooled connection only where it sat idle (`gpulab.hub.db`): one the
+    server dropped meanwhile is replaced before anyone uses it; one in use a moment ago is
+    handed out without a round trip."""
+    import psycopg
+    from sqlalchemy import event
+
+    from gpulab.hub import db
+
+    ledger = Ledger(postgres.create_database("idle"))
+    ledger.migrate()
+    ledger.sync_inventory(DeviceInfo(i) for i in range(2))
+    pings = []
+    ping = ledger.engine.dialect.do_ping
+    monkeypatch.setattr(ledger.engine.dialect, "do_ping",
+                        lambda c: pings.append(c.info.backend_pid) or ping(c))
+    checkouts = []
+    event.listen(ledger.engine, "checkout", lambda c, r, p: checkouts.append(c.info.backend_pid))
+
+    a = ledger.admit(Request("ann", "notebook", "a", 1))
+    ledger.release(a.id)  # in use a moment ago: no ping
+    assert len(checkouts) == 2 and pings == []
+
+    dsn = f"dbname=idle user=gpulab host={postgres.sock}"
+    with psycopg.connect(dsn, autocommit=True) as x:
+        gone = {pid for (pid,) in x.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = 'idle' AND pid <> pg_backend_pid()")}
+        x.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                  "WHERE datname = 'idle' AND pid <> pg_backend_pid()")
+    assert checkouts[-1] in gone
+    monkeypatch.setattr(db, "IDLE_PING_SECONDS", 0.0)
+    b = ledger.admit(Request("bob", "notebook", "b", 1))  # the dead one is pinged, replaced
+    assert b.devices == (0,)
+    assert len(pings) == 1 and checkouts[-1] not in gone
+    ledger.engine.dispose()
