@@ -92,7 +92,8 @@ class GPULedger(SingletonConfigurable):
         60.0,
         help="""Seconds between two passes of the gpulab service over the open notebook
         allocations, closing those whose server the hub no longer has (a hub stopped in the
-        middle of a spawn); 0 turns it off. Allocations younger than this (at least 30 s) are
+        middle of a spawn), and over the training jobs, stopping those of people whose hub
+        account was deleted; 0 turns it off. Allocations younger than this (at least 30 s) are
         left alone.""",
     ).tag(config=True)
 

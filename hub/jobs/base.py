@@ -188,6 +188,10 @@ class JobBackend:
     def list(self, user: str | None = None) -> list[dict]:
         return self._with_places([self._view(j, reps) for j, reps in self.store.all(user)])
 
+    def active_owners(self) -> list[tuple[str, str]]:
+        """``(user, name)`` of every job not yet final, waiting ones too (sync)."""
+        return self.store.active_owners()
+
     def get(self, user: str, name: str) -> dict | None:
         job, replicas = self.store.find(user, name)
         if job is None:
@@ -472,7 +476,9 @@ class JobBackend:
 
     # -- ending --------------------------------------------------------------------------
 
-    async def stop(self, user: str, name: str, actor: str | None = None) -> dict:
+    async def stop(self, user: str, name: str, actor: str | None = None,
+                   reason: str | None = None) -> dict:
+        """Stop a job (its reason: ``stopped by <actor>``, or `reason`)."""
         view = await asyncio.to_thread(self.get, user, name)
         if view is None:
             raise JobError(f"No job '{name}'.", 404)
@@ -481,7 +487,7 @@ class JobBackend:
         async with self._lock:  # no supervision pass restarts what is being stopped
             await self._halt(view)
             await asyncio.to_thread(self._finish, view["id"], "Stopped",
-                                    "stopped by " + (actor or user))
+                                    reason or "stopped by " + (actor or user))
         return await asyncio.to_thread(self.get, user, name)
 
     def _finish(self, job_id: str, state: str, reason: str, at: float | None = None) -> None:

@@ -113,6 +113,12 @@ class JobStore:
             q = select(JobRow).where(JobRow.state.in_(ACTIVE), JobRow.backend == self.backend)
             return [(j, self.load(s, j.id)[1]) for j in s.scalars(q)]
 
+    def active_owners(self) -> list[tuple[str, str]]:
+        """``(user, name)`` of this backend's active jobs, waiting ones too."""
+        with self.ledger.Reader() as s:
+            return [tuple(r) for r in s.execute(select(JobRow.user, JobRow.name).where(
+                JobRow.state.in_(ACTIVE), JobRow.backend == self.backend))]
+
     def active_ids(self, started: bool = False) -> list[str]:
         """This backend's active jobs; ``started``: not those that wait in the queue."""
         states = [x for x in ACTIVE if x != "Queued"] if started else list(ACTIVE)

@@ -18,7 +18,8 @@ and `main`. What lives where:
 - `gpulab.hub.service.quotas`: quotas, holdings, usage, audit: view builders and handlers;
 - `gpulab.hub.service.jobs`: the training-job handlers;
 - `gpulab.hub.service.pages`: the user and admin pages, error pages, `page_context`, templates;
-- `gpulab.hub.service.reconciler`: closing allocations of servers the hub no longer has;
+- `gpulab.hub.service.reconciler`: closing allocations of servers the hub no longer has,
+  stopping the jobs of people it no longer has;
 - `gpulab.hub.service.tls`: `ServiceTLS`.
 
 The names of those modules are imported here too, as before the split.
@@ -57,7 +58,7 @@ from gpulab.hub.service.quotas import (AllocationsHandler, AuditHandler, MeHandl
                                        overview,
                                        user_view)
 from gpulab.hub.service.reconciler import (close_orphaned_notebooks,  # noqa: F401
-                                           start_notebook_reconciler)
+                                           start_notebook_reconciler, stop_jobs_of_departed)
 from gpulab.hub.service.tls import ServiceTLS
 
 
@@ -246,7 +247,8 @@ class GpulabService(Application):
         return _env("GPULAB_JOB_LIMITS")
 
     reconcile_seconds = Float(help="""Seconds between two runs of the reconciler that closes
-        the notebook allocations of servers the hub no longer has (0: never). Default:
+        the notebook allocations of servers the hub no longer has and stops the training jobs
+        of people whose account was deleted (0: never). Default:
         ``$GPULAB_RECONCILE_SECONDS``, else 60. Example: ``c.GpulabService.reconcile_seconds = 60``.
         """).tag(config=True)
 
@@ -390,7 +392,7 @@ class GpulabService(Application):
         if jobs is not None:
             jobs.recover()
             IOLoop.current().add_callback(jobs.ensure_supervisor)
-        start_notebook_reconciler(ledger, directory, self.reconcile_seconds)
+        start_notebook_reconciler(ledger, directory, self.reconcile_seconds, jobs=jobs)
         # tornado buffers a body whole before a handler sees it (100 MB by default): bound it.
         # Up to this size an oversized body gets the handlers' clear 413 (`json_body`); past it
         # tornado refuses the request from its Content-Length alone, before reading it

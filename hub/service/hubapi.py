@@ -8,7 +8,7 @@ import json
 import time
 from urllib.parse import quote
 
-from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
 class HubDirectory:
     """Users and groups as the hub knows them, read with the service's own token."""
@@ -16,6 +16,7 @@ class HubDirectory:
     def __init__(self, api_url: str, token: str, ttl: float = 5.0):
         self.api_url, self.token, self.ttl = api_url.rstrip("/"), token, ttl
         self._cache: tuple[float, list[dict]] | None = None
+        self._reads_all: bool | None = None
         self._lock = asyncio.Lock()
 
     async def _get(self, path: str):
@@ -64,6 +65,26 @@ class HubDirectory:
         except Exception:
             return []
         return sorted(model.get("groups", []))
+
+    async def reads_every_user(self) -> bool:
+        """Whether this service's token reads every user of the hub (``read:users`` without a
+        filter), so that a 404 for a name means the hub has no such user: the hub answers 404
+        for a user a token may not see too. Asked once."""
+        if self._reads_all is None:
+            scopes = (await self._get("/user")).get("scopes", [])
+            self._reads_all = "read:users" in scopes or "admin:users" in scopes
+        return self._reads_all
+
+    async def gone(self, name: str) -> bool:
+        """Whether the hub has no user `name` (its API answers 404); any other failure is
+        raised, never taken for an answer."""
+        try:
+            await self._get(f"/users/{quote(name, safe='')}")
+        except HTTPClientError as e:
+            if e.code == 404:
+                return True
+            raise
+        return False
 
     def forget(self) -> None:
         self._cache = None

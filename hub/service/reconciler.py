@@ -1,4 +1,5 @@
-"""The reconciler: closes the notebook allocations of servers the hub no longer has."""
+"""The reconciler: closes the notebook allocations of servers the hub no longer has, and stops
+the training jobs of people the hub no longer has."""
 
 from __future__ import annotations
 
@@ -46,10 +47,53 @@ async def close_orphaned_notebooks(ledger: Ledger, directory: HubDirectory,
     return closed
 
 
+async def stop_jobs_of_departed(jobs, directory: HubDirectory) -> list[tuple[str, str]] | None:
+    """Stop the jobs, running or waiting, of people whose hub account was deleted.
+
+    Deleting a person in the hub stops their servers, but their training jobs are the gpulab
+    service's: without this they would run on, holding GPUs nobody can stop but an admin, and
+    keep their place in the queue. A job's owner who is missing from the hub's user list is
+    looked up once more by name, and only the hub's 404 counts as gone (a person made after
+    the list was read, or a hub that answers badly, stops nothing). The hub answers 404 for a
+    user a token may not see too, so nothing is stopped unless the service reads every user
+    (its role's ``read:users``, unfiltered). Returns the stopped ``(user, job)``, or None
+    when the hub could not be asked."""
+    owners = await asyncio.to_thread(jobs.active_owners)
+    if not owners:
+        return []
+    try:
+        if not await directory.reads_every_user():
+            if not getattr(directory, "_told_narrow", False):
+                directory._told_narrow = True
+                log.warning("The gpulab service's role does not read every user "
+                            "(read:users): the jobs of deleted accounts are not stopped")
+            return None
+        directory.forget()
+        known = {u["name"] for u in await directory.users()}
+        gone = {u: await directory.gone(u) for u in {u for u, _ in owners} - known}
+    except Exception as e:  # the hub restarting: try again next time
+        log.warning("Could not list the hub's users (%s); no job of a deleted account "
+                    "stopped", e)
+        return None
+    stopped = []
+    for user, name in owners:
+        if not gone.get(user):
+            continue
+        try:
+            await jobs.stop(user, name, reason=f"stopped: {user}'s account was deleted")
+        except Exception:
+            log.exception("Could not stop job %s/%s of a deleted account", user, name)
+            continue
+        log.warning("Stopped job %s/%s: the hub no longer has %s", user, name, user)
+        stopped.append((user, name))
+    return stopped
+
+
 def start_notebook_reconciler(ledger: Ledger, directory: HubDirectory,
-                              interval: float) -> PeriodicCallback | None:
-    """Run `close_orphaned_notebooks` every ``interval`` seconds (0: never); the grace for
-    young allocations is the interval, at least 30 s."""
+                              interval: float, jobs=None) -> PeriodicCallback | None:
+    """Run `close_orphaned_notebooks` (and, with a job backend, `stop_jobs_of_departed`)
+    every ``interval`` seconds (0: never); the grace for young allocations is the interval,
+    at least 30 s."""
     if interval <= 0:
         return None
     grace = max(30.0, interval)
@@ -61,9 +105,15 @@ def start_notebook_reconciler(ledger: Ledger, directory: HubDirectory,
             return
         busy = True
         try:
-            await close_orphaned_notebooks(ledger, directory, grace)
-        except Exception:
-            log.exception("Notebook allocation reconciler failed; retrying")
+            try:
+                await close_orphaned_notebooks(ledger, directory, grace)
+            except Exception:
+                log.exception("Notebook allocation reconciler failed; retrying")
+            if jobs is not None and not jobs.unavailable:
+                try:
+                    await stop_jobs_of_departed(jobs, directory)
+                except Exception:
+                    log.exception("Stopping the jobs of deleted accounts failed; retrying")
         finally:
             busy = False
 

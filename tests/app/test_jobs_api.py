@@ -21,6 +21,7 @@ import requests
 
 from gpulab.hub.deploy.serviceconfig import SERVICE_CONFIG_NAME
 from gpulab.hub.jobs.local import TMP_ROOT
+from gpulab.hub.quota.ledger import Ledger
 from gpulab.hub.service import ENV_FALLBACKS
 from gpulab.spawner.cgroups import Cgroups
 from gpulab.spawner.sandbox import NETNS_DIR
@@ -686,3 +687,39 @@ def test_concurrent_submits_of_one_name_start_one_job(hub, users):
     assert [(h["kind"], h["name"], h["gpus"]) for h in held] == [("job", "twice", 1)], held
     assert bob.service("POST", "jobs/twice/stop").json()["state"] == "Stopped"
     assert holdings(bob) == before
+
+
+def test_the_jobs_of_a_deleted_account_are_stopped_and_their_gpus_freed(hub, users, admin):
+    """An admin deletes a person in the hub while their job runs: the service stops the job
+    (its reason says why), its processes end and its GPUs come back, within a pass of the
+    reconciler (every 2 s here)."""
+    from tests.app.hubctl import Browser
+    from tests.conftest import PASSWORD
+
+    dora = Browser(hub, "dora")
+    assert dora.signup(PASSWORD).status_code == 200
+    assert admin.s.get(hub.url + "/hub/authorize/dora").status_code == 200
+    dora.login(PASSWORD)
+    r = dora.service("POST", "jobs", json=mw("left-behind", workers=1, gpus=1, source=SLEEPER))
+    assert r.status_code == 201, r.text
+    folder = job_dir(hub, "dora", "left-behind")
+    pids = wait_pids(folder, 1)
+    token = dora.token()
+    ledger = Ledger(f"sqlite:///{hub.data_dir / 'gpulab.sqlite'}")
+    assert [a.gpus for a in ledger.open_allocations(user="dora")] == [1]
+    # a person who is still there keeps their job
+    r = users["bob"].service("POST", "jobs", json=mw("stays", workers=1, source=SLEEPER))
+    assert r.status_code == 201, r.text
+
+    r = admin.api("DELETE", "/users/dora")
+    assert r.status_code == 204, r.text
+    job = wait_state(admin, "left-behind", {"Stopped"}, timeout=60, user="dora")
+    assert job["reason"] == "stopped: dora's account was deleted"
+    assert all(gone(p) for p in pids) and job_processes(folder) == []
+    assert ledger.open_allocations(user="dora") == []
+    assert dora.service("GET", "me", token=token).status_code in (401, 403)
+    time.sleep(3)  # a pass of the reconciler later
+    assert wait_state(users["bob"], "stays", {"Running", "Succeeded", "Failed", "Stopped"},
+                      timeout=60)["state"] == "Running"
+    assert users["bob"].service("POST", "jobs/stays/stop").json()["state"] == "Stopped"
+    ledger.engine.dispose()
