@@ -68,7 +68,8 @@ async def stop_jobs_of_departed(jobs, directory: HubDirectory) -> list[tuple[str
                 log.warning("The gpulab service's role does not read every user "
                             "(read:users): the jobs of deleted accounts are not stopped")
             return None
-        directory.forget()
+        # the cached list (a few seconds old): someone deleted since is stopped next time,
+        # someone made since is looked up
         known = {u["name"] for u in await directory.users()}
         gone = {u: await directory.gone(u) for u in {u for u, _ in owners} - known}
     except Exception as e:  # the hub restarting: try again next time

@@ -18,9 +18,6 @@ class Directory:
     async def reads_every_user(self):
         return self.reads_all
 
-    def forget(self):
-        pass
-
     async def users(self):
         if isinstance(self.listed, Exception):
             raise self.listed
