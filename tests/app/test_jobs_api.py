@@ -704,7 +704,6 @@ def test_the_jobs_of_a_deleted_account_are_stopped_and_their_gpus_freed(hub, use
     assert r.status_code == 201, r.text
     folder = job_dir(hub, "dora", "left-behind")
     pids = wait_pids(folder, 1)
-    token = dora.token()
     ledger = Ledger(f"sqlite:///{hub.data_dir / 'gpulab.sqlite'}")
     assert [a.gpus for a in ledger.open_allocations(user="dora")] == [1]
     # a person who is still there keeps their job
@@ -717,7 +716,6 @@ def test_the_jobs_of_a_deleted_account_are_stopped_and_their_gpus_freed(hub, use
     assert job["reason"] == "stopped: dora's account was deleted"
     assert all(gone(p) for p in pids) and job_processes(folder) == []
     assert ledger.open_allocations(user="dora") == []
-    assert dora.service("GET", "me", token=token).status_code in (401, 403)
     time.sleep(3)  # a pass of the reconciler later
     assert wait_state(users["bob"], "stays", {"Running", "Succeeded", "Failed", "Stopped"},
                       timeout=60)["state"] == "Running"
