@@ -63,7 +63,23 @@ def check_json_values(value, path: str = "body", depth: int = 0) -> None:
 #: (``<hub prefix>static/``, `ErrorPages.page_context`), which the proxy routes to the hub.
 
 
-class Base(HubOAuthenticated, web.RequestHandler):
+class AppHubAuth:
+    """Every handler of the service asks the hub through the application's one `HubOAuth`
+    (``settings["hub_auth"]``: its 5 s cache, its access scope, its TLS files), never through
+    the process-wide ``HubOAuth.instance()`` that `HubOAuthenticated` falls back to: that one
+    keeps a token's answer for 300 s, so a token revoked in the hub, or the token of an
+    account deleted there, went on working at the service for five minutes."""
+
+    @property
+    def hub_auth(self):
+        return self.settings["hub_auth"]
+
+    @hub_auth.setter
+    def hub_auth(self, auth):
+        raise AttributeError("the service's HubOAuth is the application's settings['hub_auth']")
+
+
+class Base(AppHubAuth, HubOAuthenticated, web.RequestHandler):
     @property
     def ledger(self) -> Ledger:
         return self.settings["ledger"]

@@ -18,7 +18,7 @@ from jupyterhub.utils import url_path_join
 from tornado import httputil, web
 
 from gpulab.hub.service import ADMIN_SCOPE, SERVICE_NAME
-from gpulab.hub.service.base import Base, log
+from gpulab.hub.service.base import AppHubAuth, Base, log
 from gpulab.hub.service.quotas import _usage, inventory_view, overview, user_view
 from gpulab.hub.service.queue import entry_view
 
@@ -178,7 +178,7 @@ class NotFoundHandler(PageHandler):
         raise PageError(404, f"There is no gpulab page at {path}.", hint="not-found")
 
 
-class OAuthCallbackHandler(ErrorPages, HubOAuthCallbackHandler):
+class OAuthCallbackHandler(ErrorPages, AppHubAuth, HubOAuthCallbackHandler):
     """The hub's OAuth callback; its errors (a login refused, stale or forged: 400, 403) are
     pages too, saying to log in again."""
 

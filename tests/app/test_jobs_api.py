@@ -710,9 +710,16 @@ def test_the_jobs_of_a_deleted_account_are_stopped_and_their_gpus_freed(hub, use
     r = users["bob"].service("POST", "jobs", json=mw("stays", workers=1, source=SLEEPER))
     assert r.status_code == 201, r.text
 
+    token = dora.token()
     r = admin.api("DELETE", "/users/dora")
     assert r.status_code == 204, r.text
     job = wait_state(admin, "left-behind", {"Stopped"}, timeout=60, user="dora")
+    # the token dora made is refused by the service too, after its 5 s cache at most
+    t0 = time.monotonic()
+    while dora.service("GET", "me", token=token).status_code == 200:
+        assert time.monotonic() - t0 < 15, "a deleted account's token still works"
+        time.sleep(0.5)
+    assert dora.service("POST", "jobs", json=mw("after", workers=1)).status_code == 401
     assert job["reason"] == "stopped: dora's account was deleted"
     assert all(gone(p) for p in pids) and job_processes(folder) == []
     assert ledger.open_allocations(user="dora") == []

@@ -76,6 +76,28 @@ def test_people_see_only_their_own(users, hub):
         ann.stop_server("seen")
 
 
+def test_a_token_revoked_in_the_hub_stops_working_at_the_service_within_seconds(users, hub):
+    """The service keeps the hub's answer for a token 5 s (its `HubOAuth`), not the 300 s of
+    JupyterHub's process-wide default: a leaked token that its owner revokes is refused by
+    the service seconds later, as by the hub at once."""
+    carl = users["carl"]
+    r = carl.api("POST", "/users/carl/tokens", json={"note": "leaked"})
+    assert r.status_code == 201, r.text
+    leaked, tid = r.json()["token"], r.json()["id"]
+    assert carl.service("GET", "me", token=leaked).status_code == 200  # now in the cache
+    assert carl.api("DELETE", f"/users/carl/tokens/{tid}").status_code == 204
+    h = {"Authorization": f"token {leaked}"}
+    assert requests.get(hub.url + "/hub/api/user", headers=h).status_code == 403
+    t0 = time.monotonic()
+    while (status := carl.service("GET", "me", token=leaked).status_code) == 200:
+        assert time.monotonic() - t0 < 15, "the service still took a revoked token after 15 s"
+        time.sleep(0.5)
+    took = time.monotonic() - t0
+    assert status == 401 and took < 7, (status, took)
+    # carl's other token (made before) still works
+    assert carl.service("GET", "me").status_code == 200
+
+
 def test_gpus_of_a_server_the_hub_lost_come_back(users, hub):
     """A hub stopped in the middle of a spawn leaves an allocation whose server it no longer
     has: the service closes it (after the grace for young ones); live servers keep theirs."""
