@@ -16,6 +16,10 @@ does). Two things:
   the magic's TensorBoard on a Unix socket in a fresh 0700 folder of the server's account, and
   ``TENSORBOARD_PROXY_URL`` (``<prefix>gpulab-tensorboard/%PORT%/``) points the magic's iframe
   at this server's authenticated route to that socket.
+
+It also keeps the hub's answer for a token only `TOKEN_CACHE_SECONDS` (`bound_token_cache`):
+a token revoked at the hub stops opening the server seconds later, not after JupyterHub's
+default of five minutes.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from pathlib import Path
 
 #: where TensorBoard is served, below the server's prefix
 TENSORBOARD_PATH = "tensorboard"
+#: how long a notebook server keeps the hub's answer for a token (JupyterHub's default: 300 s)
+TOKEN_CACHE_SECONDS = 5
 
 
 def runs_dir(env=None) -> str:
@@ -118,7 +124,29 @@ def setup_tensorboard_magic(serverapp) -> str:
     return folder
 
 
+def bound_token_cache(serverapp) -> int | None:
+    """Keep the hub's answer for a token (or for a browser's OAuth cookie) `TOKEN_CACHE_SECONDS`
+    in this server: JupyterHub's ``HubOAuth`` keeps it 300 s, so a token its owner revoked at
+    the hub (or one of an account the admin deleted) went on opening the server, its kernels
+    and files, for five minutes. An operator's own ``c.HubOAuth.cache_max_age`` (or
+    ``HubAuth``'s) stands. Returns the bound in force, or None outside JupyterHub (no
+    ``hub_auth``: nothing to bound)."""
+    auth = getattr(getattr(serverapp, "identity_provider", None), "hub_auth", None)
+    if auth is None:
+        return None
+    config = serverapp.config
+    if any("cache_max_age" in dict.get(config, section, {}) for section in ("HubOAuth", "HubAuth")):
+        return auth.cache_max_age
+    auth.cache_max_age = TOKEN_CACHE_SECONDS
+    # the cache may be made already, with the bound it had then
+    auth.cache.max_age = auth.cache.purge_interval = TOKEN_CACHE_SECONDS
+    return TOKEN_CACHE_SECONDS
+
+
 def _load_jupyter_server_extension(serverapp) -> None:
+    bound = bound_token_cache(serverapp)
+    if bound is not None:
+        serverapp.log.info("gpulab: the hub's answer for a token is kept %d s", bound)
     folder = setup_tensorboard_magic(serverapp)
     serverapp.log.info("gpulab: %%tensorboard magic at %s on Unix sockets in %s",
                        os.environ["TENSORBOARD_PROXY_URL"], folder)

@@ -29,6 +29,7 @@ import time
 import uuid
 
 import pytest
+import requests
 
 from gpulab.spawner.accounts import delete_account, system_username
 from gpulab.spawner.cgroups import Cgroups
@@ -284,3 +285,24 @@ def test_every_server_has_a_private_tmp(hub, vic, eve):
         assert open("/tmp/my_working_dir/x").read() not in (mark, "eve")
     except OSError:
         pass
+
+
+def test_a_revoked_token_stops_opening_the_server_within_seconds(hub, vic):
+    """vic's token leaked; vic revokes it at the hub. vic's running notebook server asks the
+    hub again after 5 s (gpulab's server config: ``HubOAuth.cache_max_age``), not after
+    JupyterHub's default 300 s, so the token stops opening the server (its kernels, its
+    files) seconds later."""
+    r = vic.api("POST", "/users/vic/tokens", json={"note": "leaked"})
+    assert r.status_code == 201, r.text
+    leaked, tid = r.json()["token"], r.json()["id"]
+    url = hub.url + "/user/vic/api/contents"
+    h = {"Authorization": f"token {leaked}"}
+    assert requests.get(url, headers=h).status_code == 200  # the server caches the answer
+    assert vic.api("DELETE", f"/users/vic/tokens/{tid}").status_code == 204
+    t0 = time.monotonic()
+    while (status := requests.get(url, headers=h, allow_redirects=False).status_code) == 200:
+        assert time.monotonic() - t0 < 20, "vic's server still took a revoked token after 20 s"
+        time.sleep(0.5)
+    assert status in (302, 401, 403) and time.monotonic() - t0 < 8, status
+    # vic's own session is untouched
+    assert requests.get(url, headers={"Authorization": f"token {vic.token()}"}).status_code == 200
