@@ -71,12 +71,8 @@ class AppHubAuth:
     account deleted there, went on working at the service for five minutes."""
 
     @property
-    def hub_auth(self):
+    def hub_auth(self):  # read-only: no handler swaps in another
         return self.settings["hub_auth"]
-
-    @hub_auth.setter
-    def hub_auth(self, auth):
-        raise AttributeError("the service's HubOAuth is the application's settings['hub_auth']")
 
 
 class Base(AppHubAuth, HubOAuthenticated, web.RequestHandler):

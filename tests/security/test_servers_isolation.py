@@ -289,7 +289,7 @@ def test_every_server_has_a_private_tmp(hub, vic, eve):
 
 def test_a_revoked_token_stops_opening_the_server_within_seconds(hub, vic):
     """vic's token leaked; vic revokes it at the hub. vic's running notebook server asks the
-    hub again after 5 s (gpulab's server config: ``HubOAuth.cache_max_age``), not after
+    hub again after 5 s (gpulab's server extension bounds its ``HubOAuth`` cache), not after
     JupyterHub's default 300 s, so the token stops opening the server (its kernels, its
     files) seconds later."""
     r = vic.api("POST", "/users/vic/tokens", json={"note": "leaked"})
