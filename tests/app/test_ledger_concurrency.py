@@ -324,3 +324,51 @@ def test_a_connection_dropped_while_idle_is_replaced_unseen_on_postgresql(postgr
     assert b.devices == (0,)
     assert len(pings) == 1 and checkouts[-1] not in gone
     ledger.engine.dispose()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("conforming", ["on", "off"])
+def test_names_and_times_reach_postgresql_exactly(postgres, conforming):
+    """Admission sends its values to PostgreSQL as literals that psycopg's ClientCursor quotes
+    (`_PgTx`): names that look like SQL (quotes, backslashes, a semicolon, a comment) are
+    stored as they are and run nothing, also where a DBA turned ``standard_conforming_strings``
+    off (backslashes then escape in plain literals); groups with such names go through the
+    group quota; times come back to the last bit (a float written as a literal is read back
+    exactly)."""
+    import psycopg
+
+    name = f"literals_{conforming}"
+    url = postgres.create_database(name)
+    with psycopg.connect(f"dbname={name} user=gpulab host={postgres.sock}",
+                         autocommit=True) as x:
+        x.execute(f"ALTER DATABASE {name} SET standard_conforming_strings TO {conforming}")
+    ledger = Ledger(url)
+    ledger.migrate()
+    with ledger.engine.connect() as conn:  # the setting is in force on the ledger's connections
+        assert conn.exec_driver_sql("SHOW standard_conforming_strings").scalar() == conforming
+    ledger.sync_inventory(DeviceInfo(i, model="A'10\\") for i in range(3))
+    ledger.set_quota("default", "", Quota(0), actor="test")
+    user = "o'brien\\"
+    group = "staff'); DROP TABLE quotas; --"
+    ledger.set_quota("group", group, Quota(2), actor="test")
+    holder = "x'; DELETE FROM allocations; --\\'"
+    now = 1_765_000_000.123_456_7 + 2 ** -20  # not a short decimal
+    a = ledger.admit(Request(user, "job", holder, 2, groups=(group, "{a,b}", "'"),
+                             model="A'10\\"), now=now)
+    assert (a.user, a.holder, a.devices, a.started_at) == (user, holder, (0, 1), now)
+    got = ledger.get(a.id)
+    assert (got.user, got.holder, got.model, got.started_at) == (user, holder, "A'10\\", now)
+    # the quota came from the group whose name looks like SQL (the default allows none)
+    with pytest.raises(AdmissionRefused, match="2 of your 2 GPUs"):
+        ledger.admit(Request(user, "notebook", "n", 1, groups=(group,)))
+    end = now + 1e-6
+    closed = ledger.release(a.id, "why'; --", now=end)
+    assert (closed.ended_at, closed.end_reason) == (end, "why'; --")
+    with psycopg.connect(f"dbname={name} user=gpulab host={postgres.sock}") as x:
+        assert x.execute("SELECT count(*) FROM quotas").fetchone()[0] == 2
+        assert x.execute("SELECT count(*) FROM allocations").fetchone()[0] == 1
+    # a device released at `end` starts the next allocation no earlier than `end`
+    b = ledger.admit(Request(user, "job", "again", 1, groups=(group,), model="A'10\\"),
+                     now=now)
+    assert b.devices == (0,) and b.started_at == end
+    ledger.engine.dispose()
