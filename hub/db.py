@@ -45,9 +45,15 @@ def make_engine(url: str, echo: bool = False) -> Engine:
     # read committed whatever the server's default (a DBA may make it repeatable read or
     # serializable): admission reads after its locks, each statement in a snapshot of its own
     # (`_Direct`); under one snapshot per transaction, taken before the pool's lock is granted,
-    # two admissions hand out one GPU
+    # two admissions hand out one GPU.
+    # psycopg's own statement preparing off: the ledger prepares its admission statements on
+    # each connection (`gpulab.hub.quota.ledger._Statements`), and psycopg sends ``DEALLOCATE
+    # ALL`` at every ROLLBACK of a connection where it has prepared statements of its own
+    # (which also wipes its own count of uses, so that sessions that end in a rollback, the
+    # readers, seldom reached its threshold of five anyway)
     engine = create_engine(url, echo=echo, pool_size=10, max_overflow=20,
-                           isolation_level="READ COMMITTED")
+                           isolation_level="READ COMMITTED",
+                           connect_args={"prepare_threshold": None})
     _ping_when_idle(engine)
     return engine
 

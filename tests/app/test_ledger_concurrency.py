@@ -372,3 +372,43 @@ def test_names_and_times_reach_postgresql_exactly(postgres, conforming):
                      now=now)
     assert b.devices == (0,) and b.started_at == end
     ledger.engine.dispose()
+
+
+@pytest.mark.postgres
+def test_prepared_statements_last_and_come_back_after_a_discard(postgres, caplog):
+    """Admission's statements are prepared once per connection (`_Statements`): sessions of
+    others on the same pooled connection (readers end in a ROLLBACK, writers in a COMMIT) leave
+    them be; where someone drops them between two transactions (``DEALLOCATE ALL``, or a
+    pooler's ``DISCARD ALL``), the next admission or release prepares them again unseen."""
+    import logging
+
+    from sqlalchemy import text
+
+    ledger = Ledger(postgres.create_database("prepared"))
+    ledger.migrate()
+    ledger.sync_inventory(DeviceInfo(i) for i in range(2))
+    ledger.set_quota("default", "", Quota(2), actor="test")
+    caplog.set_level(logging.INFO, logger="gpulab.ledger")
+    for i in range(8):  # one thread: one pooled connection, shared by everything below
+        a = ledger.admit(Request("ann", "job", f"j{i}", 1))
+        assert ledger.get(a.id).open and len(ledger.open_allocations("ann")) == 1
+        ledger.set_quota("user", "bob", Quota(1 + i % 2), actor="test")
+        ledger.usage(0.0)
+        assert ledger.release(a.id).ended_at is not None
+    assert ledger.engine.pool.checkedin() == 1
+    with ledger.engine.connect() as conn:
+        names = conn.execute(text("SELECT name FROM pg_prepared_statements")).scalars().all()
+    assert "gpulab_lock_person" in names and "gpulab_close" in names
+    assert "were gone" not in caplog.text
+    a = ledger.admit(Request("ann", "job", "before-deallocate", 2))
+    with ledger.engine.connect() as conn:
+        conn.execute(text("DEALLOCATE ALL"))
+        conn.commit()
+    assert ledger.release(a.id).ended_at is not None  # prepared again, then released
+    assert caplog.text.count("were gone") == 1
+    with ledger.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("DISCARD ALL"))
+    b = ledger.admit(Request("ann", "job", "after-discard", 2))
+    assert b.devices == (0, 1) and caplog.text.count("were gone") == 2
+    assert ledger.engine.pool.checkedin() == 1  # the same connection all along
+    ledger.engine.dispose()
