@@ -381,18 +381,21 @@ class Ledger:
                    user=req.user, gpus=req.gpus, model=req.model, started_at=now)
         if req.gpus and assigns:
             matching = [_Dev(i, m) for i, m in device_rows if matches(req.model, m)]
+            if not pool_locked:
+                # the pool's lock is taken for the insert, which picks the free devices
+                # itself; too few: again with the lock, reading who holds which (`open_rows`
+                # holds only the person's own here), to admit or to say why not
+                got = tx.insert_first_free(row, [d.index for d in matching])
+                if got is None:
+                    return None
+                return Allocation(row["id"], self.pool, req.kind, req.holder, req.user,
+                                  req.gpus, req.model, tuple(got[0]), got[1])
             held = {i for r in open_rows for i in r.devices}
             free = [d.index for d in matching if d.index not in held]
             if len(free) < req.gpus:
                 raise NotEnoughGPUs(
                     _not_enough(req, matching, free, open_rows),
                     requested=req.gpus, free=len(free), matching=len(matching))
-            if not pool_locked:
-                got = tx.insert_first_free(row, [d.index for d in matching])
-                if got is None:
-                    return None
-                return Allocation(row["id"], self.pool, req.kind, req.holder, req.user,
-                                  req.gpus, req.model, tuple(got[0]), got[1])
             devices = free[: req.gpus]
         # a pool nobody declared counts GPUs (`ensure_pool` declares it)
         tx.write_and_commit(None if known else self.pool, dict(
@@ -514,6 +517,10 @@ _SEL_OPEN_FOR = select(_A.c.user, _A.c.kind, _A.c.holder, _A.c.gpus, _A.c.device
     _A.c.pool == bindparam("pool"), _A.c.ended_at.is_(None),
     or_(_A.c.user == bindparam("user"),
         exists().where(_P.c.name == bindparam("pool"), _P.c.assigns_devices != 0)))
+#: PostgreSQL, before the pool's lock: the person's own open allocations (their quota covers
+#: them; which devices are free the insert finds out itself, `_INSERT_FIRST_FREE_PG`)
+_SEL_OPEN_OF = select(_A.c.user, _A.c.kind, _A.c.holder, _A.c.gpus, _A.c.devices).where(
+    _A.c.pool == bindparam("pool"), _A.c.ended_at.is_(None), _A.c.user == bindparam("user"))
 _QUOTA_COLUMNS = (_Q.c.scope, _Q.c.name, _Q.c.max_gpus, _Q.c.max_per_request, _Q.c.gpu_hours,
                   _Q.c.window_hours)
 
@@ -596,8 +603,8 @@ class _Sql:
 _BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED"
 _COMMIT = "COMMIT"
 #: the statements `_PgTx` runs, prepared on each connection before its first use
-_PG_PREPARED = ("lock_person", "lock_pool", "open", "quotas", "devices", "used",
-                "insert_first_free", "insert", "insert_pool", "close")
+_PG_PREPARED = ("lock_person", "lock_pool", "open", "open_mine", "quotas", "devices",
+                "used", "insert_first_free", "insert", "insert_pool", "close")
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s|%%")
 
 
@@ -683,7 +690,7 @@ class _Direct:
                           insert=_INSERT_ALLOCATION, close=_CLOSE)
         if self.pg:
             statements.update(lock_person=_LOCK_PERSON, lock_pool=_LOCK_POOL,
-                              quotas=_SEL_QUOTAS_PG, insert_first_free=_INSERT_FIRST_FREE_PG,
+                              open_mine=_SEL_OPEN_OF, quotas=_SEL_QUOTAS_PG, insert_first_free=_INSERT_FIRST_FREE_PG,
                               insert_pool=_INSERT_POOL_PG)
         else:
             statements.update(quotas=_SEL_QUOTAS_SQLITE)
@@ -848,9 +855,11 @@ class _PgTx:
         is all their quota needs (their holdings change otherwise only by releases). A pool
         that only counts GPUs (Kubernetes: the scheduler places them) needs nothing more, so
         different people are admitted in parallel; one that hands out devices is locked whole,
-        for the reads (`pool_locked`) or only for the insert (`insert_first_free`)."""
+        for the reads (`pool_locked`) or only for the insert (`insert_first_free`). Without
+        the pool's lock only the person's own open allocations are read: the insert finds
+        the free devices itself, and where too few are, the reads with the lock say why."""
         names = (_BEGIN, "lock_person", "lock_pool", "open", "quotas", "devices") if pool_locked \
-            else (_BEGIN, "lock_person", "open", "quotas", "devices")
+            else (_BEGIN, "lock_person", "open_mine", "quotas", "devices")
         got = self._run(names, dict(key=_person_key(pool, user), pool=pool, user=user,
                                     groups=sorted(set(groups))))
         person, open_rows, quotas, devices = got[1], got[-3], got[-2], got[-1]
