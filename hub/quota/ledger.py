@@ -690,7 +690,8 @@ class _Direct:
                           insert=_INSERT_ALLOCATION, close=_CLOSE)
         if self.pg:
             statements.update(lock_person=_LOCK_PERSON, lock_pool=_LOCK_POOL,
-                              open_mine=_SEL_OPEN_OF, quotas=_SEL_QUOTAS_PG, insert_first_free=_INSERT_FIRST_FREE_PG,
+                              open_mine=_SEL_OPEN_OF, quotas=_SEL_QUOTAS_PG,
+                              insert_first_free=_INSERT_FIRST_FREE_PG,
                               insert_pool=_INSERT_POOL_PG)
         else:
             statements.update(quotas=_SEL_QUOTAS_SQLITE)
