@@ -44,10 +44,12 @@ from gpulab.hub.quota.ledger import Request
 from gpulab.hub.quota.policy import Holding, Quota, refusal
 
 from .kubeobjects import (
+    RUNTIME_DEFAULT_SECCOMP,
     explain_unschedulable,
     free_gpus_by_node,
     parse_quota_refusal,
     server_pod_settings,
+    with_runtime_default_seccomp,
 )
 from .kueuemirror import KueueMirror
 from .kueueobjects import (
@@ -112,14 +114,18 @@ ALLOWED_EGRESS_HELP = """Where else the pods of user namespaces (notebook server
         training replicas) may connect, as NetworkPolicy egress rules (``to`` and/or
         ``ports``; default ``[]``: only the cluster DNS, the hub and the gpulab service). The
         shared storage needs no rule when the kubelet mounts it (NFS, CephFS volumes); a
-        server reached from inside the pods does. Example: an NFS server, and the internet
-        without the cloud metadata address::
+        server reached from inside the pods does. Keep the clouds' credential endpoints out
+        of any broad rule (link-local ``169.254.0.0/16``, ``100.64.0.0/10``,
+        ``168.63.129.16``, ``100.100.100.200``). Example: an NFS server, and the internet
+        without those and the cluster's private ranges::
 
             c.KubeGPUSpawner.allowed_egress = [
                 {"to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}],
                  "ports": [{"protocol": "TCP", "port": 2049}]},
                 {"to": [{"ipBlock": {"cidr": "0.0.0.0/0",
-                                     "except": ["169.254.169.254/32", "10.0.0.0/8"]}}]},
+                                     "except": ["169.254.0.0/16", "100.64.0.0/10",
+                                                "168.63.129.16/32", "100.100.100.200/32",
+                                                "10.0.0.0/8"]}}]},
             ]
         """
 
@@ -529,6 +535,19 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
                     or mirror.users[self.namespace][1] != tuple(self.user_groups)):
                 await mirror.register(self.namespace, self.user.name, tuple(self.user_groups),
                                       self.user_label)
+
+    async def get_pod_manifest(self):
+        """KubeSpawner's pod, run under the container runtime's default seccomp filter
+        (``RuntimeDefault``) unless the pod's security context names a profile
+        (``pod_security_context``); a container's own profile (``container_security_context``)
+        still wins, and ``modify_pod_hook`` runs after this, as in KubeSpawner."""
+        pod = await super().get_pod_manifest()
+        context = pod.spec.security_context
+        if context is None or isinstance(context, dict):
+            pod.spec.security_context = with_runtime_default_seccomp(context)
+        elif getattr(context, "seccomp_profile", None) is None:  # a client model object
+            context.seccomp_profile = dict(RUNTIME_DEFAULT_SECCOMP)
+        return pod
 
     async def _make_create_pod_request(self, pod, request_timeout):
         try:

@@ -15,6 +15,8 @@ JSON the API server receives), so the tests compare them with literal dicts
   storage (the user's own sub-path read-write, the datasets read-only) and its environment.
 - `free_gpus_by_node`, `explain_unschedulable`: the scheduler's reasons in plain words.
 - `parse_quota_refusal`: the numbers in the API server's 403 "exceeded quota" message.
+- `with_runtime_default_seccomp`: a pod security context with the container runtime's default
+  seccomp filter where none is chosen.
 """
 
 from __future__ import annotations
@@ -52,6 +54,21 @@ DNS_PEER = {
     "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
 }
 DNS_PORTS = [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]
+#: the container runtime's default seccomp filter (containerd's, CRI-O's): it refuses the
+#: system calls of most container escapes (``unshare`` of a user namespace, ``keyctl``,
+#: ``bpf``, ``mount`` ...), which a pod without a profile may make (Kubernetes' default is
+#: ``Unconfined`` unless the kubelet runs with ``seccompDefault: true``)
+RUNTIME_DEFAULT_SECCOMP = {"type": "RuntimeDefault"}
+
+
+def with_runtime_default_seccomp(security_context: Mapping[str, Any] | None) -> dict:
+    """``security_context`` (a pod's, camelCase keys) with ``seccompProfile`` RuntimeDefault
+    where it names no profile; a profile chosen there is kept. A container's own
+    ``seccompProfile`` still wins over the pod's (Kubernetes' rule), so an operator who needs
+    another profile for the notebook container sets it there or here."""
+    context = dict(security_context or {})
+    context.setdefault("seccompProfile", dict(RUNTIME_DEFAULT_SECCOMP))
+    return context
 
 
 def escape_expansion(text: str) -> str:

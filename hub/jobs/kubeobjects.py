@@ -46,7 +46,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from gpulab.spawner.kubeobjects import MANAGED_BY, USER_LABEL, escape_expansion, server_pod_settings
+from gpulab.spawner.kubeobjects import (MANAGED_BY, USER_LABEL, escape_expansion, server_pod_settings,
+                                       with_runtime_default_seccomp)
 from gpulab.spawner.kueueobjects import PRIORITY_CLASS_LABEL, QUEUE_NAME_LABEL
 from gpulab.spawner.profiles import GPU_MODEL_LABEL, GPU_RESOURCE
 
@@ -158,6 +159,8 @@ def _pod_spec(*, spec: JobSpec, role: str, image: str, program: str, user_dir: s
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
+        # the container runtime's seccomp filter, as for notebook pods (issue 33)
+        "securityContext": with_runtime_default_seccomp(None),
         "containers": [container],
     }
     if shared["volumes"]:

@@ -831,6 +831,17 @@ async def test_a_used_up_budget_holds_admissions_and_a_restarted_service_loses_n
              "metadata": {"name": "steal", "namespace": ns, "labels": gpulab},
              "spec": {"clusterQueue": foreign}},
         ]
+        # a JobSet whose pods carry a PriorityClass, or a Kueue priority, of their own
+        for where, value in (("priorityClassName", "system-node-critical"),
+                             ("label", "system-cluster-critical")):
+            js = gpulab_jobset("vip-pods", ns, workers=1, gpus=1, strategy="multi-worker-mirrored")
+            pod_template = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+            if where == "label":
+                pod_template.setdefault("metadata", {}).setdefault("labels", {})[
+                    "kueue.x-k8s.io/priority-class"] = value
+            else:
+                pod_template["spec"]["priorityClassName"] = value
+            forged.append(js)
         for obj in forged:
             r = cp.kubectl("create", "-f", "-", input=yaml.safe_dump(obj),
                            kubeconfig=hub_kubeconfig, check=False)

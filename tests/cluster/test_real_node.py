@@ -272,6 +272,12 @@ def test_a_notebook_server_runs_in_a_pod_of_the_node(cluster, hub, people, share
         except OSError as e:
             print("datasets", type(e).__name__)
         print("token", os.path.exists("/var/run/secrets/kubernetes.io/serviceaccount/token"))
+        # the runtime's seccomp filter (issue 33): mode 2, and no user namespace with all
+        # capabilities (the first step of most container escapes)
+        print("seccomp", [l.split()[1] for l in open("/proc/self/status") if l.startswith("Seccomp:")])
+        import subprocess
+        r = subprocess.run(["unshare", "-Urm", "true"], capture_output=True, text=True)
+        print("unshare", r.returncode, r.stderr.strip())
         print("hub", socket.gethostbyname("hub.{HUB_NAMESPACE}.svc.cluster.local"))
         import urllib.request
         url = os.environ["GPULAB_SERVICE_URL"] + "api/v1/openapi.json"
@@ -279,6 +285,8 @@ def test_a_notebook_server_runs_in_a_pod_of_the_node(cluster, hub, people, share
         """), timeout=120)
     assert f"host {pod['metadata']['name']}" in out, out
     assert f"uid {NOTEBOOK_UID}" in out and "datasets OSError" in out and "token False" in out, out
+    assert "seccomp ['2']" in out, out
+    assert re.search(r"^unshare [1-9]\d* .*(Operation not permitted|Permission denied)", out, re.M), out
     assert re.search(r"^hub 10\.96\.\d+\.\d+$", out, re.M), out  # the hub Service's ClusterIP
     # the gpulab service, through the hub Service's extra port, as the chart sets it up
     assert f"service http://hub.{HUB_NAMESPACE}.svc.cluster.local:8002/services/gpulab/api/v1/openapi.json 200" in out, out
@@ -441,7 +449,11 @@ def test_a_parameter_server_job_runs_in_pods_and_survives_a_killed_worker(cluste
     wait_epochs(bob, "digits-ps", 1)
     pods = plane.api("GET", "/api/v1/namespaces/gpulab-bob/pods?labelSelector=gpulab.io/job=digits-ps")[1]
     assert {p["spec"]["nodeName"] for p in pods["items"]} == {node.name}
-    replica_process("digits-ps", "worker", 1).send_signal(signal.SIGKILL)
+    worker = replica_process("digits-ps", "worker", 1)
+    # replicas run under the container runtime's seccomp filter too (issue 33)
+    status = Path(f"/proc/{worker.pid}/status").read_text()
+    assert re.search(r"^Seccomp:\s+2$", status, re.M), status
+    worker.send_signal(signal.SIGKILL)
 
     job = wait_state(bob, "digits-ps", {"Succeeded", "Failed"}, timeout=600)
     chief_log = bob.service("GET", "jobs/digits-ps/logs/chief-0").json()["text"]

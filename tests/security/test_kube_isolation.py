@@ -176,6 +176,65 @@ def test_the_hubs_credentials_cannot_make_a_user_namespace_privileged(cp, hub_ku
     assert r.returncode != 0 and 'violates PodSecurity "baseline:latest"' in r.stderr, r.stderr
 
 
+def test_the_hubs_credentials_cannot_give_work_a_priority_nor_namespaces_foreign_labels(
+        cp, hub_kubeconfig):
+    """Issue 33: with the hub's credentials a pod with ``priorityClassName:
+    system-node-critical`` was made in a gpulab namespace (and Kueue admitted it at priority
+    2000001000, above every person's work), and batch Jobs could carry any priority. Now no
+    kind the hub may write takes a PriorityClass or a Kueue priority but gpulab's own, in its
+    metadata or its pod template, and the hub labels its namespaces with gpulab's keys only.
+    Server-side dry runs: the admission policy decides, nothing is stored either way."""
+    kc = hub_kubeconfig
+    ns = f"gpulab-u{uuid.uuid4().hex[:6]}"
+    r = hub(cp, kc, "apply", "--server-side", "--field-manager=gpulab-hub", "-f", "-",
+            body=make_user_namespace(name=ns, user_label="eve"))
+    assert r.returncode == 0, r.stderr
+    container = {"name": "c", "image": "registry.invalid/x:1"}
+    high = {"kueue.x-k8s.io/priority-class": "system-cluster-critical"}
+
+    def job(pod_spec_extra=None, labels=None, template_labels=None):
+        return {"apiVersion": "batch/v1", "kind": "Job",
+                "metadata": {"name": "vip", **({"labels": labels} if labels else {})},
+                "spec": {"template": {
+                    "metadata": {"labels": template_labels or {}},
+                    "spec": {"restartPolicy": "Never", "containers": [container],
+                             **(pod_spec_extra or {})}}}}
+
+    forged = {
+        "pod with a PriorityClass": {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "vip"},
+            "spec": {"priorityClassName": "system-node-critical", "containers": [container]}},
+        "pod with a Kueue priority": {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "vip", "labels": high},
+            "spec": {"containers": [container]}},
+        "Job whose pods have a PriorityClass": job({"priorityClassName": "system-node-critical"}),
+        "Job with a Kueue priority": job(labels=high),
+        "Job whose pods have a Kueue priority": job(template_labels=high),
+    }
+    for what, obj in forged.items():
+        resource = "pods" if obj["kind"] == "Pod" else "jobs"
+        assert rbac_allows(cp, kc, "create", resource, ns), what  # RBAC alone would let it
+        r = hub(cp, kc, "create", "--dry-run=server", "-n", ns, "-f", "-", body=obj)
+        assert refused_by_policy(r), (what, r.stderr)
+        assert "no priority but gpulab-preemptible" in r.stderr, (what, r.stderr)
+    # gpulab's own kind of work passes the same policy (no priority at all)
+    r = hub(cp, kc, "create", "--dry-run=server", "-n", ns, "-f", "-", body=job())
+    assert r.returncode == 0, r.stderr
+    # its namespace: gpulab's keys only, never another controller's
+    before = labels_of(cp, ns)
+    for label in ("istio-injection=enabled", "kueue.x-k8s.io/managed=true"):
+        r = hub(cp, kc, "label", "namespace", ns, label)
+        assert refused_by_policy(r), (label, r.stderr)
+        assert "only with gpulab's keys" in r.stderr, r.stderr
+    assert labels_of(cp, ns) == before
+    # a label a cluster admin put there does not stop the hub's own apply
+    cp.kubectl("label", "namespace", ns, "team=ml")
+    r = hub(cp, kc, "apply", "--server-side", "--field-manager=gpulab-hub", "-f", "-",
+            body=make_user_namespace(name=ns, user_label="eve"))
+    assert r.returncode == 0, r.stderr
+    assert labels_of(cp, ns)["team"] == "ml"
+
+
 # -- the hub still does its work; users' pods are apart -------------------------------------
 
 

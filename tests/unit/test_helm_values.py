@@ -234,7 +234,21 @@ def test_extra_config_makes_the_kube_spawner_and_the_ledger(hub_config, values):
     rules = values["hub"]["config"]["KubeGPUSpawner"]["allowed_egress"]
     user_pods = make_user_network_policies(namespace="gpulab-ann", user_label="ann",
                                            hub_namespace="gpulab", allowed_egress=rules)[0]
-    assert "169.254.169.254/32" in json.dumps(user_pods["spec"]["egress"])
+    # no broad rule reaches the clouds' credential endpoints (issue 33): the metadata server
+    # anywhere in link-local, Azure's wire server, Alibaba's metadata, the shared address space
+    import ipaddress
+
+    endpoints = ["169.254.169.254", "169.254.170.2", "168.63.129.16", "100.100.100.200",
+                 "100.64.0.1"]
+    for rule in user_pods["spec"]["egress"]:
+        for peer in rule.get("to", []):
+            block = peer.get("ipBlock")
+            if not block:
+                continue
+            net = ipaddress.ip_network(block["cidr"])
+            excepted = [ipaddress.ip_network(e) for e in block.get("except", [])]
+            for ep in map(ipaddress.ip_address, endpoints):
+                assert ep not in net or any(ep in e for e in excepted), (ep, block)
     assert c.Authenticator.admin_users == {values["custom"]["gpulab"]["firstAdmin"]}
     # z2jh's hub NetworkPolicy lets the proxy in on the port the service listens on
     ports = [p["port"] for rule in values["hub"]["networkPolicy"]["ingress"]

@@ -121,6 +121,11 @@ def strip_gpulab(pod: dict, gpus: int) -> dict:
     assert ({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
             in tolerations) == bool(gpus)
     assert spec.pop("automountServiceAccountToken") is False
+    # the container runtime's seccomp filter (issue 33), where the operator chose none
+    context = spec.pop("securityContext")
+    assert context.pop("seccompProfile") == {"type": "RuntimeDefault"}
+    if context:
+        spec["securityContext"] = context
     return pod
 
 
@@ -350,3 +355,29 @@ async def test_the_spawn_form_reads_the_ledger_off_the_event_loop(config, monkey
     assert 'value="test-choices"' in form
     assert {n for n, _ in reads} == {"open_allocations", "effective"}
     assert all(thread is not loop_thread for _, thread in reads), reads
+
+
+@pytest.mark.parametrize("operator", [
+    {},
+    {"pod_security_context": {"fsGroup": 100}},
+    {"pod_security_context": {"seccompProfile": {"type": "Localhost",
+                                                  "localhostProfile": "lab.json"}}},
+    {"container_security_context": {"seccompProfile": {"type": "Unconfined"}}},
+], ids=["nothing", "pod-context", "pod-profile", "container-profile"])
+async def test_notebook_pods_run_under_the_runtimes_seccomp_filter_unless_the_operator_chose(
+        config, operator):
+    """Notebook pods get ``seccompProfile: RuntimeDefault`` on the pod (issue 33: without a
+    filter, ``unshare -Urm`` in a pod gave a user namespace with every capability); what an
+    operator set for stock KubeSpawner stays: their pod context's other keys, their pod
+    profile, their container profile (which Kubernetes applies over the pod's)."""
+    for name, value in operator.items():
+        setattr(config.KubeSpawner, name, value)
+    stock, gpu, (want, got) = await manifests(config, lambda s: {})
+    psc_want = want["spec"].get("securityContext") or {}
+    psc_got = got["spec"]["securityContext"]
+    assert psc_got == {"seccompProfile": {"type": "RuntimeDefault"}, **psc_want}
+    assert (got["spec"]["containers"][0].get("securityContext")
+            == want["spec"]["containers"][0].get("securityContext"))
+    if "seccompProfile" in psc_want:
+        assert psc_got["seccompProfile"]["type"] == "Localhost"
+    await gpu.release_gpus_async()

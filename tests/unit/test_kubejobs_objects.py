@@ -105,6 +105,7 @@ def test_worker_job_literal():
                     "restartPolicy": "Never",
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
+                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
                     "containers": [{
                         "name": "tensorflow",
                         "image": "gpulab/singleuser:1",
@@ -199,6 +200,7 @@ def test_tfjob_literal():
     def pod(role, gpus):
         p = {
             "automountServiceAccountToken": False, "enableServiceLinks": False,
+            "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
             "containers": [{
                 "name": "tensorflow", "image": "img:1",
                 "command": [*REPLICA_COMMAND, "/p/train.py"],
