@@ -23,13 +23,18 @@ mkdir -p "$GPULAB_HOME"
 tf_extra=tf
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then tf_extra=tf-cuda; fi
 extras="$tf_extra${GPULAB_EXTRAS:+,$GPULAB_EXTRAS}"
-# what an install from here would install: the extras and the hash of every file it reads
-stamp="$extras $(cd "$repo" && find pyproject.toml images/requirements.txt images/requirements-tf.txt \
+# the hash of every file an install from here reads; the stamp of the last install says which
+# extras and which sources it installed: installed extras that include the ones asked for now
+# are no reason to install again (scripts/stamp.py: test.sh's tf,test serves run.sh's tf)
+sources="$(cd "$repo" && find pyproject.toml images/requirements.txt images/requirements-tf.txt \
   hub spawner extensions gpulab-top jupyter-config -type f -not -path '*/__pycache__/*' -print0 \
   | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-32)"
-if [ -x "$venv/bin/gpulab" ] && [ "$(cat "$venv/.gpulab-installed" 2>/dev/null)" = "$stamp" ]; then
-  : # installed, and nothing changed since
+plan="$("$py" "$repo/scripts/stamp.py" "$venv/.gpulab-installed" "$extras" "$sources")"
+[ -x "$venv/bin/gpulab" ] || plan="install $extras"
+if [ "$plan" = ok ]; then
+  : # installed, with these extras or more, and nothing changed since
 else
+  extras="${plan#install }"
   [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
   echo "setup: installing gpulab[$extras] in $venv (a few minutes the first time)" >&2
   "$venv/bin/python" -m pip install -q --upgrade pip
@@ -45,7 +50,7 @@ else
     -c "$repo/images/requirements.txt" -c "$repo/images/requirements-tf.txt"
   # gpulab itself again: its sources changed, its version number did not
   "$venv/bin/python" -m pip install -q --no-deps --force-reinstall "$repo"
-  echo "$stamp" > "$venv/.gpulab-installed"
+  echo "$extras $sources" > "$venv/.gpulab-installed"
 fi
 chp_version=5.3.0
 if [ ! -x "$GPULAB_HOME/node/node_modules/.bin/configurable-http-proxy" ] || \
