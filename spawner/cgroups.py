@@ -250,7 +250,11 @@ class Cgroups:
             have = set(controllers.read_text().split())
             if not {"cpu", "memory"} <= have:
                 return None, f"the cgroup v2 hierarchy lacks {sorted({'cpu', 'memory'} - have)}"
-            found = cls(2, {"cpu": fs_root / "gpulab", "memory": fs_root / "gpulab"})
+            # under systemd with Delegate=yes, inside the service's own group
+            from .delegation import delegated_top
+
+            top = delegated_top(fs_root, self_cgroup) or fs_root
+            found = cls(2, {"cpu": top / "gpulab", "memory": top / "gpulab"})
         else:
             # v1: each controller's hierarchy, where this process's group is
             paths = {}
