@@ -103,7 +103,7 @@ def service_path() -> list[str]:
     systemd's own."""
     folders = [str(Path(sys.executable).parent)]
     node = shutil.which("node")
-    if node:
+    if node and os.path.dirname(node) not in SYSTEM_PATH:
         folders.append(os.path.dirname(node))
     return list(dict.fromkeys(folders + SYSTEM_PATH))
 
