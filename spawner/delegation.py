@@ -83,19 +83,25 @@ def delegated_top(fs_root: str | Path = "/sys/fs/cgroup",
     else:
         return None
     leaf = top / HUB_LEAF
-    leaf.mkdir(exist_ok=True)
     moved = []
-    # the processes may fork meanwhile: read the list again until it is empty
-    for _ in range(100):
-        pids = (top / "cgroup.procs").read_text().split()
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                (leaf / "cgroup.procs").write_text(pid)
-                moved.append(pid)
-            except ProcessLookupError:
-                pass
+    try:
+        leaf.mkdir(exist_ok=True)
+        # the processes may fork meanwhile: read the list again until it is empty
+        for _ in range(100):
+            pids = (top / "cgroup.procs").read_text().split()
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    (leaf / "cgroup.procs").write_text(pid)
+                    moved.append(pid)
+                except ProcessLookupError:
+                    pass
+    except OSError as e:
+        # then gpulab's groups could not hand controllers down there either
+        log.warning("Delegated control group %s, but its processes cannot move into %s/: "
+                    "%s; not using it", top, HUB_LEAF, e.strerror or e)
+        return None
     log.info("Delegated control group %s: moved processes %s into %s/", top,
              " ".join(moved), HUB_LEAF)
     return top

@@ -12,7 +12,7 @@ With ``--root DIR`` the unit goes to ``DIR/etc/systemd/system/`` and systemctl i
 (an image being built, tests; then root is not needed).
 
 Exit codes: 0 done; 1 systemctl failed (its message is shown); 2 refused (not root, bad
-flags, a hub already running by hand on the data folder). ``status`` answers as
+flags, or, where the service would start, a hub already running by hand on the data folder). ``status`` answers as
 ``systemctl status`` does where systemd runs (0 running, 3 not running, 4 no such unit);
 elsewhere 3 when the unit is written, 4 when it is not.
 """
@@ -123,7 +123,7 @@ def _refuse_non_root(args) -> int | None:
     return None
 
 
-def _hub_outside_service(data_dir: str) -> int | None:
+def hub_outside_service(data_dir: str) -> int | None:
     """The pid of a hub running on `data_dir` that is not gpulab.service's (None: none)."""
     from gpulab.spawner.mixin import pid_alive
 
@@ -157,8 +157,8 @@ def _install(args) -> int:
         return fail(str(e))
     path = _unit_file(args.root)
     live = args.root is None and systemd_running()
-    if args.root is None:
-        pid = _hub_outside_service(data_dir)
+    if live:  # the service's hub would find the folder taken and fail again and again
+        pid = hub_outside_service(data_dir)
         if pid:
             return fail(f"a gpulab hub (pid {pid}) runs on {data_dir} outside the service: "
                         "stop it first (Ctrl-C where it runs), then install the service.")

@@ -52,6 +52,11 @@ def test_not_delegated_anywhere_but_at_its_own_group(tmp_path):
     assert delegated_top(root, own(tmp_path, "/")) is None
     (tmp_path / "v1").write_text("4:memory:/a\n1:cpu:/\n")
     assert delegated_top(root, tmp_path / "v1") is None
+    # marked, but its processes cannot be moved (no cgroup.procs): not used, no exception
+    odd = root / "system.slice" / "odd.service"
+    odd.mkdir(parents=True)
+    os.setxattr(odd, "trusted.delegate", b"1")
+    assert delegated_top(root, own(tmp_path, "/system.slice/odd.service")) is None
 
 
 def test_detect_puts_gpulabs_groups_inside_the_service(tmp_path):

@@ -3,10 +3,13 @@ function compared with a literal), how words are written into it, and which `gpu
 `gpulab service install` puts on its command line. The command itself, and the unit it
 writes checked by `systemd-analyze verify`, are in tests/app/test_service_cli.py."""
 
+import os
+import subprocess
+
 import pytest
 
 from gpulab.hub.cli import build_parser
-from gpulab.hub.cli.service import up_flags
+from gpulab.hub.cli.service import hub_outside_service, up_flags
 from gpulab.hub.deploy.systemd import UnitError, quote, systemd_running, unit_text
 
 EXPECTED = """\
@@ -117,3 +120,15 @@ def test_systemd_is_running_where_it_booted_the_machine(tmp_path):
     assert not systemd_running(str(tmp_path))
     (tmp_path / "run" / "systemd" / "system").mkdir(parents=True)
     assert systemd_running(str(tmp_path))
+
+
+def test_a_hub_run_by_hand_on_the_data_folder_is_found(tmp_path):
+    """Where the service would start, a hub already running on its data folder (outside
+    gpulab.service) refuses the install: the service's hub would fail again and again."""
+    assert hub_outside_service(str(tmp_path)) is None  # no pid file
+    (tmp_path / "jupyterhub.pid").write_text(str(os.getpid()))  # this process stands in
+    assert hub_outside_service(str(tmp_path)) == os.getpid()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / "jupyterhub.pid").write_text(str(dead.pid))
+    assert hub_outside_service(str(tmp_path)) is None
