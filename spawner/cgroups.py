@@ -9,7 +9,9 @@ boundary), and (3) stop ends everything the process started, ``setsid`` grandchi
 - **cgroup v2** (the unified hierarchy, ``/sys/fs/cgroup/cgroup.controllers`` lists ``cpu`` and
   ``memory``): groups ``/sys/fs/cgroup/gpulab/<unit>`` with ``memory.max``, ``memory.swap.max``
   = 0 and ``cpu.max``. ``gpulab`` sits at the top of the hierarchy because a group that holds
-  processes (the hub's own) may not hand controllers down to child groups. Stop writes
+  processes (the hub's own) may not hand controllers down to child groups; run by systemd
+  with ``Delegate=yes`` (``gpulab service install``), ``gpulab`` sits inside the service's own
+  group instead, beside the hub's leaf (`gpulab.spawner.delegation`). Stop writes
   ``cgroup.kill``. The v2 hierarchy has no device files: the kernel asks a
   ``BPF_PROG_TYPE_CGROUP_DEVICE`` program instead, which gpulab does not attach (yet), so on v2
   GPUs are **not** enforced (`Cgroups.devices_why` says so; ``gpulab up`` warns where real GPUs
@@ -250,7 +252,11 @@ class Cgroups:
             have = set(controllers.read_text().split())
             if not {"cpu", "memory"} <= have:
                 return None, f"the cgroup v2 hierarchy lacks {sorted({'cpu', 'memory'} - have)}"
-            found = cls(2, {"cpu": fs_root / "gpulab", "memory": fs_root / "gpulab"})
+            # under systemd with Delegate=yes, inside the service's own group
+            from .delegation import delegated_top
+
+            top = delegated_top(fs_root, self_cgroup) or fs_root
+            found = cls(2, {"cpu": top / "gpulab", "memory": top / "gpulab"})
         else:
             # v1: each controller's hierarchy, where this process's group is
             paths = {}

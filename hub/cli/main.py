@@ -2,8 +2,9 @@
 
 Each command lives in its own module and adds its own sub-parser: ``up`` (`gpulab.hub.cli.up`),
 ``quota`` and ``usage`` (`gpulab.hub.cli.quota`), ``jobs`` (`gpulab.hub.cli.jobs`),
-``config-reference`` (`gpulab.hub.cli.docs`). What they share (the hub options, the service's
-client, errors, the table) is in `gpulab.hub.cli.common`; only this module knows them all.
+``config-reference`` (`gpulab.hub.cli.docs`), ``service`` (`gpulab.hub.cli.service`). What
+they share (the hub options, the service's client, errors, the table) is in
+`gpulab.hub.cli.common`; only this module knows them all.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from gpulab.hub.cli.common import EXIT_USAGE, add_global_options, apply_global_o
 from gpulab.hub.cli.docs import config_reference
 from gpulab.hub.cli.jobs import add_jobs_parser, cmd_jobs
 from gpulab.hub.cli.quota import add_quota_parsers, cmd_quota, cmd_usage
+from gpulab.hub.cli.service import add_service_parser, cmd_service
 from gpulab.hub.cli.up import add_up_parser, cmd_up
 
 
@@ -31,11 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_global_options(parser)  # --url, --token, --json also before the command
     add_quota_parsers(sub)
     add_jobs_parser(sub)
+    add_service_parser(sub)
     return parser
 
 
 COMMANDS = {"up": cmd_up, "config-reference": cmd_config_reference, "quota": cmd_quota,
-            "usage": cmd_usage, "jobs": cmd_jobs}
+            "usage": cmd_usage, "jobs": cmd_jobs, "service": cmd_service}
 
 
 def main(argv: list[str] | None = None) -> int:

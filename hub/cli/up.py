@@ -63,6 +63,11 @@ def add_up_parser(sub) -> None:
         "Ctrl-C stops the hub and every server it started; running it again on the same "
         "data folder resumes where it stopped.",
     )
+    add_up_arguments(p)
+
+
+def add_up_arguments(p) -> None:
+    """`gpulab up`'s flags, on `p` (``gpulab up``, ``gpulab service install``)."""
     p.add_argument("--ip", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to serve on (default 8000)")
     p.add_argument("--hub-port", type=int, default=8081,
@@ -100,26 +105,34 @@ def _check_port(name: str, value: int) -> str | None:
     return None
 
 
-def cmd_up(args) -> int:
-    from gpulab.hub.deploy.local import LocalSettings
-
+def check_up_args(args) -> str | None:
+    """What is wrong with `gpulab up`'s flags in `args`, in words (None: nothing)."""
     for name, value in (("--port", args.port), ("--hub-port", args.hub_port),
                         ("--proxy-api-port", args.proxy_api_port),
                         ("--service-port", args.service_port)):
         problem = _check_port(name, value)
         if problem:
-            return fail(problem)
+            return problem
     if len({args.port, args.hub_port, args.proxy_api_port, args.service_port}) != 4:
-        return fail("--port, --hub-port, --proxy-api-port and --service-port must be four "
-                    "different ports.")
+        return ("--port, --hub-port, --proxy-api-port and --service-port must be four "
+                "different ports.")
     if args.idle_timeout < 0:
-        return fail(f"--idle-timeout must be 0 (never) or a number of seconds, got {args.idle_timeout}.")
+        return f"--idle-timeout must be 0 (never) or a number of seconds, got {args.idle_timeout}."
     if args.cull_every < 0:
-        return fail(f"--cull-every must be a number of seconds, got {args.cull_every}.")
+        return f"--cull-every must be a number of seconds, got {args.cull_every}."
     if args.simulated_gpus is not None and args.simulated_gpus < 0:
-        return fail(f"--simulated-gpus must be 0 or more, got {args.simulated_gpus}.")
+        return f"--simulated-gpus must be 0 or more, got {args.simulated_gpus}."
     if args.admin_user.strip() != args.admin_user or not args.admin_user or "/" in args.admin_user:
-        return fail(f"--admin-user {args.admin_user!r} is not a usable user name.")
+        return f"--admin-user {args.admin_user!r} is not a usable user name."
+    return None
+
+
+def cmd_up(args) -> int:
+    from gpulab.hub.deploy.local import LocalSettings
+
+    problem = check_up_args(args)
+    if problem:
+        return fail(problem)
 
     chp = find_proxy(args.proxy)
     if chp is None:

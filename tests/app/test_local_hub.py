@@ -219,3 +219,20 @@ def test_hub_restart_keeps_assignments_and_ctrl_c_stops_servers(users, hub):
         time.sleep(0.3)
     assert not pid_exists(before["server_pid"])
     hub.start()  # for the module fixture's teardown
+
+
+def test_sigterm_stops_servers_and_exits_0(users, hub, admin):
+    """What `systemctl stop gpulab` does (the unit's KillMode=mixed: SIGTERM to the hub
+    alone): the hub stops every server itself and exits 0, so the unit ends as stopped, not
+    failed, with nothing left for systemd's SIGKILL."""
+    ann = users["ann"]
+    assert ann.start_server("", {"profile": "gpu-1"}).status_code in (201, 202)
+    server_pid = admin.api("GET", "/users/ann").json()["servers"][""]["state"]["pid"]
+    assert pid_exists(server_pid)
+    hub.proc.send_signal(signal.SIGTERM)
+    assert hub.proc.wait(60) == 0, hub.output()[-2000:]
+    deadline = time.time() + 10  # the server's process, no longer the hub's child, is reaped
+    while pid_exists(server_pid) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not pid_exists(server_pid)
+    hub.start()  # for the module fixture's teardown
