@@ -38,6 +38,7 @@ def fake_v2(root: Path, controllers="cpuset cpu io memory pids") -> Path:
     (root / "cgroup.controllers").write_text(controllers + "\n")
     (root / "cgroup.subtree_control").write_text("cpu memory\n")
     (root / "gpulab").mkdir()
+    (root / "gpulab" / "cgroup.controllers").write_text("cpu memory pids\n")
     (root / "gpulab" / "cgroup.subtree_control").write_text("")
     return root
 
@@ -216,3 +217,22 @@ def test_device_allow_list_is_enforced_by_this_kernel(tmp_path):
     finally:
         group.remove(kill=True)
     assert out.split("\n")[:2] == ["0 EPERM", "1 ENXIO"], out
+
+
+def test_the_v2_device_allow_list():
+    """What `bpfdevices.allowed_devices` lets a unit open (its program is tested on a real
+    cgroup2 mount in tests/unit/test_cgroup2_real.py)."""
+    from gpulab.spawner.bpfdevices import DEV_CHAR, RW, Rule, allowed_devices, program
+
+    rules = allowed_devices([3, 1], uvm_major=509)
+    allowed = {(r.major, r.minor) for r in rules}
+    assert {(1, 3), (1, 5), (1, 7), (1, 8), (1, 9), (5, 0), (5, 2), (136, None)} < allowed
+    assert {(195, 255), (195, 254), (509, 0), (509, 1), (195, 1), (195, 3)} < allowed
+    assert (195, 0) not in allowed and (195, 2) not in allowed
+    assert all(r.type == DEV_CHAR and r.access == RW for r in rules)  # no mknod, no block
+    assert (509, 0) not in {(r.major, r.minor) for r in allowed_devices([0])}
+    with pytest.raises(ValueError, match="not the minor of an NVIDIA GPU node"):
+        allowed_devices([255])
+    # 6 loads, then per rule its tests and `r0 = 1; exit`, then `r0 = 0; exit`
+    assert len(program([])) == 8 * 8
+    assert len(program([Rule(DEV_CHAR, 195, 0)])) == 8 * (6 + 5 + 2)
