@@ -233,6 +233,7 @@ def test_the_v2_device_allow_list():
     assert (509, 0) not in {(r.major, r.minor) for r in allowed_devices([0])}
     with pytest.raises(ValueError, match="not the minor of an NVIDIA GPU node"):
         allowed_devices([255])
-    # 6 loads, then per rule its tests and `r0 = 1; exit`, then `r0 = 0; exit`
+    # 6 loads, then per rule its tests and `r0 = 1; exit`; last `r0 = 0; exit`
     assert len(program([])) == 8 * 8
-    assert len(program([Rule(DEV_CHAR, 195, 0)])) == 8 * (6 + 5 + 2)
+    # type, access (no mknod), major, minor
+    assert len(program([Rule(DEV_CHAR, 195, 0)])) == 8 * (6 + 4 + 2 + 2)
