@@ -87,6 +87,13 @@ def memory_bytes(value: str | int | float | None) -> int | None:
     return int(float(m.group(1)) * _MEMORY_UNITS[m.group(2) or ""])
 
 
+def default_pids(floor: int, per_cpu: int) -> int:
+    """A default process bound for one unit: `floor`, or `per_cpu` per CPU of this machine
+    where that is more (TensorFlow starts about two threads per CPU in each process, and the
+    bound counts threads: a 2-CPU machine's training process has 9)."""
+    return max(floor, per_cpu * (os.cpu_count() or 1))
+
+
 def default_user_processes(pid_max: str | Path = "/proc/sys/kernel/pid_max",
                            threads_max: str | Path = "/proc/sys/kernel/threads-max") -> int:
     """The default bound on one person's processes and threads together (``RLIMIT_NPROC``):
