@@ -3,9 +3,10 @@
 Every server and every replica runs in a control group of its own, made by gpulab, limits or
 not, so that (1) a profile's ``cpu_limit`` / ``mem_limit`` and a job role's ``cpu`` /
 ``memory`` are enforced by the kernel, and so is a bound on its processes and threads
-(``pids``: a fork bomb stops at its own group's bound, not at the machine's ``pid_max``), (2) the process may open only the NVIDIA device nodes of
-the GPUs it was given (a device allow-list: ``CUDA_VISIBLE_DEVICES`` alone is advice, not a
-boundary), and (3) stop ends everything the process started, ``setsid`` grandchildren too.
+(``pids``: a fork bomb stops at its own group's bound, not at the machine's ``pid_max``),
+(2) the process may open only the NVIDIA device nodes of the GPUs it was given (a device
+allow-list: ``CUDA_VISIBLE_DEVICES`` alone is advice, not a boundary), and (3) stop ends
+everything the process started, ``setsid`` grandchildren too.
 
 - **cgroup v2** (the unified hierarchy, ``/sys/fs/cgroup/cgroup.controllers`` lists ``cpu`` and
   ``memory``): groups ``/sys/fs/cgroup/gpulab/<unit>`` with ``memory.max``, ``memory.swap.max``
@@ -21,12 +22,12 @@ boundary), and (3) stop ends everything the process started, ``setsid`` grandchi
 - **cgroup v1** (``memory`` and ``cpu`` hierarchies, and ``pids``, ``devices`` and ``freezer``
   where mounted): groups ``<hierarchy>/<the hub's group>/gpulab/<unit>`` with
   ``memory.limit_in_bytes`` (and ``memory.memsw.limit_in_bytes`` where swap is accounted),
-  ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, ``pids.max``, and ``devices.deny`` entries for every NVIDIA
-  GPU device node (major 195) except the group's own GPUs; ``nvidiactl`` (195:255) and
-  ``nvidia-uvm`` (a major of its own) stay usable. Groups are nested under the hub's own group
-  so that whatever already limits the hub keeps limiting what it starts. Stop freezes the
-  group (``freezer.state``), kills every process in it and thaws it: nothing can fork its way
-  out between reading the list and the kill.
+  ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, ``pids.max``, and ``devices.deny`` entries
+  for every NVIDIA GPU device node (major 195) except the group's own GPUs; ``nvidiactl``
+  (195:255) and ``nvidia-uvm`` (a major of its own) stay usable. Groups are nested under the
+  hub's own group so that whatever already limits the hub keeps limiting what it starts.
+  Stop freezes the group (``freezer.state``), kills every process in it and thaws it: nothing
+  can fork its way out between reading the list and the kill.
 
 The child process joins its group in ``preexec_fn`` (as root, before it drops to the user's
 account), so everything it starts is inside too, and an ordinary account can never move a
@@ -419,8 +420,9 @@ class Cgroups:
             if gpus is not None and self.devices_enforced:
                 minors = [self.gpu_minor(i) for i in gpus]
                 if self.version == 2:  # before any process joins: nothing opens unchecked
-                    bpfdevices.attach(next(iter(group.dirs.values())), bpfdevices.allowed_devices(
-                        minors, uvm_major=bpfdevices.nvidia_uvm_major()))
+                    allowed = bpfdevices.allowed_devices(
+                        minors, uvm_major=bpfdevices.nvidia_uvm_major())
+                    bpfdevices.attach(next(iter(group.dirs.values())), allowed)
                 else:
                     d = group.dirs["devices"]
                     for line in device_denials(minors):
@@ -475,7 +477,8 @@ def _enable(folder: Path, controllers: Iterable[str]) -> None:
 def _events(folder: Path) -> dict[str, str]:
     """A v2 group's ``cgroup.events`` (``populated``, ``frozen``)."""
     try:
-        return dict(line.split(" ", 1) for line in (folder / "cgroup.events").read_text().splitlines())
+        lines = (folder / "cgroup.events").read_text().splitlines()
+        return dict(line.split(" ", 1) for line in lines)
     except (OSError, ValueError):
         return {}
 
