@@ -47,6 +47,7 @@ import ctypes
 import errno
 import os
 import platform
+import stat
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -96,18 +97,26 @@ class Rule:
     access: int = RW
 
 
-def nvidia_uvm_major(proc_devices: str | Path = "/proc/devices") -> int | None:
-    """The character major the ``nvidia-uvm`` driver registered (None: not loaded)."""
+def nvidia_uvm_major(proc_devices: str | Path = "/proc/devices",
+                     node: str | Path = "/dev/nvidia-uvm") -> int | None:
+    """The character major the ``nvidia-uvm`` driver registered (None: not loaded, and no
+    ``/dev/nvidia-uvm`` node says which it will be). The driver is often loaded only when the
+    first CUDA program runs: a unit made before then gets no ``nvidia-uvm`` rule, and CUDA
+    fails in it, so load it at boot (``nvidia-modprobe -u -c=0``); `Cgroups.make` logs it."""
     try:
         text = Path(proc_devices).read_text()
     except OSError:
-        return None
+        text = ""
     chars = text.split("Block devices:")[0]
     for line in chars.splitlines():
         parts = line.split()
         if len(parts) == 2 and parts[1] == "nvidia-uvm" and parts[0].isdigit():
             return int(parts[0])
-    return None
+    try:
+        st = os.stat(node)
+    except OSError:
+        return None
+    return os.major(st.st_rdev) if stat.S_ISCHR(st.st_mode) else None
 
 
 def allowed_devices(gpu_minors: Iterable[int], *,

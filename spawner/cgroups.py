@@ -420,8 +420,11 @@ class Cgroups:
             if gpus is not None and self.devices_enforced:
                 minors = [self.gpu_minor(i) for i in gpus]
                 if self.version == 2:  # before any process joins: nothing opens unchecked
-                    allowed = bpfdevices.allowed_devices(
-                        minors, uvm_major=bpfdevices.nvidia_uvm_major())
+                    uvm = bpfdevices.nvidia_uvm_major()
+                    if uvm is None and minors and os.path.exists("/dev/nvidiactl"):
+                        log.warning("nvidia-uvm is not loaded: CUDA will fail in %s (load it "
+                                    "at boot: nvidia-modprobe -u -c=0)", unit)
+                    allowed = bpfdevices.allowed_devices(minors, uvm_major=uvm)
                     bpfdevices.attach(next(iter(group.dirs.values())), allowed)
                 else:
                     d = group.dirs["devices"]

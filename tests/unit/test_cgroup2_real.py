@@ -133,7 +133,9 @@ def test_nvidia_uvm_is_allowed_at_the_major_the_driver_registered(v2, nodes, tmp
     devices.write_text("Character devices:\n  1 mem\n195 nvidia-frontend\n511 nvidia-uvm\n"
                        "\nBlock devices:\n  7 loop\n")
     assert bpfdevices.nvidia_uvm_major(devices) == 511
-    assert bpfdevices.nvidia_uvm_major(tmp_path / "absent") is None
+    assert bpfdevices.nvidia_uvm_major(tmp_path / "absent", tmp_path / "absent") is None
+    # not loaded yet, but its node says which major it has
+    assert bpfdevices.nvidia_uvm_major(tmp_path / "absent", nodes / "uvm") == 511
     group = v2.find(f"uvm-{os.getpid()}")
     group.dirs["memory"].mkdir(parents=True)
     try:
