@@ -76,6 +76,10 @@ def test_v2_detection_takes_pids_where_the_hierarchy_offers_it(tmp_path):
         assert cgroups is not None, why
         assert cgroups.pids_enforced is bound
         assert set(cgroups.bases) == {"cpu", "memory"} | ({"pids"} if bound else set())
+        # the probe's device program loads (as root here) but a plain folder is no group to
+        # attach it to: detection says so rather than failing
+        assert not cgroups.devices_enforced
+        assert "refused to attach a BPF device program to a group" in cgroups.devices_why
 
 
 def test_unit_names_cannot_leave_gpulab_folder(tmp_path):
