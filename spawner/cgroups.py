@@ -470,7 +470,8 @@ def _write(path: Path, value: str) -> None:
 def _enable(folder: Path, controllers: Iterable[str]) -> None:
     """Hand `controllers` down to the v2 groups below `folder` (those it offers and has not
     handed down yet; a limit of one it does not offer then fails when written)."""
-    offered = set((folder / "cgroup.controllers").read_text().split())
+    listed = folder / "cgroup.controllers"  # (the kernel always shows it; a stand-in may not)
+    offered = set(listed.read_text().split()) if listed.exists() else set(controllers)
     have = set((folder / "cgroup.subtree_control").read_text().split())
     missing = [c for c in controllers if c in offered and c not in have]
     if missing:
