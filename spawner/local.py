@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from jupyterhub.spawner import LocalProcessSpawner, set_user_setuid
-from traitlets import Bool, Callable, List, TraitError, Unicode, Union, default, validate
+from traitlets import Bool, Callable, Int, List, TraitError, Unicode, Union, default, validate
 
 from .accounts import (
     AccountConflict,
@@ -26,7 +26,8 @@ from .accounts import (
     system_username,
 )
 from . import sandbox
-from .cgroups import Group, local_cgroups
+from .cgroups import (Group, default_pids, default_user_processes, limit_user_processes,
+                      local_cgroups)
 from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, BadRequest, Ledger, Request
 from gpulab.hub.quota.waiting import GPUQueue, Queue, QueueRefused, queue_of
 
@@ -51,8 +52,9 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
     isolated. As root, every server also runs in a control group of its own
     (`gpulab.spawner.cgroups`), named by the hub's user id and the server's name and recorded
     in the spawner's state: it enforces the profile's ``cpu_limit`` / ``mem_limit`` (also
-    passed as ``CPU_LIMIT`` / ``MEM_LIMIT``), lets the server open only its own GPUs' device
-    nodes, and on stop everything in it is killed, whatever the server left running.
+    passed as ``CPU_LIMIT`` / ``MEM_LIMIT``) and `pids_limit`, lets the server open only its
+    own GPUs' device nodes, and on stop everything in it is killed, whatever the server left
+    running. Its processes start with ``RLIMIT_NPROC`` at `max_user_processes`.
 
     A GPU server whose GPUs are busy may wait in the GPU queue (``user_options``
     ``gpu_wait_minutes``, `gpulab.spawner.queuewait`): its start then waits for its turn,
@@ -199,6 +201,40 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         Example: ``c.LocalGPUSpawner.enforce_limits = False``
         """,
     ).tag(config=True)
+
+    # -- the process bound (issue 36) --------------------------------------------------
+    pids_limit = Int(
+        help="""Most processes and threads one notebook server may hold together: the
+        server, its kernels, terminals and whatever they start (its control group's ``pids``
+        controller, v1 or v2, as root; a fork or a new thread beyond it fails with EAGAIN, so
+        a fork bomb stops there instead of taking every process number of the machine, the
+        hub's included). Default 1024, or 8 per CPU on machines with more than 128 CPUs: a
+        TensorFlow kernel starts about two threads per CPU (9 on a 2-CPU machine) and a
+        Jupyter server about 10, so a server's usual kernels fit many times over. Not
+        switched off by `enforce_limits`. 0: no bound.
+        Example: ``c.LocalGPUSpawner.pids_limit = 4096``
+        """,
+    ).tag(config=True)
+
+    @default("pids_limit")
+    def _pids_limit_default(self):
+        return default_pids(1024, 8)
+
+    max_user_processes = Int(
+        help="""``RLIMIT_NPROC`` of every server's processes (as root, set before the server
+        becomes its person's account): the most processes and threads of that account
+        together, in all its servers and training replicas, the second line against a fork
+        bomb where control groups cannot be made (the kernel's own default here, 96,367, is
+        above ``pid_max``). Default: a quarter of what the kernel can hold (the smaller of
+        ``pid_max`` and ``threads-max``; 8,192 where ``pid_max`` is 32,768), at least 1,024;
+        keep ``c.GPUJobs.max_user_processes`` the same. 0: left as it is.
+        Example: ``c.LocalGPUSpawner.max_user_processes = 4096``
+        """,
+    ).tag(config=True)
+
+    @default("max_user_processes")
+    def _max_user_processes_default(self):
+        return default_user_processes()
 
     private_tmp = Bool(
         help="""Give every server a private ``/tmp`` (a mount namespace of its own, as
@@ -454,6 +490,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
 
     def make_preexec_fn(self, name):
         group = self._server_group
+        nproc = self.max_user_processes if self.isolate_users else 0
         tmp, keep = self._tmp_folder, self._tmp_keep()
         if self.isolate_users:
             then = set_user_setuid(self.system_user)
@@ -466,6 +503,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         def preexec():
             if group is not None:
                 group.join()  # as root still, before the server becomes its user
+            limit_user_processes(nproc)  # RLIMIT_NPROC, as root still (issue 36)
             if tmp is not None:
                 sandbox.private_tmp(tmp, keep=keep)  # as root: a mount namespace of its own
             os.umask(0o022)  # a login's umask, not the hub's private 077
@@ -541,7 +579,8 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         self._remove_tmp_folder(unit)
         limits = self.enforce_limits
         group = cgroups.make(unit, memory=(self.mem_limit or None) if limits else None,
-                             cpus=(self.cpu_limit or None) if limits else None, gpus=gpus)
+                             cpus=(self.cpu_limit or None) if limits else None, gpus=gpus,
+                             pids=self.pids_limit or None)
         self._cgroup_unit = unit
         return group
 

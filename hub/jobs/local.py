@@ -31,8 +31,11 @@ replica between ``fork`` and ``exec`` while it is still root, then it drops to t
   same folder, owned by the person, mode 0700, under root's 0700 ``tmp_root``), removed with
   the job.
 - **a control group per replica**, limits or not: the role's ``cpu`` / ``memory`` or the
-  operator's defaults (``c.GPUJobs.default_cpu`` / ``default_memory``), the device allow-list
-  of its GPUs, and stop kills the whole group (``setsid`` grandchildren too).
+  operator's defaults (``c.GPUJobs.default_cpu`` / ``default_memory``), a bound on its
+  processes and threads (``c.GPUJobs.pids_per_replica``), the device allow-list of its GPUs,
+  and stop kills the whole group (``setsid`` grandchildren too). ``RLIMIT_NPROC``
+  (``c.GPUJobs.max_user_processes``) bounds the account's processes as a whole, also where
+  no groups can be made.
 - **the working directory** (the job folder) entered after dropping privileges, through a
   descriptor opened without following links (never ``Popen(cwd=...)``, which runs as root).
 - **an environment built from an allow-list** (`replica_env`): never a copy of the service's,
@@ -86,7 +89,7 @@ from gpulab.extensions import contract
 from gpulab.extensions.contract import lead_replica
 from gpulab.spawner import sandbox
 from gpulab.spawner.accounts import AccountError
-from gpulab.spawner.cgroups import local_cgroups, memory_bytes
+from gpulab.spawner.cgroups import limit_user_processes, local_cgroups, memory_bytes
 
 from gpulab.spawner import safefs
 from gpulab.hub.jobs.base import JobBackend, JobError, job_view
@@ -404,6 +407,7 @@ class LocalJobBackend(JobBackend):
         netns = sandbox.open_netns(job.id, self.netns_root) if self.sandboxed else None
         tmp = self.tmp_root / job.id
         user_name = pwd.getpwuid(account.uid).pw_name if account.uid is not None else None
+        nproc = self.limits.max_user_processes
 
         def preexec():  # in the child, as root; a failure is written to the replica's log
             try:
@@ -414,6 +418,7 @@ class LocalJobBackend(JobBackend):
                     sandbox.join_netns(netns)  # the job's loopback-only network
                     sandbox.private_tmp(tmp, keep=[folder])  # the job's own /tmp
                 if account.uid is not None:
+                    limit_user_processes(nproc)  # as root still: RLIMIT_NPROC (issue 36)
                     os.setgid(account.gid)
                     os.initgroups(user_name, account.gid)
                     os.setuid(account.uid)
@@ -492,7 +497,8 @@ class LocalJobBackend(JobBackend):
         unit = self._unit(job_id, role, index)
         cgroups.find(unit).remove(kill=True)  # a restarted replica starts in a clean group
         return cgroups.make(unit, memory=memory_bytes(self.limits.memory_of(res)),
-                            cpus=self.limits.cpu_of(res), gpus=devices)
+                            cpus=self.limits.cpu_of(res), gpus=devices,
+                            pids=self.limits.pids_per_replica or None)
 
     def _oom_killed(self, job_id: str, role: str, index: int) -> bool:
         cgroups, _ = local_cgroups()

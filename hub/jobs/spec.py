@@ -19,7 +19,8 @@ names the field:
 `GPUJobs` holds the operator's limits (``c.GPUJobs.*``), carried to the gpulab service as JSON
 (`GPUJobs.limits_json`, `limits_from_json`): the spec limits checked here, and the bounds a
 backend applies as it admits a job (``default_cpu`` / ``default_memory`` for replicas whose
-role names none, ``max_replicas_per_user``: see `gpulab.hub.jobs.local`).
+role names none, ``max_replicas_per_user``, ``pids_per_replica``, ``max_user_processes``: see
+`gpulab.hub.jobs.local`).
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
 from typing import Literal
 
-from traitlets import Float, Int, List, TraitError, Unicode, validate
+from traitlets import Float, Int, List, TraitError, Unicode, default, validate
 from traitlets.config import Configurable
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gpulab.extensions.contract import NAME_RE, ROLES, STRATEGIES
-from gpulab.spawner.cgroups import memory_bytes
+from gpulab.spawner.cgroups import default_pids, default_user_processes, memory_bytes
 
 from gpulab.hub.quota.policy import MAX_GPUS
 
@@ -70,6 +71,9 @@ class JobLimits:
     default_cpu: float = 2.0  # CPUs of a replica whose role sets no ``cpu``; 0: unlimited
     default_memory: str = "8Gi"  # memory of a replica whose role sets none; "": unlimited
     max_replicas_per_user: int = 32  # replicas of one person's active jobs together; 0: no bound
+    # processes and threads of one replica (its control group); 0: no bound
+    pids_per_replica: int = field(default_factory=lambda: default_pids(512, 4))
+    max_user_processes: int = 0  # RLIMIT_NPROC of the person's account; 0: left as it is
 
     def cpu_of(self, res: Resources | None) -> float | None:
         """The CPU limit of a replica whose role asks for `res` (None: not limited)."""
@@ -368,6 +372,35 @@ class GPUJobs(Configurable):
         Example: ``c.GPUJobs.max_replicas_per_user = 16``
         """).tag(config=True)
 
+    pids_per_replica = Int(help="""
+        Most processes and threads one training replica may hold together (local backend,
+        enforced by its control group's ``pids`` controller as root: v1 ``pids.max`` or v2
+        ``pids.max``; a fork or new thread beyond it fails with EAGAIN, and a fork bomb stops
+        there instead of taking every process number of the machine). Default 512, or 4 per
+        CPU on machines with more than 128 CPUs: a TensorFlow process starts about two threads
+        per CPU (9 on a 2-CPU machine), so a replica's own threads and the programs it runs
+        fit many times over. 0: no bound.
+        Example: ``c.GPUJobs.pids_per_replica = 2048``
+        """).tag(config=True)
+
+    @default("pids_per_replica")
+    def _pids_per_replica_default(self):
+        return default_pids(512, 4)
+
+    max_user_processes = Int(help="""
+        ``RLIMIT_NPROC`` of the account a training replica runs as (local backend, as root):
+        the most processes and threads of that person's account together, in every server
+        and replica, the second line against a fork bomb where control groups cannot be made.
+        Default: a quarter of what the kernel can hold (the smaller of ``pid_max`` and
+        ``threads-max``; 8,192 where ``pid_max`` is 32,768), at least 1,024; the same as
+        ``c.LocalGPUSpawner.max_user_processes``, which should match it. 0: left as it is.
+        Example: ``c.GPUJobs.max_user_processes = 4096``
+        """).tag(config=True)
+
+    @default("max_user_processes")
+    def _max_user_processes_default(self):
+        return default_user_processes()
+
     python = Unicode("", help="""
         The Python that runs training replicas (local backend): it must import gpulab,
         TensorFlow and tf-keras (``pip install 'gpulab[tf]'`` there). Default: gpulab's own,
@@ -389,7 +422,9 @@ class GPUJobs(Configurable):
                          max_source_bytes=self.max_source_bytes, max_runtime=self.max_runtime,
                          max_retries=self.max_retries, allowed_images=tuple(self.allowed_images),
                          default_cpu=self.default_cpu, default_memory=self.default_memory,
-                         max_replicas_per_user=self.max_replicas_per_user)
+                         max_replicas_per_user=self.max_replicas_per_user,
+                         pids_per_replica=self.pids_per_replica,
+                         max_user_processes=self.max_user_processes)
 
     def limits_json(self) -> str:
         return json.dumps(asdict(self.limits()))

@@ -1,9 +1,12 @@
 """gpulab.spawner.cgroups: what it writes where.
 
 The kernel's enforcement is tested for real in tests/app/test_limits.py and
-tests/app/test_jobs_api.py on this machine's hierarchy (cgroup v1 here). A cgroup v2 hierarchy
-with cpu and memory cannot be mounted here, so the v2 layout is checked against a folder that
-stands in for /sys/fs/cgroup (with the control files the kernel would show)."""
+tests/app/test_jobs_api.py on this machine's hierarchy (cgroup v1 here). A private cgroup v2
+hierarchy mounts here, and what it can do for real (the BPF device program, ``cgroup.kill``,
+``cgroup.freeze``) is tested on it in tests/unit/test_cgroup2_real.py; but its cpu, memory and
+pids controllers cannot be enabled here (they are bound to the v1 hierarchies), so the v2
+layout of ``memory.max``, ``cpu.max`` and ``pids.max`` is checked against a folder that stands
+in for /sys/fs/cgroup (with the control files the kernel would show)."""
 
 import os
 import subprocess
@@ -35,29 +38,48 @@ def fake_v2(root: Path, controllers="cpuset cpu io memory pids") -> Path:
     (root / "cgroup.controllers").write_text(controllers + "\n")
     (root / "cgroup.subtree_control").write_text("cpu memory\n")
     (root / "gpulab").mkdir()
+    (root / "gpulab" / "cgroup.controllers").write_text("cpu memory pids\n")
     (root / "gpulab" / "cgroup.subtree_control").write_text("")
     return root
 
 
 def test_v2_groups_sit_under_gpulab_at_the_top_with_the_limits(tmp_path):
     root = fake_v2(tmp_path / "cg")
-    own = tmp_path / "self"
-    own.write_text("0::/user.slice/user-0.slice/session-1.scope\n")
-    cgroups = Cgroups(2, {"cpu": root / "gpulab", "memory": root / "gpulab"})
-    group = cgroups.make("server-ann-default", memory=256 * 2**20, cpus=1.5)
+    cgroups = Cgroups(2, {"cpu": root / "gpulab", "memory": root / "gpulab",
+                          "pids": root / "gpulab"}, bpf_problem="not in a fake folder")
+    group = cgroups.make("server-ann-default", memory=256 * 2**20, cpus=1.5, pids=1024)
     d = root / "gpulab" / "server-ann-default"
-    assert group.dirs == {"cpu": d, "memory": d}
+    assert group.dirs == {"cpu": d, "memory": d, "pids": d}
     assert (d / "memory.max").read_text() == str(256 * 2**20)
     assert (d / "cpu.max").read_text() == f"{int(1.5 * CPU_PERIOD_US)} {CPU_PERIOD_US}"
-    # gpulab's folder hands cpu and memory down to its groups
-    assert (root / "gpulab" / "cgroup.subtree_control").read_text() == "+cpu +memory"
+    assert (d / "pids.max").read_text() == "1024"
+    # gpulab's folder hands cpu, memory and pids down to its groups
+    assert (root / "gpulab" / "cgroup.subtree_control").read_text() == "+cpu +memory +pids"
     assert group.procs_files == [d / "cgroup.procs"]
     (d / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
     assert group.oom_kills() == 1
-    # only a limit that is set is written as a number
+    (d / "pids.events").write_text("max 17\n")
+    assert group.pids_refused() == 17
+    # only a limit that is set is written: a fresh group is unlimited
     other = cgroups.make("job-x-worker-0", cpus=0.5)
-    assert (other.dirs["memory"] / "memory.max").read_text() == "max"
+    assert not (other.dirs["memory"] / "memory.max").exists()
+    assert not (other.dirs["pids"] / "pids.max").exists()
     assert (other.dirs["cpu"] / "cpu.max").read_text() == f"{CPU_PERIOD_US // 2} {CPU_PERIOD_US}"
+
+
+def test_v2_detection_takes_pids_where_the_hierarchy_offers_it(tmp_path):
+    own = tmp_path / "self"
+    own.write_text("0::/user.slice/user-0.slice/session-1.scope\n")
+    for offered, bound in (("cpuset cpu io memory pids", True), ("cpu memory", False)):
+        root = fake_v2(tmp_path / f"cg-{bound}", controllers=offered)
+        cgroups, why = Cgroups.detect(root, own)
+        assert cgroups is not None, why
+        assert cgroups.pids_enforced is bound
+        assert set(cgroups.bases) == {"cpu", "memory"} | ({"pids"} if bound else set())
+        # the probe's device program loads (as root here) but a plain folder is no group to
+        # attach it to: detection says so rather than failing
+        assert not cgroups.devices_enforced
+        assert "refused to attach a BPF device program to a group" in cgroups.devices_why
 
 
 def test_unit_names_cannot_leave_gpulab_folder(tmp_path):
@@ -129,11 +151,19 @@ def test_a_unit_group_is_made_once(tmp_path):
     assert (d / "memory.limit_in_bytes").read_text() == "100"
 
 
-def test_v2_devices_are_said_to_be_unenforced(tmp_path):
+def test_v2_devices_where_the_kernel_refuses_bpf_are_said_to_be_unenforced(tmp_path):
+    """Where the kernel loads no device program (the BPF probe failed: `bpf_problem`),
+    devices_why says so and a group is made without one. (Where it loads them, the program
+    is tested for real in tests/unit/test_cgroup2_real.py.)"""
     root = fake_v2(tmp_path / "cg")
-    cgroups = Cgroups(2, {"cpu": root / "gpulab", "memory": root / "gpulab"})
+    cgroups = Cgroups(2, {"cpu": root / "gpulab", "memory": root / "gpulab"},
+                      bpf_problem="the kernel refused a BPF device program: Operation not "
+                                  "permitted")
     assert not cgroups.devices_enforced
-    assert "BPF" in cgroups.devices_why
+    assert cgroups.devices_why == (
+        "cgroup v2 restricts devices only through a BPF device program, and the kernel "
+        "refused a BPF device program: Operation not permitted: any local process may open "
+        "any GPU")
     cgroups.make("server-u1", gpus=[0])  # accepted, not restricted
 
 
@@ -191,3 +221,23 @@ def test_device_allow_list_is_enforced_by_this_kernel(tmp_path):
     finally:
         group.remove(kill=True)
     assert out.split("\n")[:2] == ["0 EPERM", "1 ENXIO"], out
+
+
+def test_the_v2_device_allow_list():
+    """What `bpfdevices.allowed_devices` lets a unit open (its program is tested on a real
+    cgroup2 mount in tests/unit/test_cgroup2_real.py)."""
+    from gpulab.spawner.bpfdevices import DEV_CHAR, RW, Rule, allowed_devices, program
+
+    rules = allowed_devices([3, 1], uvm_major=509)
+    allowed = {(r.major, r.minor) for r in rules}
+    assert {(1, 3), (1, 5), (1, 7), (1, 8), (1, 9), (5, 0), (5, 2), (136, None)} < allowed
+    assert {(195, 255), (195, 254), (509, 0), (509, 1), (195, 1), (195, 3)} < allowed
+    assert (195, 0) not in allowed and (195, 2) not in allowed
+    assert all(r.type == DEV_CHAR and r.access == RW for r in rules)  # no mknod, no block
+    assert (509, 0) not in {(r.major, r.minor) for r in allowed_devices([0])}
+    with pytest.raises(ValueError, match="not the minor of an NVIDIA GPU node"):
+        allowed_devices([255])
+    # 6 loads, then per rule its tests and `r0 = 1; exit`; last `r0 = 0; exit`
+    assert len(program([])) == 8 * 8
+    # type, access (no mknod), major, minor
+    assert len(program([Rule(DEV_CHAR, 195, 0)])) == 8 * (6 + 4 + 2 + 2)

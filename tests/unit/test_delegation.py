@@ -74,10 +74,11 @@ def test_detect_puts_gpulabs_groups_inside_the_service(tmp_path):
     assert delegated_top(root, me) == top
     cgroups, why = Cgroups.detect(root, me)
     assert cgroups is not None, why
-    assert cgroups.bases == {"cpu": top / "gpulab", "memory": top / "gpulab"}
+    assert cgroups.bases == {"cpu": top / "gpulab", "memory": top / "gpulab",
+                             "pids": top / "gpulab"}
     assert not (root / "gpulab").exists()  # nothing at the top of the hierarchy
     # controllers are handed down from the service's group to gpulab's
-    assert (top / "cgroup.subtree_control").read_text() == "+cpu +memory"
+    assert (top / "cgroup.subtree_control").read_text() == "+cpu +memory +pids"
 
 
 MOVE = textwrap.dedent("""

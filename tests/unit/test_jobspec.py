@@ -1,5 +1,6 @@
 """The job spec's rules, as a table: each bad spec is refused with the field it names."""
 
+import os
 import pytest
 
 from gpulab.hub.jobs.spec import DEFAULT_LIMITS, JobLimits, SpecError, parse_spec
@@ -143,3 +144,22 @@ def test_files_go_beside_the_source_and_count_against_its_bytes():
         parse_spec(with_(PS, files=spec.files), lim)
     assert e.value.field == "files" and "source and files together" in e.value.message
     assert parse_spec(PS).files == {}  # old specs (stored ones too) have none
+
+
+def test_process_bounds_reach_the_service():
+    """``c.GPUJobs.pids_per_replica`` / ``max_user_processes`` travel to the service in the
+    limits' JSON; their defaults come from the machine (512 a replica up to 128 CPUs, a
+    quarter of pid_max / threads-max for the account)."""
+    from traitlets.config import Config
+
+    from gpulab.hub.jobs.spec import GPUJobs, limits_from_json
+    from gpulab.spawner.cgroups import default_user_processes
+
+    plain = limits_from_json(GPUJobs().limits_json())
+    assert plain.pids_per_replica == max(512, 4 * os.cpu_count())
+    assert plain.max_user_processes == default_user_processes() >= 1024
+    c = Config()
+    c.GPUJobs.pids_per_replica = 64
+    c.GPUJobs.max_user_processes = 0
+    mine = limits_from_json(GPUJobs(config=c).limits_json())
+    assert (mine.pids_per_replica, mine.max_user_processes) == (64, 0)
