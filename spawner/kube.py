@@ -68,6 +68,8 @@ from .namespaces import (
     DATASETS_SUBPATH,
     FIELD_MANAGER,
     GPU_QUOTA_SYNC_INTERVAL,
+    DEFAULT_CONTAINER_LIMITS,
+    DEFAULT_CONTAINER_REQUESTS,
     POD_SECURITY_LEVEL,
     SHARED_MOUNT_PATH,
     USER_NAMESPACE_TEMPLATE,
@@ -175,6 +177,33 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         ``pod-security.kubernetes.io/enforce``): ``baseline`` (default: no privileged pods,
         host paths or host namespaces) or ``restricted``. The label is applied at every spawn.
         Example: ``c.KubeGPUSpawner.pod_security_level = "restricted"``
+        """,
+    ).tag(config=True)
+
+    default_container_limits = Dict(
+        DEFAULT_CONTAINER_LIMITS,
+        help="""What a container of a user namespace may use when it names no limit of its
+        own (the namespace's LimitRange ``gpulab-defaults``, applied at every spawn and by the
+        job backend): notebook servers whose profile sets no ``cpu_limit`` / ``mem_limit``,
+        and training replicas whose role sets no ``cpu`` / ``memory``. Keys ``cpu``,
+        ``memory``, ``ephemeral-storage`` (the container's writable layer, logs and
+        ``emptyDir``: the kubelet evicts a pod over it); ``{}``: no defaults. Default
+        ``{"cpu": "2", "memory": "8Gi", "ephemeral-storage": "20Gi"}``: without them one
+        person's 32 unbounded replicas could take a node's memory and disk and get other
+        people's pods evicted. Example:
+        ``c.KubeGPUSpawner.default_container_limits = {"cpu": "4", "memory": "16Gi",
+        "ephemeral-storage": "50Gi"}``
+        """,
+    ).tag(config=True)
+
+    default_container_requests = Dict(
+        DEFAULT_CONTAINER_REQUESTS,
+        help="""What such a container reserves on its node (the LimitRange's
+        ``defaultRequest``; each at most the limit above). Default ``{"cpu": "100m", "memory":
+        "512Mi", "ephemeral-storage": "1Gi"}``: small, so that idle notebooks and parameter
+        servers do not hold nodes from others. With Kueue these count against its pool (cpu,
+        memory and ephemeral-storage are covered there). Example:
+        ``c.KubeGPUSpawner.default_container_requests = {"cpu": "1", "memory": "4Gi"}``
         """,
     ).tag(config=True)
 
@@ -525,7 +554,9 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
                 sync_interval=self.gpu_quota_sync_interval,
                 request_timeout=self.k8s_api_request_timeout, log=self.log,
                 server_port=self.port, server_component=self.component_label,
-                gpu_resource_quota=not self.kueue)
+                gpu_resource_quota=not self.kueue,
+                container_limits=self.default_container_limits,
+                container_requests=self.default_container_requests)
         except NamespaceSettingsError as e:
             raise SpawnRefused(500, f"The server's network settings are wrong: {e}"
                                if e.network else str(e)) from e

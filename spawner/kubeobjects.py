@@ -6,6 +6,8 @@ JSON the API server receives), so the tests compare them with literal dicts
 
 - `make_user_namespace`: a user's namespace, labelled for Pod Security admission.
 - `make_gpu_quota`: the ResourceQuota on ``requests.nvidia.com/gpu`` that mirrors a user's quota.
+- `make_limit_range`: the LimitRange that gives every container of a user namespace without
+  its own CPU, memory or ephemeral-storage values the operator's defaults.
 - `make_user_network_policies`: the NetworkPolicies of a user namespace (nothing reaches a
   user's pods but the hub and the proxy, and their own job's replicas; they reach DNS, the hub,
   the gpulab service and what the operator allows).
@@ -24,6 +26,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Iterable, Mapping
+from fractions import Fraction
 from typing import Any
 
 from .profiles import GPU_MODEL_LABEL, GPU_RESOURCE
@@ -33,6 +36,11 @@ GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedu
 #: name of the ResourceQuota in each user's namespace
 QUOTA_NAME = "gpulab-gpus"
 QUOTA_RESOURCE = f"requests.{GPU_RESOURCE}"
+#: name of the LimitRange in each user's namespace
+LIMIT_RANGE_NAME = "gpulab-defaults"
+#: the resources a LimitRange of gpulab's gives defaults for
+LIMITED_RESOURCES = ("cpu", "memory", "ephemeral-storage")
+_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?")
 MANAGED_BY = {"app.kubernetes.io/managed-by": "gpulab"}
 USER_LABEL = "gpulab.io/user"
 POD_SECURITY_LEVELS = ("privileged", "baseline", "restricted")
@@ -102,6 +110,62 @@ def make_user_namespace(*, name: str, user_label: str, pod_security: str = "base
                 "pod-security.kubernetes.io/enforce-version": "latest",
             },
         },
+    }
+
+
+_SUFFIX = {"m": Fraction(1, 1000), "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+           "P": 10**15, "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+           "Pi": 2**50, "Ei": 2**60}
+
+
+def quantity(text: str) -> Fraction:
+    """The value of a Kubernetes quantity in `_QUANTITY`'s form (``500m``, ``8Gi``, ``2``)."""
+    m = _QUANTITY.fullmatch(text)
+    if not m:
+        raise ValueError(f"{text!r} is not a quantity such as 2, 500m or 8Gi")
+    suffix = m.group(2) or ""
+    return Fraction(text[:len(text) - len(suffix)]) * _SUFFIX[suffix]
+
+
+def check_quantities(name: str, values: Mapping[str, Any]) -> dict[str, str]:
+    """``values`` (resource -> quantity) as strings, for `LIMITED_RESOURCES` only; ValueError
+    naming ``name`` and the bad entry otherwise."""
+    out = {}
+    for resource, value in values.items():
+        if resource not in LIMITED_RESOURCES:
+            raise ValueError(f"{name}: {resource!r} is not one of {', '.join(LIMITED_RESOURCES)}")
+        text = str(value)
+        if isinstance(value, bool) or not _QUANTITY.fullmatch(text):
+            raise ValueError(f"{name}: {resource} {value!r} is not a quantity such as 2, 500m "
+                             "or 8Gi")
+        out[resource] = text
+    return out
+
+
+def make_limit_range(*, namespace: str, user_label: str, limits: Mapping[str, Any],
+                     requests: Mapping[str, Any], name: str = LIMIT_RANGE_NAME) -> dict:
+    """The LimitRange of a user namespace: a container that names no limit (request) of a
+    resource gets ``limits`` (``requests``) of it at admission: notebook servers whose
+    profile sets none, and training replicas whose role sets none. A default request above
+    the default limit of its resource is a ValueError (the API server refuses such a
+    LimitRange)."""
+    lim = check_quantities("default_container_limits", limits)
+    req = check_quantities("default_container_requests", requests)
+    for resource, value in req.items():
+        if resource in lim and quantity(value) > quantity(lim[resource]):
+            raise ValueError(f"default_container_requests: {resource} {value} is above "
+                             f"default_container_limits' {lim[resource]}")
+    item: dict[str, Any] = {"type": "Container"}
+    if lim:
+        item["default"] = lim
+    if req:
+        item["defaultRequest"] = req
+    return {
+        "apiVersion": "v1",
+        "kind": "LimitRange",
+        "metadata": {"name": name, "namespace": namespace,
+                     "labels": {**MANAGED_BY, USER_LABEL: user_label}},
+        "spec": {"limits": [item]},
     }
 
 

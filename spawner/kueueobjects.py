@@ -43,8 +43,9 @@ be kept current from the ledger by server-side apply (as the ResourceQuota mirro
   `PREEMPTIBLE_QUEUE`, the names gpulab's pods and JobSets carry in the label
   ``kueue.x-k8s.io/queue-name``.
 
-CPU and memory are covered too (Kueue admits only workloads whose every requested resource a
-ClusterQueue covers), from the pool's large `POOL_CPU` and `POOL_MEMORY`.
+CPU, memory and ephemeral storage are covered too (Kueue admits only workloads whose every
+requested resource a ClusterQueue covers), from the pool's large `POOL_CPU`, `POOL_MEMORY` and
+`POOL_EPHEMERAL_STORAGE`.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ PREEMPTIBLE_PRIORITY = -1000
 #: resource a queue covers): enough never to be what limits anyone, GPUs do
 POOL_CPU = "100000"
 POOL_MEMORY = "10000Ti"
+#: and of ephemeral storage (user namespaces' LimitRange gives every container a request)
+POOL_EPHEMERAL_STORAGE = "10000Ti"
 #: the GPUs of every model together, as gpulab's quota counts them: Kueue's configuration
 #: turns each ``nvidia.com/gpu`` a workload asks for into one of these too
 #: (`GPU_QUOTA_TRANSFORMATION`), and a person's ClusterQueue may borrow their quota of it
@@ -170,10 +173,11 @@ def make_cohorts(group: str | None, capacity: Mapping[str | None, int] | int | N
             *([{"coveredResources": [QUOTA_RESOURCE],
                 "flavors": [{"name": QUOTA_FLAVOR, "resources": [
                     {"name": QUOTA_RESOURCE, "nominalQuota": str(total)}]}]}] if split_by_model(models) else []),
-            {"coveredResources": ["cpu", "memory"],
+            {"coveredResources": ["cpu", "memory", "ephemeral-storage"],
              "flavors": [{"name": DEFAULT_FLAVOR, "resources": [
                  {"name": "cpu", "nominalQuota": POOL_CPU},
-                 {"name": "memory", "nominalQuota": POOL_MEMORY}]}]},
+                 {"name": "memory", "nominalQuota": POOL_MEMORY},
+                 {"name": "ephemeral-storage", "nominalQuota": POOL_EPHEMERAL_STORAGE}]}]},
         ]
     root = {"apiVersion": KUEUE_API, "kind": "Cohort",
             "metadata": {"name": ROOT_COHORT, "labels": dict(MANAGED_BY)}, "spec": spec}
@@ -220,10 +224,11 @@ def make_cluster_queues(*, namespace: str, user_label: str, max_gpus: int | None
                 *([{"coveredResources": [QUOTA_RESOURCE],
                     "flavors": [{"name": QUOTA_FLAVOR, "resources": [borrowing(QUOTA_RESOURCE, own)]}]}]
                   if split_by_model(models) else []),
-                {"coveredResources": ["cpu", "memory"],
+                {"coveredResources": ["cpu", "memory", "ephemeral-storage"],
                  "flavors": [{"name": DEFAULT_FLAVOR,
                               "resources": [{"name": "cpu", "nominalQuota": "0"},
-                                            {"name": "memory", "nominalQuota": "0"}]}]},
+                                            {"name": "memory", "nominalQuota": "0"},
+                                            {"name": "ephemeral-storage", "nominalQuota": "0"}]}]},
             ],
             # in-quota work takes GPUs back only from work of a lower priority (preemptible
             # work's `PREEMPTIBLE_PRIORITY_CLASS`), never from another person's in-quota work;

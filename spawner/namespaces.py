@@ -7,7 +7,9 @@
 1. applies the namespace, labelled for Pod Security enforcement (server-side apply);
 2. makes its NetworkPolicies exactly so (`apply_network_policies`), before any pod of the
    namespace runs;
-3. registers the namespace with this event loop's `GPUQuotaMirror` and writes its GPU
+3. applies its LimitRange (`make_limit_range`): the operator's default CPU, memory and
+   ephemeral-storage of every container that names none (servers and replicas alike);
+4. registers the namespace with this event loop's `GPUQuotaMirror` and writes its GPU
    ResourceQuota if it differs from the user's effective gpulab quota.
 
 The ledger's quotas are read in a worker thread (`asyncio.to_thread`), here and in the
@@ -33,9 +35,11 @@ from gpulab.hub.quota.ledger import Ledger
 from gpulab.hub.quota.policy import Quota, effective_quota
 
 from .kubeobjects import (
+    LIMIT_RANGE_NAME,
     POD_SECURITY_LEVELS,
     QUOTA_NAME,
     make_gpu_quota,
+    make_limit_range,
     make_user_namespace,
     make_user_network_policies,
 )
@@ -58,6 +62,13 @@ SHARED_MOUNT_PATH = "/gpulab/shared"
 USER_SUBPATH_TEMPLATE = "users/{username}"
 #: the read-only datasets folder on the shared storage ('' for none)
 DATASETS_SUBPATH = "datasets"
+#: what a container of a user namespace that names none of its own may use (the LimitRange's
+#: ``default``): a replica as the local backend bounds one (``c.GPUJobs.default_cpu`` /
+#: ``default_memory``), and disk for a checkpoint or two beside the shared storage
+DEFAULT_CONTAINER_LIMITS = {"cpu": "2", "memory": "8Gi", "ephemeral-storage": "20Gi"}
+#: what such a container reserves on its node (``defaultRequest``): small, so that a person's
+#: idle notebook or a job's parameter server does not hold a node's CPUs from others
+DEFAULT_CONTAINER_REQUESTS = {"cpu": "100m", "memory": "512Mi", "ephemeral-storage": "1Gi"}
 
 
 class NamespaceSettingsError(ValueError):
@@ -237,6 +248,8 @@ async def prepare_user_namespace(
     allowed_server_ingress: list[dict] | tuple = (),
     networking=None,
     gpu_resource_quota: bool = True,
+    container_limits: dict | None = None,
+    container_requests: dict | None = None,
 ) -> int:
     """Create or update ``namespace`` for ``user``: Pod Security labels, NetworkPolicies,
     GPU ResourceQuota (see the module's docstring). Returns how many API requests it made.
@@ -249,8 +262,12 @@ async def prepare_user_namespace(
     (``asyncio.TimeoutError`` otherwise); ``sync_interval`` is the mirror's period when
     this call starts it. ``gpu_resource_quota`` False (Kueue admits the namespace's work,
     `gpulab.spawner.kueuemirror`): no GPU ResourceQuota, and one left from before is removed
-    (it would refuse the pods of preemptible work that borrows beyond the person's quota). Raises `NamespaceSettingsError` for a bad ``pod_security_level``,
-    ``allowed_egress`` or ``allowed_server_ingress`` before any request, and the API's ``ApiException`` as it comes.
+    (it would refuse the pods of preemptible work that borrows beyond the person's quota).
+    ``container_limits`` / ``container_requests``: the LimitRange's defaults (None: gpulab's
+    `DEFAULT_CONTAINER_LIMITS` / `DEFAULT_CONTAINER_REQUESTS`; ``{}``: none). Raises
+    `NamespaceSettingsError` for a bad ``pod_security_level``, ``allowed_egress``,
+    ``allowed_server_ingress`` or default before any request, and the API's
+    ``ApiException`` as it comes.
     """
     if pod_security_level not in POD_SECURITY_LEVELS:
         raise NamespaceSettingsError(f"pod_security_level {pod_security_level!r} is not one "
@@ -264,6 +281,14 @@ async def prepare_user_namespace(
             allowed_egress=allowed_egress, allowed_server_ingress=allowed_server_ingress)
     except ValueError as e:
         raise NamespaceSettingsError(str(e), network=True) from e
+    try:
+        limit_range = make_limit_range(
+            namespace=namespace, user_label=user_label,
+            limits=DEFAULT_CONTAINER_LIMITS if container_limits is None else container_limits,
+            requests=(DEFAULT_CONTAINER_REQUESTS if container_requests is None
+                      else container_requests))
+    except ValueError as e:
+        raise NamespaceSettingsError(str(e)) from e
     await asyncio.wait_for(
         api.patch_namespace(namespace, body, field_manager=FIELD_MANAGER, force=True,
                             _content_type=APPLY),
@@ -273,6 +298,13 @@ async def prepare_user_namespace(
     replaced = await asyncio.wait_for(apply_network_policies(policies, networking),
                                       request_timeout)
     requests += len(policies) + replaced
+    # before any pod too: the defaults apply when a pod is admitted
+    await asyncio.wait_for(
+        api.patch_namespaced_limit_range(LIMIT_RANGE_NAME, namespace, limit_range,
+                                         field_manager=FIELD_MANAGER, force=True,
+                                         _content_type=APPLY),
+        request_timeout)
+    requests += 1
     if not gpu_resource_quota:
         try:
             await asyncio.wait_for(api.delete_namespaced_resource_quota(QUOTA_NAME, namespace),

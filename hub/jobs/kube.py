@@ -83,6 +83,8 @@ from gpulab.spawner.kube import (
 )
 from gpulab.spawner.kubeobjects import parse_quota_refusal
 from gpulab.spawner.namespaces import (
+    DEFAULT_CONTAINER_LIMITS,
+    DEFAULT_CONTAINER_REQUESTS,
     GPU_QUOTA_SYNC_INTERVAL,
     NamespaceSettingsError,
     prepare_user_namespace,
@@ -234,6 +236,8 @@ SHARED_WITH_SPAWNER = {"namespace_template": "user_namespace_template",
                        "gpu_quota_sync_interval": "gpu_quota_sync_interval",
                        "kueue": "kueue", "kueue_gpus": "kueue_gpus",
                        "kueue_gpu_models": "kueue_gpu_models",
+                       "default_container_limits": "default_container_limits",
+                       "default_container_requests": "default_container_requests",
                        "node_selector": "node_selector", "tolerations": "tolerations"}
 #: the environment variable the gpulab service falls back to for these settings when its
 #: config file has no ``GpulabService.kube_jobs`` (the hub writes them there)
@@ -290,6 +294,13 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
     pod_security_level = Unicode("baseline", help="""
         Pod Security level of user namespaces the backend creates (as KubeGPUSpawner's
         ``pod_security_level``; default ``baseline``).""").tag(config=True)
+    default_container_limits = Dict(DEFAULT_CONTAINER_LIMITS, help="""
+        The LimitRange defaults of user namespaces the backend prepares (as KubeGPUSpawner's
+        ``default_container_limits``, from where the hub takes it): what a replica whose role
+        sets no ``cpu`` / ``memory`` may use.""").tag(config=True)
+    default_container_requests = Dict(DEFAULT_CONTAINER_REQUESTS, help="""
+        As KubeGPUSpawner's ``default_container_requests`` (from where the hub takes it).
+        """).tag(config=True)
     shared_volume = Dict(None, allow_none=True, help="""
         The shared ReadWriteMany storage as a pod volume source (as KubeGPUSpawner's); ``{}``
         (default): none (then ``source`` specs work and ``script`` paths are inside the
@@ -605,7 +616,9 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
                 server_port=self.server_port, server_component=self.server_component,
                 sync_interval=self.gpu_quota_sync_interval,
                 request_timeout=self.request_timeout, log=log, networking=self.networking,
-                gpu_resource_quota=not self.kueue)
+                gpu_resource_quota=not self.kueue,
+                container_limits=self.default_container_limits,
+                container_requests=self.default_container_requests)
         except NamespaceSettingsError as e:
             raise JobError(f"The cluster's network settings are wrong: {e}" if e.network
                            else str(e), 500) from e

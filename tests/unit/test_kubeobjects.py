@@ -1,5 +1,7 @@
 """The Kubernetes objects of KubeGPUSpawner, compared with literal dicts."""
 
+import re
+
 import pytest
 
 from gpulab.spawner.kube import effective_max_gpus
@@ -375,3 +377,43 @@ def test_escape_expansion_literal():
     assert escape_expansion("a$(B)$$c$") == "a$$(B)$$$$c$$"
     # the old way (only "$(" doubled) is not enough: "$$(HOME)" reached the process expanded
     assert expand("$$(HOME)".replace("$(", "$$("), {"HOME": "/root"}) == "$/root"
+
+
+def test_make_limit_range():
+    """Issue 36: every container of a user namespace that names none gets the operator's
+    default CPU, memory and ephemeral storage (replicas and notebooks alike)."""
+    from gpulab.spawner.kubeobjects import make_limit_range
+
+    assert make_limit_range(namespace="gpulab-ann", user_label="ann",
+                            limits={"cpu": 2, "memory": "8Gi", "ephemeral-storage": "20Gi"},
+                            requests={"cpu": "100m", "memory": "512Mi"}) == {
+        "apiVersion": "v1", "kind": "LimitRange",
+        "metadata": {"name": "gpulab-defaults", "namespace": "gpulab-ann",
+                     "labels": {"app.kubernetes.io/managed-by": "gpulab", "gpulab.io/user": "ann"}},
+        "spec": {"limits": [{"type": "Container",
+                             "default": {"cpu": "2", "memory": "8Gi", "ephemeral-storage": "20Gi"},
+                             "defaultRequest": {"cpu": "100m", "memory": "512Mi"}}]},
+    }
+    assert make_limit_range(namespace="n", user_label="u", limits={}, requests={})["spec"] == {
+        "limits": [{"type": "Container"}]}
+
+
+@pytest.mark.parametrize("limits, requests, message", [
+    ({"gpu": "1"}, {}, "'gpu' is not one of cpu, memory, ephemeral-storage"),
+    ({"memory": "8 GB"}, {}, "memory '8 GB' is not a quantity"),
+    ({"cpu": True}, {}, "cpu True is not a quantity"),
+    ({"memory": "1Gi"}, {"memory": "2G"}, "memory 2G is above default_container_limits' 1Gi"),
+    ({"cpu": "500m"}, {"cpu": "1"}, "cpu 1 is above"),
+], ids=["resource", "unit", "bool", "request-above-limit", "millicores"])
+def test_make_limit_range_refuses_bad_defaults(limits, requests, message):
+    from gpulab.spawner.kubeobjects import make_limit_range
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_limit_range(namespace="n", user_label="u", limits=limits, requests=requests)
+
+
+def test_quantities_compare_across_units():
+    from gpulab.spawner.kubeobjects import quantity
+
+    assert quantity("1Gi") > quantity("1G") > quantity("950Mi")
+    assert quantity("500m") == quantity("0.5") < quantity("1")

@@ -8,6 +8,7 @@ import pytest
 from gpulab.spawner.kueueobjects import (
     GPU_QUOTA_TRANSFORMATION,
     POOL_CPU,
+    POOL_EPHEMERAL_STORAGE,
     POOL_MEMORY,
     PREEMPTIBLE_PRIORITY_CLASS,
     cohort_name,
@@ -73,10 +74,11 @@ def test_the_in_quota_queue_borrows_up_to_the_quota_and_preempts_only_lower_prio
                 {"coveredResources": ["nvidia.com/gpu"],
                  "flavors": [{"name": "gpulab-gpu", "resources": [
                      {"name": "nvidia.com/gpu", "nominalQuota": "0", "borrowingLimit": "2"}]}]},
-                {"coveredResources": ["cpu", "memory"],
+                {"coveredResources": ["cpu", "memory", "ephemeral-storage"],
                  "flavors": [{"name": "gpulab-default", "resources": [
                      {"name": "cpu", "nominalQuota": "0"},
-                     {"name": "memory", "nominalQuota": "0"}]}]},
+                     {"name": "memory", "nominalQuota": "0"},
+                     {"name": "ephemeral-storage", "nominalQuota": "0"}]}]},
             ],
             # never another person's in-quota work (priority 0 as its own)
             "preemption": {"reclaimWithinCohort": "LowerPriority",
@@ -107,7 +109,7 @@ def test_split_by_model_the_queues_list_a_flavor_per_model_and_the_quota_counts_
         f["name"] for f in gpus["flavors"]]
     assert gpu_models(None) == gpu_models(6) == gpu_models({}) == gpu_models({None: 3}) == [None]
     assert [g["coveredResources"] for g in queues(models=[None])[0]["spec"]["resourceGroups"]] == [
-        ["nvidia.com/gpu"], ["cpu", "memory"]]
+        ["nvidia.com/gpu"], ["cpu", "memory", "ephemeral-storage"]]
     assert GPU_QUOTA_TRANSFORMATION == {"input": "nvidia.com/gpu", "strategy": "Retain",
                                         "outputs": {"gpulab.io/gpus": "1"}}
 
@@ -148,9 +150,11 @@ def test_the_root_cohort_holds_the_pool_and_a_groups_cohort_nothing():
     assert pool["spec"]["resourceGroups"] == [
         {"coveredResources": ["nvidia.com/gpu"], "flavors": [{"name": "gpulab-gpu", "resources": [
             {"name": "nvidia.com/gpu", "nominalQuota": "28"}]}]},
-        {"coveredResources": ["cpu", "memory"], "flavors": [{"name": "gpulab-default", "resources": [
+        {"coveredResources": ["cpu", "memory", "ephemeral-storage"],
+         "flavors": [{"name": "gpulab-default", "resources": [
             {"name": "cpu", "nominalQuota": POOL_CPU},
-            {"name": "memory", "nominalQuota": POOL_MEMORY}]}]},
+            {"name": "memory", "nominalQuota": POOL_MEMORY},
+            {"name": "ephemeral-storage", "nominalQuota": POOL_EPHEMERAL_STORAGE}]}]},
     ]
     [pool] = make_cohorts(None, {"NVIDIA-H100": 24, "NVIDIA-A10": 4})
     gpus, quota, _ = pool["spec"]["resourceGroups"]

@@ -108,12 +108,19 @@ async def test_the_quota_read_runs_in_a_worker_thread_and_the_requests_are_count
     api = FakeKubeAPI()
     loop_thread = threading.current_thread()
 
-    assert await prepare(api, ledger) == 1 + 2 + 1  # namespace, two policies, the quota
+    # namespace, two policies, the LimitRange, the quota
+    assert await prepare(api, ledger) == 1 + 2 + 1 + 1
     assert [n for n, _ in reads] == ["quotas"]
     assert all(thread is not loop_thread for _, thread in reads), reads
     assert [m for m, _ in api.calls] == ["patch_namespace", "patch_namespaced_network_policy",
                                          "patch_namespaced_network_policy",
+                                         "patch_namespaced_limit_range",
                                          "patch_namespaced_resource_quota"]
+    limits = api.stored[("LimitRange", "gpulab-ann", "gpulab-defaults")]
+    assert limits["spec"]["limits"] == [{
+        "type": "Container",
+        "default": {"cpu": "2", "memory": "8Gi", "ephemeral-storage": "20Gi"},
+        "defaultRequest": {"cpu": "100m", "memory": "512Mi", "ephemeral-storage": "1Gi"}}]
     ns = api.stored[("Namespace", "", "gpulab-ann")]
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "baseline"
     quota = api.stored[("ResourceQuota", "gpulab-ann", "gpulab-gpus")]
@@ -123,7 +130,7 @@ async def test_the_quota_read_runs_in_a_worker_thread_and_the_requests_are_count
     # a policy another field manager widened is replaced whole, and that counts
     api.foreign[("gpulab-ann", "gpulab-user-pods")] = {"ingress": [{}]}
     api.calls.clear()
-    assert await prepare(api, ledger) == 1 + 2 + 1
+    assert await prepare(api, ledger) == 1 + 2 + 1 + 1
     assert ("replace_namespaced_network_policy", "gpulab-ann/gpulab-user-pods") in api.calls
     assert not any(m.endswith("resource_quota") for m, _ in api.calls)
     want = {p["metadata"]["name"]: p["spec"] for p in make_user_network_policies(
@@ -260,10 +267,10 @@ async def test_both_callers_read_the_quota_off_the_loop_and_prepare_the_same_nam
     monkeypatch.setattr(KubeJobBackend, "core", property(lambda self: also))
     monkeypatch.setattr(KubeJobBackend, "networking", property(lambda self: also))
     assert await b._ensure_namespace("ann", ()) == "gpulab-ann"
-    assert b.api_requests == 4
+    assert b.api_requests == 5
     assert [n for n, _ in reads] == ["quotas", "quotas"] and reads[1][1] is not loop_thread
     assert await b._ensure_namespace("ann", ()) == "gpulab-ann"  # once per namespace
-    assert b.api_requests == 4
+    assert b.api_requests == 5
 
     assert s.namespace == "gpulab-ann"
     assert made.stored.keys() == also.stored.keys()
