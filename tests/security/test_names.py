@@ -53,17 +53,17 @@ def wait_final(person, name, timeout=120):
 def test_a_name_the_hub_accepts_starts_a_server_and_runs_a_job(hub, admin, prefix, name):
     assert len(LONG) == 128
     p = approved(hub, admin, name)
+    # a job and a server at once (each makes the account if it is not there yet)
+    r = p.service("POST", "jobs", json={
+        "name": "hello", "strategy": "multi-worker-mirrored", "replicas": {"worker": 1},
+        "source": "import os; print('ran as', os.getuid(), flush=True)\n"})
+    assert r.status_code in (200, 201, 202), r.text
     r = p.start_server()
     assert r.status_code in (201, 202), (r.status_code, r.text[:500])
     # its own account, which records whom it was made for
     account = pwd.getpwnam(system_username(prefix, name))
     assert account.pw_gecos == account_comment(name)
-    assert "ok" in p.run_in_kernel("import os; print('ok', os.getuid())")
-    assert str(account.pw_uid) in p.run_in_kernel("import os; print(os.getuid())")
-    r = p.service("POST", "jobs", json={
-        "name": "hello", "strategy": "multi-worker-mirrored", "replicas": {"worker": 1},
-        "source": "import os; print('ran as', os.getuid(), flush=True)\n"})
-    assert r.status_code in (200, 201, 202), r.text
+    assert p.run_in_kernel("import os; print(os.getuid())").strip() == str(account.pw_uid)
     view = wait_final(p, "hello")
     assert view["state"] == "Succeeded", view
     log = p.service("GET", "jobs/hello/logs/worker-0").json()["text"]
