@@ -154,10 +154,11 @@ class GpulabAuthenticator(NativeAuthenticator):
     max_username_length = Integer(
         128,
         help="""The longest user name (characters) the hub accepts (default 128, what
-        NativeAuthenticator's table of sign-ups holds). A longer name is refused at sign-up
-        and user creation with a 400 that says so (hub users made before keep theirs). Every shorter name can start
-        servers and jobs: gpulab hashes names that do not fit a system account, file or
-        certificate. Example: ``c.GpulabAuthenticator.max_username_length = 64``
+        NativeAuthenticator's table of sign-ups holds; 0: no limit). A longer name is
+        refused at sign-up and user creation with a 400 that says so (hub users made before
+        keep theirs). Every shorter name can start servers and jobs: gpulab hashes names
+        that do not fit a system account, file or certificate.
+        Example: ``c.GpulabAuthenticator.max_username_length = 64``
         """,
     ).tag(config=True)
 
