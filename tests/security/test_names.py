@@ -90,7 +90,13 @@ def test_one_persons_servers_started_at_once_all_start(hub, admin):
     assert all(r.status_code in (201, 202) for r in answers), [
         (r.status_code, r.text[:300]) for r in answers]
     for s in servers:
-        p.wait_ready(s)
+        try:
+            p.wait_ready(s, timeout=180)
+        except TimeoutError:
+            raise AssertionError(f"server {s} did not start: {hub.output()[-4000:]}") from None
+    # the hub keeps no server's key: each start's own folder in its store is gone
+    store = hub.data_dir / "tls" / "internal-ssl"
+    assert not list(store.glob("server-*")) and not list(store.glob("user-multi*"))
     # each answers with its own certificate (the hub reaches each through the proxy)
     for s in servers:
         assert s in p.run_in_kernel(f"print('{s}')", server=s)
