@@ -24,8 +24,8 @@ from tests.conftest import PASSWORD
 
 pytestmark = pytest.mark.security
 
-#: characters the hub accepts but no system account comment may hold (':'), and others
-ODD = "dr:who@lab.x+1"
+#: characters the hub accepts that no account comment may hold (":"), and beyond ASCII
+ODD = "dr:wh\u00f6@lab.x+1"
 #: the longest name the hub accepts (`GpulabAuthenticator.max_username_length`)
 LONG = "l" + "o" * 126 + "g"
 
