@@ -68,17 +68,31 @@ def _hashed_slug(name: str, max_length: int | None = None) -> str:
     return f"{cleaned or 'x'}---{digest}"
 
 
+#: Linux's longest file name (bytes; a slug is ASCII)
+NAME_MAX = 255
+#: the longest slug of a user's or server's name inside a name made of both (a server's
+#: folder, log, control group, private /tmp): two of them and a suffix stay within `NAME_MAX`
+MAX_PART = 100
+
+
 def safe_name(name: str) -> str:
-    """A hub user's (or server's) name as one folder or file name component (`safe_slug`)."""
-    return safe_slug(name)
+    """A hub user's (or server's) name as one folder or file name component (`safe_slug`,
+    within `NAME_MAX`: a longer name is hashed)."""
+    return safe_slug(name, NAME_MAX)
 
 
-def server_slug(name: str) -> str:
+def server_slug(name: str, max_length: int | None = MAX_PART) -> str:
     """A server's name as a name component: ``default`` for the default server ('') and
     never for a named server (one named "default" is hashed like any escaped name)."""
     if not name:
         return "default"
-    return _hashed_slug(name) if name == "default" else safe_slug(name)
+    return _hashed_slug(name, max_length) if name == "default" else safe_slug(name, max_length)
+
+
+def server_stem(user: str, server: str) -> str:
+    """``<user>.<server>``: a name for one server of one hub user (its certificates' folder,
+    its log), injective (neither slug holds a ``.``), within 201 characters."""
+    return f"{safe_slug(user, MAX_PART)}.{server_slug(server)}"
 
 
 def system_username(prefix: str, name: str) -> str:
@@ -90,8 +104,9 @@ def account_comment(hub_user: str) -> str:
     """The GECOS comment that records for which hub user gpulab made an account."""
     if _PLAIN_COMMENT.fullmatch(hub_user):
         return f"gpulab user {hub_user}"
-    # ':' ',' newlines and other characters have no place in /etc/passwd: their hash
-    return f"gpulab user sha256:{hashlib.sha256(hub_user.encode()).hexdigest()}"
+    # ':' ',' newlines and other characters have no place in /etc/passwd (useradd refuses
+    # ':' and newlines): their hash, after '=', which no name recorded as it is holds
+    return f"gpulab user sha256={hashlib.sha256(hub_user.encode()).hexdigest()}"
 
 
 def check_account(entry: pwd.struct_passwd, hub_user: str) -> pwd.struct_passwd:

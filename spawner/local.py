@@ -6,10 +6,13 @@ import asyncio
 import dataclasses
 import hashlib
 import html
+import inspect
 import os
 import pwd
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +25,9 @@ from .accounts import (
     ensure_account,
     prepare_user_folder,
     safe_name,
+    safe_slug,
     server_slug,
+    server_stem,
     system_username,
 )
 from . import sandbox
@@ -647,9 +652,56 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         if self.ip_per_server and self.orm_spawner is not None and self.orm_spawner.id:
             self.ip = server_ip(self.orm_spawner.id)
 
+    #: the folder `create_certs` made for this start's key and certificate (`move_certs`
+    #: removes it once it has handed them to the server's account)
+    _cert_scratch: Path | None = None
+
     async def create_certs(self):
+        """The server's key and certificate (internal_ssl), signed by the hub's notebooks CA.
+
+        JupyterHub's own writes ``user-<name>`` in the hub's certificate store: one pair of
+        files (and one shared ``certipy.json``) for all of a person's servers, so two servers
+        of one person started at once overwrote each other's key while the first was being
+        moved (and deleted) — a 500 for the other; and the name is the certificate's common
+        name, which may hold at most 64 characters, so nobody whose name had more than 59
+        could start a server. Here every start gets a folder of its own in the store (only
+        the CA's record is read from the store, nothing of it written), and the common name
+        is ``user-`` and the name's `safe_slug` (hashed past 59 characters). The hub and the
+        proxy check a server's certificate against the CA and its subject alternative names
+        (`ssl_alt_names`: the address it listens on), never the common name. Key generation
+        runs in a thread.
+        """
+        from certipy import Certipy
+
         self._assign_server_ip()  # the certificate names the address the server listens on
-        return await super().create_certs()
+        alt_names = self.ssl_alt_names
+        if callable(alt_names):
+            alt_names = alt_names(self)
+            if inspect.isawaitable(alt_names):
+                alt_names = await alt_names
+        alt_names = list(alt_names)
+        if self.ssl_alt_names_include_local:
+            alt_names = ["DNS:localhost", "IP:127.0.0.1", *alt_names]
+        self.log.info("Creating certs for %s: %s", self._log_name, ";".join(alt_names))
+        ca = "notebooks-ca"
+        common_name = "user-" + safe_slug(self.user.name or "service", 64 - len("user-"))
+        store = self.internal_certs_location
+
+        def make() -> tuple[Path, dict]:
+            record = Certipy(store_dir=store).store.get_record(ca)
+            scratch = Path(tempfile.mkdtemp(prefix="server-", dir=store))
+            try:
+                own = Certipy(store_dir=str(scratch))
+                own.store.store[ca] = record  # read only: its signees are not the hub's
+                pair = own.create_signed_pair(common_name, ca, alt_names=alt_names)
+            except BaseException:
+                shutil.rmtree(scratch, ignore_errors=True)
+                raise
+            return scratch, {"keyfile": pair["files"]["key"], "certfile": pair["files"]["cert"],
+                             "cafile": self.internal_trust_bundles[ca]}
+
+        self._cert_scratch, paths = await asyncio.to_thread(make)
+        return paths
 
     def user_env(self, env):
         if self.isolate_users:
@@ -697,13 +749,19 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         group may read (0750, files 0640), so nobody else can read the key and the user
         cannot swap anything in. Without isolation the group is the hub account's.
         """
-        import shutil
+        scratch, self._cert_scratch = self._cert_scratch, None
+        try:
+            return await self._move_certs(paths)
+        finally:
+            if scratch is not None:  # create_certs' folder: the hub keeps no copy of the key
+                await asyncio.to_thread(shutil.rmtree, scratch, True)
 
+    async def _move_certs(self, paths):
         await self._prepare_account_or_refuse()
         gid = pwd.getpwnam(self.system_user).pw_gid
         base = Path(self.server_certs_dir or Path(self.internal_certs_location).absolute()
                     .with_name("server-certs"))
-        folder = base / f"{safe_name(self.user.name)}.{server_slug(self.name)}"
+        folder = base / server_stem(self.user.name, self.name)
 
         def install() -> dict:
             base.mkdir(mode=0o711, exist_ok=True)
@@ -808,8 +866,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
                                    f"{e.strerror or e}. Tell the hub's admin.") from e
             log_file = None
             if self.server_log_dir:
-                path = Path(self.server_log_dir) / (
-                    f"{safe_name(self.user.name)}.{server_slug(self.name)}.log")
+                path = Path(self.server_log_dir) / f"{server_stem(self.user.name, self.name)}.log"
                 log_file = await asyncio.to_thread(_open_log, Path(self.server_log_dir), path)
                 self.popen_kwargs = {**self.popen_kwargs, "stdout": log_file, "stderr": log_file}
             try:

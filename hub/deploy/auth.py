@@ -151,6 +151,28 @@ class GpulabAuthenticator(NativeAuthenticator):
             return user
         return super().create_user(username, password, **kwargs)
 
+    max_username_length = Integer(
+        128,
+        help="""The longest user name (characters) the hub accepts (default 128, what
+        NativeAuthenticator's table of sign-ups holds; 0: no limit). A longer name is
+        refused at sign-up and user creation with a 400 that says so (hub users made before
+        keep theirs). Every shorter name can start servers and jobs: gpulab hashes names
+        that do not fit a system account, file or certificate.
+        Example: ``c.GpulabAuthenticator.max_username_length = 64``
+        """,
+    ).tag(config=True)
+
+    def validate_username(self, username):
+        if self.max_username_length and len(username) > self.max_username_length:
+            from jupyterhub import orm
+
+            if orm.User.find(self.db, username) is not None:  # made before the limit: kept
+                return super().validate_username(username)
+            raise web.HTTPError(400, f"A user name may have at most {self.max_username_length} "
+                                f"characters; this one has {len(username)}. Please choose a "
+                                "shorter one.")
+        return super().validate_username(username)
+
     def ensure_bootstrap_admin(self) -> None:
         if not (self.bootstrap_admin and self.bootstrap_password_file):
             return

@@ -70,6 +70,7 @@ exit code is read from the ``.exit`` file the runtime leaves.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -325,9 +326,9 @@ class LocalJobBackend(JobBackend):
     def _launch_error(self, e: BaseException, spec: JobSpec) -> JobError:
         if isinstance(e, safefs.UnsafePath):
             return JobError(f"name: jobs/{spec.name} in your folder holds a link or "
-                            f"something that is not a folder or plain file ({e.strerror}); "
-                            "gpulab does not follow links there. Remove it, or choose "
-                            "another name.", 409, "name")
+                            "something that is not a folder or plain file, or was moved "
+                            f"while the job started ({e.strerror}); gpulab does not follow "
+                            "links there. Remove it, or choose another name.", 409, "name")
         return super()._launch_error(e, spec)
 
     async def _unlaunch(self, job_id: str, user: str, spec: JobSpec) -> None:
@@ -408,6 +409,10 @@ class LocalJobBackend(JobBackend):
         tmp = self.tmp_root / job.id
         user_name = pwd.getpwuid(account.uid).pw_name if account.uid is not None else None
         nproc = self.limits.max_user_processes
+        # the child says on this pipe when the job folder was not there to enter (the person
+        # moved or swapped it since it was made): Popen itself only says preexec failed
+        moved_r, moved_w = os.pipe()
+        os.set_blocking(moved_r, False)
 
         def preexec():  # in the child, as root; a failure is written to the replica's log
             try:
@@ -424,7 +429,11 @@ class LocalJobBackend(JobBackend):
                     os.setuid(account.uid)
                 os.umask(0o022)  # the person's usual mask, not `gpulab up`'s private 077
                 # as the person: the job folder, never through a link
-                sandbox.enter_dir(folder, job_path)
+                try:
+                    sandbox.enter_dir(folder, job_path)
+                except OSError:
+                    os.write(moved_w, b"!")
+                    raise
             except BaseException as e:
                 os.write(2, f"gpulab: the replica could not be started: {e}\n".encode())
                 raise
@@ -437,12 +446,21 @@ class LocalJobBackend(JobBackend):
                     preexec_fn=preexec, close_fds=True,
                 )
         except subprocess.SubprocessError as e:  # the reason is in the log
+            try:  # the child wrote it (or not) before it said preexec failed
+                moved = os.read(moved_r, 1) == b"!"
+            except BlockingIOError:
+                moved = False
+            if moved:
+                raise safefs.UnsafePath(errno.ENOENT, "the job folder changed while gpulab "
+                                        "started the job") from e
             raise JobError(f"{r.role}-{r.index} could not be started: "
                            f"{self._start_error(job.job_dir, r) or e}", 500) from e
         finally:
             logfile.close()
             if netns is not None:
                 os.close(netns)
+            os.close(moved_w)
+            os.close(moved_r)
 
     @staticmethod
     def _start_error(job_dir: str, r) -> str:

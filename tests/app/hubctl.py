@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import uuid
 from pathlib import Path
 
@@ -156,7 +157,9 @@ class Browser:
 
     def run_in_kernel(self, code: str, server="", timeout=60) -> str:
         """Run `code` in a new kernel of the server; return what it printed."""
-        base = f"{self.hub.url}/user/{self.name}/{server + '/' if server else ''}"
+        # the hub's own escaping of names in URLs (jupyterhub.utils.url_escape_path)
+        name, server = (urllib.parse.quote(n, safe="@~") for n in (self.name, server))
+        base = f"{self.hub.url}/user/{name}/{server + '/' if server else ''}"
         h = {"Authorization": f"token {self.token()}"}
         k = requests.post(base + "api/kernels", headers=h, json={"name": "python3"})
         assert k.status_code == 201, (k.status_code, k.text)

@@ -194,3 +194,47 @@ def test_swapping_the_code_folder_while_submitting_never_writes_elsewhere(eve, p
     for n, code in zip(names, answers):
         if code != 201:
             nothing_made(eve, eve_dir, n)
+
+
+MOVER = """
+import os, sys, time
+jobs, vic, name = sys.argv[1], sys.argv[2], sys.argv[3]
+folder = f"{jobs}/{name}"
+log = f"{folder}/logs/worker-0.log"
+end = time.monotonic() + 60
+while not os.path.exists(log) and time.monotonic() < end:
+    pass  # the service opens the replica's log just before it starts the replica
+os.rename(folder, folder + ".moved")  # the job folder out, a link to vic's folder in
+os.symlink(vic, folder)
+print("moved", flush=True)
+"""
+
+
+def test_moving_the_job_folder_as_the_replica_starts_is_a_409(eve, places):
+    """Issue 33 item 8: eve waits for the service to open her replica's log, then swaps
+    the job folder for a link to vic's folder while the replica is being started (its
+    ``preexec`` enters the folder as eve, without following links). Before, that failure
+    came back as "could not be started" (500); now it is her folder that changed: 409, no
+    job, nothing held, and nothing reaches vic's folder."""
+    eve_dir, vic_dir = places
+    mover = eve_dir / "mover.py"
+    eve.sh(f"cat > {mover} <<'EOF'\n{MOVER}\nEOF", check=True)
+    before = untouched(vic_dir)
+    for n in ("moved-0", "moved-1"):
+        out = eve_dir / f"{n}.out"
+        eve.sh(f"python3 {mover} {eve_dir}/jobs {vic_dir} {n} >{out} 2>&1 &", check=True)
+        time.sleep(0.5)
+        r = eve.service("POST", "jobs", json=job(n, {"helper.py": PAYLOAD + "\n"}), timeout=60)
+        deadline = time.monotonic() + 10
+        while "moved" not in out.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "moved" in out.read_text(), out.read_text()
+        print("answer", n, r.status_code, r.text[:300])
+        if r.status_code == 201:  # the replica was in its folder before the swap: it runs
+            assert eve.service("POST", f"jobs/{n}/stop").status_code == 200
+            continue
+        assert r.status_code == 409 and r.json()["field"] == "name", r.text
+        assert "moved" in r.json()["message"], r.text
+        nothing_made(eve, eve_dir, n)
+    assert untouched(vic_dir) == before
+    assert not (vic_dir / "source.py").exists() and not (vic_dir / "logs").exists()

@@ -11,8 +11,10 @@ from gpulab.spawner.accounts import (
     account_comment,
     check_account,
     prepare_user_folder,
+    safe_name,
     safe_slug,
     server_slug,
+    server_stem,
     system_username,
 )
 
@@ -56,8 +58,25 @@ def test_server_slugs_keep_default_for_the_default_server():
 
 def test_the_comment_records_the_hub_user():
     assert account_comment("carol.x") == "gpulab user carol.x"
-    odd = account_comment("a:b,c\nd")
-    assert odd.startswith("gpulab user sha256:") and ":b" not in odd.split("sha256:")[1]
+    for odd_name in ("a:b,c\nd", "dr:who", "x" * 101):
+        odd = account_comment(odd_name)
+        # useradd refuses ':' and newlines in a comment (issue 33 item 7: such names could
+        # never start anything); ',' separates GECOS fields
+        assert odd.startswith("gpulab user sha256=") and not set(odd) & set(":,\n"), odd
+    # no name recorded as it is looks like the hash of another
+    assert account_comment("sha256=" + "0" * 64) != "gpulab user sha256=" + "0" * 64
+
+
+def test_server_names_fit_a_file_name():
+    """Names of any length make file, folder and group names within Linux's 255 bytes,
+    still one-to-one (issue 33 item 7: long names never started)."""
+    names = ["ann", "x" * 100, "x" * 101, "x" * 128, "x" * 300, "dr:who@lab", "é" * 200]
+    stems = {(u, s): server_stem(u, s) for u in names for s in ("", "gpu", "y" * 200)}
+    assert len(set(stems.values())) == len(stems)
+    assert max(len(v) for v in stems.values()) + len(".log") <= 255
+    assert server_stem("ann", "") == "ann.default" and server_stem("ann", "gpu") == "ann.gpu"
+    assert safe_name("x" * 255) == "x" * 255  # as before: a plain name's folder keeps its name
+    assert len(safe_name("x" * 256)) <= 255 and len(safe_name("é" * 300)) <= 255
 
 
 def entry(name, gecos, uid=1234):
