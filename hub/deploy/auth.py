@@ -105,7 +105,7 @@ class ApproveHandler(LocalBase):
         info = self._sign_up(slug)
         action = "withdraw" if info.is_authorized else "approve"
         html = await self.render_template(
-            "gpulab-authorize-confirm.html", name=info.username, action=action,
+            "gpulab-authorize-confirm.html", person=info.username, action=action,
             target=self.hub.base_url + "authorize/" + info.username,
             question=(f"Withdraw the approval of {info.username}? They could not log in "
                       "any more." if info.is_authorized else
@@ -154,7 +154,7 @@ class Discard(DiscardHandler):
         if info is None:
             raise web.HTTPError(404, "No sign-up named %r.", user_name)
         html = await self.render_template(
-            "gpulab-authorize-confirm.html", name=info.username, action="discard",
+            "gpulab-authorize-confirm.html", person=info.username, action="discard",
             target=self.hub.base_url + "discard/" + info.username, button="Discard",
             question=f"Discard the sign-up of {info.username}?",
             refused=(f"{info.username} is approved: withdraw the approval first."

@@ -34,8 +34,9 @@ def hub(workdir, prefix):
 
 def _login(hub, name, password, source=None, headers=None) -> requests.Response:
     b = Browser(hub, name, source=source)
+    b.s.headers.update(headers or {})  # on every request, that for the XSRF cookie too
     return b.post_form("/hub/login", {"username": name, "password": password},
-                       allow_redirects=False, headers=headers or {})
+                       allow_redirects=False)
 
 
 def _login_status(hub, name, password, source=None) -> int:
