@@ -259,7 +259,8 @@ class GpulabAuthenticator(NativeAuthenticator):
     bootstrap_admin = Unicode(
         "admin",
         help="""Name of the first admin account, created on the first start
-        (default ``admin``). ``gpulab up --admin-user`` sets it.
+        (default ``admin``). ``gpulab up --admin-user`` sets it. Its approval can never be
+        withdrawn; one withdrawn before gpulab refused that is restored at the hub's start.
         """,
     ).tag(config=True)
 
@@ -426,7 +427,14 @@ class GpulabAuthenticator(NativeAuthenticator):
         if not (self.bootstrap_admin and self.bootstrap_password_file):
             return
         name = self.normalize_username(self.bootstrap_admin)
-        if self.get_user(name) is not None:
+        existing = self.get_user(name)
+        if existing is not None:
+            if not existing.is_authorized:  # un-approved before that was refused (issue 33.4)
+                existing.is_authorized = True
+                self.db.commit()
+                self.log.warning("The first admin %r was not approved (a GET of "
+                                 "/hub/authorize/%s did that before gpulab refused it): "
+                                 "approved again", name, name)
             return
         password = Path(self.bootstrap_password_file).read_text().strip()
         info = UserInfo(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
+import sqlite3
 import statistics
 import time
 
@@ -219,3 +220,15 @@ def test_the_admin_password_is_not_in_gpulab_ups_logged_output(hub):
     out = hub.output()
     assert "admin_password" in out and "created the admin account" in out
     assert hub.admin_password not in out
+
+
+def test_a_first_admin_unapproved_before_the_fix_is_approved_again_at_start(hub, admin):
+    """Last in this module: it restarts the hub. A GET of /hub/authorize/admin used to
+    un-approve the first admin, who stayed locked out until the database was edited."""
+    hub.stop()
+    with sqlite3.connect(hub.data_dir / "jupyterhub.sqlite") as db:
+        db.execute("UPDATE users_info SET is_authorized = 0 WHERE username = 'admin'")
+    db.close()
+    hub.start()
+    assert _login_status(hub, "admin", hub.admin_password, "127.0.0.99") == 302
+    assert "approved again" in hub.output()
