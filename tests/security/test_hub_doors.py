@@ -194,6 +194,18 @@ def test_the_gpulab_services_answers_cannot_be_framed_by_another_site(hub, admin
         "Content-Security-Policy"]
 
 
+def test_odd_login_and_sign_up_bodies_get_a_refusal_not_a_500(hub):
+    b = Browser(hub, "odd", source="127.0.0.98")
+    assert b.post_form("/hub/login", {}, allow_redirects=False).status_code == 403
+    assert b.post_form("/hub/login", {"username": "admin"}).status_code == 403
+    # bcrypt takes 72 bytes at most (bcrypt 5 raises on more)
+    long = "x" * 100
+    assert _login_status(hub, "admin", long, "127.0.0.98") == 403
+    r = b.post_form("/hub/signup", {"username": "odd", "signup_password": long,
+                                    "signup_password_confirmation": long})
+    assert r.status_code == 400 and "at most 72 bytes" in r.text
+
+
 def test_signups_are_limited_per_address_then_across_the_hub(hub, admin):
     """Last in this module: it uses up the hub's sign-ups of the hour."""
     eve = "127.0.0.80"
