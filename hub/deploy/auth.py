@@ -314,21 +314,21 @@ class GpulabAuthenticator(NativeAuthenticator):
     ).tag(config=True)
 
     signups_per_address_per_hour = Integer(
-        10,
+        20,
         help="""At most this many sign-ups per hour from one address (an IPv6 client counts
-        by its /64; default 10; 0: no limit per address); past it /hub/signup answers 429 to
+        by its /64; default 20; 0: no limit per address); past it /hub/signup answers 429 to
         that address only, so one client cannot flood the admin's approval list nor use up
         the hub's allowance (``signup_limit_per_hour``) for everyone. Example:
-        ``c.GpulabAuthenticator.signups_per_address_per_hour = 30`` (a class behind one NAT)
+        ``c.GpulabAuthenticator.signups_per_address_per_hour = 50`` (a class behind one NAT)
         """,
     ).tag(config=True)
 
     signup_limit_per_hour = Integer(
-        100,
+        200,
         help="""At most this many sign-ups per hour across the hub, all addresses together
-        (default 100; 0: no limit): the cap against a flood from many addresses; past it
+        (default 200; 0: no limit): the cap against a flood from many addresses; past it
         /hub/signup answers 429 until the hour has passed. Example:
-        ``c.GpulabAuthenticator.signup_limit_per_hour = 500``
+        ``c.GpulabAuthenticator.signup_limit_per_hour = 1000``
         """,
     ).tag(config=True)
 
