@@ -107,7 +107,7 @@ def users(hub, admin):
         # not approved yet: the login is refused
         r = b.post_form("/hub/login", {"username": name, "password": PASSWORD}, allow_redirects=False)
         assert r.status_code != 302
-        r = admin.s.get(hub.url + f"/hub/authorize/{name}")
+        r = admin.approve(name)
         assert r.status_code == 200
         b.login(PASSWORD)
         made[name] = b

@@ -175,6 +175,20 @@ class GpulabHub(JupyterHub):
             write_service_config(self.gpulab_service_config, self._service_settings)
         return super().init_services()
 
+    def init_handlers(self):
+        super().init_handlers()
+        # logging out ends the person's sessions on the hub's side, whatever the authenticator
+        # (gpulab.hub.deploy.auth.EndSessionsOnLogout): a copied hub cookie dies with it
+        from jupyterhub.handlers.login import LogoutHandler
+
+        from gpulab.hub.deploy.auth import with_session_end
+
+        self.handlers = [
+            (spec[0], with_session_end(spec[1]), *spec[2:])
+            if isinstance(spec, tuple) and isinstance(spec[1], type)
+            and issubclass(spec[1], LogoutHandler) else spec
+            for spec in self.handlers]
+
     async def init_users(self):
         await super().init_users()
         # approved sign-ups that never logged in are hub users too (gpulab.hub.deploy.auth): their

@@ -72,6 +72,23 @@ class OpenAPIHandler(web.RequestHandler):
 
 
 
+class FrameAncestors(web.OutputTransform):
+    """Every answer of the service (pages, API, errors, redirects) says who may frame it:
+    ``Content-Security-Policy: frame-ancestors 'self'`` (JupyterHub's own pages send the same),
+    so that another site cannot put the service's pages (the quota forms) in a frame and trick
+    a person into clicking them. A policy a handler set is kept, with the directive added if
+    it has none."""
+
+    DIRECTIVE = "frame-ancestors 'self'"
+
+    def transform_first_chunk(self, status_code, headers, chunk, finishing):
+        policy = headers.get("Content-Security-Policy", "").strip().rstrip(";")
+        if "frame-ancestors" not in policy:
+            headers["Content-Security-Policy"] = (f"{policy}; {self.DIRECTIVE}" if policy
+                                                  else self.DIRECTIVE)
+        return status_code, headers, chunk
+
+
 def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirectory,
              on_quota_change=None, jobs=None, job_limits=None,
              tls: "ServiceTLS | None" = None, gpu_usage=None) -> web.Application:
@@ -84,7 +101,7 @@ def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirecto
     name = r"([^/]+)"
     if jobs is not None:  # the bounds a backend applies as it admits (replicas per person…)
         jobs.limits = job_limits or DEFAULT_LIMITS
-    return web.Application(
+    app = web.Application(
         [
             (prefix, UserPage),
             (url_path_join(prefix, "admin"), AdminPage),
@@ -118,6 +135,8 @@ def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirecto
         job_limits=job_limits or DEFAULT_LIMITS,
         gpu_usage=gpu_usage,
     )
+    app.add_transform(FrameAncestors)
+    return app
 
 
 

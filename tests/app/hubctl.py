@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import requests
+import requests.adapters
 import websocket
 
 from gpulab.spawner.mixin import pid_alive as pid_exists  # noqa: F401 (used by tests)
@@ -87,11 +88,27 @@ class Hub:
         return (self.data_dir / "admin_password").read_text().strip()
 
 
-class Browser:
-    """A requests session that behaves like a logged-in browser (cookies + xsrf)."""
+class SourceAddress(requests.adapters.HTTPAdapter):
+    """Connections from a loopback address of its own (any of 127.0.0.0/8 on Linux), so that
+    the proxy, and the hub behind it, see a client of another address."""
 
-    def __init__(self, hub: Hub, name: str):
+    def __init__(self, ip: str):
+        self.ip = ip
+        super().__init__()
+
+    def init_poolmanager(self, *args, **kwargs):
+        kwargs["source_address"] = (self.ip, 0)
+        super().init_poolmanager(*args, **kwargs)
+
+
+class Browser:
+    """A requests session that behaves like a logged-in browser (cookies + xsrf); with
+    `source`, its connections come from that loopback address (`SourceAddress`)."""
+
+    def __init__(self, hub: Hub, name: str, source: str | None = None):
         self.hub, self.name, self.s = hub, name, requests.Session()
+        if source:
+            self.s.mount("http://", SourceAddress(source))
 
     def _xsrf(self) -> str:
         if "_xsrf" not in self.s.cookies:
@@ -110,6 +127,11 @@ class Browser:
                            allow_redirects=False)
         assert r.status_code == 302, (r.status_code, r.text[:500])
         return r
+
+    def approve(self, name, action="approve", **kw):
+        """As an admin: approve `name`'s sign-up (``action="withdraw"``: withdraw it) as the
+        Authorize button of /hub/authorize does, a form POST with the hub's XSRF token."""
+        return self.post_form(f"/hub/authorize/{name}", {"action": action}, **kw)
 
     def api(self, method, path, **kw):
         headers = {"X-XSRFToken": self._xsrf(), **kw.pop("headers", {})}

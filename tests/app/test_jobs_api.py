@@ -698,7 +698,7 @@ def test_the_jobs_of_a_deleted_account_are_stopped_and_their_gpus_freed(hub, use
 
     dora = Browser(hub, "dora")
     assert dora.signup(PASSWORD).status_code == 200
-    assert admin.s.get(hub.url + "/hub/authorize/dora").status_code == 200
+    assert admin.approve("dora").status_code == 200
     dora.login(PASSWORD)
     r = dora.service("POST", "jobs", json=mw("left-behind", workers=1, gpus=1, source=SLEEPER))
     assert r.status_code == 201, r.text

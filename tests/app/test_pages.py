@@ -92,7 +92,7 @@ def test_an_approved_user_who_never_logged_in_takes_a_quota(hub, admin):
     assert dora.signup(PASSWORD).status_code == 200
     before = page(admin, "admin").text
     assert "data-user=\"dora\"" not in before  # a sign-up not approved yet is nobody
-    r = admin.s.get(hub.url + "/hub/authorize/dora", timeout=30)
+    r = admin.approve("dora")
     assert r.status_code == 200
     # a hub user now, never logged in: on the admin page, with a quota form
     assert admin.api("GET", "/users/dora").json()["last_activity"] is None

@@ -80,7 +80,7 @@ def people(hub):
     for name in ("dora", "eli"):
         b = Browser(hub, name)
         assert b.signup(PASSWORD).status_code == 200
-        assert admin.s.get(hub.url + f"/hub/authorize/{name}").status_code == 200
+        assert admin.approve(name).status_code == 200
         b.login(PASSWORD)
         made[name] = b
     r = admin.api("POST", "/groups/ml", json={"users": ["eli"]})

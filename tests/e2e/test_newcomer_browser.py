@@ -109,8 +109,9 @@ def test_the_readme_path_from_sign_up_to_trained_jobs(page, hub):
     login(page, hub, "admin", admin_password)
     page.wait_for_url(re.compile(r".*/hub/.*"))
     page.goto(hub.url + "/hub/authorize")
-    page.locator(f"a[href$='authorize/{NEWCOMER}']", has_text="Authorize").click()
-    page.locator(f"a[href$='authorize/{NEWCOMER}']", has_text="Unauthorize").wait_for()
+    # the buttons are forms that POST with the hub's XSRF token (issue 33.4)
+    page.locator(f"form[action$='authorize/{NEWCOMER}'] button", has_text="Authorize").click()
+    page.locator(f"form[action$='authorize/{NEWCOMER}'] button", has_text="Unauthorize").wait_for()
     logout(page, hub)
 
     # -- the newcomer logs in and starts the default server (1 GPU) ------------------------
@@ -252,6 +253,6 @@ def _approved_token(hub, admin_password, person: Browser) -> str:
     """Approve `person` (as the admin, over HTTP), log them in, and return a token of theirs."""
     admin = Browser(hub, "admin")
     admin.login(admin_password)
-    assert admin.s.get(hub.url + f"/hub/authorize/{person.name}").status_code == 200
+    assert admin.approve(person.name).status_code == 200
     person.login(PASSWORD)
     return person.token()

@@ -27,7 +27,7 @@ def gil(hub):
     admin.login(hub.admin_password)
     b = Browser(hub, "gil")
     assert b.signup(PASSWORD).status_code == 200
-    assert admin.s.get(hub.url + "/hub/authorize/gil").status_code == 200
+    assert admin.approve("gil").status_code == 200
     b.login(PASSWORD)
     return b
 

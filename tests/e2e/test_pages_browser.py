@@ -30,7 +30,7 @@ def watch(page):
     return seen
 
 
-def test_pages_in_the_hubs_look_with_dark_mode(page, hub, users):
+def test_pages_in_the_hubs_look_with_dark_mode(page, hub, users, admin):
     login_as(page, hub, "admin", hub.admin_password)
     seen = watch(page)
     page.goto(hub.url + "/services/gpulab/admin")
@@ -58,9 +58,14 @@ def test_pages_in_the_hubs_look_with_dark_mode(page, hub, users):
     assert page.evaluate("document.documentElement.dataset.bsTheme") == after
     page.click("#dark-theme-toggle")  # back as it was for the next tests
 
-    # Logout is the hub's
+    # Logout is the hub's, and it ends the admin's every session on the hub (issue 33.6):
+    # the other one, over HTTP, is logged out too
+    assert admin.api("GET", "/users/admin").status_code == 200
     page.click("#logout")
     page.wait_for_url(re.compile(r".*/hub/(login|logout).*"))
+    assert admin.api("GET", "/users/admin").status_code == 403
+    admin.s.cookies.clear()  # as a browser with the dead cookies thrown away, for the next tests
+    admin.login(hub.admin_password)
 
 
 def test_a_quota_error_points_at_the_field_it_names(page, hub, users, admin):

@@ -53,7 +53,7 @@ def fay(hub):
     admin.login(hub.admin_password)
     b = Browser(hub, "fay")
     assert b.signup(PASSWORD).status_code == 200
-    assert admin.s.get(hub.url + "/hub/authorize/fay").status_code == 200
+    assert admin.approve("fay").status_code == 200
     b.login(PASSWORD)
     assert admin.service("PUT", "quotas/users/fay", json={"max_gpus": 1}).status_code == 200
     return b

@@ -70,7 +70,7 @@ def _person(hub, admin, prefix, name) -> Person:
     p.prefix = prefix
     r = p.signup(PASSWORD)
     assert r.status_code == 200, r.text[:300]
-    assert admin.s.get(hub.url + f"/hub/authorize/{name}").status_code == 200
+    assert admin.approve(name).status_code == 200
     p.login(PASSWORD)
     r = p.start_server()
     assert r.status_code in (201, 202), r.text

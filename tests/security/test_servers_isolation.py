@@ -44,7 +44,7 @@ def person(hub, admin, name) -> Browser:
     b = Browser(hub, name)
     r = b.signup(PASSWORD)
     assert r.status_code == 200, r.text[:300]
-    assert admin.s.get(hub.url + f"/hub/authorize/{name}").status_code == 200
+    assert admin.approve(name).status_code == 200
     b.login(PASSWORD)
     return b
 
