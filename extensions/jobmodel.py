@@ -22,6 +22,7 @@ from urllib.parse import quote
 
 from .contract import FINAL, NAME_RE, STRATEGIES
 from .contract import PROGRESS_PREFIX as PROGRESS_LINE
+from .joblog import merge
 MEMORY_RE = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
 MAX_NAME_LENGTH = 40
 CODE_SOURCES = ("cell", "function", "file", "text")
@@ -408,11 +409,15 @@ class LogTail:
     done: bool = False
 
     def feed(self, piece: Mapping) -> bool:
-        """Add a piece (``{text, offset, size, done}``); True if the text changed."""
+        """Add a piece (``{text, offset, from, size, done}``: the log API's answer, text
+        rendered as a terminal shows it); True if the text changed. A piece that starts
+        before where this tail asked (``from`` < `offset`: the line still open there, in its
+        newest state) replaces the tail's own open last line (`joblog.merge`)."""
         self.done = bool(piece.get("done"))
         size = int(piece.get("size", 0))
         offset = int(piece.get("offset", self.offset))
         text = piece.get("text") or ""
+        rewound = int(piece.get("from", self.offset)) < self.offset
         if size < offset:  # the log was replaced by a shorter one
             self.offset, changed = 0, bool(self.text)
             self.text = ""
@@ -426,8 +431,9 @@ class LogTail:
         self.offset = offset
         if not text:
             return False
-        self.text = (self.text + text)[-self.max_chars:]
-        return True
+        before = self.text
+        self.text = merge(self.text, text, rewound)[-self.max_chars:]
+        return self.text != before
 
     def lines(self, n: int) -> str:
         """The last `n` lines, without the runtime's progress lines (they are shown as the

@@ -24,6 +24,7 @@ import ipywidgets as W
 from . import jobmodel as jm
 from .client import Client, GpulabError, Job, lead_replica
 from .contract import EXIT_NOT_RETRIED, FINAL
+from .joblog import restart_lines
 
 #: at most one request a second per view
 MIN_INTERVAL = 1.0
@@ -100,8 +101,9 @@ def _replica_table(view: dict) -> str:
 
 
 class JobView(W.VBox):
-    """One job, live: state, replicas (state, restarts, exit code, GPUs), elapsed time,
-    progress, the log tail of a chosen replica, Stop (with a confirmation) and TensorBoard.
+    """One job, live: state, replicas (state, restarts, exit code, GPUs), a line per restart
+    (which replica, when, why), elapsed time, progress, the log tail of a chosen replica (as
+    a terminal shows it: a progress bar redrawn in place is one line), Stop (with a confirmation) and TensorBoard.
 
     ``job`` is a `Job` or a name (then ``client`` or ``Client()`` is used). A background
     thread asks the service at most once a second (status and log in turn) until the job has
@@ -131,6 +133,9 @@ class JobView(W.VBox):
         self.state.add_class("gpulab-job-state")
         self.replicas = W.HTML("")
         self.replicas.add_class("gpulab-replicas")
+        #: a line per restart of a replica: which, when, why (empty while there is none)
+        self.restarts = W.HTML("")
+        self.restarts.add_class("gpulab-restarts")
         self.progress = W.FloatProgress(value=0.0, min=0.0, max=1.0,
                                         layout=W.Layout(width="50%", visibility="hidden"))
         self.progress.add_class("gpulab-progress")
@@ -171,7 +176,7 @@ class JobView(W.VBox):
 
         super().__init__([
             W.HBox([self.title, self.state]),
-            self.replicas,
+            self.replicas, self.restarts,
             W.HBox([self.progress, self.progress_label]),
             self.replica_choice, self.log_text,
             W.HBox([self.stop_button, self.tb_toggle]), self.confirm_box,
@@ -260,6 +265,7 @@ class JobView(W.VBox):
                             f" data-state='{html.escape(state)}'>"
                             f"{html.escape(jm.state_line(view))}</span>")
         self.replicas.value = _replica_table(view)
+        self.restarts.value = _restarts_html(view)
         known = jm.progress_of(view)
         if known:
             self.progress.value = known[2]
@@ -354,6 +360,16 @@ def replica_to_show(view: Mapping) -> str:
         if raised or failed:
             return (raised or failed)[0]["name"]
     return lead_replica(view)
+
+
+def _restarts_html(view: Mapping) -> str:
+    """A line per restart (`gpulab.extensions.joblog.restart_lines`), or nothing."""
+    lines = restart_lines(view)
+    if not lines:
+        return ""
+    return ("<div class='gpulab-restart-list' style='font-size:90%; color:var(--jp-warn-color0, "
+            "#a60)'>" + "".join(f"<div class='gpulab-restart'>&#x21bb; {html.escape(ln)}</div>"
+                                for ln in lines) + "</div>")
 
 
 def _log_html(text: str) -> str:
