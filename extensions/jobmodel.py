@@ -442,6 +442,34 @@ class LogTail:
                           if not ln.startswith(PROGRESS_LINE)][-n:])
 
 
+def has_tensorboard_logs(folder: str | os.PathLike, limit: int = 2000) -> bool:
+    """Whether a job's TensorBoard folder holds an event file (``events.out.tfevents.*``)
+    anywhere below it (at most `limit` entries are looked at)."""
+    seen = 0
+    for _, dirnames, filenames in os.walk(folder):
+        if any(f.startswith("events.out.tfevents.") for f in filenames):
+            return True
+        seen += len(dirnames) + len(filenames)
+        if seen > limit:
+            return True  # a folder that large holds runs: do not keep looking
+    return False
+
+
+def tensorboard_note(job: str, user_dir: str | os.PathLike | None) -> str:
+    """What to say above a job's TensorBoard when the job has written no logs for it (its
+    board is empty): how a program writes them. "" when it has, or when the job's folder
+    is not to be seen here (no ``user_dir``)."""
+    if not user_dir or not os.path.isdir(Path(user_dir) / "jobs" / job):
+        return ""
+    if has_tensorboard_logs(Path(user_dir) / "jobs" / job / "tensorboard"):
+        return ""
+    return (f"Job {job} has written no TensorBoard logs (yet), so its board is empty. A "
+            "program writes them to the job's folder for them, runtime.logdir() (from "
+            "gpulab.extensions import runtime): with Keras, "
+            "model.fit(..., callbacks=[tf.keras.callbacks.TensorBoard(log_dir=runtime.logdir())]); "
+            "in a custom loop, tf.summary.create_file_writer(runtime.writable_dir(runtime.logdir())).")
+
+
 def tensorboard_url(job: str | None = None, prefix: str | None = None) -> str:
     """TensorBoard in the person's own server (``<JUPYTERHUB_SERVICE_PREFIX>tensorboard/``):
     all runs, or one job's (``?runFilter=^<job>/``, runs are ``<job>/tensorboard/…``)."""

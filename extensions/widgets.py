@@ -16,6 +16,7 @@ never as a traceback. Key parts carry stable CSS classes (``gpulab-…``) for br
 from __future__ import annotations
 
 import html
+import os
 import threading
 from typing import Callable, Mapping
 
@@ -67,20 +68,27 @@ class TensorBoard(W.VBox):
 
     The server extension serves it at ``<JUPYTERHUB_SERVICE_PREFIX>tensorboard/`` over
     ``$GPULAB_USER_DIR/jobs`` (runs are ``<job>/tensorboard/…``); ``prefix`` overrides the
-    server prefix, ``height`` is in pixels.
+    server prefix, ``height`` is in pixels. A job that has written no TensorBoard logs gets
+    a note above its (empty) board saying how a program writes them (``runtime.logdir()``);
+    ``user_dir``: where the job folders are (default ``$GPULAB_USER_DIR``).
     """
 
-    def __init__(self, job: str | None = None, *, prefix: str | None = None, height: int = 560):
+    def __init__(self, job: str | None = None, *, prefix: str | None = None, height: int = 560,
+                 user_dir: str | None = None):
         self.job, self.url = job, jm.tensorboard_url(job, prefix=prefix)
         caption = (f"TensorBoard: runs of job <b>{html.escape(job)}</b>" if job
                    else "TensorBoard: all your runs")
         self.caption = W.HTML(f'{caption} · <a href="{html.escape(self.url)}" target="_blank" '
                               'rel="noopener">open in a new tab</a>')
+        note = jm.tensorboard_note(job, user_dir or os.environ.get("GPULAB_USER_DIR")) if job else ""
+        #: how to write TensorBoard logs, for a job that has written none (else empty)
+        self.note = W.HTML(_message("info", note) if note else "")
+        self.note.add_class("gpulab-tensorboard-note")
         self.frame = W.HTML(
             f'<iframe class="gpulab-tensorboard-frame" src="{html.escape(self.url)}" '
             f'style="width:100%;height:{int(height)}px;border:1px solid #ddd" '
             f'title="TensorBoard"></iframe>')
-        super().__init__([self.caption, self.frame])
+        super().__init__([self.caption, self.note, self.frame])
         self.add_class("gpulab-tensorboard")
 
 
