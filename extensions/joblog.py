@@ -50,30 +50,29 @@ class _Line:
         self.col = 0
 
     def write(self, text: str) -> None:
-        end = self.col + len(text)
-        if self.col > len(self.chars):
-            self.chars.extend(" " * (self.col - len(self.chars)))
+        end = self.col + len(text)  # the cursor is never past the line's end
         self.chars[self.col:end] = text
         self.col = end
 
     def csi(self, params: str, final: str) -> None:
-        """The control sequences that change a line: erase in line (K) and cursor moves
-        along it (G, C, D); every other one (colours: m) changes nothing here."""
+        """The control sequences that change a line: erase to its end (K) or all of it (2K,
+        the cursor back at its start), cursor moves along it (G, C, D), never past the
+        line's end: a log's few bytes never make a long line of blanks (what the service
+        renders is never longer than what it read). Every other one (colours: m) changes
+        nothing here."""
         try:
-            n = int(params.split(";")[0] or 0)
+            n = int(params.split(";")[0][:9] or 0)
         except ValueError:
             return
         if final == "K":
             if n == 0:
                 del self.chars[self.col:]
-            elif n == 1:
-                self.chars[:self.col] = " " * min(self.col, len(self.chars))
-            else:
-                self.chars = []
+            elif n == 2:
+                self.chars, self.col = [], 0
         elif final == "G":
-            self.col = max(0, n - 1)
+            self.col = min(max(0, n - 1), len(self.chars))
         elif final == "C":
-            self.col += max(1, n)
+            self.col = min(self.col + max(1, n), len(self.chars))
         elif final == "D":
             self.col = max(0, self.col - max(1, n))
 

@@ -78,6 +78,7 @@ CASES = [
     ("erase to the end of the line (tqdm, pip)", "downloading 10%\r\x1b[Kdone\n", ("done\n", "")),
     ("erase the whole line", "abc\x1b[2K\rxy\n", ("xy\n", "")),
     ("cursor to a column", "abcdef\x1b[3GZ\n", ("abZdef\n", "")),
+    ("cursor moves stop at the line's end", "ab\x1b[99CZ\x1b[99GY\x1b[3DX\n", ("aXZY\n", "")),
     ("a title (OSC) and a bell vanish", "\x1b]0;title\x07ok\x07\n", ("ok\n", "")),
     ("CR LF ends a line", "windows\r\nline\r\n", ("windows\nline\n", "")),
     ("trailing padding is not kept", "loss 0.1   \n", ("loss 0.1\n", "")),
@@ -92,6 +93,23 @@ CASES = [
 @pytest.mark.parametrize("text, shown", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_render(text, shown):
     assert joblog.render(text) == shown
+
+
+HOSTILE = [
+    ("cursor far right", "\x1b[999999999G\x1b[99999999999999999999Cx\n" * 1000),
+    ("erase in a long line", "x" * 100_000 + "\x1b[1K\x1b[2Kx" * 20_000),
+    ("backspaces and controls", "\b\x01" * 200_000),
+    ("escape starts", "\x1b[" * 100_000),
+]
+
+
+@pytest.mark.parametrize("text", [c[1] for c in HOSTILE], ids=[c[0] for c in HOSTILE])
+def test_a_hostile_log_renders_no_longer_than_it_is_and_fast(text):
+    """What the service renders of a person's log (up to 1 MiB a read) is never longer than
+    the bytes read, and takes linear time."""
+    t0 = time.monotonic()
+    shown = joblog.render_text(text)
+    assert len(shown) <= len(text) and time.monotonic() - t0 < 2
 
 
 @pytest.mark.parametrize("before, start", [
