@@ -31,11 +31,11 @@ from typing import Mapping
 LINE_BACK = 64 * 1024
 
 # an escape sequence: CSI (ESC [ … final byte), OSC (ESC ] … BEL or ESC \), or a 2-byte one
-_ESC = r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])"
+_ESC = r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\^_])"
 _TOKEN = re.compile(
     rf"(?P<esc>{_ESC})|(?P<cr>\r)|(?P<nl>\n)|(?P<bs>\x08+)"
-    r"|(?P<partial>\x1b[^\x07\n\r]*$)"     # an escape sequence cut off at the end of a read
-    r"|(?P<ctl>[\x00-\x07\x0b-\x1f\x7f])"  # other control characters (tab is text)
+    r"|(?P<partial>\x1b(?:\[[0-?]*[ -/]*|\][^\x07\x1b]*)?$)"  # cut off at the end of a read
+    r"|(?P<ctl>[\x00-\x07\x0b-\x1a\x1c-\x1f\x7f]+|\x1b)"  # other controls (tab is text)
     r"|(?P<text>[^\x00-\x08\x0a-\x1f\x7f]+)")
 _CSI = re.compile(r"\x1b\[([0-?]*)[ -/]*([@-~])")
 

@@ -86,6 +86,9 @@ CASES = [
     ("an unfinished line is open", "done\nstep 3", ("done\n", "step 3")),
     ("an escape cut off at the end of a read shows nothing", "ok\nbar \x1b[3", ("ok\n", "bar ")),
     ("other control characters vanish", "a\x00b\x01c\x7f\n", ("abc\n", "")),
+    ("a lone escape is dropped, not what follows", "a\x1b\x1bb\x1b[31mc\x1b", ("", "abc")),
+    ("a title cut off at the end of a read", "x\x1b]0;tit", ("", "x")),
+    ("two-character escapes", "x\x1bMy\x1b\\z\n", ("xyz\n", "")),
     ("empty", "", ("", "")),
 ]
 
@@ -100,6 +103,7 @@ HOSTILE = [
     ("erase in a long line", "x" * 100_000 + "\x1b[1K\x1b[2Kx" * 20_000),
     ("backspaces and controls", "\b\x01" * 200_000),
     ("escape starts", "\x1b[" * 100_000),
+    ("nul bytes (a sparse file)", "\x00" * (1 << 20)),
 ]
 
 
