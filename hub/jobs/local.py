@@ -111,6 +111,8 @@ log = logging.getLogger("gpulab.jobs")
 #: service's own hub token and settings must never reach a person's program)
 ENV_ALLOW = ("PATH", "LANG", "LANGUAGE", "TZ")
 ENV_ALLOW_PREFIXES = ("LC_",)
+#: how a replica's reason begins when its control group counted an out-of-memory kill
+OOM_WORDS = "killed: out of memory"
 #: the private /tmp folders of running jobs (root's, mode 0700; one folder per job)
 TMP_ROOT = Path("/var/lib/gpulab/tmp")
 
@@ -565,17 +567,17 @@ class LocalJobBackend(JobBackend):
             whose = (f"the {r.role} role's memory limit"
                      if res is not None and res.memory is not None
                      else "the default memory limit of replicas")
-            return f"killed: out of memory ({whose} is {self.limits.memory_of(res)})"
+            return f"{OOM_WORDS} ({whose} is {self.limits.memory_of(res)})"
         return exit_words(r.exit_code)
 
-    def _restart_record(self, job_id: str, spec: JobSpec, r, failed, now: float) -> dict:
+    @staticmethod
+    def _restart_record(r, failed, now: float) -> dict:
         """The record of a replica's restart: how its attempt ended (exit code, signal,
         out of memory where its control group counted an OOM kill), or that it was stopped
         to restart with the ``failed`` ones (a multi-worker job restarts all its workers)."""
-        if r.state == "Failed":
-            oom = r.exit_code == -signal.SIGKILL and self._oom_killed(job_id, r.role, r.index)
+        if r.state == "Failed":  # `_exit_reason` read the group's OOM count as it exited
             return restart_record(restart=r.restarts, at=now, exit_code=r.exit_code,
-                                  reason=r.reason, oom_killed=oom)
+                                  reason=r.reason, oom_killed=r.reason.startswith(OOM_WORDS))
         if r.state == "Succeeded":  # it had finished; the others need it again
             return restart_record(restart=r.restarts, at=now, exit_code=0,
                                   reason=f"had finished; restarted with {names(failed)}")
@@ -609,7 +611,7 @@ class LocalJobBackend(JobBackend):
                 for k in decision.restart:
                     r = by[k]
                     r.restarts += 1
-                    add_restart(r, self._restart_record(job_id, spec, r, failed, now))
+                    add_restart(r, self._restart_record(r, failed, now))
                     log.info("Job %s/%s replica %s-%s: restart %d (%s)", job.user, job.name,
                              r.role, r.index, r.restarts, r.reason or "with the others")
                 job.reason = f"restarting {names(decision.restart)}"

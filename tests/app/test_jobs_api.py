@@ -681,7 +681,7 @@ def test_a_replica_over_its_memory_limit_is_killed_and_the_job_says_so(hub, user
     source = ("print(open('/proc/self/cgroup').read(), flush=True)\n"
               "b = bytearray(4 * 2**30)\n"
               "print('survived', flush=True)\n")
-    spec = mw("hungry", workers=1, source=source, retries=0)
+    spec = mw("hungry", workers=1, source=source, retries=1)
     spec["resources"]["worker"].update({"memory": "2Gi", "cpu": 1})
     r = ann.service("POST", "jobs", json=spec)
     assert r.status_code == 201, r.text
@@ -690,9 +690,15 @@ def test_a_replica_over_its_memory_limit_is_killed_and_the_job_says_so(hub, user
     assert worker["exit_code"] == -9, worker
     assert worker["reason"] == "killed: out of memory (the worker role's memory limit is 2Gi)"
     assert job["reason"] == ("worker-0 failed (killed: out of memory (the worker role's memory "
-                             "limit is 2Gi)) after 0 restarts of the workers (retries: 0)")
+                             "limit is 2Gi)) after 1 restart of the workers (retries: 1)")
+    # the restart between the two attempts says why (issue 34): the group's OOM count
+    (restart,) = worker["restart_history"]
+    assert (restart["exit_code"], restart["signal"], restart["oom_killed"]) == (-9, "SIGKILL", True)
     text = ann.service("GET", "jobs/hungry/logs/worker-0").json()["text"]
     assert f"/gpulab/job-{job['id']}-worker-0" in text and "survived" not in text
+    assert re.search(r"^--- restart 1 of worker 0 at \d\d:\d\d:\d\d: previous attempt killed: "
+                     r"out of memory \(the worker role's memory limit is 2Gi\) \(exit -9\) ---$",
+                     text, re.M), text
     # the replica's group went with the job
     cgroups, why = Cgroups.detect()
     assert cgroups is not None, why
