@@ -305,3 +305,26 @@ def test_restart_lines_of_a_view_oldest_first():
         "ps-0: restart 1 at 14:04:31 (attempt 2): killed by SIGTERM (exit -15)",
         "worker-0: restart 1 at 14:05:31 (attempt 2): killed by SIGKILL (exit -9)"]
     assert joblog.restart_lines({"replicas": [{"name": "w", "restart_history": ["junk"]}]}) == []
+
+
+class Terminal(__import__("io").StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("tty", [True, False], ids=["terminal", "pipe"])
+def test_gpulab_jobs_logs_follow_on_a_terminal_and_into_a_pipe(monkeypatch, tty):
+    """``gpulab jobs logs -f``: on a terminal the bar is redrawn in place (what the terminal
+    then shows is the log as rendered); into a pipe or file only finished lines, each once."""
+    from gpulab.hub.cli.jobs import follow_logs
+
+    out = Terminal() if tty else __import__("io").StringIO()
+    monkeypatch.setattr("sys.stdout", out)
+    monkeypatch.setattr("gpulab.hub.cli.jobs._width", lambda: 200)
+    follow_logs(LogJob(MemoryLog(), split(KERAS_LOG, 40) + ["Epoch 3/3\n\r1/4 [=>..]"]),
+                "worker-0", True)
+    written = out.getvalue()
+    assert joblog.render_text(written) == KERAS_SHOWN + "Epoch 3/3\n1/4 [=>..]\n"
+    assert ("\r\x1b[K" in written) is tty and "\b" not in written
+    if not tty:
+        assert written == KERAS_SHOWN + "Epoch 3/3\n1/4 [=>..]\n"
