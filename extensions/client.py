@@ -47,7 +47,7 @@ from urllib.parse import quote, urlencode
 from traitlets import Float, Unicode, default, validate
 from traitlets.config import Configurable
 
-from . import jobmodel
+from . import joblog, jobmodel
 from .contract import ACTIVE, FINAL
 from .contract import lead_replica as _lead_of_strategy
 
@@ -370,37 +370,67 @@ class Job:
             pause = interval if deadline is None else min(interval, deadline - time.monotonic())
             time.sleep(max(0.0, pause))
 
-    def read_log(self, replica: str, offset: int = 0, follow: bool = False) -> dict:
-        """One piece of a replica's log: ``{text, offset (where to ask next), size, done}``.
-        With ``follow`` the service waits up to 20 s for more while the job runs."""
+    def read_log(self, replica: str, offset: int = 0, follow: bool = False,
+                 raw: bool = False) -> dict:
+        """One piece of a replica's log: ``{text, offset (where to ask next), from, size,
+        done}``; ``text`` as a terminal shows it, from ``from`` (the start of the line still
+        open at ``offset``: it replaces the reader's open line, `joblog.merge`), or with
+        ``raw`` the bytes as written from ``offset``. With ``follow`` the service waits up to
+        20 s for more while the job runs."""
         return self.client.request(
             "GET", self._path("logs", replica),
-            params={"offset": offset, "follow": "1" if follow else None, "user": self.user},
+            params={"offset": offset, "follow": "1" if follow else None,
+                    "raw": "1" if raw else None, "user": self.user},
             timeout=FOLLOW_TIMEOUT if follow else None)
 
-    def logs(self, replica: str | None = None, follow: bool = False,
-             offset: int = 0) -> str | Iterator[str]:
-        """A replica's log (default: the chief, or worker 0): the whole text so far, or with
-        ``follow=True`` a generator of new text that ends when the job has ended."""
+    def logs(self, replica: str | None = None, follow: bool = False, offset: int = 0,
+             raw: bool = False) -> str | Iterator[str]:
+        """A replica's log (default: the chief, or worker 0) as a terminal shows it (``raw``:
+        as written): the whole text so far, or with ``follow=True`` a generator of its
+        finished lines as they come (and the last, unfinished one at the end) that ends when
+        the job has ended (`follow_lines` also gives the line being redrawn meanwhile)."""
         replica = replica or lead_replica(self.view or self.status())
         if follow:
-            return self._follow(replica, offset)
-        parts = []
+            return self._follow(replica, offset, raw)
+        text = ""
         while True:
-            piece = self.read_log(replica, offset)
-            parts.append(piece["text"])
-            if piece["offset"] >= piece["size"] or not piece["text"]:
-                return "".join(parts)
+            piece = self.read_log(replica, offset, raw=raw)
+            text = joblog.merge(text, piece["text"], piece.get("from", offset) < offset)
+            if piece["offset"] >= piece["size"] or piece["offset"] <= offset:
+                return text
             offset = piece["offset"]
 
-    def _follow(self, replica: str, offset: int) -> Iterator[str]:
+    def follow_lines(self, replica: str | None = None, offset: int = 0,
+                     raw: bool = False) -> Iterator[tuple[str, str]]:
+        """Follow a replica's log until the job has ended: ``(finished, open)`` after each
+        read: the lines finished since the last (text ending with ``\\n``, or ""), and the
+        line still being written or redrawn, in its newest state (with ``raw``: the new
+        bytes as written, and "")."""
+        replica = replica or lead_replica(self.view or self.status())
+        open_line = ""
         while True:
-            piece = self.read_log(replica, offset, follow=True)
-            offset = piece["offset"]
-            if piece["text"]:
-                yield piece["text"]
-            elif piece["done"]:
+            piece = self.read_log(replica, offset, follow=True, raw=raw)
+            rewound = piece.get("from", offset) < offset
+            asked, offset = offset, piece["offset"]
+            if raw:
+                if piece["text"]:
+                    yield piece["text"], ""
+            else:
+                text = joblog.merge(open_line, piece["text"], rewound)
+                finished, now_open = joblog.finished_part(text)
+                if finished or now_open != open_line:
+                    open_line = now_open
+                    yield finished, open_line
+            if piece["done"] and offset <= asked:  # ended, and nothing more was written
                 return
+
+    def _follow(self, replica: str, offset: int, raw: bool = False) -> Iterator[str]:
+        open_line = ""
+        for finished, open_line in self.follow_lines(replica, offset, raw):
+            if finished:
+                yield finished
+        if open_line:
+            yield open_line
 
     def tensorboard_url(self, prefix: str | None = None) -> str:
         """Where TensorBoard shows this job's runs, in the person's own notebook server."""

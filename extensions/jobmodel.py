@@ -22,6 +22,7 @@ from urllib.parse import quote
 
 from .contract import FINAL, NAME_RE, STRATEGIES
 from .contract import PROGRESS_PREFIX as PROGRESS_LINE
+from .joblog import merge
 MEMORY_RE = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
 MAX_NAME_LENGTH = 40
 CODE_SOURCES = ("cell", "function", "file", "text")
@@ -408,11 +409,15 @@ class LogTail:
     done: bool = False
 
     def feed(self, piece: Mapping) -> bool:
-        """Add a piece (``{text, offset, size, done}``); True if the text changed."""
+        """Add a piece (``{text, offset, from, size, done}``: the log API's answer, text
+        rendered as a terminal shows it); True if the text changed. A piece that starts
+        before where this tail asked (``from`` < `offset`: the line still open there, in its
+        newest state) replaces the tail's own open last line (`joblog.merge`)."""
         self.done = bool(piece.get("done"))
         size = int(piece.get("size", 0))
         offset = int(piece.get("offset", self.offset))
         text = piece.get("text") or ""
+        rewound = int(piece.get("from", self.offset)) < self.offset
         if size < offset:  # the log was replaced by a shorter one
             self.offset, changed = 0, bool(self.text)
             self.text = ""
@@ -426,14 +431,43 @@ class LogTail:
         self.offset = offset
         if not text:
             return False
-        self.text = (self.text + text)[-self.max_chars:]
-        return True
+        before = self.text
+        self.text = merge(self.text, text, rewound)[-self.max_chars:]
+        return self.text != before
 
     def lines(self, n: int) -> str:
         """The last `n` lines, without the runtime's progress lines (they are shown as the
         job's progress bar, not as text)."""
         return "\n".join([ln for ln in self.text.splitlines()
                           if not ln.startswith(PROGRESS_LINE)][-n:])
+
+
+def has_tensorboard_logs(folder: str | os.PathLike, limit: int = 2000) -> bool:
+    """Whether a job's TensorBoard folder holds an event file (``events.out.tfevents.*``)
+    anywhere below it (at most `limit` entries are looked at)."""
+    seen = 0
+    for _, dirnames, filenames in os.walk(folder):
+        if any(f.startswith("events.out.tfevents.") for f in filenames):
+            return True
+        seen += len(dirnames) + len(filenames)
+        if seen > limit:
+            return True  # a folder that large holds runs: do not keep looking
+    return False
+
+
+def tensorboard_note(job: str, user_dir: str | os.PathLike | None) -> str:
+    """What to say above a job's TensorBoard when the job has written no logs for it (its
+    board is empty): how a program writes them. "" when it has, or when the job's folder
+    is not to be seen here (no ``user_dir``)."""
+    if not user_dir or not os.path.isdir(Path(user_dir) / "jobs" / job):
+        return ""
+    if has_tensorboard_logs(Path(user_dir) / "jobs" / job / "tensorboard"):
+        return ""
+    return (f"Job {job} has written no TensorBoard logs (yet), so its board is empty. A "
+            "program writes them to the job's folder for them, runtime.logdir() (from "
+            "gpulab.extensions import runtime): with Keras, "
+            "model.fit(..., callbacks=[tf.keras.callbacks.TensorBoard(log_dir=runtime.logdir())]); "
+            "in a custom loop, tf.summary.create_file_writer(runtime.writable_dir(runtime.logdir())).")
 
 
 def tensorboard_url(job: str | None = None, prefix: str | None = None) -> str:

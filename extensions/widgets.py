@@ -16,6 +16,7 @@ never as a traceback. Key parts carry stable CSS classes (``gpulab-…``) for br
 from __future__ import annotations
 
 import html
+import os
 import threading
 from typing import Callable, Mapping
 
@@ -24,6 +25,7 @@ import ipywidgets as W
 from . import jobmodel as jm
 from .client import Client, GpulabError, Job, lead_replica
 from .contract import EXIT_NOT_RETRIED, FINAL
+from .joblog import restart_lines
 
 #: at most one request a second per view
 MIN_INTERVAL = 1.0
@@ -66,20 +68,27 @@ class TensorBoard(W.VBox):
 
     The server extension serves it at ``<JUPYTERHUB_SERVICE_PREFIX>tensorboard/`` over
     ``$GPULAB_USER_DIR/jobs`` (runs are ``<job>/tensorboard/…``); ``prefix`` overrides the
-    server prefix, ``height`` is in pixels.
+    server prefix, ``height`` is in pixels. A job that has written no TensorBoard logs gets
+    a note above its (empty) board saying how a program writes them (``runtime.logdir()``);
+    ``user_dir``: where the job folders are (default ``$GPULAB_USER_DIR``).
     """
 
-    def __init__(self, job: str | None = None, *, prefix: str | None = None, height: int = 560):
+    def __init__(self, job: str | None = None, *, prefix: str | None = None, height: int = 560,
+                 user_dir: str | None = None):
         self.job, self.url = job, jm.tensorboard_url(job, prefix=prefix)
         caption = (f"TensorBoard: runs of job <b>{html.escape(job)}</b>" if job
                    else "TensorBoard: all your runs")
         self.caption = W.HTML(f'{caption} · <a href="{html.escape(self.url)}" target="_blank" '
                               'rel="noopener">open in a new tab</a>')
+        note = jm.tensorboard_note(job, user_dir or os.environ.get("GPULAB_USER_DIR")) if job else ""
+        #: how to write TensorBoard logs, for a job that has written none (else empty)
+        self.note = W.HTML(_message("info", note) if note else "")
+        self.note.add_class("gpulab-tensorboard-note")
         self.frame = W.HTML(
             f'<iframe class="gpulab-tensorboard-frame" src="{html.escape(self.url)}" '
             f'style="width:100%;height:{int(height)}px;border:1px solid #ddd" '
             f'title="TensorBoard"></iframe>')
-        super().__init__([self.caption, self.frame])
+        super().__init__([self.caption, self.note, self.frame])
         self.add_class("gpulab-tensorboard")
 
 
@@ -100,8 +109,9 @@ def _replica_table(view: dict) -> str:
 
 
 class JobView(W.VBox):
-    """One job, live: state, replicas (state, restarts, exit code, GPUs), elapsed time,
-    progress, the log tail of a chosen replica, Stop (with a confirmation) and TensorBoard.
+    """One job, live: state, replicas (state, restarts, exit code, GPUs), a line per restart
+    (which replica, when, why), elapsed time, progress, the log tail of a chosen replica (as
+    a terminal shows it: a progress bar redrawn in place is one line), Stop (with a confirmation) and TensorBoard.
 
     ``job`` is a `Job` or a name (then ``client`` or ``Client()`` is used). A background
     thread asks the service at most once a second (status and log in turn) until the job has
@@ -131,6 +141,9 @@ class JobView(W.VBox):
         self.state.add_class("gpulab-job-state")
         self.replicas = W.HTML("")
         self.replicas.add_class("gpulab-replicas")
+        #: a line per restart of a replica: which, when, why (empty while there is none)
+        self.restarts = W.HTML("")
+        self.restarts.add_class("gpulab-restarts")
         self.progress = W.FloatProgress(value=0.0, min=0.0, max=1.0,
                                         layout=W.Layout(width="50%", visibility="hidden"))
         self.progress.add_class("gpulab-progress")
@@ -171,7 +184,7 @@ class JobView(W.VBox):
 
         super().__init__([
             W.HBox([self.title, self.state]),
-            self.replicas,
+            self.replicas, self.restarts,
             W.HBox([self.progress, self.progress_label]),
             self.replica_choice, self.log_text,
             W.HBox([self.stop_button, self.tb_toggle]), self.confirm_box,
@@ -260,6 +273,7 @@ class JobView(W.VBox):
                             f" data-state='{html.escape(state)}'>"
                             f"{html.escape(jm.state_line(view))}</span>")
         self.replicas.value = _replica_table(view)
+        self.restarts.value = _restarts_html(view)
         known = jm.progress_of(view)
         if known:
             self.progress.value = known[2]
@@ -354,6 +368,16 @@ def replica_to_show(view: Mapping) -> str:
         if raised or failed:
             return (raised or failed)[0]["name"]
     return lead_replica(view)
+
+
+def _restarts_html(view: Mapping) -> str:
+    """A line per restart (`gpulab.extensions.joblog.restart_lines`), or nothing."""
+    lines = restart_lines(view)
+    if not lines:
+        return ""
+    return ("<div class='gpulab-restart-list' style='font-size:90%; color:var(--jp-warn-color0, "
+            "#a60)'>" + "".join(f"<div class='gpulab-restart'>&#x21bb; {html.escape(ln)}</div>"
+                                for ln in lines) + "</div>")
 
 
 def _log_html(text: str) -> str:

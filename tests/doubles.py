@@ -9,7 +9,8 @@ Index:
   call with its time. The real client against a real service is tested in
   tests/app/test_client.py.
 - `FakeJob`: a job of `FakeClient` whose ``status()`` walks through a scripted list of views
-  (the last one repeats) and whose logs are canned text per replica.
+  (the last one repeats) and whose logs are canned text per replica, answered as the service
+  does (rendered as a terminal shows it by `gpulab.extensions.joblog`, or raw).
 - `FakeKubeAPI`: stands in for kubernetes_asyncio's ``CoreV1Api`` and ``NetworkingV1Api`` in
   the unit tests of a user namespace's preparation (tests/unit/test_namespaces.py): it
   answers the writes `gpulab.spawner.namespaces` makes (server-side apply of a namespace, a
@@ -24,6 +25,7 @@ from __future__ import annotations
 import copy
 import time
 
+from gpulab.extensions import joblog
 from gpulab.extensions.client import GpulabError
 
 ME = {"user": "ann", "quota": {"max_gpus": 4, "max_per_request": None, "gpu_hours": None,
@@ -72,13 +74,17 @@ class FakeJob:
         self.view = copy.deepcopy(final)
         return self.view
 
-    def read_log(self, replica, offset=0, follow=False):
+    def read_log(self, replica, offset=0, follow=False, raw=False):
+        """The service's answer: rendered from the start of the line open at ``offset``
+        (`gpulab.extensions.joblog`, as the service does), or ``raw``."""
         self._record(f"log:{replica}:{offset}")
         text = self._logs.get(replica, "").encode()
         piece = text[offset:offset + (1 << 20)]
         done = self._views[0]["state"] in ("Succeeded", "Failed", "Stopped")
-        return {"replica": replica, "text": piece.decode(), "offset": offset + len(piece),
-                "size": len(text), "done": done}
+        start = offset if raw else joblog.open_line_start(text[:offset], from_start=True)
+        shown = (piece if raw else text[start:offset] + piece).decode()
+        return {"replica": replica, "text": shown if raw else joblog.render_text(shown),
+                "offset": offset + len(piece), "from": start, "size": len(text), "done": done}
 
 
 class FakeClient:

@@ -7,7 +7,10 @@ the token and address of ``gpulab quota`` (`gpulab.hub.cli.common`: ``--token``/
 command: ``gpulab --url X jobs list``). A spec
 comes from a YAML (or JSON) file, from flags, or both: flags override the file's fields. The
 service checks the spec; its message names the bad field. ``show`` gives times as local date and
-time with how long the job waited or ran; ``--json`` keeps the API's Unix times.
+time with how long the job waited or ran, and a line per restart of a replica (which,
+when, why); ``--json`` keeps the API's Unix times. ``logs`` prints a log as a terminal shows
+it (a progress bar redrawn with ``\\r``/``\\b`` is one line, colour codes gone; ``--raw``: as
+written).
 
     gpulab jobs submit --name digits --strategy parameter-server --ps 1 --workers 2 \\
         --gpus 1 --script examples/digits_parameter_server.py -f
@@ -16,7 +19,7 @@ time with how long the job waited or ran; ``--json`` keeps the API's Unix times.
     gpulab jobs submit spec.yaml
     gpulab jobs list [--all]
     gpulab jobs show digits
-    gpulab jobs logs digits [chief-0] [-f]
+    gpulab jobs logs digits [chief-0] [-f] [--raw]
     gpulab jobs stop digits
     gpulab jobs export --format tfjob spec.yaml --user ann > tfjob.yaml   (no hub needed)
 """
@@ -30,6 +33,7 @@ from pathlib import Path
 
 from gpulab.extensions.client import GpulabError, Job
 from gpulab.extensions.contract import STRATEGIES, lead_replica
+from gpulab.extensions.joblog import restart_lines
 from gpulab.extensions.jobmodel import queue_text
 
 from gpulab.hub.cli.common import (EXIT_USAGE, add_global_options, common, fail_api, hub_client,
@@ -80,6 +84,9 @@ def add_jobs_parser(sub) -> None:
     lg.add_argument("replica", nargs="?", help="e.g. chief-0, ps-0, worker-1 "
                     "(default: the chief, or worker-0)")
     lg.add_argument("-f", "--follow", action="store_true", help="follow until the job ends")
+    lg.add_argument("--raw", action="store_true",
+                    help="the log as the program wrote it (every \\r/\\b redraw of a progress "
+                    "bar, colour codes); by default as a terminal shows it")
     lg.add_argument("--user", help="another user's job (admins)")
     common(lg)
 
@@ -331,19 +338,41 @@ def print_job(job: dict, now: float | None = None) -> None:
     for r in job["replicas"]:  # while it runs: how busy its GPUs are (NVML)
         for u in r.get("usage") or ():
             print(f"{r['name']}: {u['text']}")
+    lines = restart_lines(job)
+    if lines:
+        print("restarts:")
+        for line in lines:
+            print(f"  {line}")
 
 
-def follow_logs(job: Job, replica: str, follow: bool) -> int:
-    """Print a replica's log: with `follow`, new text as it comes until the job has ended;
-    else the piece the service gives now."""
+def follow_logs(job: Job, replica: str, follow: bool, raw: bool = False) -> int:
+    """Print a replica's log as a terminal shows it (``raw``: as written): with `follow`,
+    finished lines as they come until the job has ended (on a terminal the line being
+    redrawn, a progress bar, shows in place meanwhile); else the log so far."""
+    out = sys.stdout
     if not follow:
-        sys.stdout.write(job.read_log(replica)["text"])
-        sys.stdout.flush()
+        text = job.logs(replica, raw=raw)
+        out.write(text if raw or not text or text.endswith("\n") else text + "\n")
+        out.flush()
         return 0
-    for text in job.logs(replica, follow=True):
-        sys.stdout.write(text)
-        sys.stdout.flush()
+    live = not raw and out.isatty()
+    open_line = ""
+    for finished, open_line in job.follow_lines(replica, raw=raw):
+        if live:  # the bar in place: back to the line's start, erase it, draw it again
+            out.write("\r\x1b[K" + finished + open_line[:max(1, _width() - 1)])
+        else:
+            out.write(finished)
+        out.flush()
+    if open_line and not raw:
+        out.write(("\r\x1b[K" if live else "") + open_line + "\n")
+        out.flush()
     return 0
+
+
+def _width() -> int:
+    import shutil
+
+    return shutil.get_terminal_size().columns
 
 
 def cmd_jobs(args) -> int:
@@ -397,7 +426,7 @@ def cmd_jobs(args) -> int:
         elif args.action == "logs":
             job = client.job(args.name, user=args.user)
             replica = args.replica or lead_replica(job.status()["strategy"])
-            return follow_logs(job, replica, args.follow)
+            return follow_logs(job, replica, args.follow, args.raw)
     except GpulabError as e:
         return fail_api(e)
     except KeyboardInterrupt:

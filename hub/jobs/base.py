@@ -23,7 +23,8 @@ only it:
     the allocations of jobs that no longer run are closed: nothing leaks.
 ``read_log``
     finds the person's job and replica (404s in words), then the driver reads the bytes
-    (`_read_replica_log`), off the event loop.
+    (`_read_replica_log`), off the event loop; ``read_log_text`` gives them as a terminal
+    shows them (`gpulab.extensions.joblog`), for every driver alike.
 
 What a job's fate is (succeeded, failed, restart which replicas) is decided by pure functions
 in `gpulab.hub.jobs.rules`; the drivers observe and act. Drivers: `gpulab.hub.jobs.local`
@@ -39,6 +40,7 @@ import uuid
 from typing import Any
 
 from gpulab.extensions.contract import ACTIVE, FINAL, lead_replica
+from gpulab.extensions.joblog import LINE_BACK, open_line_start, render_text
 from gpulab.hub.jobs.spec import DEFAULT_LIMITS, ROLES, JobLimits, JobSpec
 from gpulab.hub.jobs.store import JobRow, JobStore, NameTaken, ReplicaRow
 from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, Ledger, Request
@@ -75,12 +77,27 @@ def job_view(job: JobRow, replicas: list[ReplicaRow]) -> dict:
         "finished_at": job.finished_at, "job_dir": job.job_dir,
         "replicas": [
             {"role": r.role, "index": r.index, "name": f"{r.role}-{r.index}", "state": r.state,
-             "reason": r.reason, "restarts": r.restarts, "exit_code": r.exit_code,
+             "reason": r.reason, "restarts": r.restarts,
+             "restart_history": restart_history(r), "exit_code": r.exit_code,
              "devices": json.loads(r.devices)}
             for r in sorted(replicas, key=lambda r: (ROLES.index(r.role), r.index))
         ],
         "spec": spec,
     }
+
+
+def restart_history(r: ReplicaRow) -> list[dict]:
+    """A replica's restarts (`gpulab.extensions.joblog.restart_record` each), oldest first."""
+    try:
+        found = json.loads(r.restart_log or "[]")
+    except ValueError:
+        return []
+    return found if isinstance(found, list) else []
+
+
+def add_restart(r: ReplicaRow, record: dict) -> None:
+    """Append a restart to a replica's row (in the caller's transaction)."""
+    r.restart_log = json.dumps([*restart_history(r), record])
 
 
 class JobBackend:
@@ -233,6 +250,24 @@ class JobBackend:
         if asyncio.iscoroutinefunction(self._read_replica_log):
             return await self._read_replica_log(job, replica, offset, limit)
         return await asyncio.to_thread(self._read_replica_log, job, replica, offset, limit)
+
+    async def read_log_text(self, user: str, name: str, replica: str, offset: int = 0,
+                            raw: bool = False, limit: int = 1 << 20) -> dict:
+        """A piece of a replica's log for a reader (the log API's answer): ``text`` as a
+        terminal shows it (`gpulab.extensions.joblog.render`), from ``from``: the start of
+        the line still open at ``offset`` (at most `LINE_BACK` before it), so that a line
+        redrawn across reads comes whole, in its newest state, and the reader replaces its
+        own open line with it; ``offset``: where to ask next; ``size``; ``done``. With
+        ``raw``: the bytes from ``offset`` as they are (``from`` == ``offset``)."""
+        back = 0 if raw else min(offset, LINE_BACK)
+        data, size, done = await self.read_log(user, name, replica, offset - back, limit + back)
+        before, data = data[:back], data[back:]
+        start = offset - back + open_line_start(before, offset == back) if back else offset
+        text = (data if raw else before[start - (offset - back):] + data).decode(errors="replace")
+        if not raw:  # up to 1 MiB of anyone's bytes: off the event loop
+            text = await asyncio.to_thread(render_text, text)
+        return {"replica": replica, "offset": offset + len(data), "from": start, "size": size,
+                "text": text, "done": done}
 
     # -- submit --------------------------------------------------------------------------
 

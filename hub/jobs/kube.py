@@ -92,7 +92,8 @@ from gpulab.spawner.namespaces import (
 from gpulab.spawner.profiles import GPU_MODEL_LABEL, GPU_RESOURCE
 
 from gpulab.extensions.contract import last_progress
-from gpulab.hub.jobs.base import JobBackend, JobError, job_view, lead_of
+from gpulab.extensions.joblog import restart_record, signal_name
+from gpulab.hub.jobs.base import JobBackend, JobError, job_view, lead_of, restart_history
 from gpulab.hub.jobs.rules import RoleJob, decide_kube
 from gpulab.hub.jobs.spec import ROLES, JobSpec
 from gpulab.hub.jobs.kubeobjects import (
@@ -196,6 +197,39 @@ def pod_words(pod: dict, *, gpus: int, model: str | None) -> tuple[str, str, int
     if reason:
         return "Starting", f"waiting ({reason})", None
     return "Starting", "starting", None
+
+
+def pod_restarts(pods: list[dict], *, gpus: int = 0, model: str | None = None) -> list[dict]:
+    """The restarts of one replica from its pods, oldest first (`pod_words` of each): every
+    failed pod that a newer pod replaced is a restart (`gpulab.extensions.joblog.
+    restart_record`), at the replacement's creation, with the failed container's exit code,
+    out of memory where its ``terminated.reason`` is OOMKilled, and the pod's name."""
+    out = []
+    for old, new in zip(pods, pods[1:]):
+        if old.get("status", {}).get("phase") != "Failed":
+            continue
+        _, why, code = pod_words(old, gpus=gpus, model=model)
+        if why == f"exited {code}" and signal_name(code):  # 128 + n: killed by signal n
+            why = f"killed by {signal_name(code)}"
+        term = (((old["status"].get("containerStatuses") or [{}])[0].get("state") or {})
+                .get("terminated") or {})
+        at = (_ts(new["metadata"].get("creationTimestamp")) or _ts(term.get("finishedAt"))
+              or 0.0)
+        out.append(restart_record(restart=len(out) + 1, at=at, exit_code=code, reason=why,
+                                  oom_killed=term.get("reason") == "OOMKilled",
+                                  pod=old["metadata"]["name"]))
+    return out
+
+
+def merge_restarts(known: list[dict], seen: list[dict]) -> list[dict]:
+    """A replica's restarts kept so far with those its pods show now (by pod): the cluster
+    removes failed pods once their replacement runs, so what was seen once is kept."""
+    pods = {r.get("pod") for r in known}
+    merged = list(known)
+    for r in seen:
+        if r.get("pod") not in pods:
+            merged.append({**r, "restart": len(merged) + 1, "attempt": len(merged) + 2})
+    return merged
 
 
 def unschedulable_words(message: str, *, gpus: int, model: str | None) -> str:
@@ -770,6 +804,7 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         delete_all = False
         # replicas
         states: dict[tuple[str, int], tuple[str, str, int | None, int]] = {}
+        histories: dict[tuple[str, int], list[dict]] = {}  # the restarts its pods show
         for role, index in spec.replica_names():
             mine = pods.get((role, index), [])
             restarts = sum(1 for p in mine if p.get("status", {}).get("phase") == "Failed")
@@ -789,6 +824,8 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
             if st == "Failed" and len(mine) and jobs.get(role) and not job_finished(jobs[role]):
                 st, why = "Starting", f"restarting after: {why}"
             states[(role, index)] = (st, why, code, restarts)
+            histories[(role, index)] = pod_restarts(mine, gpus=spec.gpus_of(role),
+                                                    model=self.gpu_model)
             since = _unschedulable_since(mine[-1])
             if (outcome is None and since is not None and st == "Starting"
                     and why.startswith("cannot be scheduled")
@@ -812,12 +849,14 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
                         delete_roles.append(role)
                         await self._delete(self.batch.delete_namespaced_job,
                                            role_job_name(name, role), ns)
-        await asyncio.to_thread(self._record_states, job_id, states, outcome, delete_roles, now)
+        await asyncio.to_thread(self._record_states, job_id, states, outcome, delete_roles, now,
+                                histories=histories)
 
     def _record_states(self, job_id: str, states, outcome, delete_roles, now: float,
-                       ended_at: float | None = None) -> None:
+                       ended_at: float | None = None, histories=None) -> None:
         """What a reconcile pass saw, in the job's rows (in a thread), and its end if any
-        (``ended_at``: when it ended, default now)."""
+        (``ended_at``: when it ended, default now); ``histories``: the restarts each
+        replica's pods show (`pod_restarts`), added to those kept."""
         with self.ledger.Session.begin() as s:
             job, reps = self.store.load(s, job_id)
             if job is None or job.state in FINAL:
@@ -830,6 +869,12 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
                 # their replacement runs (seen on a real node): a count never goes down
                 r.state, r.reason, r.exit_code = st, why, code
                 r.restarts = max(r.restarts or 0, restarts)
+                seen = (histories or {}).get((r.role, r.index))
+                if seen:
+                    known = restart_history(r)
+                    merged = merge_restarts(known, seen)
+                    if len(merged) != len(known):
+                        r.restart_log = json.dumps(merged)
             if outcome is None:
                 running = all(v[0] in ("Running", "Succeeded") for v in states.values())
                 if running:

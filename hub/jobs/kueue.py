@@ -42,7 +42,8 @@ from kubespawner.reflector import MultiNamespaceResourceReflector
 from traitlets import Unicode
 
 from gpulab.hub.jobs.base import JobError
-from gpulab.hub.jobs.kube import _LABELS, KubeJobBackend, _PodReflector, _ts, pod_words
+from gpulab.hub.jobs.kube import (_LABELS, KubeJobBackend, _PodReflector, _ts, pod_restarts,
+                                  pod_words)
 from gpulab.hub.jobs.kubeobjects import (
     JOBSET_API,
     make_job_network_policy,
@@ -393,7 +394,8 @@ class KueueJobBackend(KubeJobBackend):
             # the GPUs were free when JobSet said so, not when this pass saw it (the
             # service may have been down meanwhile)
             at = await asyncio.to_thread(self._seen_late, job, jobset_ended_at(jobset), now)
-            await asyncio.to_thread(self._record_states, job_id, states, (state, words), [], now, at)
+            await asyncio.to_thread(self._record_states, job_id, states, (state, words), [], now, at,
+                                    histories=self._replica_restarts(spec, ns, job.name))
             return
         if workload is not None and workload.get("spec", {}).get("active") is False:
             # an admin deactivated it, or Kueue did (requeued too often): it will not run
@@ -423,7 +425,8 @@ class KueueJobBackend(KubeJobBackend):
                                         "job no longer waits")
                 return
             log.info("Job %s/%s admitted by Kueue (%d GPUs)", job.user, job.name, spec.total_gpus)
-        await asyncio.to_thread(self._record_states, job_id, states, None, [], now)
+        await asyncio.to_thread(self._record_states, job_id, states, None, [], now,
+                                histories=self._replica_restarts(spec, ns, job.name))
 
     def _seen_late(self, job, stamp: str | None, now: float) -> float:
         """When something Kubernetes stamped happened to ``job`` (a condition's
@@ -456,6 +459,13 @@ class KueueJobBackend(KubeJobBackend):
             st, why, code = pod_words(mine[-1], gpus=spec.gpus_of(role), model=self.gpu_model)
             states[(role, index)] = (st, why, code, restarts)
         return states
+
+    def _replica_restarts(self, spec: JobSpec, ns: str, name: str) -> dict:
+        """The restarts each replica's pods show (`gpulab.hub.jobs.kube.pod_restarts`)."""
+        pods = self._replica_pods(ns, name)
+        return {(role, index): pod_restarts(pods.get((role, index), []),
+                                            gpus=spec.gpus_of(role), model=self.gpu_model)
+                for role, index in spec.replica_names()}
 
 
 

@@ -93,7 +93,9 @@ from gpulab.spawner.accounts import AccountError
 from gpulab.spawner.cgroups import limit_user_processes, local_cgroups, memory_bytes
 
 from gpulab.spawner import safefs
-from gpulab.hub.jobs.base import JobBackend, JobError, job_view
+from gpulab.extensions.joblog import restart_marker, restart_record
+from gpulab.hub.jobs.base import (JobBackend, JobError, add_restart, job_view,
+                                  restart_history)
 from gpulab.hub.jobs.rules import (
     EXIT_UNKNOWN,
     PROGRAM_ERRORS,
@@ -113,6 +115,8 @@ log = logging.getLogger("gpulab.jobs")
 #: service's own hub token and settings must never reach a person's program)
 ENV_ALLOW = ("PATH", "LANG", "LANGUAGE", "TZ")
 ENV_ALLOW_PREFIXES = ("LC_",)
+#: how a replica's reason begins when its control group counted an out-of-memory kill
+OOM_WORDS = "killed: out of memory"
 #: the private /tmp folders of running jobs (root's, mode 0700; one folder per job)
 TMP_ROOT = Path("/var/lib/gpulab/tmp")
 
@@ -382,7 +386,10 @@ class LocalJobBackend(JobBackend):
                     pass
                 finally:
                     os.close(logs)
-                proc = self._spawn(job, spec, r, cluster, program, account)
+                history = restart_history(r) if only is not None else []
+                marker = (restart_marker(r.role, r.index, history[-1])
+                          if history and history[-1].get("restart") == r.restarts else None)
+                proc = self._spawn(job, spec, r, cluster, program, account, marker)
                 self._procs[(job_id, r.role, r.index)] = proc
                 r.pid, r.pid_started = proc.pid, proc.create_time()
                 r.state, r.reason, r.exit_code = "Running", "", None
@@ -390,7 +397,9 @@ class LocalJobBackend(JobBackend):
             job.started_at = job.started_at or time.time()
             job.reason = "all replicas started"
 
-    def _spawn(self, job, spec, r, cluster, program, account):
+    def _spawn(self, job, spec, r, cluster, program, account, marker: str | None = None):
+        """Start one replica, its output appended to its log (after ``marker``, a line that
+        says why a restarted attempt starts, on a line of its own)."""
         devices = json.loads(r.devices)
         env = replica_env(
             dict(os.environ), spec=spec, job_name=job.name, job_dir=job.job_dir,
@@ -402,7 +411,16 @@ class LocalJobBackend(JobBackend):
         with _their_folder():
             logfile = os.fdopen(safefs.open_file(
                 *_in_job(job.job_dir, "logs", f"{r.role}-{r.index}.log"),
-                os.O_WRONLY | os.O_CREAT | os.O_APPEND, owner=owner), "ab", buffering=0)
+                os.O_RDWR | os.O_CREAT | os.O_APPEND, owner=owner), "ab", buffering=0)
+        if marker is not None:
+            try:
+                size = os.fstat(logfile.fileno()).st_size
+                # the attempt before may have ended mid-line (a progress bar): a line apart
+                sep = b"" if size == 0 or os.pread(logfile.fileno(), 1, size - 1) == b"\n" else b"\n"
+                logfile.write(sep + marker.encode() + b"\n")
+            except OSError as e:
+                log.warning("Job %s/%s: no restart line in the log of %s-%s: %s", job.user,
+                            job.name, r.role, r.index, e)
         folder, job_path = _in_job(job.job_dir)
         group = self._replica_group(job.id, spec, r.role, r.index, devices)
         netns = sandbox.open_netns(job.id, self.netns_root) if self.sandboxed else None
@@ -573,8 +591,22 @@ class LocalJobBackend(JobBackend):
             whose = (f"the {r.role} role's memory limit"
                      if res is not None and res.memory is not None
                      else "the default memory limit of replicas")
-            return f"killed: out of memory ({whose} is {self.limits.memory_of(res)})"
+            return f"{OOM_WORDS} ({whose} is {self.limits.memory_of(res)})"
         return exit_words(r.exit_code)
+
+    @staticmethod
+    def _restart_record(r, failed, now: float) -> dict:
+        """The record of a replica's restart: how its attempt ended (exit code, signal,
+        out of memory where its control group counted an OOM kill), or that it was stopped
+        to restart with the ``failed`` ones (a multi-worker job restarts all its workers)."""
+        if r.state == "Failed":  # `_exit_reason` read the group's OOM count as it exited
+            return restart_record(restart=r.restarts, at=now, exit_code=r.exit_code,
+                                  reason=r.reason, oom_killed=r.reason.startswith(OOM_WORDS))
+        if r.state == "Succeeded":  # it had finished; the others need it again
+            return restart_record(restart=r.restarts, at=now, exit_code=0,
+                                  reason=f"had finished; restarted with {names(failed)}")
+        return restart_record(restart=r.restarts, at=now, exit_code=None,
+                              reason=f"stopped to restart with {names(failed)}")
 
     def _supervise_job(self, job_id: str) -> None:
         """Record the exits of a job's replicas, ask the rules what follows, and do it."""
@@ -598,8 +630,14 @@ class LocalJobBackend(JobBackend):
                                     max_runtime=spec.max_runtime, now=time.time())
             if decision.restart and decision.outcome is None:
                 by = {(r.role, r.index): r for r in reps}
+                now = time.time()
+                failed = [k for k in decision.restart if by[k].state == "Failed"]
                 for k in decision.restart:
-                    by[k].restarts += 1
+                    r = by[k]
+                    r.restarts += 1
+                    add_restart(r, self._restart_record(r, failed, now))
+                    log.info("Job %s/%s replica %s-%s: restart %d (%s)", job.user, job.name,
+                             r.role, r.index, r.restarts, r.reason or "with the others")
                 job.reason = f"restarting {names(decision.restart)}"
         if decision.outcome is not None:
             state, reason = decision.outcome

@@ -2,12 +2,13 @@
 
 A job row keeps the spec (JSON), its state and reason in words, the allocation holding its
 GPUs and its folder; a replica row its state, exit code, restarts and, locally, its process
-(pid and start time, which guard against pid reuse), port and devices. Jobs are kept as
+(pid and start time, which guard against pid reuse), port and devices, and each of its
+restarts (``restart_log``: when, which attempt, why). Jobs are kept as
 history after they end: a person's job names are unique for good (``uq_jobs_user_name``).
 
 `JobStore` is what the job workflow (`gpulab.hub.jobs.base`) and its drivers use: short
 transactions, never held across a process start, an API request or a read of a person's
-file. The tables are created by the ledger's migrations (``0002_jobs``).
+file. The tables are created by the ledger's migrations (``0002_jobs``, ``0004_restart_history``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class ReplicaRow(Base):
     devices: Mapped[str] = mapped_column(Text, default="[]")
     restarts: Mapped[int] = mapped_column(Integer, default=0)
     exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: each restart (JSON list of `gpulab.extensions.joblog.restart_record`), oldest first
+    restart_log: Mapped[str] = mapped_column(Text, default="[]", server_default="[]")
 
 
 #: replica states a job's end turns into "Stopped"

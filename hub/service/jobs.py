@@ -95,24 +95,29 @@ class JobStopHandler(JobsBase):
 
 
 class JobLogsHandler(JobsBase):
-    """A replica's log from ``offset`` (at most 1 MiB a call); with ``follow=1`` waits up to
-    20 s for more while the job runs. ``offset`` in the answer is where to ask next."""
+    """A replica's log from ``offset`` (at most 1 MiB a call) as a terminal shows it (each
+    line in its last state after ``\\r`` and ``\\b`` redraws, escape sequences and colours
+    gone), from ``from``: the start of the line still open at ``offset``, which the reader's
+    own open line is replaced with; ``raw=1``: the bytes as written, from ``offset``. With
+    ``follow=1`` waits up to 20 s for more while the job runs. ``offset`` in the answer is
+    where to ask next."""
 
     async def get(self, name, replica):
         from gpulab.hub.jobs.base import JobError
 
         offset = self.int_arg("offset", 0, 0, 2**62)
         follow = self.get_query_argument("follow", "") in ("1", "true")
+        raw = self.get_query_argument("raw", "") in ("1", "true")
         owner = self.owner()
         deadline = time.monotonic() + 20
         while True:
             try:
                 # the workflow finds the replica, the driver reads its log off the loop
-                text, size, done = await self.backend.read_log(owner, name, replica, offset)
+                piece = await self.backend.read_log_text(owner, name, replica, offset, raw=raw)
             except JobError as e:
                 raise FieldError(e.status, e.field or "name", e.message) from None
-            if text or not follow or done or time.monotonic() > deadline:
+            if (piece["offset"] > offset or not follow or piece["done"]
+                    or time.monotonic() > deadline):
                 break
             await asyncio.sleep(0.5)
-        self.send({"replica": replica, "offset": offset + len(text), "size": size,
-                   "text": text.decode(errors="replace"), "done": done})
+        self.send(piece)

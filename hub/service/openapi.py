@@ -79,12 +79,39 @@ JOB = {"type": "object", "properties": {
     "name": {"type": "string"}, "user": {"type": "string"}, "state": {
         "type": "string", "enum": list(STATES)},
     "reason": {"type": "string"}, "gpus": {"type": "integer"},
-    "replicas": {"type": "array", "items": {"type": "object"}}, "spec": {"type": "object"},
+    "replicas": {"type": "array", "items": {"$ref": "#/components/schemas/Replica"}},
+    "spec": {"type": "object"},
     "progress": {"type": ["object", "null"], "description": "the last progress line of the "
                  "chief (or worker 0): step, total and metrics"},
     "queue": {"type": ["object", "null"], "description": "a Queued job's place: position "
               "(null: held by an admin), estimated_start (Unix time or null: unknown), ahead "
               "and ahead_gpus (the work before it), reason, held, preemptible"}}}
+RESTART = {"type": "object", "description": "One restart of a replica (oldest first)",
+           "properties": {
+    "restart": {"type": "integer", "description": "which restart (1: the first)"},
+    "attempt": {"type": "integer", "description": "the run it started (the first run is 1)"},
+    "at": {"type": "number", "description": "when (Unix time)"},
+    "exit_code": {"type": ["integer", "null"], "description": "how the attempt before it "
+                  "ended: the process's exit code (negative: killed by that signal; "
+                  "Kubernetes: the container's, 137 = 128 + SIGKILL); null: it was stopped "
+                  "to restart with other replicas (a multi-worker job restarts all workers)"},
+    "signal": {"type": ["string", "null"], "description": "the signal that ended it "
+               "(SIGKILL, SIGTERM, …), where one did"},
+    "oom_killed": {"type": "boolean", "description": "killed for using more memory than its "
+                   "limit (its control group, or Kubernetes' OOMKilled, says so)"},
+    "reason": {"type": "string", "description": "why, in words"},
+    "pod": {"type": "string", "description": "Kubernetes: the pod that ended"}}}
+REPLICA = {"type": "object", "properties": {
+    "role": {"type": "string"}, "index": {"type": "integer"}, "name": {"type": "string"},
+    "state": {"type": "string"}, "reason": {"type": "string"},
+    "restarts": {"type": "integer", "description": "how many times it was restarted"},
+    "restart_history": {"type": "array", "items": RESTART, "description": "each restart: "
+                        "which attempt ended, when and why; the replica's log has a line "
+                        "`--- restart N of ROLE INDEX at HH:MM:SS: previous attempt … ---` "
+                        "where the new attempt starts (locally)"},
+    "exit_code": {"type": ["integer", "null"]},
+    "devices": {"type": "array", "items": {"type": "integer"}},
+    "usage": {"type": "array", "items": DEVICE_USAGE}}}
 QUEUE_ENTRY = {"type": "object", "properties": {
     "id": {"type": "string"}, "user": {"type": "string"},
     "kind": {"type": "string", "enum": ["job", "notebook"]}, "holder": {"type": "string"},
@@ -124,7 +151,7 @@ def openapi_document(prefix: str = "/services/gpulab/") -> dict:
                                   "properties": {"status": {"type": "integer"},
                                                  "message": {"type": "string"},
                                                  "field": {"type": "string"}}},
-                        **_jobspec_schemas()},
+                        "Replica": REPLICA, **_jobspec_schemas()},
         },
         "security": [{"token": []}],
         "paths": {
@@ -195,11 +222,25 @@ def openapi_document(prefix: str = "/services/gpulab/") -> dict:
                                {"name": "offset", "in": "query", "required": False,
                                 "schema": {"type": "integer", "minimum": 0}},
                                {"name": "follow", "in": "query", "required": False,
-                                "schema": {"type": "string", "enum": ["1"]}}],
-                "get": {"summary": "A replica's log from `offset`; follow=1 waits for more",
+                                "schema": {"type": "string", "enum": ["1"]}},
+                               {"name": "raw", "in": "query", "required": False,
+                                "schema": {"type": "string", "enum": ["1"]},
+                                "description": "the bytes as the program wrote them (every "
+                                "\\r and \\b redraw, escape sequences), from `offset`"}],
+                "get": {"summary": "A replica's log from `offset`, as a terminal shows it; "
+                                   "follow=1 waits for more",
+                        "description": "`text` is what a terminal would show: each line in "
+                        "its last state after `\\r` and `\\b` redraws (progress bars), "
+                        "escape sequences and colours removed. It starts at `from`: the start "
+                        "of the line that was still open (no newline yet) at `offset`, so a "
+                        "reader replaces its own last, unfinished line with it (`from` < "
+                        "`offset`) or appends it (`from` == `offset`). Ask next at the "
+                        "answer's `offset`. With raw=1 `text` is the log as written, from "
+                        "`offset`.",
                         "responses": _resp({"type": "object", "properties": {
                             "replica": {"type": "string"}, "text": {"type": "string"},
-                            "offset": {"type": "integer"}, "size": {"type": "integer"},
+                            "offset": {"type": "integer"}, "from": {"type": "integer"},
+                            "size": {"type": "integer"},
                             "done": {"type": "boolean"}}}, 400, 404, 409)}},
             "/queue": {"get": {
                 "summary": "The GPU queue in the order of the line (admins: everyone's; others: "

@@ -299,6 +299,36 @@ def test_a_restart_of_all_workers_is_one_retry(hub, users):
     assert job["state"] == "Succeeded", job
     assert [r["restarts"] for r in job["replicas"]] == [2, 2], job["replicas"]
 
+    # Issue 34: each restart is in the job's view (which replica, when, why) ...
+    w0, w1 = job["replicas"]
+    assert [(h["restart"], h["attempt"], h["exit_code"], h["signal"], h["oom_killed"],
+             h["reason"]) for h in w0["restart_history"]] == [
+        (n, n + 1, -9, "SIGKILL", False, "killed by SIGKILL") for n in (1, 2)]
+    # the other worker was stopped to restart with it (or lost its peer and exited)
+    assert [h["restart"] for h in w1["restart_history"]] == [1, 2]
+    assert all(h["reason"] == "stopped to restart with worker-0" and h["exit_code"] is None
+               or h["exit_code"] is not None for h in w1["restart_history"]), w1
+    submitted = job["created_at"]
+    assert all(submitted <= h["at"] <= job["finished_at"]
+               for r in (w0, w1) for h in r["restart_history"])
+    # ... and in the log where the new attempt starts, so that the output seen twice is
+    # explained (the log as a terminal shows it, and raw)
+    markers = r"^--- restart (\d) of worker 0 at \d\d:\d\d:\d\d: previous attempt killed by SIGKILL \(exit -9\) ---$"
+    log = ann.service("GET", "jobs/phoenix/logs/worker-0").json()
+    assert [int(n) for n in re.findall(markers, log["text"], re.M)] == [1, 2], log["text"]
+    assert log["text"].rstrip().endswith("done") and log["text"].count("done") == 1
+    raw = ann.service("GET", "jobs/phoenix/logs/worker-0?raw=1").json()
+    assert raw["from"] == 0 and len(re.findall(markers, raw["text"], re.M)) == 2
+    assert re.search(r"^--- restart 2 of worker 1 at .*: previous attempt ",
+                     log_w1 := ann.service("GET", "jobs/phoenix/logs/worker-1").json()["text"],
+                     re.M), log_w1
+    # the CLI shows a line per restart
+    out = subprocess.run([GPULAB, "jobs", "show", "phoenix"], capture_output=True, text=True,
+                         env={**os.environ, "GPULAB_URL": hub.url, "GPULAB_TOKEN": ann.token()},
+                         timeout=60)
+    assert re.search(r"^  worker-0: restart 1 at \d\d:\d\d:\d\d \(attempt 2\): killed by "
+                     r"SIGKILL \(exit -9\)$", out.stdout, re.M), out.stdout + out.stderr
+
 
 BAD_BODIES = [
     ("zero workers", mw("bad1", workers=0), "replicas.worker"),
@@ -651,7 +681,7 @@ def test_a_replica_over_its_memory_limit_is_killed_and_the_job_says_so(hub, user
     source = ("print(open('/proc/self/cgroup').read(), flush=True)\n"
               "b = bytearray(4 * 2**30)\n"
               "print('survived', flush=True)\n")
-    spec = mw("hungry", workers=1, source=source, retries=0)
+    spec = mw("hungry", workers=1, source=source, retries=1)
     spec["resources"]["worker"].update({"memory": "2Gi", "cpu": 1})
     r = ann.service("POST", "jobs", json=spec)
     assert r.status_code == 201, r.text
@@ -660,9 +690,15 @@ def test_a_replica_over_its_memory_limit_is_killed_and_the_job_says_so(hub, user
     assert worker["exit_code"] == -9, worker
     assert worker["reason"] == "killed: out of memory (the worker role's memory limit is 2Gi)"
     assert job["reason"] == ("worker-0 failed (killed: out of memory (the worker role's memory "
-                             "limit is 2Gi)) after 0 restarts of the workers (retries: 0)")
+                             "limit is 2Gi)) after 1 restart of the workers (retries: 1)")
+    # the restart between the two attempts says why (issue 34): the group's OOM count
+    (restart,) = worker["restart_history"]
+    assert (restart["exit_code"], restart["signal"], restart["oom_killed"]) == (-9, "SIGKILL", True)
     text = ann.service("GET", "jobs/hungry/logs/worker-0").json()["text"]
     assert f"/gpulab/job-{job['id']}-worker-0" in text and "survived" not in text
+    assert re.search(r"^--- restart 1 of worker 0 at \d\d:\d\d:\d\d: previous attempt killed: "
+                     r"out of memory \(the worker role's memory limit is 2Gi\) \(exit -9\) ---$",
+                     text, re.M), text
     # the replica's group went with the job
     cgroups, why = Cgroups.detect()
     assert cgroups is not None, why

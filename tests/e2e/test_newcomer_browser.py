@@ -5,7 +5,9 @@ admin page; a newcomer signs up, is refused until approved, is approved by the a
 authorization page, logs in, starts the default 1-GPU server; in JupyterLab 4 the README's
 own launcher example and its own magic example (read from README.md, so the two cannot
 drift) run to Succeeded with real TensorFlow; TensorBoard shows their runs; a program that
-raises shows its traceback in the JobView; a job is stopped from its JobView; the jobs list
+raises shows its traceback in the JobView; a job is stopped from its JobView; Keras' progress
+bar (`Model.fit`, default verbose) is one clean line per epoch in the JobView, and a worker
+killed mid-epoch shows its restart (which, when, why) and a line in its log; the jobs list
 renders in Notebook 7; the admin page shows the newcomer's holdings with device numbers and
 how busy they are. Another person cannot open the newcomer's TensorBoard.
 
@@ -40,6 +42,29 @@ def readme_examples() -> tuple[str, str]:
     assert launcher and magic, "the README lost its launcher or magic example"
     return launcher.group(1), magic.group(1)
 
+
+# a Keras `Model.fit` with the default verbose (a bar redrawn with \b and \r every step)
+# whose worker is killed once mid-epoch (SIGKILL): it restarts, and trains to the end
+KERAS_JOB = """%%gpulab_train --name keras-bar --strategy multi-worker-mirrored --workers 1
+import os, signal, time
+import numpy as np
+import tensorflow as tf
+
+x = np.random.rand(256, 8).astype("float32")
+y = (x.sum(axis=1) > 4).astype("int32")
+model = tf.keras.Sequential([tf.keras.layers.Dense(2, activation="softmax")])
+model.compile("sgd", "sparse_categorical_crossentropy", metrics=["accuracy"])
+
+
+class SlowAndKilledOnce(tf.keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        time.sleep(0.05)
+        if batch == 8 and not os.path.exists("killed-once"):
+            open("killed-once", "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+model.fit(x, y, epochs=2, batch_size=16, callbacks=[SlowAndKilledOnce()])"""
 
 # whether the last characters of a log box's text lie inside the box's visible area
 NEWEST_LINE_VISIBLE = """box => {
@@ -206,6 +231,32 @@ def test_the_readme_path_from_sign_up_to_trained_jobs(page, hub):
     sv.locator("button.gpulab-stop").click()
     sv.locator("button.gpulab-stop-confirm").click()
     wait_state(page, sv, "Stopped", 60_000)
+
+    # -- Keras' own progress bar (Model.fit, default verbose) is one clean line, and a killed
+    # worker's restart says which, when and why (issue 34) ------------------------------------
+    keras = run_cell(page, KERAS_JOB, 5, paste=True)
+    kv = keras.locator(".gpulab-jobview").first
+    kv.wait_for(timeout=60_000)
+    wait_state(page, kv, "Succeeded", 300_000)
+    restarts = kv.locator(".gpulab-restarts")
+    restarts.filter(has_text="killed by SIGKILL (exit -9)").wait_for(timeout=30_000)
+    assert re.search(r"worker-0: restart 1 at \d\d:\d\d:\d\d \(attempt 2\): killed by "
+                     r"SIGKILL \(exit -9\)", restarts.inner_text()), restarts.inner_text()
+    box = kv.locator(".gpulab-log")
+    box.filter(has_text="Epoch 2/2").wait_for(timeout=60_000)
+    log = box.inner_text()
+    assert re.search(r"^--- restart 1 of worker 0 at \d\d:\d\d:\d\d: previous attempt killed by "
+                     r"SIGKILL \(exit -9\) ---$", log, re.M), log
+    # after the restart, each epoch's bar once, in its last state: no redraws, no control
+    # characters or colour codes
+    after = log.split("--- restart 1 of worker 0")[1].splitlines()
+    ends = [ln for ln in after if re.match(r"16/16 \[=+\] - \d+s \d+ms/step - loss", ln)]
+    assert len(ends) == 2 and [ln for ln in after if ln.startswith("Epoch ")] == [
+        "Epoch 1/2", "Epoch 2/2"], log
+    assert not [ln for ln in after if ln.count("/16 [") > 1], log
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f]|\[0m|\x1b", log), repr(log)
+    kv.scroll_into_view_if_needed()
+    shot(page, "job-keras.png", kv)
 
     # -- TensorBoard of the server shows both trained jobs' runs -----------------------------
     page.keyboard.press("Control+s")

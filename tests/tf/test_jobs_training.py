@@ -88,6 +88,12 @@ def test_parameter_server_example_survives_a_killed_worker(hub, users):
     assert accuracy(chief_log) >= 0.90
     worker1 = next(x for x in job["replicas"] if x["name"] == "worker-1")
     assert worker1["restarts"] == 1, job["replicas"]
+    # which replica, when and why (issue 34); only it restarted, and its log says where
+    (restart,) = worker1["restart_history"]
+    assert (restart["attempt"], restart["exit_code"], restart["signal"]) == (2, -9, "SIGKILL")
+    assert [x["name"] for x in job["replicas"] if x["restart_history"]] == ["worker-1"]
+    assert re.search(r"^--- restart 1 of worker 1 at \d\d:\d\d:\d\d: previous attempt killed "
+                     r"by SIGKILL \(exit -9\) ---$", log_of(ann, "digits-ps", "worker-1"), re.M)
     assert all(x["state"] != "Running" for x in job["replicas"])
     assert_artifacts(folder)
     assert not [h for h in ann.service("GET", "me").json()["holdings"] if h["kind"] == "job"]

@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from gpulab.extensions.client import Client, with_chief
+from gpulab.extensions.joblog import render_text, restart_record
 from gpulab.hub.cli import build_parser, main
 from gpulab.hub.cli.jobs import job_times, print_job
 
@@ -91,6 +92,10 @@ class FakeHub:
                          "finished_at": None, "reason": "Waits for free GPUs.",
                          "queue": {"position": 2, "estimated_start": None, "ahead": 1,
                                    "ahead_gpus": 4}}
+        if path.startswith(api + "jobs/") and "/logs/" in path:  # the service's answer
+            raw = "raw=1" in path
+            return 200, {"replica": "chief-0", "offset": len(LOG), "from": 0, "size": len(LOG),
+                         "text": LOG if raw else render_text(LOG), "done": True}
         if path.startswith(api + "jobs/"):
             return 200, JOB
         if path.startswith(api + "jobs"):
@@ -314,6 +319,38 @@ def test_print_job_in_another_time_zone(monkeypatch, capsys):
         monkeypatch.undo()
         time.tzset()
     assert "created  2026-12-04 19:35:31" in capsys.readouterr().out
+
+
+LOG = "Epoch 1/1\n\r1/2 [==>...] - loss: 0.9" + "\b" * 24 + "\r2/2 [======] - loss: 0.5\n"
+
+
+def test_jobs_logs_prints_what_a_terminal_shows_and_raw_on_request(fake, capsys):
+    rc, out, err = gl(capsys, "--url", fake.url, "--token", "t", "jobs", "logs", "digits")
+    assert rc == 0, err
+    assert out == "Epoch 1/1\n2/2 [======] - loss: 0.5\n"
+    rc, out, err = gl(capsys, "--url", fake.url, "--token", "t", "jobs", "logs", "digits",
+                      "--raw")
+    assert rc == 0 and out == LOG, err
+    assert any("raw=1" in p for _, p in fake.paths())
+
+
+def test_jobs_show_prints_a_line_per_restart(capsys, utc):
+    job = {**JOB, "replicas": [
+        {**JOB["replicas"][0], "restarts": 1, "restart_history": [restart_record(
+            restart=1, at=CREATED + 60, exit_code=-9, reason="killed by SIGKILL")]},
+        {"name": "ps-0", "state": "Succeeded", "restarts": 1, "exit_code": 0, "devices": [],
+         "reason": "", "restart_history": [restart_record(
+             restart=1, at=CREATED + 30, exit_code=-9, oom_killed=True,
+             reason="killed: out of memory (the default memory limit of replicas is 2Gi)")]}]}
+    print_job(job)
+    out = capsys.readouterr().out
+    assert out.splitlines()[-3:] == [
+        "restarts:",
+        "  ps-0: restart 1 at 14:06:01 (attempt 2): killed: out of memory (the default memory "
+        "limit of replicas is 2Gi) (exit -9)",
+        "  chief-0: restart 1 at 14:06:31 (attempt 2): killed by SIGKILL (exit -9)"]
+    print_job(JOB)  # none: no such lines
+    assert "restart" not in capsys.readouterr().out.split("REASON")[1]
 
 
 # -- the notebook client: a parameter-server job's chief ---------------------------------------

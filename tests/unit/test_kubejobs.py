@@ -11,6 +11,8 @@ from gpulab.hub.jobs.kube import (
     backend_settings,
     fit_replicas,
     job_finished,
+    merge_restarts,
+    pod_restarts,
     pod_words,
     unschedulable_words,
 )
@@ -66,6 +68,43 @@ UNSCHED = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
         "deleting"])
 def test_pod_words(p, expected):
     assert pod_words(p, gpus=4, model="NVIDIA-H100") == expected
+
+
+def named(p, name, created):
+    p["metadata"].update(name=name, creationTimestamp=created)
+    return p
+
+
+def test_pod_restarts_from_the_failed_pods_a_newer_pod_replaced():
+    """Issue 34: each restart of a replica, from its pods' status (oldest first): the failed
+    container's exit code and reason (OOMKilled), when the replacement was made."""
+    pods = [named(pod("Failed", {"exitCode": 137, "reason": "OOMKilled"}), "w-a", "2026-12-07T10:00:00Z"),
+            named(pod("Failed", {"exitCode": 137, "reason": "Error"}), "w-b", "2026-12-07T10:01:00Z"),
+            named(pod("Failed", {"exitCode": 1, "reason": "Error"}), "w-c", "2026-12-07T10:02:00Z"),
+            named(pod("Running"), "w-d", "2026-12-07T10:03:00Z")]
+    at = [1796637660.0, 1796637720.0, 1796637780.0]  # 10:01, 10:02, 10:03 UTC
+    assert pod_restarts(pods, gpus=1) == [
+        {"restart": 1, "attempt": 2, "at": at[0], "exit_code": 137, "signal": "SIGKILL",
+         "oom_killed": True, "reason": "killed: out of memory (OOM); ask for more memory",
+         "pod": "w-a"},
+        {"restart": 2, "attempt": 3, "at": at[1], "exit_code": 137, "signal": "SIGKILL",
+         "oom_killed": False, "reason": "killed by SIGKILL", "pod": "w-b"},
+        {"restart": 3, "attempt": 4, "at": at[2], "exit_code": 1, "signal": None,
+         "oom_killed": False, "reason": "the program raised an error (exit 1)", "pod": "w-c"}]
+    # the newest pod failed, and nothing replaced it (yet): no restart
+    assert pod_restarts(pods[:3]) == pod_restarts(pods)[:2]
+    assert pod_restarts([named(pod("Running"), "only", "2026-12-07T10:00:00Z")]) == []
+
+
+def test_restarts_seen_once_are_kept_when_the_cluster_removes_the_pods():
+    first = pod_restarts([named(pod("Failed", {"exitCode": 137}), "w-a", "2026-12-07T10:00:00Z"),
+                          named(pod("Running"), "w-b", "2026-12-07T10:01:00Z")])
+    # w-a is gone; w-b failed and w-c replaced it
+    later = pod_restarts([named(pod("Failed", {"exitCode": 1}), "w-b", "2026-12-07T10:01:00Z"),
+                          named(pod("Running"), "w-c", "2026-12-07T10:02:00Z")])
+    merged = merge_restarts(first, later)
+    assert [(r["pod"], r["restart"], r["attempt"]) for r in merged] == [("w-a", 1, 2), ("w-b", 2, 3)]
+    assert merge_restarts(merged, later) == merged
 
 
 def test_unschedulable_words():

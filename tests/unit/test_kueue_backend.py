@@ -509,14 +509,27 @@ async def test_a_restart_stays_counted_when_the_failed_pod_is_gone(following):
     b._pods_r.resources["p1"] = _pod("j", "worker", 1, "Failed")
     await b.reconcile()
     assert [r["restarts"] for r in b.get("ann", "j")["replicas"]] == [0, 1]
-    del b._pods_r.resources["p1"]
+    # its replacement is made: the restart's record (issue 34), kept once the pod is gone
+    b._pods_r.resources["p1"]["status"]["containerStatuses"] = [
+        {"state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]
     b._pods_r.resources["p1b"] = _pod("j", "worker", 1, "Running")
+    b._pods_r.resources["p1b"]["metadata"].update(name="j-worker-0-1-b",
+                                                  creationTimestamp="2026-01-01T00:01:00Z")
+    await b.reconcile()
+    history = [r["restart_history"] for r in b.get("ann", "j")["replicas"]]
+    assert history == [[], [{"restart": 1, "attempt": 2, "at": 1767225660.0, "exit_code": 137,
+                             "signal": "SIGKILL", "oom_killed": True,
+                             "reason": "killed: out of memory (OOM); ask for more memory",
+                             "pod": "j-worker-0-1"}]]
+    del b._pods_r.resources["p1"]
     await b.reconcile()
     view = b.get("ann", "j")
     assert view["state"] == "Running" and [r["restarts"] for r in view["replicas"]] == [0, 1]
+    assert [r["restart_history"] for r in view["replicas"]] == history
     b._jobsets_r.resources["gpulab-ann/j"] = _js("j", "u1", cond("Completed", "True"))
     await b.reconcile()
     assert [r["restarts"] for r in b.get("ann", "j")["replicas"]] == [0, 1]
+    assert [r["restart_history"] for r in b.get("ann", "j")["replicas"]] == history
 
 
 async def test_an_end_seen_late_counts_the_gpus_until_kubernetes_end_only(following):

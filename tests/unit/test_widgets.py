@@ -470,6 +470,59 @@ def test_jobview_renders_replicas_progress_and_log_tail():
     assert "w1 hello" in view.log_text.value and "column-reverse" in view.log_text.value
 
 
+def test_jobview_shows_a_keras_bar_as_one_clean_line_and_each_restart():
+    """Issue 34: a Keras progress bar (\\b and \\r redraws) is one line in its last state,
+    also while a redraw is split across reads; each restart of a replica is a line that says
+    which, when and why."""
+    from gpulab.extensions.joblog import restart_record
+    from gpulab.extensions.widgets import JobView
+    from tests.unit.test_joblog import AT, KERAS_LOG, KERAS_SHOWN
+
+    running = job_view(strategy="multi-worker-mirrored")
+    running["replicas"][0].update(restarts=1, restart_history=[restart_record(
+        restart=1, at=AT, exit_code=-9, reason="killed by SIGKILL")])
+    running["replicas"][1].update(restarts=1, restart_history=[restart_record(
+        restart=1, at=AT, exit_code=None, reason="stopped to restart with worker-0")])
+    cut = KERAS_LOG.rindex("\r3/4") + 20  # mid-redraw of the second epoch's bar
+    client = FakeClient(jobs={"digits": ([running], {"worker-0": KERAS_LOG[:cut]})})
+    view = JobView("digits", client, start=False, log_lines=10)
+    view.refresh()
+    assert [ln.split(": ", 1)[0] for ln in view.restarts.value.split("&#x21bb; ")[1:]] == [
+        "worker-0", "worker-1"]
+    assert ("worker-0: restart 1 at 14:05:31 (attempt 2): killed by SIGKILL (exit -9)"
+            in view.restarts.value)
+    assert "stopped to restart with worker-0" in view.restarts.value
+    view.refresh_log()
+    # the bar as a terminal shows it mid-redraw: the new one over the old, once
+    assert view.log_plain.splitlines()[-1] == (
+        "3/4 [==============>...............] - ETA: 0s - loss: 0.7290 - accuracy: 0.4062")
+    assert view.log_plain.count("/4 [") == 2  # epoch 1's last state, and this one
+    client.job("digits")._logs["worker-0"] = KERAS_LOG  # the program writes on
+    view.refresh_log()
+    assert view.log_plain == KERAS_SHOWN.rstrip("\n")
+    assert "\b" not in view.log_text.value and "&#x27;" not in view.log_plain
+    # no restart: nothing shown
+    quiet = JobView("digits", FakeClient(), start=False)
+    quiet.refresh()
+    assert quiet.restarts.value == ""
+
+
+def test_a_job_without_tensorboard_logs_says_how_to_write_them(tmp_path):
+    from gpulab.extensions.widgets import TensorBoard
+
+    (tmp_path / "jobs" / "quiet" / "tensorboard").mkdir(parents=True)
+    tb = TensorBoard("quiet", prefix="/user/ann/", user_dir=str(tmp_path))
+    assert "has written no TensorBoard logs" in tb.note.value
+    assert "runtime.logdir()" in tb.note.value and "gpulab-tensorboard-note" in classes(tb.note)
+    run = tmp_path / "jobs" / "loud" / "tensorboard" / "train"
+    run.mkdir(parents=True)
+    (run / "events.out.tfevents.1.host.v2").write_bytes(b"")
+    assert TensorBoard("loud", prefix="/user/ann/", user_dir=str(tmp_path)).note.value == ""
+    # all runs, or a folder not to be seen from here: nothing to say
+    assert TensorBoard(prefix="/user/ann/", user_dir=str(tmp_path)).note.value == ""
+    assert TensorBoard("gone", prefix="/user/ann/", user_dir=str(tmp_path)).note.value == ""
+
+
 def test_jobview_of_a_failed_job_opens_the_failed_replicas_log():
     """Issue 14: the replica whose program failed is shown first (not the chief waiting for
     its peers), progress lines are not log text, every replica's log can still be read after
