@@ -196,9 +196,13 @@ async def test_submit_creates_the_objects_runs_on_h100_and_chief_completion_succ
     ns = job["namespace"]
     assert ns == f"gpulab-{u}" and job["state"] == "Admitted" and job["gpus"] == 4
     # roles (3) + Service + NetworkPolicy + ConfigMap (source) + the user's namespace, its two
-    # NetworkPolicies and its quota (the first job of a user) + the nodes (listed every time
-    # here: node_cache_seconds = 0)
-    assert backend.api_requests - before == 3 + 8
+    # NetworkPolicies, its LimitRange and its quota (the first job of a user) + the nodes
+    # (listed every time here: node_cache_seconds = 0)
+    assert backend.api_requests - before == 3 + 9
+    # the namespace's defaults (issue 36): every replica whose role names no CPU, memory or
+    # ephemeral storage gets them at admission, so none runs unbounded
+    [limit_range] = items(cp, ns, "limitranges")
+    assert limit_range["metadata"]["name"] == "gpulab-defaults"
 
     # exactly the expected objects, all owned by the Service
     svc = items(cp, ns, "services")
@@ -240,6 +244,11 @@ async def test_submit_creates_the_objects_runs_on_h100_and_chief_completion_succ
             assert p["spec"]["nodeName"].startswith("gpu-h100-")
         else:
             assert p["spec"]["nodeName"] == "cpu-0"
+        resources = p["spec"]["containers"][0]["resources"]
+        assert {k: v for k, v in resources["limits"].items() if k != "nvidia.com/gpu"} == {
+            "cpu": "2", "memory": "8Gi", "ephemeral-storage": "20Gi"}, resources
+        assert {k: v for k, v in resources["requests"].items() if k != "nvidia.com/gpu"} == {
+            "cpu": "100m", "memory": "512Mi", "ephemeral-storage": "1Gi"}, resources
     view = await eventually(lambda: (lambda v: v if v["state"] == "Running" else None)(
         backend.get(u, "digits")), what="the job Running")
     assert {r["name"]: r["state"] for r in view["replicas"]} == {
