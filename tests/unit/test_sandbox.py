@@ -91,7 +91,8 @@ def test_replica_on_simulated_gpus_keeps_its_gpus_and_tells_tensorflow_there_is_
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["NVIDIA_VISIBLE_DEVICES"] == "2,3"
     assert env["TF_ENABLED_DEVICE_TYPES"] == "CPU"
     assert replica_env({}, devices=[], **kw)["TF_ENABLED_DEVICE_TYPES"] == "CPU"  # a ps
-    own = JobSpec.model_validate({**SPEC.model_dump(), "env": {"TF_ENABLED_DEVICE_TYPES": "CPU,GPU"}})
+    own = JobSpec.model_validate({**SPEC.model_dump(),
+                                  "env": {"TF_ENABLED_DEVICE_TYPES": "CPU,GPU"}})
     assert replica_env({}, devices=[2], **{**kw, "spec": own})["TF_ENABLED_DEVICE_TYPES"] \
         == "CPU,GPU"
 
