@@ -1,7 +1,7 @@
 """Synchronous multi-worker training of a small digits classifier: a gpulab example.
 
 Submit it as a ``multi-worker-mirrored`` job, e.g. 2 workers. The gpulab runtime runs this file
-on every worker with ``runtime.strategy()`` a ready ``MultiWorkerMirroredStrategy``: each step,
+on every worker, where ``runtime.strategy()`` makes a ``MultiWorkerMirroredStrategy``: each step,
 every worker computes gradients on its share of the global batch and they are summed across
 the workers (all-reduce), so all of them hold the same weights. Run it alone first with
 ``python digits_multi_worker.py`` (one process, TensorFlow's default strategy).
@@ -34,6 +34,10 @@ parser.add_argument("--sleep-per-epoch", type=float, default=0.0,
                     help="seconds to pause after each epoch (to slow it down in fault tests)")
 args = parser.parse_args()
 
+# the strategy first, before any other TensorFlow operation (TensorFlow's own rule for
+# MultiWorkerMirroredStrategy); TensorFlow set-up such as tf.config.* would go just before it
+strategy = runtime.strategy()
+
 (x_train, y_train), (x_test, y_test) = load_digits()
 steps_per_epoch = len(x_train) // args.batch_size
 
@@ -42,7 +46,6 @@ train = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
          .shuffle(len(x_train), seed=0).repeat().batch(args.batch_size))
 test = tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(args.batch_size)
 
-strategy = runtime.strategy()
 with strategy.scope():
     model = tf.keras.Sequential([
         tf.keras.Input(shape=(64,)),

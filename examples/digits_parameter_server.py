@@ -2,7 +2,7 @@
 
 Submit it as a ``parameter-server`` job, e.g. 1 chief + 1 ps + 2 workers. The gpulab runtime
 starts a TensorFlow server on the ps and on each worker, and runs this file on the chief (the
-coordinator), where ``runtime.strategy()`` is a ready ``ParameterServerStrategy``: the variables
+coordinator), where ``runtime.strategy()`` makes a ``ParameterServerStrategy``: the variables
 live on the ps and the training steps run on the workers. Run it alone first with
 ``python digits_parameter_server.py`` (one process, TensorFlow's default strategy).
 

@@ -6,11 +6,22 @@ decides what this replica is:
 
 - ``parameter-server``: a ``ps`` or ``worker`` task starts a ``tf.distribute.Server`` and serves
   until it is stopped; the ``chief`` is the coordinator: it waits until every ps and worker
-  accepts connections, builds a ``ParameterServerStrategy`` and runs the program; an
-  ``evaluator`` runs the program with TensorFlow's default strategy.
+  accepts connections (plain TCP, no TensorFlow) and runs the program, where `strategy` is a
+  ``ParameterServerStrategy``; an ``evaluator`` runs the program, where `strategy` is
+  TensorFlow's default strategy.
 - ``multi-worker-mirrored``: every ``worker`` (and a ``chief``, if the cluster names one) runs
-  the program with a ``MultiWorkerMirroredStrategy``; an ``evaluator`` runs it with the default
-  strategy.
+  the program, where `strategy` is a ``MultiWorkerMirroredStrategy``; an ``evaluator`` runs it
+  with the default strategy.
+
+**The program is the first to touch TensorFlow.** A replica that runs the program neither
+imports TensorFlow nor builds a strategy before it: the program's own set-up
+(``tf.config.set_logical_device_configuration``, ``tf.config.experimental.set_memory_growth``,
+``tf.config.set_visible_devices``, ``tf.config.threading.*``, mixed precision, XLA), which
+TensorFlow refuses once it is initialised, runs as it does standalone. gpulab's strategy is made
+on the first call of `strategy` (call it after that set-up and before any other TensorFlow
+operation, as TensorFlow wants for ``MultiWorkerMirroredStrategy``). A program that makes its
+own strategy from ``TF_CONFIG`` (as TensorFlow's tutorials do) gets the job's cluster, and a
+``MirroredStrategy`` gets the replica's GPUs (``CUDA_VISIBLE_DEVICES``).
 
 The program runs as ``__main__`` with ``sys.argv = [program, *args]``. It sets
 ``GRPC_FAIL_FAST=use_caller`` (errors from a lost peer surface instead of being retried
@@ -31,18 +42,21 @@ Exit codes, which the job backends act on:
 other         what the program passed to ``sys.exit``
 ============  ================================================================================
 
-Every code but a signal's is also written to ``$GPULAB_JOB_DIR/logs/<role>-<index>.exit`` as
-the replica ends (a stale one is removed as it starts), for a job service that re-adopted the
-replica after a restart of its own and so cannot wait for it.
+The exit code is read from the way the program ended (its exception's TensorFlow error type
+or message, see `is_infra_error`), without importing TensorFlow. Every code but a signal's is
+also written to ``$GPULAB_JOB_DIR/logs/<role>-<index>.exit`` as the replica ends (a stale one
+is removed as it starts), for a job service that re-adopted the replica after a restart of its
+own and so cannot wait for it.
 
 Helpers for the program (``from gpulab.extensions import runtime``): `strategy`, `logdir`,
 `checkpoint_dir`, `writable_dir`, `is_chief`, `task`, `report`. Outside a gpulab job (no
 ``TF_CONFIG``) they describe a single process, so a script can be tried in a notebook first:
 the default strategy, and ``tensorboard/`` and ``checkpoints/`` under the current folder.
 
-Importing this module does not import TensorFlow; only `strategy` and `main` do. Importing it
-sets ``TF_USE_LEGACY_KERAS=1`` and ``GRPC_FAIL_FAST=use_caller`` unless they are set already,
-so import it before TensorFlow is first used.
+Importing this module does not import TensorFlow; only `strategy` does, and a ps or worker of
+a parameter-server job (which runs no program). Importing it sets ``TF_USE_LEGACY_KERAS=1`` and
+``GRPC_FAIL_FAST=use_caller`` unless they are set already, so import it before TensorFlow is
+first used.
 """
 
 from __future__ import annotations
@@ -375,10 +389,18 @@ def strategy():
     ParameterServerStrategy on a parameter-server chief, MultiWorkerMirroredStrategy on a
     multi-worker-mirrored worker, TensorFlow's default strategy on an evaluator or outside a
     gpulab job. Build and compile the model inside ``with strategy().scope():``.
+
+    It is made on the first call, not before the program: do TensorFlow's set-up (logical
+    devices, memory growth, visible devices, threads, mixed precision, XLA) first, then call
+    it before any other TensorFlow operation (TensorFlow configures a MultiWorkerMirroredStrategy's
+    coordination service only in a process that has run no operation yet).
     """
     global _strategy
     if _strategy is None:
-        _strategy = _make_strategy(_config())
+        cfg = _config()
+        _strategy = _make_strategy(cfg)
+        if cfg.in_job:
+            _say(f"{cfg.name} made {type(_strategy).__name__} for runtime.strategy()")
     return _strategy
 
 
@@ -477,7 +499,20 @@ def _make_strategy(cfg: ReplicaConfig):
             raise RuntimeError(f"gpulab runtime: a parameter-server {cfg.task_type} serves "
                                "and does not run the program")
         return tf.distribute.ParameterServerStrategy(resolver)
+    if _tensorflow_ran():
+        _say("runtime.strategy() was first called after the program's first TensorFlow "
+             "operation; call it earlier (after tf.config set-up, before any tensor or "
+             "dataset is made), as TensorFlow wants for MultiWorkerMirroredStrategy")
     return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+
+
+def _tensorflow_ran() -> bool:
+    """Whether TensorFlow's eager context is initialised (an operation has run), best effort."""
+    try:
+        from tensorflow.python.eager import context
+    except ImportError:
+        return False
+    return getattr(context.context(), "_context_handle", None) is not None
 
 
 def _say(message: str) -> None:
@@ -496,10 +531,13 @@ def _serve(cfg: ReplicaConfig) -> int:
 
 
 def _run_program(cfg: ReplicaConfig, program: str, args: list[str]) -> int:
+    """Run the program as ``__main__``; the exit code from the way it ended.
+
+    Nothing here touches TensorFlow: the program is the first to (see the module's doc).
+    """
     import runpy
     import traceback
 
-    global _strategy
     try:
         if cfg.strategy == "parameter-server" and cfg.task_type == "chief":
             peers = {f"{role}-{i}": a for role in ("ps", "worker")
@@ -510,8 +548,7 @@ def _run_program(cfg: ReplicaConfig, program: str, args: list[str]) -> int:
                 _say(f"{', '.join(missing)} did not come up within {timeout:g} s; "
                      f"exit {EXIT_INFRA} (cluster lost)")
                 return EXIT_INFRA
-        _strategy = _make_strategy(cfg)
-        _say(f"{cfg.name} running {program} with {type(_strategy).__name__}")
+        _say(f"{cfg.name} running {program}{_device_note(os.environ)}")
         sys.argv = [program, *args]
         sys.path.insert(0, str(Path(program).resolve().parent))
         runpy.run_path(program, run_name="__main__")
@@ -529,6 +566,18 @@ def _run_program(cfg: ReplicaConfig, program: str, args: list[str]) -> int:
             _say(f"the program raised {type(e).__name__}; exit {code}")
         return code
     return EXIT_OK
+
+
+def _device_note(env) -> str:
+    """A word on the replica's GPUs where they are simulated: TensorFlow is told to use the CPU
+    (``TF_ENABLED_DEVICE_TYPES=CPU``, set by the local job backend; see
+    `gpulab.hub.jobs.local.replica_env`)."""
+    visible = env.get("CUDA_VISIBLE_DEVICES") or ""
+    if env.get("TF_ENABLED_DEVICE_TYPES", "").strip().upper() == "CPU" and visible:
+        return (f" (GPU {visible} simulated: no CUDA here, TensorFlow uses the CPU)"
+                if "," not in visible else
+                f" (GPUs {visible} simulated: no CUDA here, TensorFlow uses the CPU)")
+    return ""
 
 
 def _record_exit(cfg: ReplicaConfig | None, code: int | None) -> None:
@@ -590,7 +639,7 @@ configure_environment()
 
 if __name__ == "__main__":
     # run the functions of the importable module, so that the program's
-    # ``from gpulab.extensions import runtime`` sees the strategy made here
+    # ``from gpulab.extensions import runtime`` shares its state (the strategy, once made)
     from gpulab.extensions import runtime as _runtime
 
     sys.exit(_runtime.main())

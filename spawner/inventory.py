@@ -138,7 +138,9 @@ class GPUInventory(SingletonConfigurable):
 
         Simulated GPUs are numbered from 0, shown as simulated in the spawn form, the API and
         the ``GPULAB_GPUS`` variable, and give processes ``CUDA_VISIBLE_DEVICES`` as real ones
-        would. Example: ``c.GPUInventory.simulated_gpus = 8``
+        would. Servers and job replicas on them also get ``TF_ENABLED_DEVICE_TYPES=CPU``:
+        TensorFlow then runs on the CPU without looking for a CUDA driver (which would log
+        ``failed call to cuInit`` as an error). Example: ``c.GPUInventory.simulated_gpus = 8``
         """,
     ).tag(config=True)
 

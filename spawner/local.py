@@ -730,6 +730,12 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         # `environment` setting wins)
         if "TF_USE_LEGACY_KERAS" not in self.environment:
             env["TF_USE_LEGACY_KERAS"] = "1"
+        # simulated GPUs: TensorFlow runs on the CPU and looks for no CUDA driver, whose
+        # absence it would log as an error ("failed call to cuInit"), as in training jobs
+        inventory = list(self.gpu_inventory)
+        if (inventory and all(g.simulated for g in inventory)
+                and "TF_ENABLED_DEVICE_TYPES" not in self.environment):
+            env["TF_ENABLED_DEVICE_TYPES"] = "CPU"
         if self.shared_dir:
             env["GPULAB_SHARED_DIR"] = self.shared_dir
             env["GPULAB_USER_DIR"] = str(self.user_folder)

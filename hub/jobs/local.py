@@ -9,7 +9,9 @@ Local backend
 -------------
 Each replica is ``python -m gpulab.extensions.runtime <script> <args>`` on a loopback port,
 in a process group of its own, with ``TF_CONFIG`` naming every replica's address and
-``CUDA_VISIBLE_DEVICES`` its share of the job's GPUs. As root with isolation on, replicas run
+``CUDA_VISIBLE_DEVICES`` its share of the job's GPUs (where the machine's GPUs are simulated,
+also ``TF_ENABLED_DEVICE_TYPES=CPU``: TensorFlow then looks for no CUDA driver, which is not
+there, and logs no ``failed call to cuInit``). As root with isolation on, replicas run
 as the user's own system account (the same one as their notebook server). The job folder is
 ``<shared>/users/<user>/jobs/<job>/``: ``source.py`` (when the spec gave code text; with
 ``files``, ``code/source.py`` and the files beside it in ``code/``, the entry point's folder
@@ -178,12 +180,17 @@ def last_progress(log_text: bytes) -> dict | None:
 
 def replica_env(base: dict[str, str], *, spec: JobSpec, job_name: str, job_dir: str,
                 user_dir: str, role: str, index: int, cluster: dict, devices: list[int],
-                account: tuple[str, str] | None = None) -> dict[str, str]:
+                account: tuple[str, str] | None = None, cuda: bool = True) -> dict[str, str]:
     """A replica's whole environment, built from an allow-list (no I/O).
 
     From `base` (the service's environment) only `ENV_ALLOW` / `ENV_ALLOW_PREFIXES`; then the
     spec's own ``env`` (which `JobSpec` keeps off gpulab's names); then gpulab's variables.
     `account`: (user name, home) of the system account the replica runs as, if any.
+    `cuda`: whether the machine has real GPUs. Without (its GPUs are simulated), TensorFlow is
+    told to use the CPU alone (``TF_ENABLED_DEVICE_TYPES=CPU``, unless the spec's ``env``
+    says otherwise): it then calls no ``cuInit`` of a CUDA driver that is not installed, whose
+    failure it would log as an error (``failed call to cuInit ... (303)``) in every replica.
+    ``CUDA_VISIBLE_DEVICES`` still names the replica's (simulated) GPUs.
     """
     env = {k: v for k, v in base.items() if k in ENV_ALLOW or k.startswith(ENV_ALLOW_PREFIXES)}
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
@@ -200,6 +207,8 @@ def replica_env(base: dict[str, str], *, spec: JobSpec, job_name: str, job_dir: 
         "NVIDIA_VISIBLE_DEVICES": visible or "void",
         "PYTHONUNBUFFERED": "1",
     })
+    if not cuda:
+        env.setdefault("TF_ENABLED_DEVICE_TYPES", "CPU")
     if account is not None:
         name, home = account
         env.update({"USER": name, "LOGNAME": name, "HOME": home})
@@ -361,6 +370,10 @@ class LocalJobBackend(JobBackend):
                 safefs.write_text(account.folder, [*where, name], text, owner=owner)
 
     def _start_all(self, job_id: str, script: Path | None, only: set | None = None) -> None:
+        # simulated GPUs: TensorFlow is told there is no CUDA (read before the transaction; a
+        # pool that lists no devices is left alone: it may count real GPUs it does not list)
+        pool = self.ledger.devices()
+        cuda = not pool or any(not d.simulated for d in pool)
         with self.ledger.Session.begin() as s:
             job, reps = self.store.load(s, job_id)
             spec = JobSpec.model_validate_json(job.spec)
@@ -389,7 +402,7 @@ class LocalJobBackend(JobBackend):
                 history = restart_history(r) if only is not None else []
                 marker = (restart_marker(r.role, r.index, history[-1])
                           if history and history[-1].get("restart") == r.restarts else None)
-                proc = self._spawn(job, spec, r, cluster, program, account, marker)
+                proc = self._spawn(job, spec, r, cluster, program, account, marker, cuda=cuda)
                 self._procs[(job_id, r.role, r.index)] = proc
                 r.pid, r.pid_started = proc.pid, proc.create_time()
                 r.state, r.reason, r.exit_code = "Running", "", None
@@ -397,14 +410,16 @@ class LocalJobBackend(JobBackend):
             job.started_at = job.started_at or time.time()
             job.reason = "all replicas started"
 
-    def _spawn(self, job, spec, r, cluster, program, account, marker: str | None = None):
+    def _spawn(self, job, spec, r, cluster, program, account, marker: str | None = None,
+               cuda: bool = True):
         """Start one replica, its output appended to its log (after ``marker``, a line that
-        says why a restarted attempt starts, on a line of its own)."""
+        says why a restarted attempt starts, on a line of its own); ``cuda`` False: the pool's
+        GPUs are simulated (TensorFlow is told to use the CPU)."""
         devices = json.loads(r.devices)
         env = replica_env(
             dict(os.environ), spec=spec, job_name=job.name, job_dir=job.job_dir,
             user_dir=str(account.folder), role=r.role, index=r.index, cluster=cluster,
-            devices=devices,
+            devices=devices, cuda=cuda,
             account=(pwd.getpwuid(account.uid).pw_name, account.home or "/")
             if account.uid is not None else None)
         owner = (account.uid, account.gid) if account.uid is not None else None

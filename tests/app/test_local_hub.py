@@ -19,7 +19,8 @@ PROBE = (
     " 'gpus': json.loads(os.environ.get('GPULAB_GPUS', '[]')),"
     " 'user': pwd.getpwuid(os.getuid()).pw_name, 'server_pid': os.getppid(),"
     " 'user_dir': os.environ.get('GPULAB_USER_DIR'), 'cwd': os.getcwd(),"
-    " 'legacy_keras': os.environ.get('TF_USE_LEGACY_KERAS')}))"
+    " 'legacy_keras': os.environ.get('TF_USE_LEGACY_KERAS'),"
+    " 'tf_devices': os.environ.get('TF_ENABLED_DEVICE_TYPES')}))"
 )
 
 
@@ -78,6 +79,8 @@ def test_servers_get_disjoint_gpus(users, prefix):
     assert {str(g["index"]) for g in pa["gpus"]} == devices(pa)
     assert pa["user_dir"].endswith("/users/ann")
     assert pa["legacy_keras"] == "1"  # tf.keras as training jobs have it (tf-keras 2)
+    # simulated GPUs: TensorFlow uses the CPU and logs no failed cuInit (issue 34)
+    assert pa["tf_devices"] == pb["tf_devices"] == "CPU"
     if os.geteuid() == 0:
         assert pa["user"] == prefix + "ann" and pb["user"] == prefix + "bob"
 

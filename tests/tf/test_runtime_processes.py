@@ -166,7 +166,7 @@ def test_parameter_server_example(jobs):
     chief = ("chief", 0)
     assert job.wait(chief) == 0, job.text(chief)[-3000:]
     out = job.text(chief)
-    assert "with ParameterServerStrategy" in out
+    assert "chief-0 running " in out and "chief-0 made ParameterServerStrategy" in out
     assert job.exit_file(chief) == 0
     assert accuracy_of(out) >= 0.90
     steps = progress(out)
@@ -192,7 +192,7 @@ def test_multi_worker_example(jobs):
         assert job.wait(key) == 0, job.text(key)[-3000:]
     acc = [accuracy_of(job.text(key)) for key in sorted(job.procs)]
     assert acc[0] >= 0.90 and acc[0] == acc[1]
-    assert "with CollectiveAllReduceStrategy" in job.text(("worker", 0))
+    assert "worker-0 made CollectiveAllReduceStrategy" in job.text(("worker", 0))
     assert [r["epoch"] for r in progress(job.text(("worker", 0)))] == list(range(1, 9))
     assert_summaries_and_checkpoints(job)
 

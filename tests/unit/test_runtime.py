@@ -345,3 +345,62 @@ def test_main_leaves_its_exit_code_for_an_adopting_service(monkeypatch, tmp_path
     assert exit_file.read_text() == "2\n"
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["chief-0.exit"]
     assert rt.exit_file_of(rt.config_from_env({})) is None
+
+
+# -- main: the program is the first to touch TensorFlow (issue 34) ---------------------------
+
+FIRST = """
+import sys
+print("tensorflow imported before the program:", "tensorflow" in sys.modules, flush=True)
+"""
+
+
+def run_runtime(tmp_path, env, program=FIRST):
+    (tmp_path / "prog.py").write_text(program)
+    return subprocess.run([sys.executable, "-m", "gpulab.extensions.runtime", "prog.py"],
+                          cwd=tmp_path, env={"PATH": "/usr/bin:/bin", **env},
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("simulated", [False, True], ids=["real-gpus", "simulated-gpus"])
+def test_a_worker_runs_the_program_before_tensorflow_is_imported(tmp_path, simulated):
+    """No strategy, no TensorFlow before the program: its tf.config set-up comes first.
+    Where the GPUs are simulated (TF_ENABLED_DEVICE_TYPES=CPU), the first line says so."""
+    extra = {"CUDA_VISIBLE_DEVICES": "1", **({"TF_ENABLED_DEVICE_TYPES": "CPU"} if simulated
+                                             else {})}
+    out = run_runtime(tmp_path, env_of(MW_CLUSTER, "worker", 1, "multi-worker-mirrored",
+                                       GPULAB_JOB_DIR=str(tmp_path), **extra))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "tensorflow imported before the program: False\n"
+    said = "gpulab runtime: worker-1 running prog.py"
+    assert out.stderr == said + (" (GPU 1 simulated: no CUDA here, TensorFlow uses the CPU)"
+                                 if simulated else "") + "\n"
+
+
+def test_a_parameter_server_chief_waits_for_its_cluster_without_tensorflow(tmp_path):
+    """The coordinator waits for every ps and worker with plain TCP, then runs the program,
+    still before TensorFlow; a peer that never comes up exits EXIT_INFRA."""
+    import socket
+
+    listening = []
+    try:
+        for _ in range(3):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            listening.append(s)
+        up = [f"127.0.0.1:{s.getsockname()[1]}" for s in listening]
+        cluster = {"chief": ["127.0.0.1:1"], "ps": up[:1], "worker": up[1:]}
+        out = run_runtime(tmp_path, env_of(cluster, "chief", GPULAB_JOB_DIR=str(tmp_path)))
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == "tensorflow imported before the program: False\n"
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))  # bound, never listening: refuses connections
+            cluster["worker"] = [f"127.0.0.1:{closed.getsockname()[1]}"]
+            out = run_runtime(tmp_path, env_of(cluster, "chief", GPULAB_JOB_DIR=str(tmp_path),
+                                               GPULAB_CLUSTER_TIMEOUT="0.5"))
+        assert out.returncode == rt.EXIT_INFRA and out.stdout == ""
+        assert "worker-0 did not come up within 0.5 s; exit 75 (cluster lost)" in out.stderr
+    finally:
+        for s in listening:
+            s.close()

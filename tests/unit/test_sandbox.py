@@ -77,6 +77,24 @@ def test_replica_environment_is_built_from_an_allow_list():
                       index=0, cluster=cluster, devices=[])
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["NVIDIA_VISIBLE_DEVICES"] == "void"
     assert env["PATH"] == "/usr/local/bin:/usr/bin:/bin" and "USER" not in env
+    assert "TF_ENABLED_DEVICE_TYPES" not in env  # real GPUs (the default): TensorFlow's own
+
+
+def test_replica_on_simulated_gpus_keeps_its_gpus_and_tells_tensorflow_there_is_no_cuda():
+    """Simulated GPUs: CUDA_VISIBLE_DEVICES still names the replica's share, and TensorFlow is
+    told to use the CPU, so that it calls no cuInit of a driver that is not installed (and
+    logs no "failed call to cuInit ... (303)"); a spec that sets it itself is obeyed."""
+    cluster = {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}
+    kw = dict(spec=SPEC, job_name="j", job_dir="/j", user_dir="/u", role="worker", index=1,
+              cluster=cluster, cuda=False)
+    env = replica_env({}, devices=[2, 3], **kw)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["NVIDIA_VISIBLE_DEVICES"] == "2,3"
+    assert env["TF_ENABLED_DEVICE_TYPES"] == "CPU"
+    assert replica_env({}, devices=[], **kw)["TF_ENABLED_DEVICE_TYPES"] == "CPU"  # a ps
+    own = JobSpec.model_validate({**SPEC.model_dump(),
+                                  "env": {"TF_ENABLED_DEVICE_TYPES": "CPU,GPU"}})
+    assert replica_env({}, devices=[2], **{**kw, "spec": own})["TF_ENABLED_DEVICE_TYPES"] \
+        == "CPU,GPU"
 
 
 @root_only
