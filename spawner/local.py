@@ -723,11 +723,16 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             env["GPULAB_DATASETS_DIR"] = str(Path(self.shared_dir) / "datasets")
         if self.service_url:
             env["GPULAB_SERVICE_URL"] = self.service_url
-        if self.private_tmp and self.kernels_over_unix_sockets:
-            # kernels' sockets and connection files inside the private /tmp (a short path:
-            # a Unix socket's is at most 107 bytes); Jupyter makes the folder 0700
-            env["JUPYTER_RUNTIME_DIR"] = SERVER_RUNTIME_DIR
+        env.update(self.kernel_env())
         return env
+
+    def kernel_env(self) -> dict[str, str]:
+        """With `kernels_over_unix_sockets` and `private_tmp`: the kernels' sockets and
+        connection files go inside the server's private /tmp (``JUPYTER_RUNTIME_DIR``, a
+        short path: a Unix socket's is at most 107 bytes; Jupyter makes the folder 0700)."""
+        if self.private_tmp and self.kernels_over_unix_sockets:
+            return {"JUPYTER_RUNTIME_DIR": SERVER_RUNTIME_DIR}
+        return {}
 
     async def move_certs(self, paths):
         """Hand the server's TLS key, certificate and CA bundle (internal_ssl) to its account.
