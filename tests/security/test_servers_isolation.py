@@ -32,6 +32,7 @@ import concurrent.futures
 import json
 import os
 import pwd
+import re
 import shlex
 import shutil
 import stat
@@ -553,6 +554,40 @@ def test_a_server_sees_only_its_own_processes(hub, vic, eve):
         assert mark not in json.dumps(theirs), theirs
         vic_uid = vic.account.pw_uid
         assert not set(theirs["cmd"]) & {str(p) for p in pids_of_uid(vic_uid)}
+        # a terminal of eve's runs in the same sandbox: `ps` there lists her account only
+        out = run_in_terminal(eve, "ps -e -o user= | sort -u; echo $JUPYTER_RUNTIME_DIR")
+        assert out.split() == [eve.account.pw_name, "/tmp/jupyter-runtime"], out
     finally:
         if pid_exists(sleeper):
             os.kill(sleeper, 9)
+
+
+def run_in_terminal(b: Browser, command: str, timeout: float = 30) -> str:
+    """Run `command` in a new JupyterLab terminal of `b`'s server (its REST and websocket
+    API, as JupyterLab does); what it printed between two marks."""
+    import websocket
+
+    base = f"{b.hub.url}/user/{b.name}/"
+    h = {"Authorization": f"token {b.token()}"}
+    r = requests.post(base + "api/terminals", headers=h)
+    assert r.status_code == 200, (r.status_code, r.text)
+    name = r.json()["name"]
+    ws = websocket.create_connection(base.replace("http", "ws", 1) + f"terminals/websocket/{name}",
+                                     header=[f"Authorization: token {b.token()}"],
+                                     timeout=timeout)
+    mark = uuid.uuid4().hex[:8]
+    try:
+        ws.send(json.dumps(["stdin", f"echo BEGIN{mark}; {command}; echo END{mark}\r"]))
+        text, deadline = "", time.time() + timeout
+        while f"\nEND{mark}" not in text.replace("\r", "") and time.time() < deadline:
+            msg = json.loads(ws.recv())
+            if msg[0] == "stdout":
+                text += msg[1]
+        # without the shell's escapes (bracketed paste, the window title, colours)
+        text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07", "", text.replace("\r", ""))
+        assert f"BEGIN{mark}\n" in text and f"\nEND{mark}" in text, text
+        return text.split(f"BEGIN{mark}\n", 1)[1].split(f"\nEND{mark}", 1)[0]
+    finally:
+        ws.close()
+        requests.delete(base + f"api/terminals/{name}", headers=h)
+
