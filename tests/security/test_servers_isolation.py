@@ -547,6 +547,15 @@ def test_a_server_sees_only_its_own_processes(hub, vic, eve):
         assert mark in " ".join(mine["cmd"].values()), mine  # vic sees her own
         assert str(mine["me"]) in mine["cmd"] and mine["me"] in mine["psutil"]
         assert "1" not in mine["cmd"], "the machine's init (root's) is listed"
+        # TensorFlow (it reads /proc for CPUs and memory) and a multiprocessing data pipeline
+        # through /dev/shm still work in the sandbox
+        out = vic.run_in_kernel(
+            "import os; os.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\n"
+            "import multiprocessing as mp, tensorflow as tf\n"
+            "print('TF', int(tf.reduce_sum(tf.range(10)).numpy()))\n"
+            "with mp.get_context('spawn').Pool(2) as pool:\n"
+            "    print('POOL', sum(pool.map(abs, [-1, -2])))\n", timeout=180)
+        assert "TF 45\n" in out and "POOL 3\n" in out, out
         theirs = json.loads(eve.run_in_kernel(list_procs + (
             f"import os\nprint(os.path.exists('/proc/{sleeper}'))\n")).splitlines()[0])
         assert str(theirs["me"]) in theirs["cmd"] and theirs["me"] in theirs["psutil"]
