@@ -280,8 +280,11 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         every cell it runs and all their output (message signing stops forgery, not reading).
         Its sockets are made in the Jupyter runtime folder, which with `private_tmp` is
         ``/tmp/jupyter-runtime`` inside the server's private ``/tmp`` (``JUPYTER_RUNTIME_DIR``;
-        mode 0700), so only the server's own processes can reach them. Default: True when
-        users are isolated (`isolate_users`). Example:
+        mode 0700), so only the server's own processes can reach them; without `private_tmp`
+        it is the account's own ``~/.local/share/jupyter/runtime`` (0700), where a long home
+        path may make a socket's path longer than Linux's 107 bytes and kernels fail to
+        start. Kernels a person starts by hand (``jupyter console``) follow their own
+        settings. Default: True when users are isolated (`isolate_users`). Example:
         ``c.LocalGPUSpawner.kernels_over_unix_sockets = False``
         """,
     ).tag(config=True)
