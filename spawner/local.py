@@ -32,7 +32,7 @@ from .accounts import (
 )
 from . import sandbox
 from .cgroups import (Group, default_pids, default_user_processes, limit_user_processes,
-                      local_cgroups)
+                      local_cgroups, memory_bytes)
 from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, BadRequest, Ledger, Request
 from gpulab.hub.quota.waiting import GPUQueue, Queue, QueueRefused, queue_of
 
@@ -44,6 +44,8 @@ from .queuewait import WAIT_KEY, allowed_waits, decide, parse_wait_minutes, prog
 #: Spawner traits a profile's (or a profile option's) kubespawner_override sets locally
 _PROFILE_TRAITS = ("cpu_limit", "cpu_guarantee", "mem_limit", "mem_guarantee", "default_url",
                    "environment", "cmd", "args")
+#: the Jupyter runtime folder of servers with a private /tmp (kernels' sockets are made there)
+SERVER_RUNTIME_DIR = "/tmp/jupyter-runtime"
 #: override keys that choose the GPUs (their count and model), not a trait of this spawner
 _GPU_KEYS = ("extra_resource_limits", "extra_resource_guarantees", "node_selector")
 
@@ -263,6 +265,74 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         ``c.LocalGPUSpawner.private_tmp_dir = "/srv/gpulab/tmp"``
         """,
     ).tag(config=True)
+
+    private_ipc = Bool(
+        help="""Give every server private IPC, as systemd's ``PrivateIPC``: an IPC namespace of
+        its own (System V shared memory, semaphores, message queues; POSIX message queues) and
+        a fresh ``/dev/shm`` (POSIX shared memory) of `shm_size`, so nobody else sees, reads or
+        squats a name the person's programs use there. Default: True when the hub runs as
+        root, which this needs. Example: ``c.LocalGPUSpawner.private_ipc = False``
+        """,
+    ).tag(config=True)
+
+    @default("private_ipc")
+    def _private_ipc_default(self):
+        return os.geteuid() == 0
+
+    shm_size = Unicode(
+        "",
+        help="""Size of a server's private ``/dev/shm`` (with `private_ipc`): a size such as
+        ``16Gi`` or ``512Mi``. Default '': the server's memory limit (its profile's
+        ``mem_limit``), or where it has none the kernel's default for tmpfs, half the RAM.
+        What a server keeps there counts against its memory limit whatever this size (its
+        pages are charged to the server's control group), so the limit is the sensible bound;
+        a small fixed size, such as Docker's 64 MB, makes TensorFlow's and PyTorch's data
+        loaders (``DataLoader(num_workers=...)``) fail with "No space left on device" or a bus
+        error. Example: ``c.LocalGPUSpawner.shm_size = "8Gi"``
+        """,
+    ).tag(config=True)
+
+    @validate("shm_size")
+    def _valid_shm_size(self, proposal):
+        try:
+            memory_bytes(proposal["value"])
+        except ValueError as e:
+            raise TraitError(f"LocalGPUSpawner.shm_size: {e}") from e
+        return proposal["value"]
+
+    hide_processes = Bool(
+        help="""Give every server a ``/proc`` that shows only its own account's processes (a
+        procfs instance of its own mounted with ``hidepid=invisible``, as systemd's
+        ``ProtectProc=invisible``): other people's processes, command lines and environments
+        are neither listed nor readable from a server. Default: True when the hub runs as
+        root, which this needs. Example: ``c.LocalGPUSpawner.hide_processes = False``
+        """,
+    ).tag(config=True)
+
+    @default("hide_processes")
+    def _hide_processes_default(self):
+        return os.geteuid() == 0
+
+    kernels_over_unix_sockets = Bool(
+        help="""Start the server's kernels with ZeroMQ's ``ipc`` transport (Unix sockets,
+        ``--KernelManager.transport=ipc`` on the server's command line, which no config file
+        of the person's overrides) instead of TCP ports on 127.0.0.1. A kernel's IOPub
+        channel is a publish socket: anyone on the machine who connects to its port reads
+        every cell it runs and all their output (message signing stops forgery, not reading).
+        Its sockets are made in the Jupyter runtime folder, which with `private_tmp` is
+        ``/tmp/jupyter-runtime`` inside the server's private ``/tmp`` (``JUPYTER_RUNTIME_DIR``;
+        mode 0700), so only the server's own processes can reach them; without `private_tmp`
+        it is the account's own ``~/.local/share/jupyter/runtime`` (0700), where a long home
+        path may make a socket's path longer than Linux's 107 bytes and kernels fail to
+        start. Kernels a person starts by hand (``jupyter console``) follow their own
+        settings. Default: True when users are isolated (`isolate_users`). Example:
+        ``c.LocalGPUSpawner.kernels_over_unix_sockets = False``
+        """,
+    ).tag(config=True)
+
+    @default("kernels_over_unix_sockets")
+    def _kernels_ipc_default(self):
+        return self.isolate_users
 
     @default("cmd")
     def _cmd_default(self):
@@ -497,6 +567,8 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         group = self._server_group
         nproc = self.max_user_processes if self.isolate_users else 0
         tmp, keep = self._tmp_folder, self._tmp_keep()
+        ipc, hide = self.private_ipc, self.hide_processes
+        shm = self.shm_bytes()
         if self.isolate_users:
             then = set_user_setuid(self.system_user)
         else:
@@ -509,12 +581,17 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             if group is not None:
                 group.join()  # as root still, before the server becomes its user
             limit_user_processes(nproc)  # RLIMIT_NPROC, as root still (issue 36)
-            if tmp is not None:
-                sandbox.private_tmp(tmp, keep=keep)  # as root: a mount namespace of its own
+            if tmp is not None or ipc or hide:  # as root: a mount namespace of its own
+                sandbox.private_tmp(tmp, keep=keep, ipc=ipc, shm_size=shm, hide_pids=hide)
             os.umask(0o022)  # a login's umask, not the hub's private 077
             then()
 
         return preexec
+
+    def shm_bytes(self) -> int | None:
+        """Bytes of the server's private /dev/shm: `shm_size`, else its memory limit, else
+        None (the kernel's default for tmpfs: half the RAM)."""
+        return memory_bytes(self.shm_size) or memory_bytes(self.mem_limit or None)
 
     # -- the server's control group: limits, GPU devices, a clean stop -------------------
 
@@ -718,6 +795,10 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         if not self.isolate_users and os.geteuid() == 0:
             # the operator chose --no-isolation as root: Jupyter Server refuses root otherwise
             args.append("--ServerApp.allow_root=True")
+        if self.kernels_over_unix_sockets:
+            # kernels on Unix sockets in the server's own runtime folder, never on TCP ports
+            # anyone on the machine can connect to (the command line beats config files)
+            args.append("--KernelManager.transport=ipc")
         return args
 
     def get_env(self):
@@ -742,7 +823,16 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             env["GPULAB_DATASETS_DIR"] = str(Path(self.shared_dir) / "datasets")
         if self.service_url:
             env["GPULAB_SERVICE_URL"] = self.service_url
+        env.update(self.kernel_env())
         return env
+
+    def kernel_env(self) -> dict[str, str]:
+        """With `kernels_over_unix_sockets` and `private_tmp`: the kernels' sockets and
+        connection files go inside the server's private /tmp (``JUPYTER_RUNTIME_DIR``, a
+        short path: a Unix socket's is at most 107 bytes; Jupyter makes the folder 0700)."""
+        if self.private_tmp and self.kernels_over_unix_sockets:
+            return {"JUPYTER_RUNTIME_DIR": SERVER_RUNTIME_DIR}
+        return {}
 
     async def move_certs(self, paths):
         """Hand the server's TLS key, certificate and CA bundle (internal_ssl) to its account.

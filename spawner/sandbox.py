@@ -10,6 +10,20 @@ person's account):
   root-owned 0700 folder nobody else can enter) is bind-mounted over ``/tmp``. It is what
   systemd's ``PrivateTmp`` does: fixed paths such as ``/tmp/my_working_dir`` in TensorFlow's
   tutorials neither collide with nor leak to other people.
+- **private IPC** (`private_tmp` with ``ipc=True``): an IPC namespace of the process's own
+  (System V shared memory, semaphores and message queues; POSIX message queues, with a fresh
+  ``mqueue`` on ``/dev/mqueue``) and a fresh ``tmpfs`` on ``/dev/shm`` (POSIX shared memory,
+  ``multiprocessing``'s and PyTorch's data loaders' buffers), as systemd's ``PrivateIPC``:
+  nobody else sees, reads or squats a name there. Its size (`shm_options`) is the process's
+  memory limit where it has one, else the kernel's default for tmpfs (half the RAM): its
+  pages are charged to the process's control group whatever the size, so the memory limit
+  bounds it anyway, and a small fixed size (Docker's 64 MB) breaks data loaders.
+- **a /proc that shows only the person's own processes** (`private_tmp` with
+  ``hide_pids=True``): a new procfs instance mounted on ``/proc`` with ``hidepid=2``
+  ("invisible", per instance since Linux 5.8), as systemd's ``ProtectProc=invisible``: other
+  people's processes, their command lines and environments, are not listed and cannot be
+  opened. The rest of ``/proc`` (``cpuinfo``, ``meminfo``, ``sys``, the NVIDIA driver's files)
+  stays as it was: ``subset=pid`` would hide it and break TensorFlow and psutil.
 - **a network namespace per training job** (`make_netns` as root when the job starts, `join_netns`
   in each replica): it holds only the loopback interface, so the job's replicas reach each other
   on 127.0.0.1 and nothing outside the job reaches their TensorFlow gRPC servers (which run any
@@ -43,6 +57,10 @@ from pathlib import Path
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
+CLONE_NEWIPC = 0x08000000
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
 MS_BIND = 4096
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
@@ -88,9 +106,10 @@ def setns(fd: int, nstype: int) -> None:
 
 
 def mount(source: str | os.PathLike | None, target: str | os.PathLike,
-          fstype: str | None = None, flags: int = 0) -> None:
-    _check(_libc.mount(_b(source), _b(target), _b(fstype), flags, None),
-           f"mount {source or ''} on {target}")
+          fstype: str | None = None, flags: int = 0, data: str | None = None) -> None:
+    _check(_libc.mount(_b(source), _b(target), _b(fstype), flags,
+                       None if data is None else ctypes.c_char_p(data.encode())),
+           f"mount {source or fstype or ''} on {target}")
 
 
 def umount(target: str | os.PathLike, flags: int = MNT_DETACH) -> None:
@@ -99,7 +118,24 @@ def umount(target: str | os.PathLike, flags: int = MNT_DETACH) -> None:
 
 # -- private /tmp ------------------------------------------------------------------------
 
-def private_tmp(source_dir: str | os.PathLike, keep: Iterable[str | os.PathLike] = ()) -> None:
+#: the mount options of the private /proc: other people's processes are invisible
+PROC_OPTIONS = "hidepid=2"
+_PROC_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC
+_SHM_FLAGS = MS_NOSUID | MS_NODEV
+
+
+def shm_options(size: int | None) -> str:
+    """The mount options of a private ``/dev/shm`` of ``size`` bytes (None or 0: the kernel's
+    default for tmpfs, half the RAM): world-writable with the sticky bit, as ``/dev/shm`` is
+    everywhere (only the process's own tree sees it)."""
+    if size is not None and size < 0:
+        raise ValueError(f"a /dev/shm size is a number of bytes, not {size}")
+    return "mode=1777" + (f",size={int(size)}" if size else "")
+
+
+def private_tmp(source_dir: str | os.PathLike | None, keep: Iterable[str | os.PathLike] = (), *,
+                ipc: bool = False, shm_size: int | None = None,
+                hide_pids: bool = False) -> None:
     """Give this process a mount namespace of its own whose ``/tmp`` is ``source_dir``.
 
     Call it in ``preexec_fn`` as root, before dropping privileges (the namespace and the
@@ -112,9 +148,28 @@ def private_tmp(source_dir: str | os.PathLike, keep: Iterable[str | os.PathLike]
     ``/tmp`` (a data folder made with ``mktemp -d``, as the tests do): each is bound back in
     place inside the private ``/tmp``, the way there made by root without following links.
     Folders not below ``/tmp`` are left alone (they stay visible anyway).
+
+    ``source_dir`` None: ``/tmp`` stays the machine's (only the other parts below are made).
+
+    ``ipc``: an IPC namespace of its own too, a fresh tmpfs on ``/dev/shm`` of ``shm_size``
+    bytes (`shm_options`) and a fresh ``mqueue`` on ``/dev/mqueue`` where that folder exists.
+    ``hide_pids``: a new procfs on ``/proc`` that lists only the processes of the process's
+    own account (`PROC_OPTIONS`; mounted last, as root, so it sees the rest here).
     """
-    unshare(CLONE_NEWNS)
+    unshare(CLONE_NEWNS | (CLONE_NEWIPC if ipc else 0))
     mount(None, "/", None, MS_REC | MS_SLAVE)
+    if ipc:
+        mount("tmpfs", "/dev/shm", "tmpfs", _SHM_FLAGS, shm_options(shm_size))
+        if os.path.isdir("/dev/mqueue"):
+            mount("mqueue", "/dev/mqueue", "mqueue", _PROC_FLAGS)
+    if source_dir is not None:
+        _bind_tmp(source_dir, keep)
+    if hide_pids:
+        mount("proc", "/proc", "proc", _PROC_FLAGS, PROC_OPTIONS)
+
+
+def _bind_tmp(source_dir, keep) -> None:
+    """Bind ``source_dir`` on ``/tmp`` and the ``keep`` folders back in place (`private_tmp`)."""
     kept = []
     try:
         for path in keep:

@@ -32,6 +32,12 @@ replica between ``fork`` and ``exec`` while it is still root, then it drops to t
 - **a private /tmp per job** (a mount namespace per replica; all replicas of the job bind the
   same folder, owned by the person, mode 0700, under root's 0700 ``tmp_root``), removed with
   the job.
+- **private IPC per replica**: an IPC namespace of its own (System V shared memory,
+  semaphores, message queues) and a fresh tmpfs on ``/dev/shm`` as large as the replica's
+  memory limit (the kernel's default, half the RAM, where it has none): data loaders' shared
+  buffers fit, nobody else sees or squats them, and they count against the replica's memory.
+- **a /proc per replica that shows only the person's own processes** (``hidepid=invisible``):
+  nobody's command lines or environments but their own.
 - **a control group per replica**, limits or not: the role's ``cpu`` / ``memory`` or the
   operator's defaults (``c.GPUJobs.default_cpu`` / ``default_memory``), a bound on its
   processes and threads (``c.GPUJobs.pids_per_replica``), the device allow-list of its GPUs,
@@ -440,6 +446,8 @@ class LocalJobBackend(JobBackend):
         group = self._replica_group(job.id, spec, r.role, r.index, devices)
         netns = sandbox.open_netns(job.id, self.netns_root) if self.sandboxed else None
         tmp = self.tmp_root / job.id
+        # the replica's /dev/shm holds up to its memory limit (its pages count against it)
+        shm = memory_bytes(self.limits.memory_of(spec.resources.get(r.role)))
         user_name = pwd.getpwuid(account.uid).pw_name if account.uid is not None else None
         nproc = self.limits.max_user_processes
         # the child says on this pipe when the job folder was not there to enter (the person
@@ -454,7 +462,10 @@ class LocalJobBackend(JobBackend):
                     group.join()  # limits, GPU devices, and stop reaches all it starts
                 if netns is not None:
                     sandbox.join_netns(netns)  # the job's loopback-only network
-                    sandbox.private_tmp(tmp, keep=[folder])  # the job's own /tmp
+                    # the job's own /tmp; the replica's own IPC, /dev/shm, and a /proc
+                    # that shows only the person's processes
+                    sandbox.private_tmp(tmp, keep=[folder], ipc=True, shm_size=shm,
+                                        hide_pids=True)
                 if account.uid is not None:
                     limit_user_processes(nproc)  # as root still: RLIMIT_NPROC (issue 36)
                     os.setgid(account.gid)

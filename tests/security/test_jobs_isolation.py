@@ -1,11 +1,13 @@
 """Attacks on local training jobs, made by eve against vic (issue 12 items 1, 6, 8, 9, 11, 12
-for jobs, issue 13 item 3, and the GPU queue of issue 17).
+for jobs, issue 13 item 3, the GPU queue of issue 17, and issue 33 items 5 and 8 for replicas).
 
 vic runs one multi-worker job for the whole module (`vic_job`): its two workers reach each
 other's TensorFlow servers through the addresses in ``TF_CONFIG``, worker 0 writes
 ``/tmp/my_working_dir/secret`` (as TensorFlow's tutorials do) and starts a ``setsid sleep``
-grandchild, worker 1 reads the secret back (one /tmp per job). eve runs one job of her own
-(`eve_job`) that prints its environment and makes ``/tmp/my_working_dir`` itself. Every test
+grandchild, worker 1 reads the secret back (one /tmp per job); worker 0 also leaves a file in
+``/dev/shm`` and a System V shared memory segment. eve runs one job of her own
+(`eve_job`) that prints its environment, makes ``/tmp/my_working_dir`` itself, and prints what
+it sees of ``/dev/shm``, System V segments and the processes in ``/proc``. Every test
 attacks as eve (her shell, ``eve.sh``, or her jobs) and checks that vic's job is untouched; the
 last one stops vic's job and checks that nothing of it is left.
 
@@ -60,6 +62,11 @@ if me == 0:
     with open("/tmp/my_working_dir/secret", "w") as f:
         f.write("vic-secret-42")
     child = subprocess.Popen(["setsid", "sleep", "1000"])
+    with open("/dev/shm/vic-shm-secret", "w") as f:  # shared memory, POSIX and System V
+        f.write("vic-shm-42")
+    made = subprocess.run(["ipcmk", "-M", "4096"], capture_output=True, text=True, check=True)
+    with open("shmid", "w") as f:
+        f.write(made.stdout.split()[-1])
     with open("grandchild", "w") as f:
         f.write(str(child.pid))
 else:
@@ -79,6 +86,16 @@ os.makedirs("/tmp/my_working_dir")
 with open("/tmp/my_working_dir/mine", "w") as f:
     f.write("eve")
 print("made /tmp/my_working_dir", flush=True)
+print("SHM " + json.dumps(os.listdir("/dev/shm")), flush=True)
+print("SYSV " + json.dumps(open("/proc/sysvipc/shm").read().splitlines()[1:]), flush=True)
+procs = {}
+for p in os.listdir("/proc"):
+    if p.isdigit():
+        try:
+            procs[p] = open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")
+        except OSError:
+            pass
+print("PROCS " + json.dumps({"me": os.getpid(), "cmd": procs}), flush=True)
 with open("ready-0", "w") as f:
     f.write(str(os.getpid()))
 time.sleep(900)
@@ -303,6 +320,46 @@ def test_every_job_has_a_private_tmp(vic, eve, vic_job, eve_job):
     assert st.st_uid == 0 and st.st_mode & 0o077 == 0
     st = os.stat(TMP_ROOT / job["id"])
     assert st.st_uid == vic.account.pw_uid and st.st_mode & 0o077 == 0
+    assert_vic_untouched(vic, vic_job)
+
+
+def _eve_saw(text: str, what: str):
+    line = next(x for x in text.splitlines() if x.startswith(what + " "))
+    return json.loads(line[len(what) + 1:])
+
+
+def test_a_replicas_ipc_and_processes_are_its_own(hub, vic, eve, vic_job, eve_job):
+    """Issue 33 items 5 and 8: vic's replica made a /dev/shm file and a System V segment;
+    eve's replica (and her shell) sees neither, and eve's replica lists only her own
+    processes (a /proc with hidepid=invisible), none of vic's replicas nor the service."""
+    job, folder, pids, _ = vic_job
+    vic_uid = str(vic.account.pw_uid)
+    text = log_of(eve, "eve-probe", "worker-0")
+    assert "vic-shm-secret" not in _eve_saw(text, "SHM"), text[-2000:]
+    assert all(row.split()[7] != vic_uid for row in _eve_saw(text, "SYSV")), text[-2000:]
+    procs = _eve_saw(text, "PROCS")
+    assert str(procs["me"]) in procs["cmd"], procs  # she sees her own
+    assert not {str(p) for p in pids} & set(procs["cmd"]), procs
+    assert "vic-train" not in json.dumps(procs), procs
+    owners = set()
+    for p in procs["cmd"]:  # (eve's own notebook server is among them)
+        try:
+            owners.add(psutil.Process(int(p)).uids().real)
+        except psutil.NoSuchProcess:
+            pass
+    assert owners == {eve.account.pw_uid}, procs
+    # eve's shell (the machine's own /dev/shm and IPC namespace): nothing of vic's either
+    r = eve.sh("ls /dev/shm; cat /dev/shm/vic-shm-secret; cat /proc/sysvipc/shm")
+    assert "vic-shm" not in r.stdout, r.stdout
+    rows = [f for f in map(str.split, r.stdout.splitlines())
+            if len(f) > 7 and f[0].lstrip("-").isdigit()]
+    assert all(f[7] != vic_uid for f in rows), r.stdout
+    # vic's segment is where she made it: in her replica's own IPC namespace
+    shmid = (folder / "shmid").read_text()
+    seen = subprocess.run(["nsenter", "-t", str(pids[0]), "--ipc", "cat", "/proc/sysvipc/shm"],
+                          capture_output=True, text=True, check=True).stdout.splitlines()[1:]
+    assert any(row.split()[1] == shmid and row.split()[7] == vic_uid for row in seen), seen
+    assert Path(f"/proc/{pids[0]}/root/dev/shm/vic-shm-secret").read_text() == "vic-shm-42"
     assert_vic_untouched(vic, vic_job)
 
 

@@ -15,16 +15,29 @@ are untouched:
   without ``CUDA_VISIBLE_DEVICES``;
 - item 10: nothing in the data folder is readable by another account;
 - item 11: every server has a private /tmp.
+
+And issue 33 items 1, 5 and 8 (hidepid), eve attacking vic from her shell and her server:
+
+- item 1: vic's kernels speak over Unix sockets in her server's private runtime folder; eve's
+  ZeroMQ subscriber on every loopback port of vic's account reads nothing, and the sockets
+  cannot be connected to by eve;
+- item 5: each server has its own IPC namespace and /dev/shm (a file, a System V segment,
+  a name squatted in advance);
+- item 8: a server's /proc lists only its own account's processes.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pwd
+import re
+import shlex
 import shutil
 import stat
 import subprocess
+import sys
 import time
 import uuid
 
@@ -306,3 +319,284 @@ def test_a_revoked_token_stops_opening_the_server_within_seconds(hub, vic):
     assert status in (302, 401, 403) and time.monotonic() - t0 < 8, status
     # vic's own session is untouched
     assert requests.get(url, headers={"Authorization": f"token {vic.token()}"}).status_code == 200
+
+
+# -- issue 33 item 1: nobody reads another person's kernels -------------------------------
+
+#: eve's listener: every loopback TCP port vic's account listens on (found in /proc/net/tcp,
+#: rescanned as vic's kernels come and go) gets a ZeroMQ SUB socket subscribed to everything;
+#: prints the ports found and whether `secret` came through (what read vic's cells on 4f6998b)
+LISTEN = r"""
+import socket, sys, time, zmq
+uid, secret, seconds = int(sys.argv[1]), sys.argv[2].encode(), float(sys.argv[3])
+ctx, poller, ports, got = zmq.Context(), zmq.Poller(), set(), False
+
+def scan():
+    found = set()
+    for line in open("/proc/net/tcp").readlines()[1:]:
+        f = line.split()
+        addr, port = f[1].split(":")
+        if f[3] == "0A" and int(f[7]) == uid:
+            ip = socket.inet_ntoa(bytes.fromhex(addr)[::-1])
+            found.add(("127.0.0.1" if ip == "0.0.0.0" else ip, int(port, 16)))
+    return found
+
+print("READY", flush=True)
+deadline = time.time() + seconds
+while time.time() < deadline and not got:
+    for ip, port in scan() - ports:
+        ports.add((ip, port))
+        s = ctx.socket(zmq.SUB)
+        s.setsockopt(zmq.SUBSCRIBE, b"")
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://{ip}:{port}")
+        poller.register(s, zmq.POLLIN)
+    for s, _ in poller.poll(200):
+        got = got or any(secret in frame for frame in s.recv_multipart())
+print("PORTS", len(ports), flush=True)
+print("SECRET", got, flush=True)
+"""
+
+#: eve connects to a Unix socket path (directly, and through the kernel's /proc/<pid>/root)
+CONNECT = r"""
+import json, socket, sys
+out = {}
+for path in json.loads(sys.argv[1]):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        out[path] = "connected"
+    except OSError as e:
+        out[path] = type(e).__name__
+    finally:
+        s.close()
+print(json.dumps(out))
+"""
+
+
+def test_nobody_reads_another_persons_kernel(hub, vic, eve):
+    """vic's kernels speak ZeroMQ over Unix sockets in her server's private runtime folder:
+    eve's subscriber on every TCP port of vic's finds no kernel (on 4f6998b it read vic's
+    cells: the IOPub socket is a PUB socket on 127.0.0.1), and the socket files are out of
+    her reach, whichever path she tries."""
+    secret = "vic-kernel-" + uuid.uuid4().hex
+    acc = eve.account
+    listener = subprocess.Popen(
+        ["runuser", "-u", acc.pw_name, "--", sys.executable, "-c", LISTEN,
+         str(vic.account.pw_uid), secret, "25"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/",
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": acc.pw_dir})
+    try:
+        assert listener.stdout.readline().strip() == "READY", listener.stderr.read()
+        # vic's cell: its kernel lives a few seconds (eve finds its ports), then prints
+        out = vic.run_in_kernel(
+            "import json, os, time\n"
+            "from ipykernel.connect import get_connection_info\n"
+            "info = json.loads(get_connection_info())\n"
+            "time.sleep(4)\n"
+            f"for _ in range(15): print({secret!r}, flush=True); time.sleep(0.3)\n"
+            "print(json.dumps({'info': info, 'pid': os.getpid()}))\n", timeout=90)
+        stdout, stderr = listener.communicate(timeout=60)
+    finally:
+        if listener.poll() is None:
+            listener.kill()
+            listener.wait()
+    lines = dict(line.split(" ", 1) for line in stdout.splitlines())
+    # the scan worked (vic's server itself listens on a port) and read nothing
+    assert int(lines["PORTS"]) >= 1, (stdout, stderr)
+    assert lines["SECRET"] == "False", "eve read vic's kernel: " + stdout
+    assert out.count(secret) == 15, out  # vic's own cell ran as before
+    seen = json.loads(out.strip().splitlines()[-1])
+    info, kernel = seen["info"], seen["pid"]
+    assert info["transport"] == "ipc", info
+    assert info["ip"].startswith("/tmp/jupyter-runtime/kernel-"), info
+
+    # the kernel is gone (run_in_kernel shut it down): a live one to aim at
+    code = ("import json, os, time\n"
+            "from ipykernel.connect import get_connection_info\n"
+            "info = json.loads(get_connection_info())\n"
+            "print(json.dumps({'path': f\"{info['ip']}-{info['iopub_port']}\", 'pid': os.getpid()}),"
+            " flush=True)\n"
+            "time.sleep(12)\n")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(vic.run_in_kernel, code, "", 90)
+        deadline = time.time() + 60
+        live = None
+        while live is None and time.time() < deadline:
+            # the kernel's socket files, found as root inside vic's server (its mount namespace)
+            for pid in pids_of_uid(vic.account.pw_uid):
+                try:
+                    names = os.listdir(f"/proc/{pid}/root/tmp/jupyter-runtime")
+                except OSError:
+                    continue
+                socks = [n for n in names if "-ipc-" in n]
+                if socks:
+                    live = (pid, sorted(socks))
+                    break
+            time.sleep(0.3)
+        assert live is not None, "vic's kernel sockets were not found"
+        pid, socks = live
+        folder = f"/proc/{pid}/root/tmp/jupyter-runtime"
+        st = os.stat(folder)
+        # vic's alone (Jupyter adds the sticky bit against tmp cleaners)
+        assert st.st_uid == vic.account.pw_uid and st.st_mode & 0o077 == 0, oct(st.st_mode)
+        assert all(stat.S_ISSOCK(os.stat(f"{folder}/{n}").st_mode) for n in socks)
+        targets = [f"/tmp/jupyter-runtime/{n}" for n in socks] + [f"{folder}/{n}" for n in socks]
+        r = eve.sh(f"{sys.executable} -c {shlex.quote(CONNECT)} {shlex.quote(json.dumps(targets))}",
+                   check=True)
+        tried = json.loads(r.stdout)
+        assert "connected" not in tried.values(), tried
+        # and from eve's own server (its kernel: her /tmp, her /proc)
+        tried = json.loads(eve.run_in_kernel(
+            f"import sys\nsys.argv = ['x', {json.dumps(targets)!r}]\n" + CONNECT))
+        assert "connected" not in tried.values(), tried
+        first = json.loads(running.result(timeout=90).strip().splitlines()[0])
+        assert first["path"].startswith("/tmp/jupyter-runtime/"), first
+
+
+def pids_of_uid(uid: int) -> list[int]:
+    """The pids of `uid`'s processes (as root, in the tests' own /proc: all of them)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.stat(f"/proc/{name}").st_uid == uid:
+                    out.append(int(name))
+            except OSError:
+                pass
+    return out
+
+
+
+
+# -- issue 33 item 5: private IPC and /dev/shm per server ---------------------------------
+
+def test_a_servers_shared_memory_is_its_own(hub, vic, eve):
+    """vic's /dev/shm file and System V segment are neither seen nor read by eve (from her
+    server or her shell), and a name vic is about to use cannot be squatted by eve."""
+    name, later = (f"gpulab-{uuid.uuid4().hex[:8]}" for _ in range(2))
+    secret = uuid.uuid4().hex
+    # System V segments are listed (key, id, ..., uid) in /proc/sysvipc/shm, per namespace
+    segments = ("[dict(zip(('key', 'id', 'uid'), (l.split()[0], l.split()[1], l.split()[7])))"
+                " for l in open('/proc/sysvipc/shm').readlines()[1:]]")
+    out = vic.run_in_kernel(
+        "import json, os, subprocess\n"
+        f"open('/dev/shm/{name}', 'w').write({secret!r})\n"
+        "made = subprocess.run(['ipcmk', '-M', '4096'], capture_output=True, text=True,"
+        " check=True).stdout\n"
+        "st = os.statvfs('/dev/shm')\n"
+        "print(json.dumps({'shmid': made.split()[-1], 'size': st.f_blocks * st.f_frsize,\n"
+        f"                  'segments': {segments}}}))\n")
+    made = json.loads(out)
+    vic_uid = str(vic.account.pw_uid)
+    mine = [seg for seg in made["segments"] if seg["id"] == made["shmid"]]
+    assert len(mine) == 1 and mine[0]["uid"] == vic_uid, made  # vic sees her own segment
+    key = mine[0]["key"]
+    # a sensible size: not Docker's 64 MB (data loaders need more), at most the RAM
+    assert 64 * 2**20 < made["size"] <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+    seen = json.loads(eve.run_in_kernel(
+        "import json, os\n"
+        "shm = os.listdir('/dev/shm')\n"
+        f"try:\n    got = open('/dev/shm/{name}').read()\nexcept OSError as e:\n"
+        "    got = type(e).__name__\n"
+        f"open('/dev/shm/{later}', 'w').close(); os.chmod('/dev/shm/{later}', 0o666)\n"
+        f"print(json.dumps({{'shm': shm, 'got': got, 'segments': {segments}}}))\n"))
+    assert name not in seen["shm"] and seen["got"] == "FileNotFoundError", seen
+    assert all(seg["key"] != key and seg["uid"] != vic_uid for seg in seen["segments"]), seen
+    r = eve.sh(f"ls /dev/shm; cat /dev/shm/{name}; cat /proc/sysvipc/shm")
+    assert secret not in r.stdout and name not in r.stdout, r.stdout
+    rows = [f for f in map(str.split, r.stdout.splitlines())
+            if len(f) > 7 and f[0].lstrip("-").isdigit()]  # the machine's segments
+    assert all(f[0] != key and f[7] != vic_uid for f in rows), r.stdout
+    assert not os.path.exists(f"/dev/shm/{name}") and not os.path.exists(f"/dev/shm/{later}")
+
+    # vic makes the name eve made in her own /dev/shm: hers, not eve's
+    out = vic.run_in_kernel(
+        "from multiprocessing import shared_memory\n"
+        f"m = shared_memory.SharedMemory({later!r}, create=True, size=64)\n"
+        "m.buf[:2] = b'ok'; print(bytes(m.buf[:2]).decode()); m.close(); m.unlink()\n"
+        f"print(open('/dev/shm/{name}').read())\n"
+        f"import subprocess; subprocess.run(['ipcrm', '-m', {made['shmid']!r}], check=True)\n")
+    assert out.split() == ["ok", secret], out
+
+
+# -- issue 33 item 8: a server sees only its own account's processes ----------------------
+
+def test_a_server_sees_only_its_own_processes(hub, vic, eve):
+    mark = "vic-mark-" + uuid.uuid4().hex[:8]
+    list_procs = (
+        "import json, os, psutil\n"
+        "cmd = {}\n"
+        "for p in os.listdir('/proc'):\n"
+        "    if p.isdigit():\n"
+        "        try:\n"
+        "            cmd[p] = open(f'/proc/{p}/cmdline', 'rb').read().decode(errors='replace')\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "print(json.dumps({'me': os.getpid(), 'cmd': cmd,"
+        " 'psutil': [p.pid for p in psutil.process_iter()]}))\n")
+    out = vic.run_in_kernel(
+        "import subprocess\n"
+        f"p = subprocess.Popen(['bash', '-c', 'exec -a {mark} sleep 300'],"
+        " start_new_session=True)\n"  # it outlives the kernel
+        "print(p.pid)\n")
+    sleeper = int(out.strip())
+    try:
+        mine = json.loads(vic.run_in_kernel(list_procs))
+        assert mark in " ".join(mine["cmd"].values()), mine  # vic sees her own
+        assert str(mine["me"]) in mine["cmd"] and mine["me"] in mine["psutil"]
+        assert "1" not in mine["cmd"], "the machine's init (root's) is listed"
+        # TensorFlow (it reads /proc for CPUs and memory) and a multiprocessing data pipeline
+        # through /dev/shm still work in the sandbox
+        out = vic.run_in_kernel(
+            "import os; os.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\n"
+            "import multiprocessing as mp, tensorflow as tf\n"
+            "print('TF', int(tf.reduce_sum(tf.range(10)).numpy()))\n"
+            "with mp.get_context('spawn').Pool(2) as pool:\n"
+            "    print('POOL', sum(pool.map(abs, [-1, -2])))\n", timeout=180)
+        assert "TF 45\n" in out and "POOL 3\n" in out, out
+        theirs = json.loads(eve.run_in_kernel(list_procs + (
+            f"import os\nprint(os.path.exists('/proc/{sleeper}'))\n")).splitlines()[0])
+        assert str(theirs["me"]) in theirs["cmd"] and theirs["me"] in theirs["psutil"]
+        assert str(sleeper) not in theirs["cmd"] and sleeper not in theirs["psutil"], theirs
+        assert mark not in json.dumps(theirs), theirs
+        vic_uid = vic.account.pw_uid
+        assert not set(theirs["cmd"]) & {str(p) for p in pids_of_uid(vic_uid)}
+        # a terminal of eve's runs in the same sandbox: `ps` there lists her account only
+        out = run_in_terminal(eve, "ps -e -o user= | sort -u; echo $JUPYTER_RUNTIME_DIR")
+        assert out.split() == [eve.account.pw_name, "/tmp/jupyter-runtime"], out
+    finally:
+        if pid_exists(sleeper):
+            os.kill(sleeper, 9)
+
+
+def run_in_terminal(b: Browser, command: str, timeout: float = 30) -> str:
+    """Run `command` in a new JupyterLab terminal of `b`'s server (its REST and websocket
+    API, as JupyterLab does); what it printed between two marks."""
+    import websocket
+
+    base = f"{b.hub.url}/user/{b.name}/"
+    h = {"Authorization": f"token {b.token()}"}
+    r = requests.post(base + "api/terminals", headers=h)
+    assert r.status_code == 200, (r.status_code, r.text)
+    name = r.json()["name"]
+    ws = websocket.create_connection(base.replace("http", "ws", 1) + f"terminals/websocket/{name}",
+                                     header=[f"Authorization: token {b.token()}"],
+                                     timeout=timeout)
+    mark = uuid.uuid4().hex[:8]
+    try:
+        ws.send(json.dumps(["stdin", f"echo BEGIN{mark}; {command}; echo END{mark}\r"]))
+        text, deadline = "", time.time() + timeout
+        while f"\nEND{mark}" not in text.replace("\r", "") and time.time() < deadline:
+            msg = json.loads(ws.recv())
+            if msg[0] == "stdout":
+                text += msg[1]
+        # without the shell's escapes (bracketed paste, the window title, colours)
+        text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07", "", text.replace("\r", ""))
+        assert f"BEGIN{mark}\n" in text and f"\nEND{mark}" in text, text
+        return text.split(f"BEGIN{mark}\n", 1)[1].split(f"\nEND{mark}", 1)[0]
+    finally:
+        ws.close()
+        requests.delete(base + f"api/terminals/{name}", headers=h)
+

@@ -226,3 +226,110 @@ def test_a_job_network_holds_only_loopback(tmp_path):
     sandbox.remove_netns("job1", base)
     assert not path.exists() and sandbox.netns_names(base) == []
     sandbox.remove_netns("job1", base)  # harmless
+
+
+# -- private IPC, /dev/shm and /proc (issue 33 items 5 and 8) -----------------------------
+
+@pytest.mark.parametrize("size, options", [
+    (None, "mode=1777"),  # the kernel's default for tmpfs: half the RAM
+    (0, "mode=1777"),
+    (8 * 2**30, f"mode=1777,size={8 * 2**30}"),
+], ids=["default", "zero", "8Gi"])
+def test_shm_options(size, options):
+    assert sandbox.shm_options(size) == options
+
+
+def test_shm_options_refuse_a_negative_size():
+    with pytest.raises(ValueError, match="number of bytes"):
+        sandbox.shm_options(-1)
+
+
+def _mount_of(target: str) -> tuple[str, str, set[str]]:
+    """(fstype, super options, mount options) of the last mount on `target` (mountinfo)."""
+    for line in reversed(Path("/proc/self/mountinfo").read_text().splitlines()):
+        left, right = line.split(" - ")
+        fields = left.split()
+        if fields[4] == target:
+            fstype, _, sopts = right.split()
+            return fstype, sopts, set(fields[5].split(","))
+    raise AssertionError(f"nothing mounted on {target}")
+
+
+@root_only
+def test_private_ipc_shm_and_proc(tmp_path):
+    """The child's /dev/shm is a fresh tmpfs of the size asked, its IPC namespace its own,
+    its /proc shows only its own account's processes; /tmp stays the machine's (no folder)."""
+    parent_ipc = os.readlink("/proc/self/ns/ipc")
+    parent = os.getpid()
+
+    def child():
+        sandbox.private_tmp(None, ipc=True, shm_size=32 * 2**20, hide_pids=True)
+        shm, proc = _mount_of("/dev/shm"), _mount_of("/proc")
+        os.setgid(NOBODY[1])
+        os.setuid(NOBODY[0])
+        st = os.statvfs("/dev/shm")
+        mode = stat.S_IMODE(os.stat("/dev/shm").st_mode)
+        Path("/dev/shm/mine").write_text("x")  # world-writable, as /dev/shm is everywhere
+        return {"ipc": os.readlink("/proc/self/ns/ipc"), "shm": os.listdir("/dev/shm"),
+                "size": st.f_blocks * st.f_frsize, "shm_mount": [shm[0], shm[1], sorted(shm[2])],
+                "proc_mount": [proc[0], proc[1], sorted(proc[2])],
+                "pids": [p for p in os.listdir("/proc") if p.isdigit()], "me": os.getpid(),
+                "tmp_same": os.stat("/tmp").st_ino, "mode": mode}
+
+    code, out = in_child(child)
+    assert code == 0, out
+    assert out["ipc"] != parent_ipc
+    assert out["shm"] == ["mine"] and out["size"] == 32 * 2**20
+    assert out["shm_mount"][0] == "tmpfs" and out["mode"] == 0o1777
+    assert {"nosuid", "nodev"} <= set(out["shm_mount"][2])
+    assert out["proc_mount"][0] == "proc" and "hidepid=invisible" in out["proc_mount"][1]
+    assert {"nosuid", "nodev", "noexec"} <= set(out["proc_mount"][2])
+    assert str(out["me"]) in out["pids"] and str(parent) not in out["pids"]
+    assert out["tmp_same"] == os.stat("/tmp").st_ino
+    assert not Path("/dev/shm/mine").exists()  # nothing reached the machine's /dev/shm
+
+
+def _spawner(**traits):
+    from types import SimpleNamespace
+
+    from traitlets.config import Config
+
+    from gpulab.spawner.local import LocalGPUSpawner
+
+    c = Config()
+    for name, value in traits.items():
+        setattr(c.LocalGPUSpawner, name, value)
+    return LocalGPUSpawner(config=c, user=SimpleNamespace(name="ann", id=1, groups=[],
+                                                          url="/user/ann/"))
+
+
+def test_isolated_servers_run_kernels_over_unix_sockets_in_their_private_tmp():
+    s = _spawner(isolate_users=True, private_tmp=True)
+    assert "--KernelManager.transport=ipc" in s.get_args()
+    assert s.kernel_env() == {"JUPYTER_RUNTIME_DIR": "/tmp/jupyter-runtime"}
+    # without a private /tmp: sockets in the Jupyter runtime folder of the account's home
+    s = _spawner(isolate_users=True, private_tmp=False)
+    assert "--KernelManager.transport=ipc" in s.get_args()
+    assert s.kernel_env() == {}
+    # not isolated (one account runs every server): TCP, as Jupyter's default
+    s = _spawner(isolate_users=False, private_tmp=False)
+    assert not any("transport" in a for a in s.get_args())
+
+
+@pytest.mark.parametrize("shm_size, mem_limit, size", [
+    ("", None, None),  # the kernel's default: half the RAM
+    ("", "4G", 4 * 2**30),  # the server's memory limit (JupyterHub's G is 2**30)
+    ("512Mi", "4G", 512 * 2**20),  # the operator's setting wins
+], ids=["default", "memory-limit", "set"])
+def test_shm_size_of_a_server(shm_size, mem_limit, size):
+    s = _spawner(shm_size=shm_size)
+    if mem_limit:
+        s.mem_limit = mem_limit
+    assert s.shm_bytes() == size
+
+
+def test_a_bad_shm_size_is_refused_with_the_reason():
+    from traitlets import TraitError
+
+    with pytest.raises(TraitError, match="shm_size.*512Mi"):
+        _spawner(shm_size="lots")
