@@ -472,7 +472,7 @@ def _holding_words(holding: list[tuple[float, Running]], now: float) -> str:
             when = "being stopped"
         elif end == INF:
             when = "no time limit" if r.kind == "job" else \
-                "no time limit: stop it to start this"
+                "no time limit: stop it to free them"
         else:
             when = f"its time limit ends {_in(end - now)}"
         named.append(f"{what} ({r.gpus} GPU{_s(r.gpus)}, {when})")
