@@ -169,7 +169,9 @@ class JobSpec(Strict):
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     max_runtime: int | None = Field(None, gt=0, le=MAX_RUNTIME,
-                                    description="seconds; the job is stopped after")
+                                    description="seconds; the job is stopped after (without "
+                                    "it: the operator's c.GPUJobs.default_max_runtime, a day "
+                                    "by default)")
     retries: int = Field(2, ge=0, le=MAX_RETRIES,
                          description="restarts of failed replicas before the job fails")
     image: str | None = Field(None, description="container image (Kubernetes backend)")
