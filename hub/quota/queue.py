@@ -307,14 +307,20 @@ def plan(devices: Iterable[Device], running: Iterable[Running], queue: Iterable[
             position += 1
             mine = held_gpus.get(w.user, 0)
             need = mine + w.gpus - quota.max_gpus
-            est, holding = _own_release(own_ends.get(w.user, []), need)
+            own, holding = _own_release(own_ends.get(w.user, []), need)
             cap = _kth(sorted(free_at[i] for i in matching), w.gpus)
-            est = max(est, cap)
+            est = max(own, cap)
+            unknown_why = ""
+            if est == INF:
+                why = ("your own work holding it has no time limit" if own == INF else
+                       _why_unknown(sorted(matching, key=lambda i: (free_at[i], i))[:w.gpus],
+                                    free_at, unknown))
+                unknown_why = f" (start unknown: {why})"
             out.waiting[w.id] = Place(
                 position, None if est == INF else est,
                 f"Waits for your quota: {mine} of your {quota.max_gpus} GPU{_s(quota.max_gpus)} "
                 f"{'is' if mine == 1 else 'are'} in use{_holding_words(holding, now)}; it starts "
-                "when enough of your own work ends.", position - 1, ahead_gpus)
+                f"when enough of your own work ends{unknown_why}.", position - 1, ahead_gpus)
             ahead_gpus += w.gpus
             continue
 
@@ -436,8 +442,8 @@ def _kind(kind: str) -> str:
 def _no_limit(r: Running) -> str:
     """Why the end of `r`'s work is unknown, in words that never name another person."""
     if r.kind == "notebook":
-        return ("a notebook using them has no time limit (a notebook ends when its person "
-                "stops it, or when the idle culler finds it idle: not at a known time)")
+        return ("a notebook using them has no time limit: a notebook ends when its person "
+                "stops it or when the idle culler finds it idle, not at a known time")
     return "a job using them has no time limit"
 
 

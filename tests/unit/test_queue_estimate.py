@@ -98,6 +98,8 @@ def test_a_quota_wait_names_the_persons_own_work(name, run, start, words):
     place = p.waiting["nb"]
     assert place.estimated_start == start
     assert words in place.reason
+    assert ("start unknown: your own work holding it has no time limit" in place.reason) \
+        is (start is None)
 
 
 def test_own_work_started_in_the_same_pass_is_named():
