@@ -24,9 +24,14 @@ person's quota, share and recent usage, and decides one scheduling pass:
 - **GPU-hour budgets.** Work of a person past their budget waits, with that reason, instead of
   being refused.
 
-Each waiting entry gets its place in line, an estimated start (None when running work without
-a time limit makes it unknowable) and the reason it waits, in words that never name another
-person. `refusal_now` is the part that never waits: a request that can never run.
+Each waiting entry gets its place in line, an estimated start and the reason it waits, in
+words that never name another person. The estimate is the earliest start the rules above allow,
+from the time limits of the running work (its start plus its ``max_runtime``) and of the work
+ahead in line; it is None where work in the way has no time limit (a notebook: it ends when
+its person stops it or the idle culler finds it idle, not at a known time), and the reason
+then says which ("start unknown: a notebook using them has no time limit"). An entry waiting
+for its person's quota names their own work that holds it ("your job 'digits-3' (2 GPUs, its
+time limit ends in about 5 min)"). `refusal_now` is the part that never waits: a request that can never run.
 """
 
 from __future__ import annotations
