@@ -197,6 +197,8 @@ def test_a_wait_behind_work_with_a_time_limit_has_an_estimated_start(hub, users,
         [entry] = my_entries(bob)
         assert entry["estimated_start"] == start, entry
         assert "starts in about 5 min" in queue_text(job), queue_text(job)
+        page = bob.s.get(hub.url + "/services/gpulab/", timeout=60).text  # My GPUs
+        assert f'<span class="eta" data-at="{start}">' in page, page[-3000:]
         env = {**os.environ, "GPULAB_URL": hub.url, "GPULAB_TOKEN": bob.token()}
         shown = subprocess.run([GPULAB, "jobs", "show", "next"], env=env, capture_output=True,
                                text=True, timeout=120)
