@@ -112,3 +112,15 @@ def test_own_work_started_in_the_same_pass_is_named():
     assert p.waiting["nb"].estimated_start == NOW + 600
     assert "by your job 'digits-3' (2 GPUs, its time limit ends in about 10 min)" \
         in p.waiting["nb"].reason
+
+
+def test_the_words_never_name_another_persons_work():
+    # bob's job (named) and notebook hold every GPU; ann's entries are told why they wait,
+    # never what bob's work is called
+    run = [running("j", [0, 1], started=0, limit=600, user="bob", holder="secret-job"),
+           running("n", [2, 3], user="bob", kind="notebook", holder="secret-nb")]
+    line = [waiting("w4", 4, user="a"), waiting("w1", 1, t=1, user="a", kind="notebook")]
+    p = plan(GPUS4, run, line, {"a": Person(Quota(4)), "bob": Person(Quota(4))}, NOW)
+    for place in p.waiting.values():
+        assert "secret" not in place.reason and "bob" not in place.reason, place.reason
+    assert "a notebook using them has no time limit" in p.waiting["w4"].reason
