@@ -363,7 +363,7 @@ def queue_text(view: Mapping, now: float | None = None) -> str:
     where = "next in line" if position == 1 else f"{_ordinal(position)} in line"
     start = q.get("estimated_start")
     if not isinstance(start, (int, float)):
-        return f"{where} · start unknown"
+        return f"{where} · start unknown{_unknown_why(q.get('reason'))}"
     now = time.time() if now is None else now
     wait = start - now
     if wait <= 30:
@@ -372,6 +372,19 @@ def queue_text(view: Mapping, now: float | None = None) -> str:
     if wait < 3600:
         return f"{where} · starts in about {max(1, round(wait / 60))} min ({clock})"
     return f"{where} · starts in about {wait / 3600:.1f} h ({clock})"
+
+
+def _unknown_why(reason) -> str:
+    """``: a notebook using them has no time limit``: why the queue's reason says the start
+    is unknown, short enough for a state line ("" when it does not say)."""
+    if not isinstance(reason, str):
+        return ""
+    m = re.search(r"start unknown: ([^:;()]+)", reason)
+    if m:
+        return ": " + m.group(1).strip().rstrip(".")
+    if reason.startswith("Waits for GPU-hour budget"):
+        return ": waits for GPU-hour budget"
+    return ""
 
 
 def state_line(view: Mapping, now: float | None = None) -> str:

@@ -297,7 +297,7 @@ class JobBackend:
         self._check_new_name(user, spec.name)
         self._check_replica_bound(user, spec)
         req = Request(user=user, kind="job", holder=spec.name, gpus=spec.total_gpus,
-                      groups=groups)
+                      groups=groups, max_runtime=spec.max_runtime)
         allocation = self._admit_or_queue(req, spec)
         job_id = uuid.uuid4().hex
         try:
@@ -343,6 +343,9 @@ class JobBackend:
         return None
 
     async def submit(self, user: str, groups: tuple[str, ...], spec: JobSpec) -> dict:
+        # a spec without a time limit gets the operator's default (``c.GPUJobs``), enforced
+        # as an explicit one is, and counted by the queue's estimates
+        spec = self.limits.with_time_limit(spec)
         prepared = await self._prepare(user, groups, spec)
         async with self._admitting:
             job_id, allocation = await asyncio.to_thread(

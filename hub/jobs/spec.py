@@ -63,6 +63,8 @@ class JobLimits:
     max_source_bytes: int = 256 * 1024  # ``source`` and ``files`` together
     max_files: int = 64  # entries of ``files``
     max_runtime: int = 7 * 24 * 3600
+    #: the time limit of a job whose spec sets no ``max_runtime`` (0: none)
+    default_max_runtime: int = 24 * 3600
     max_args: int = 64
     max_env: int = 64
     max_retries: int = 10
@@ -80,6 +82,13 @@ class JobLimits:
         if res is not None and res.cpu is not None:
             return res.cpu
         return self.default_cpu or None
+
+    def with_time_limit(self, spec: "JobSpec") -> "JobSpec":
+        """`spec` with ``default_max_runtime`` as its ``max_runtime`` where it sets none."""
+        if spec.max_runtime is not None or self.default_max_runtime <= 0:
+            return spec
+        return spec.model_copy(update={
+            "max_runtime": min(self.default_max_runtime, self.max_runtime)})
 
     def memory_of(self, res: Resources | None) -> str | None:
         """The memory limit (``8Gi``) of a replica whose role asks for `res` (None: none)."""
@@ -164,7 +173,9 @@ class JobSpec(Strict):
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     max_runtime: int | None = Field(None, gt=0, le=MAX_RUNTIME,
-                                    description="seconds; the job is stopped after")
+                                    description="seconds; the job is stopped after (without "
+                                    "it: the operator's c.GPUJobs.default_max_runtime, a day "
+                                    "by default)")
     retries: int = Field(2, ge=0, le=MAX_RETRIES,
                          description="restarts of failed replicas before the job fails")
     image: str | None = Field(None, description="container image (Kubernetes backend)")
@@ -347,6 +358,17 @@ class GPUJobs(Configurable):
     max_runtime = Int(DEFAULT_LIMITS.max_runtime, help="""
         Most seconds a spec's ``max_runtime`` may ask for (default 604800, a week).""").tag(
         config=True)
+    default_max_runtime = Int(DEFAULT_LIMITS.default_max_runtime, help="""
+        The time limit, in seconds, of a job whose spec gives no ``max_runtime`` (default
+        86400, a day), as a Slurm partition's ``DefaultTime`` gives one: the job is stopped at
+        it as at an explicit ``max_runtime`` (state Failed, "stopped after max_runtime"), and
+        the queue can then estimate when the GPUs of running work come back, so waiting work
+        gets an estimated start. A day fits most training runs here and still bounds a
+        forgotten one; longer runs ask for it with ``max_runtime`` (up to
+        ``c.GPUJobs.max_runtime``, which also caps this). 0: no default (such jobs run until
+        they end, and work waiting behind them has no estimated start).
+        Example: ``c.GPUJobs.default_max_runtime = 6 * 3600``
+        """).tag(config=True)
     max_retries = Int(DEFAULT_LIMITS.max_retries, help="""
         Most restarts of failed replicas a spec may ask for (default 10).""").tag(config=True)
     allowed_images = List(Unicode(), help="""
@@ -420,6 +442,8 @@ class GPUJobs(Configurable):
         return JobLimits(max_replicas=self.max_replicas,
                          max_gpus_per_replica=self.max_gpus_per_replica,
                          max_source_bytes=self.max_source_bytes, max_runtime=self.max_runtime,
+                         default_max_runtime=max(0, min(self.default_max_runtime,
+                                                        self.max_runtime)),
                          max_retries=self.max_retries, allowed_images=tuple(self.allowed_images),
                          default_cpu=self.default_cpu, default_memory=self.default_memory,
                          max_replicas_per_user=self.max_replicas_per_user,

@@ -126,6 +126,9 @@ class AllocationRow(Base):
     started_at: Mapped[float] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     end_reason: Mapped[str] = mapped_column(String(255), default="")
+    #: the work's time limit in seconds (a job's ``max_runtime``); None: none (a notebook).
+    #: The queue's estimates read it: the GPUs come back by ``started_at + max_runtime``.
+    max_runtime: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 @dataclass(frozen=True)
@@ -141,12 +144,13 @@ class Allocation:
     started_at: float
     ended_at: float | None = None
     end_reason: str = ""
+    max_runtime: float | None = None
 
     @classmethod
     def of(cls, row: AllocationRow) -> "Allocation":
         return cls(row.id, row.pool, row.kind, row.holder, row.user, row.gpus, row.model,
                    tuple(json.loads(row.devices or "[]")), row.started_at, row.ended_at,
-                   row.end_reason)
+                   row.end_reason, row.max_runtime)
 
     @property
     def open(self) -> bool:
@@ -179,6 +183,8 @@ class Request:
     groups: tuple[str, ...] = ()
     model: str | None = None
     model_matches: Callable[[str | None, str], bool] | None = field(default=None, compare=False)
+    #: the work's time limit in seconds (None: none), kept with its allocation
+    max_runtime: float | None = None
 
 
 class AdmissionRefused(Exception):
@@ -378,7 +384,8 @@ class Ledger:
             raise QuotaExceeded(why)
         devices: list[int] = []
         row = dict(id=uuid.uuid4().hex, pool=self.pool, kind=req.kind, holder=req.holder,
-                   user=req.user, gpus=req.gpus, model=req.model, started_at=now)
+                   user=req.user, gpus=req.gpus, model=req.model, started_at=now,
+                   max_runtime=req.max_runtime)
         if req.gpus and assigns:
             matching = [_Dev(i, m) for i, m in device_rows if matches(req.model, m)]
             if not pool_locked:
@@ -389,7 +396,8 @@ class Ledger:
                 if got is None:
                     return None
                 return Allocation(row["id"], self.pool, req.kind, req.holder, req.user,
-                                  req.gpus, req.model, tuple(got[0]), got[1])
+                                  req.gpus, req.model, tuple(got[0]), got[1],
+                                  max_runtime=req.max_runtime)
             held = {i for r in open_rows for i in r.devices}
             free = [d.index for d in matching if d.index not in held]
             if len(free) < req.gpus:
@@ -401,7 +409,7 @@ class Ledger:
         tx.write_and_commit(None if known else self.pool, dict(
             row, devices=json.dumps(devices), ended_at=None, end_reason=""))
         return Allocation(row["id"], self.pool, req.kind, req.holder, req.user, req.gpus,
-                          req.model, tuple(devices), now)
+                          req.model, tuple(devices), now, max_runtime=req.max_runtime)
 
     def adopt(self, req: Request, now: float | None = None) -> Allocation:
         """The allocation of GPUs an outside scheduler (Kueue) has admitted already: recorded
@@ -425,7 +433,7 @@ class Ledger:
             row = AllocationRow(id=uuid.uuid4().hex, pool=self.pool, kind=req.kind,
                                 holder=req.holder, user=req.user, gpus=req.gpus,
                                 model=req.model, devices="[]", started_at=now, ended_at=None,
-                                end_reason="")
+                                end_reason="", max_runtime=req.max_runtime)
             s.add(row)
             s.flush()
             alloc = Allocation.of(row)
@@ -571,8 +579,9 @@ WITH recent AS (
     FROM free
 )
 INSERT INTO allocations (id, pool, kind, holder, "user", gpus, model, devices, started_at,
-                         ended_at, end_reason)
-SELECT :id, :pool, :kind, :holder, :user, :gpus, :model, pick.devices, pick.started_at, NULL, ''
+                         ended_at, end_reason, max_runtime)
+SELECT :id, :pool, :kind, :holder, :user, :gpus, :model, pick.devices, pick.started_at, NULL, '',
+       CAST(:max_runtime AS double precision)
 FROM pick WHERE pick.n = :gpus
 RETURNING devices, started_at""").bindparams(bindparam("started_at", type_=Float),
                                  bindparam("candidates", type_=ARRAY(Integer)))

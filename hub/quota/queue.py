@@ -24,9 +24,14 @@ person's quota, share and recent usage, and decides one scheduling pass:
 - **GPU-hour budgets.** Work of a person past their budget waits, with that reason, instead of
   being refused.
 
-Each waiting entry gets its place in line, an estimated start (None when running work without
-a time limit makes it unknowable) and the reason it waits, in words that never name another
-person. `refusal_now` is the part that never waits: a request that can never run.
+Each waiting entry gets its place in line, an estimated start and the reason it waits, in
+words that never name another person. The estimate is the earliest start the rules above allow,
+from the time limits of the running work (its start plus its ``max_runtime``) and of the work
+ahead in line; it is None where work in the way has no time limit (a notebook: it ends when
+its person stops it or the idle culler finds it idle, not at a known time), and the reason
+then says which ("start unknown: a notebook using them has no time limit"). An entry waiting
+for its person's quota names their own work that holds it ("your job 'digits-3' (2 GPUs, its
+time limit ends in about 5 min)"). `refusal_now` is the part that never waits: a request that can never run.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class Running:
     preemptible: bool = False
     borrowed: bool = False  # started beyond its person's quota
     stopping: bool = False  # being preempted: its GPUs are coming back
+    holder: str = ""  # its name as its person knows it (the job's name, the server's name)
 
     @property
     def gpus(self) -> int:
@@ -89,6 +95,7 @@ class Waiting:
     preemptible: bool = False
     held: bool = False  # an admin holds it
     top: float | None = None  # when an admin moved it to the top (earlier moves first)
+    holder: str = ""  # its name as its person knows it
 
 
 @dataclass(frozen=True)
@@ -264,10 +271,12 @@ def plan(devices: Iterable[Device], running: Iterable[Running], queue: Iterable[
     held_gpus: dict[str, int] = {}
     for r in running:
         held_gpus[r.user] = held_gpus.get(r.user, 0) + r.gpus
+    # why a device's `free_at` is unknown (INF): the work on it, or the line ahead of it
+    unknown: dict[int, str] = {i: _no_limit(holder[i]) for i, t in free_at.items() if t == INF}
     # one person's own running work: when each of their GPUs comes back
-    own_ends: dict[str, list[tuple[float, int]]] = {}
+    own_ends: dict[str, list[tuple[float, int, Running]]] = {}
     for r in running:
-        own_ends.setdefault(r.user, []).append((r.end(now), r.gpus))
+        own_ends.setdefault(r.user, []).append((r.end(now), r.gpus, r))
 
     out = Plan()
     line = order(queue, people)
@@ -302,14 +311,21 @@ def plan(devices: Iterable[Device], running: Iterable[Running], queue: Iterable[
         if not within and not borrowing:
             position += 1
             mine = held_gpus.get(w.user, 0)
-            est = _own_release(own_ends.get(w.user, []), mine + w.gpus - quota.max_gpus)
+            need = mine + w.gpus - quota.max_gpus
+            own, holding = _own_release(own_ends.get(w.user, []), need)
             cap = _kth(sorted(free_at[i] for i in matching), w.gpus)
-            est = max(est, cap)
+            est = max(own, cap)
+            unknown_why = ""
+            if est == INF:
+                why = ("your own work holding it has no time limit" if own == INF else
+                       _why_unknown(sorted(matching, key=lambda i: (free_at[i], i))[:w.gpus],
+                                    free_at, unknown))
+                unknown_why = f" (start unknown: {why})"
             out.waiting[w.id] = Place(
                 position, None if est == INF else est,
                 f"Waits for your quota: {mine} of your {quota.max_gpus} GPU{_s(quota.max_gpus)} "
-                f"{'is' if mine == 1 else 'are'} in use; it starts when enough of your own work "
-                "ends.", position - 1, ahead_gpus)
+                f"{'is' if mine == 1 else 'are'} in use{_holding_words(holding, now)}; it starts "
+                f"when enough of your own work ends{unknown_why}.", position - 1, ahead_gpus)
             ahead_gpus += w.gpus
             continue
 
@@ -325,14 +341,16 @@ def plan(devices: Iterable[Device], running: Iterable[Running], queue: Iterable[
             out.start.append(Start(w.id, chosen, borrowed=borrowing))
             end = INF if w.max_runtime is None else now + w.max_runtime
             r = Running(w.id, w.user, w.kind, chosen, now, w.max_runtime, w.preemptible,
-                        borrowing)
+                        borrowing, holder=w.holder)
             for i in chosen:
                 holder[i] = r
                 free.discard(i)
                 if i not in reserved:  # a reserved GPU goes on to the head afterwards
                     free_at[i] = end
+                    if end == INF:
+                        unknown[i] = _no_limit(r)
             held_gpus[w.user] = held_gpus.get(w.user, 0) + w.gpus
-            own_ends.setdefault(w.user, []).append((end, w.gpus))
+            own_ends.setdefault(w.user, []).append((end, w.gpus, r))
             continue
 
         position += 1
@@ -367,16 +385,19 @@ def plan(devices: Iterable[Device], running: Iterable[Running], queue: Iterable[
             else:
                 reserved = set(ranked[:w.gpus])
                 reserved_until = _kth(sorted(free_at[i] for i in matching), w.gpus)
-                reason = _busy_reason(w, len(free_now), len(matching), of, reserved_until)
+                reason = _busy_reason(w, len(free_now), len(matching), of, reserved_until,
+                                      why=_why_unknown(ranked[:w.gpus], free_at, unknown))
             est = reserved_until
             for i in reserved:
-                free_at[i] = INF if w.max_runtime is None or est == INF else est + w.max_runtime
+                _take(i, w, est, free_at, unknown)
         else:
             est = _kth(sorted(free_at[i] for i in matching), w.gpus)
+            why = _why_unknown(ranked[:w.gpus], free_at, unknown)
             if est != INF:
                 for i in ranked[:w.gpus]:
-                    free_at[i] = INF if w.max_runtime is None else est + w.max_runtime
-            reason = _busy_reason(w, len(free_now), len(matching), of, est, behind=True)
+                    _take(i, w, est, free_at, unknown)
+            reason = _busy_reason(w, len(free_now), len(matching), of, est, behind=True,
+                                  why=why)
         out.waiting[w.id] = Place(position, None if est == INF else est, reason,
                                   position - 1, ahead_gpus)
         ahead_gpus += w.gpus
@@ -392,16 +413,82 @@ def _kth(times: list[float], k: int) -> float:
     return times[k - 1]
 
 
-def _own_release(ends: list[tuple[float, int]], need: int) -> float:
-    """When a person's own running work has given back `need` GPUs (INF when unknown)."""
+def _own_release(ends: list[tuple[float, int, Running]], need: int
+                 ) -> tuple[float, list[tuple[float, Running]]]:
+    """When a person's own running work has given back `need` GPUs (INF when unknown), and
+    the work that must end first, with when each does (soonest first)."""
     if need <= 0:
-        return -INF
-    got = 0
-    for end, gpus in sorted(ends):
+        return -INF, []
+    got, holding = 0, []
+    for end, gpus, r in sorted(ends, key=lambda e: (e[0], e[2].id)):
         got += gpus
+        holding.append((end, r))
         if got >= need:
-            return end
-    return INF
+            return end, holding
+    return INF, holding
+
+
+def _take(i: int, w: Waiting, start: float, free_at: dict[int, float],
+          unknown: dict[int, str]) -> None:
+    """Device `i` promised to `w` from `start`: free again at its time limit's end."""
+    if start == INF:
+        free_at[i] = INF  # `unknown[i]` already says why
+    elif w.max_runtime is None:
+        free_at[i] = INF
+        unknown[i] = f"the {_kind(w.kind)} ahead of it in line has no time limit"
+    else:
+        free_at[i] = start + w.max_runtime
+
+
+def _kind(kind: str) -> str:
+    return "notebook" if kind == "notebook" else "job"
+
+
+def _no_limit(r: Running) -> str:
+    """Why the end of `r`'s work is unknown, in words that never name another person."""
+    if r.kind == "notebook":
+        return ("a notebook using them has no time limit: a notebook ends when its person "
+                "stops it or when the idle culler finds it idle, not at a known time")
+    return "a job using them has no time limit"
+
+
+def _why_unknown(devices: Iterable[int], free_at: Mapping[int, float],
+                 unknown: Mapping[int, str]) -> str:
+    """Why the start on `devices` (those an entry would take) is unknown: the first cause."""
+    causes = [unknown.get(i, "") for i in devices if free_at[i] == INF]
+    causes = [c for c in causes if c]
+    if not causes:
+        return "the work using them has no time limit"
+    return sorted(set(causes), key=causes.index)[0]
+
+
+def _in(seconds: float) -> str:
+    """``in about 5 min``, ``in about 2.5 h``, ``in a moment``."""
+    if seconds <= 30:
+        return "in a moment"
+    if seconds < 3600:
+        return f"in about {max(1, round(seconds / 60))} min"
+    return f"in about {seconds / 3600:.1f} h"
+
+
+def _holding_words(holding: list[tuple[float, Running]], now: float) -> str:
+    """`` by your job 'digits-3' (2 GPUs, time limit ends in about 5 min)``: the person's own
+    work that must end before their entry fits their quota (at most three named)."""
+    if not holding:
+        return ""
+    named = []
+    for end, r in holding[:3]:
+        what = f"your {_kind(r.kind)}" + (f" '{r.holder}'" if r.holder else "")
+        if r.stopping:
+            when = "being stopped"
+        elif end == INF:
+            when = "no time limit" if r.kind == "job" else \
+                "no time limit: stop it to free them"
+        else:
+            when = f"its time limit ends {_in(end - now)}"
+        named.append(f"{what} ({r.gpus} GPU{_s(r.gpus)}, {when})")
+    more = len(holding) - len(named)
+    return " by " + ", ".join(named) + (f" and {more} more" if more > 0 else "")
 
 
 def _victims(w: Waiting, matching: list[int], free_now: list[int], holder: dict[int, Running],
@@ -429,10 +516,10 @@ def _victims(w: Waiting, matching: list[int], free_now: list[int], holder: dict[
 
 
 def _busy_reason(w: Waiting, free: int, total: int, of: str, est: float,
-                 behind: bool = False) -> str:
+                 behind: bool = False, why: str = "") -> str:
     where = "behind earlier work in line; " if behind else ""
-    when = ("the work using them has no time limit, so the start cannot be estimated"
-            if est == INF else "estimated start shown")
+    when = (f"start unknown: {why or 'the work using them has no time limit'}"
+            if est == INF else "estimated start from the time limits of the work using them")
     return (f"Waits for {w.gpus} GPU{_s(w.gpus)}{of} at once: {free} of {total} "
             f"{'is' if free == 1 else 'are'} free now ({where}{when}).")
 

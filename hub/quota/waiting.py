@@ -257,7 +257,7 @@ class Queue:
                     id=uuid.uuid4().hex, pool=self.pool, kind=row.kind, holder=row.holder,
                     user=row.user, gpus=row.gpus, model=row.model,
                     devices=json.dumps(list(st.devices)), started_at=now, ended_at=None,
-                    end_reason="")
+                    end_reason="", max_runtime=row.max_runtime)
                 s.add(alloc)
                 row.state, row.allocation_id, row.borrowed = "admitted", alloc.id, int(st.borrowed)
                 row.reason, row.updated_at = "", now
@@ -429,12 +429,16 @@ class Queue:
         running = []
         for a in open_rows:
             e = by_alloc.get(a.id)
+            # its time limit: kept with the allocation (admitted at once or by a pass), or
+            # that of the entry it was admitted from (allocations older than the column)
+            limit = a.max_runtime if a.max_runtime is not None else (
+                e.max_runtime if e is not None else None)
             running.append(policy.Running(
                 a.id, a.user, a.kind, tuple(json.loads(a.devices or "[]")), a.started_at,
-                e.max_runtime if e is not None else None,
+                limit,
                 bool(e.preemptible) if e is not None else False,
                 bool(e.borrowed) if e is not None else False,
-                stopping=e is not None and e.state == "preempting"))
+                stopping=e is not None and e.state == "preempting", holder=a.holder))
         if locked is not None:
             entry_rows = [r for r in entry_rows if r.state != "waiting" or r.user in locked]
         waiting = [r for r in entry_rows if r.state == "waiting"]
@@ -468,7 +472,7 @@ class Queue:
 
     def _plan(self, state: "_State", now: float) -> policy.Plan:
         line = [policy.Waiting(e.id, e.user, e.kind, e.gpus, e.submitted_at, e.model, e.priority,
-                               e.max_runtime, e.preemptible, e.held, e.top_at)
+                               e.max_runtime, e.preemptible, e.held, e.top_at, e.holder)
                 for e in state.entries]
         return policy.plan(state.devices, state.running, line, state.people, now, self.settings,
                            self.matches)

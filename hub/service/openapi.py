@@ -84,8 +84,10 @@ JOB = {"type": "object", "properties": {
     "progress": {"type": ["object", "null"], "description": "the last progress line of the "
                  "chief (or worker 0): step, total and metrics"},
     "queue": {"type": ["object", "null"], "description": "a Queued job's place: position "
-              "(null: held by an admin), estimated_start (Unix time or null: unknown), ahead "
-              "and ahead_gpus (the work before it), reason, held, preemptible"}}}
+              "(null: held by an admin), estimated_start (Unix time: the earliest start from the "
+              "time limits of the work holding the GPUs and of the work ahead; null: unknown, "
+              "the reason says why), ahead and ahead_gpus (the work before it), reason (why it "
+              "waits, in words), held, preemptible"}}}
 RESTART = {"type": "object", "description": "One restart of a replica (oldest first)",
            "properties": {
     "restart": {"type": "integer", "description": "which restart (1: the first)"},
@@ -116,7 +118,11 @@ QUEUE_ENTRY = {"type": "object", "properties": {
     "id": {"type": "string"}, "user": {"type": "string"},
     "kind": {"type": "string", "enum": ["job", "notebook"]}, "holder": {"type": "string"},
     "gpus": {"type": "integer"}, "position": {"type": ["integer", "null"]},
-    "estimated_start": {"type": ["number", "null"]}, "ahead": {"type": "integer"},
+    "estimated_start": {"type": ["number", "null"], "description": "Unix time: the earliest "
+                        "start from the time limits of running work and of the work ahead; "
+                        "null: unknown (the reason says why, e.g. a notebook using the GPUs "
+                        "has no time limit)"},
+    "ahead": {"type": "integer"},
     "ahead_gpus": {"type": "integer"}, "waited_seconds": {"type": "number"},
     "held": {"type": "boolean"}, "preemptible": {"type": "boolean"},
     "reason": {"type": "string"}}}

@@ -412,3 +412,22 @@ def test_prepared_statements_last_and_come_back_after_a_discard(postgres, caplog
     assert b.devices == (0, 1) and caplog.text.count("were gone") == 2
     assert ledger.engine.pool.checkedin() == 1  # the same connection all along
     ledger.engine.dispose()
+
+
+@pytest.mark.parametrize("where", ["sqlite", "postgresql"])
+def test_an_allocation_keeps_its_time_limit(where, tmp_path, request):
+    """Issue 37: the queue estimates from an allocation's time limit; every insert path keeps
+    it (PostgreSQL's first try inserts with its own statement, `_INSERT_FIRST_FREE_PG`)."""
+    if where == "sqlite":
+        url = f"sqlite:///{tmp_path}/ledger.sqlite"
+    else:
+        url = request.getfixturevalue("postgres").create_database("limits")
+    ledger = Ledger(url)
+    ledger.migrate()
+    ledger.sync_inventory(DeviceInfo(i) for i in range(2))
+    job = ledger.admit(Request("ann", "job", "fast", 1, max_runtime=300.0))
+    notebook = ledger.admit(Request("ann", "notebook", "default", 1))
+    assert (job.max_runtime, notebook.max_runtime) == (300.0, None)
+    assert {a.holder: a.max_runtime for a in ledger.open_allocations()} == {
+        "fast": 300.0, "default": None}
+    assert ledger.release(job.id).max_runtime == 300.0

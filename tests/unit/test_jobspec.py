@@ -163,3 +163,26 @@ def test_process_bounds_reach_the_service():
     c.GPUJobs.max_user_processes = 0
     mine = limits_from_json(GPUJobs(config=c).limits_json())
     assert (mine.pids_per_replica, mine.max_user_processes) == (64, 0)
+
+
+DEFAULT_LIMIT = [
+    # (id, spec's max_runtime, c.GPUJobs settings, the job's time limit)
+    ("no limit in the spec: the operator's default (a day)", None, {}, 86400),
+    ("the spec's own limit wins", 300, {}, 300),
+    ("a default set by the operator", None, {"default_max_runtime": 600}, 600),
+    ("no default (0): none", None, {"default_max_runtime": 0}, None),
+    ("the default never passes the longest allowed", None,
+     {"default_max_runtime": 7200, "max_runtime": 3600}, 3600),
+]
+
+
+@pytest.mark.parametrize("name,own,settings,limit", DEFAULT_LIMIT,
+                         ids=[r[0] for r in DEFAULT_LIMIT])
+def test_default_time_limit(name, own, settings, limit):
+    from gpulab.hub.jobs.spec import GPUJobs, limits_from_json
+    body = {"name": "j", "strategy": "multi-worker-mirrored", "source": "print(1)"}
+    if own is not None:
+        body["max_runtime"] = own
+    lim = limits_from_json(GPUJobs(**settings).limits_json())  # as the service gets them
+    spec = lim.with_time_limit(parse_spec(body, lim))
+    assert spec.max_runtime == limit

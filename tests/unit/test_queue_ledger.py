@@ -220,3 +220,27 @@ def test_a_model_prefix_waits_and_starts_as_profiles_match_models(tmp_path):
         queue.enqueue(req("ann", "other", 1, kind="notebook", model="NVIDIA-A10"))
     lg.release(held.id)
     assert [s.id for s, _ in queue.schedule().started] == [e.id]
+
+
+def test_estimates_count_the_time_limit_of_work_admitted_at_once(ledger):
+    # issue 37: a job admitted at once (no queue entry) with max_runtime 300 holds the GPUs;
+    # the wait behind it is estimated from its limit, which its allocation keeps
+    q = Queue(ledger)
+    held = ledger.admit(req("bob", "fast", 4, max_runtime=300.0), now=T)
+    assert held.max_runtime == 300.0 and ledger.get(held.id).max_runtime == 300.0
+    w = q.enqueue(req("ann", "next", 2), max_runtime=600.0, now=T + 10)
+    (e,) = q.entries(now=T + 100)
+    assert e.id == w.id and e.estimated_start == T + 300
+    assert "estimated start" in e.reason
+    # a notebook holding them has no limit: unknown, and the reason says why
+    ledger.release(held.id, now=T + 120)
+    nb = ledger.admit(req("bob", "nb", 4, kind="notebook"), now=T + 130)
+    assert nb.max_runtime is None
+    (e,) = q.entries(now=T + 140)
+    assert e.estimated_start is None
+    assert "a notebook using them has no time limit" in e.reason
+    # work a pass admits keeps the limit its entry had
+    ledger.release(nb.id, now=T + 150)
+    q.schedule(now=T + 160)
+    (alloc,) = [a for a in ledger.open_allocations() if a.holder == "next"]
+    assert alloc.max_runtime == 600.0

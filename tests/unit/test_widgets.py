@@ -756,6 +756,16 @@ QUEUE_ROWS = [
      "11th in line · starts in about 3.0 h"),
     ({"position": 22, "estimated_start": None}, 1000.0, "22nd in line · start unknown"),
     ({"position": None, "estimated_start": None}, 1000.0, "held by an admin"),
+    # the queue's reason says why the start is unknown: the state line says it short
+    ({"position": 1, "estimated_start": None,
+      "reason": "Waits for 2 GPUs at once: 0 of 2 are free now (start unknown: a notebook "
+                "using them has no time limit: a notebook ends when its person stops it)."},
+     1000.0, "next in line · start unknown: a notebook using them has no time limit"),
+    ({"position": 2, "estimated_start": None,
+      "reason": "Waits for your quota: 2 of your 2 GPUs are in use by your notebook 'nb' (2 "
+                "GPUs, no time limit: stop it to free them); it starts when enough of your "
+                "own work ends (start unknown: your own work holding it has no time limit)."},
+     1000.0, "2nd in line · start unknown: your own work holding it has no time limit"),
 ]
 
 
@@ -765,6 +775,8 @@ def test_a_queued_jobs_place_in_words(queue, now, expected):
 
     text = jobmodel.queue_text({"state": "Queued", "queue": queue}, now)
     assert text.startswith(expected)
+    if "reason" in queue:
+        assert text == expected
     line = jobmodel.state_line({"state": "Queued", "gpus": 2, "queue": queue,
                                 "reason": "Waits for 2 GPUs at once"}, now)
     assert line.startswith(f"Queued · {expected}") and "2 GPUs" in line
