@@ -135,7 +135,8 @@ def get(cp, path):
 
 def items(cp, ns, what, selector=LABELS):
     group = {"jobs": "/apis/batch/v1", "pods": "/api/v1", "services": "/api/v1",
-             "configmaps": "/api/v1", "networkpolicies": "/apis/networking.k8s.io/v1"}[what]
+             "configmaps": "/api/v1", "limitranges": "/api/v1",
+             "networkpolicies": "/apis/networking.k8s.io/v1"}[what]
     body = get(cp, f"{group}/namespaces/{ns}/{what}?labelSelector={selector}")
     return body["items"] if body else []
 
@@ -201,7 +202,7 @@ async def test_submit_creates_the_objects_runs_on_h100_and_chief_completion_succ
     assert backend.api_requests - before == 3 + 9
     # the namespace's defaults (issue 36): every replica whose role names no CPU, memory or
     # ephemeral storage gets them at admission, so none runs unbounded
-    [limit_range] = items(cp, ns, "limitranges")
+    [limit_range] = items(cp, ns, "limitranges", "app.kubernetes.io/managed-by=gpulab")
     assert limit_range["metadata"]["name"] == "gpulab-defaults"
 
     # exactly the expected objects, all owned by the Service
