@@ -149,9 +149,11 @@ class GpulabHub(JupyterHub):
         from gpulab.spawner.cgroups import set_oom_score_adj
 
         if not set_oom_score_adj(self.oom_score_adj):
-            (self.log.warning if os.geteuid() == 0 else self.log.info)("The hub's oom_score_adj stays %s (%s needs root): the kernel's "
-                             "OOM killer may choose the hub, its proxy or the gpulab service",
-                             _read_oom_score_adj(), self.oom_score_adj)
+            (self.log.warning if os.geteuid() == 0 else self.log.info)(
+                "The hub's oom_score_adj stays %s (%s needs root with CAP_SYS_RESOURCE, which "
+                "some containers drop): the hub, its proxy and the gpulab service score as "
+                "high as people's processes that lower theirs", _read_oom_score_adj(),
+                self.oom_score_adj)
 
     def init_logging(self):
         super().init_logging()
