@@ -200,11 +200,13 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
 
     enforce_limits = Bool(
         True,
-        help="""Enforce a profile's ``cpu_limit`` and ``mem_limit`` in the server's control
-        group (cgroup v2 or v1; needs root). False: the group (which every server gets where
-        control groups can be made, for its GPU device allow-list and a clean stop) has no
-        CPU or memory limit. Where groups cannot be made the limits are only passed to the
-        server as ``CPU_LIMIT`` / ``MEM_LIMIT`` and the hub log says why (default True).
+        help="""Enforce a profile's ``cpu_limit`` and ``mem_limit`` (or the defaults,
+        `default_mem_limit` / `default_cpu_limit`) in the server's control group (cgroup v2
+        or v1; needs root). False: the group (which every server gets where control groups
+        can be made, for its GPU device allow-list and a clean stop) has no CPU or memory
+        limit of its own; its person's (`person_mem_limit`) still holds. Where groups cannot
+        be made the limits are only passed to the server as ``CPU_LIMIT`` / ``MEM_LIMIT``
+        and the hub log says why (default True).
         Example: ``c.LocalGPUSpawner.enforce_limits = False``
         """,
     ).tag(config=True)

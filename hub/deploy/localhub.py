@@ -119,7 +119,8 @@ def person_bounds(config: Config, spawner_class=None) -> dict:
 
 class GpulabHub(JupyterHub):
     """JupyterHub whose command-line settings (from `gpulab up`) win over the config file,
-    and which writes the gpulab service's config file before it starts its services."""
+    which writes the gpulab service's config file before it starts its services, and which
+    keeps itself, its proxy and the service out of the OOM killer's reach."""
 
     gpulab_essentials: Config | None = None
     #: where the gpulab service's config file goes (`DataDir.service_config_file`; None: the
