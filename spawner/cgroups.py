@@ -650,40 +650,48 @@ def _use_hierarchy(memory_dir: Path) -> None:
 def _set_person_limits(version: int, dirs: dict[str, Path], memory: int | None,
                        cpus: float | None) -> None:
     """Write a person-level group's memory and CPU limit (None: unlimited) where it has
-    another; one the kernel refuses to lower now is logged and left as it is."""
+    another; one the kernel refuses to lower now (EBUSY, EINVAL) is logged and left as it
+    is, the other written all the same."""
     memory = None if memory is None else _page_floor(memory)
     quota = None if cpus is None else max(1000, int(cpus * CPU_PERIOD_US))
-    try:
-        if version == 2:
-            d = dirs["memory"]
-            _update(d / "memory.max", "max" if memory is None else str(memory), "max")
-            if memory is not None and (d / "memory.swap.max").exists():
-                _update(d / "memory.swap.max", "0", "")
-            _update(dirs["cpu"] / "cpu.max",
-                    f"{'max' if quota is None else quota} {CPU_PERIOD_US}",
-                    f"max {CPU_PERIOD_US}")
-            return
-        d = dirs["memory"]
+    d, c = dirs["memory"], dirs["cpu"]
+
+    def v2_memory():
+        _update(d / "memory.max", "max" if memory is None else str(memory), "max")
+        if memory is not None and (d / "memory.swap.max").exists():
+            _update(d / "memory.swap.max", "0", "")
+
+    def v2_cpu():
+        _update(c / "cpu.max", f"{'max' if quota is None else quota} {CPU_PERIOD_US}",
+                f"max {CPU_PERIOD_US}")
+
+    def v1_memory():
         now = _read(d / "memory.limit_in_bytes")
-        now = None if now is None or int(now) >= _V1_UNLIMITED else int(now)
-        if now != memory:
-            swap = d / "memory.memsw.limit_in_bytes"
-            try:  # memsw may never be below the memory limit: raised first, lowered last
-                if swap.exists():
-                    _write(swap, "-1")
-                _write(d / "memory.limit_in_bytes", "-1" if memory is None else str(memory))
-            finally:
-                limit = _read(d / "memory.limit_in_bytes")
-                if swap.exists() and limit is not None and int(limit) < _V1_UNLIMITED:
-                    _write(swap, limit)
-        d = dirs["cpu"]
-        _update(d / "cpu.cfs_period_us", str(CPU_PERIOD_US), str(CPU_PERIOD_US))
-        _update(d / "cpu.cfs_quota_us", "-1" if quota is None else str(quota), "-1")
-    except OSError as e:
-        if e.errno not in (errno.EBUSY, errno.EINVAL):
-            raise
-        log.warning("The limits of %s stay as they were (memory %s, CPUs %s asked): %s",
-                    dirs["memory"].name, memory, cpus, e.strerror)
+        if (None if now is None or int(now) >= _V1_UNLIMITED else int(now)) == memory:
+            return
+        swap = d / "memory.memsw.limit_in_bytes"
+        try:  # memsw may never be below the memory limit: raised first, lowered last
+            if swap.exists():
+                _write(swap, "-1")
+            _write(d / "memory.limit_in_bytes", "-1" if memory is None else str(memory))
+        finally:
+            limit = _read(d / "memory.limit_in_bytes")
+            if swap.exists() and limit is not None and int(limit) < _V1_UNLIMITED:
+                _write(swap, limit)
+
+    def v1_cpu():
+        _update(c / "cpu.cfs_period_us", str(CPU_PERIOD_US), str(CPU_PERIOD_US))
+        _update(c / "cpu.cfs_quota_us", "-1" if quota is None else str(quota), "-1")
+
+    for what, write in (("memory", v2_memory if version == 2 else v1_memory),
+                        ("CPU", v2_cpu if version == 2 else v1_cpu)):
+        try:
+            write()
+        except OSError as e:
+            if e.errno not in (errno.EBUSY, errno.EINVAL):
+                raise
+            log.warning("The %s limit of %s stays as it was (%s asked): %s", what, d.name,
+                        memory if what == "memory" else cpus, e.strerror)
 
 
 def _write(path: Path, value: str) -> None:

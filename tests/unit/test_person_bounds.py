@@ -267,3 +267,26 @@ def test_units_of_one_person_come_and_go_at_once(tmp_path):
         t.join(120)
     assert errors == [], "\n".join(errors)
     assert not any((b / person).exists() for b in cgroups.bases.values())
+
+
+def test_a_person_limit_the_kernel_refuses_to_lower_now_is_kept_and_logged(caplog):
+    """v1 refuses a parent's CPU quota below a child's (EINVAL): the operator lowered the
+    person's CPUs while a unit with the old bound runs. The next unit still starts, and the
+    log says the person's limit stays as it was (v2 takes the lower value: it caps children)."""
+    cgroups, why = Cgroups.detect()
+    assert cgroups is not None, why
+    person = f"person-lower-{os.getpid()}"
+    first = cgroups.make(f"test-lower-a-{os.getpid()}", cpus=1.0, person=person,
+                         person_cpus=1.0)
+    try:
+        second = cgroups.make(f"test-lower-b-{os.getpid()}", person=person, person_cpus=0.5)
+        folder = second.dirs["cpu"].parent
+        if cgroups.version == 1:
+            assert (folder / "cpu.cfs_quota_us").read_text().strip() == str(CPU_PERIOD_US)
+            assert "The CPU limit of " + person + " stays as it was" in caplog.text
+        else:
+            assert (folder / "cpu.max").read_text().split()[0] == str(CPU_PERIOD_US // 2)
+        assert second.remove(kill=True)
+    finally:
+        assert first.remove(kill=True)
+    assert not any((b / person).exists() for b in cgroups.bases.values())
