@@ -667,7 +667,11 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         None where control groups cannot be made here (logged)."""
         cgroups, why = local_cgroups()
         if cgroups is None:
-            if self.mem_limit or self.cpu_limit:
+            # (gpulab's own defaults are not worth a warning at every start: local_cgroups
+            # said once why nothing is enforced)
+            chosen = (self.mem_limit, self.cpu_limit) != (self.default_mem_limit or None,
+                                                          self.default_cpu_limit or None)
+            if (self.mem_limit or self.cpu_limit) and chosen:
                 self.log.warning("Limits of %s (cpu %s, memory %s) not enforced: %s",
                                  self._log_name, self.cpu_limit, self.mem_limit, why)
             return None
