@@ -31,6 +31,24 @@ everything the process started, ``setsid`` grandchildren too.
   Stop freezes the group (``freezer.state``), kills every process in it and thaws it: nothing
   can fork its way out between reading the list and the kill.
 
+**One person as a whole.** Every unit of one person (their servers and training replicas)
+nests in a group of that person, ``gpulab/person-<hub>-<name>/<unit>`` (`person_unit`; v1 in
+every hierarchy, v2 once), with a memory and CPU limit of its own (`Cgroups.make`'s
+``person_memory`` / ``person_cpus``: ``c.LocalGPUSpawner.person_mem_limit`` /
+``person_cpu_limit``, by default half the machine's memory and three quarters of its CPUs,
+`share_of_memory` / `share_of_cpus`): many servers and replicas, each within its own limit,
+cannot together take the machine. It is made when the person's first unit starts
+(create-if-missing, its limits written to the value asked whenever they differ) and removed
+with their last (remove-if-empty: a unit starting meanwhile keeps it, or makes it again). On
+v1 the parent's memory limit bounds its children only with ``memory.use_hierarchy`` = 1
+(always so on kernels since 5.x; gpulab sets it on a fresh person group, and warns where it
+cannot), and a child's CPU quota may not exceed its parent's there, so a unit's CPU limit is
+at most its person's.
+
+The kernel's OOM killer picks people's work first: servers and replicas start with
+``oom_score_adj`` 500 (`set_oom_score_adj`, in ``preexec_fn`` as root, so their account
+cannot lower it again), the hub, its proxy and the gpulab service with -900.
+
 The child process joins its group in ``preexec_fn`` (as root, before it drops to the user's
 account), so everything it starts is inside too, and an ordinary account can never move a
 process out (the hierarchy's files belong to root). Making groups needs root and a writable
@@ -74,6 +92,9 @@ _V1_OPTIONAL = ("pids", "devices", "freezer")
 #: the v2 controllers gpulab's folder hands down to its groups (pids only where offered)
 _V2_CONTROLLERS = ("cpu", "memory", "pids")
 
+#: the name of every person-level group starts with this (`person_unit`)
+PERSON_PREFIX = "person-"
+
 _MEMORY_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
                  "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 
@@ -110,6 +131,65 @@ def default_user_processes(pid_max: str | Path = "/proc/sys/kernel/pid_max",
         except (OSError, ValueError, IndexError):
             pass
     return max(1024, min(sizes or [32768]) // 4)
+
+
+def machine_memory(meminfo: str | Path = "/proc/meminfo") -> int:
+    """This machine's memory in bytes (``MemTotal``; the pages the kernel reports where
+    /proc/meminfo cannot be read)."""
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def machine_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's or a cpuset's share)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def share_of_memory(fraction: float, total: int | None = None) -> int:
+    """`fraction` of `total` bytes (default: this machine's memory), whole MiB, at least
+    64 MiB."""
+    total = machine_memory() if total is None else total
+    return max(64 * 2**20, int(total * fraction) // 2**20 * 2**20)
+
+
+def share_of_cpus(fraction: float, cpus: int | None = None) -> float:
+    """`fraction` of `cpus` (default: this machine's), in hundredths, at least one CPU."""
+    cpus = machine_cpus() if cpus is None else cpus
+    return max(1.0, round(cpus * fraction, 2))
+
+
+def person_unit(hub_tag: str, user: str) -> str:
+    """The person-level group of hub user `user` on the hub tagged `hub_tag`:
+    ``person-<hub_tag>-<name>``, the name as `gpulab.spawner.accounts.safe_slug` keeps or
+    escapes it (one-to-one, at most 48 characters), so that the hub's servers (which know the
+    user's name) and the service's replicas (which know it too, not the hub's user id) name
+    the same group, and hubs sharing the machine never share one."""
+    from .accounts import safe_slug
+
+    return f"{PERSON_PREFIX}{hub_tag}-{safe_slug(user, 48)}"
+
+
+def set_oom_score_adj(value: int | None, pid: int | str = "self") -> bool:
+    """Write `value` to ``/proc/<pid>/oom_score_adj`` (-1000..1000; None: left as it is);
+    False where the kernel refused it. As root (``CAP_SYS_RESOURCE``) it also becomes the
+    lowest value the process and its children may set again without that capability: a
+    server given 500 in ``preexec_fn`` cannot lower it once it runs as its person."""
+    if value is None:
+        return True
+    try:
+        with open(f"/proc/{pid}/oom_score_adj", "w") as f:
+            f.write(str(max(-1000, min(1000, int(value)))))
+        return True
+    except OSError:
+        return False
 
 
 def limit_user_processes(n: int | None) -> None:
@@ -266,13 +346,15 @@ class Group:
                         raise
                     ok = False
             if ok:
-                # gpulab's folder goes too once empty: nothing of gpulab is left in the
-                # hierarchy (the next `make` makes it again)
+                # the person's group goes too once empty (their last unit ended), and so
+                # does gpulab's folder: nothing of gpulab is left in the hierarchy (the next
+                # `make` makes them again; one that holds another unit is busy and stays)
                 for d in dict.fromkeys(d.parent for d in self.dirs.values()):
-                    try:
-                        d.rmdir()
-                    except OSError:
-                        pass
+                    for folder in ((d, d.parent) if d.name.startswith(PERSON_PREFIX) else (d,)):
+                        try:
+                            folder.rmdir()
+                        except OSError:
+                            break
                 return True
             if time.monotonic() > deadline:
                 log.warning("Control group %s still holds processes %s", self.unit, self.pids())
@@ -373,23 +455,62 @@ class Cgroups:
             return None, f"cannot make control groups under {found.bases['memory']}: {e.strerror or e}"
         return found, ""
 
-    def _ensure_bases(self) -> None:
+    def _ensure_bases(self, person: str | None = None, memory: int | None = None,
+                      cpus: float | None = None) -> None:
+        """gpulab's folder, and the group of `person` with its limits, made if missing."""
         wanted = [c for c in _V2_CONTROLLERS if c in self.bases]
         for base in dict.fromkeys(self.bases.values()):
             if self.version == 2:
                 _enable(base.parent, wanted)
-            base.mkdir(exist_ok=True)
+            _mkdir(base)
             if self.version == 2:
                 _enable(base, wanted)
+        if person is None:
+            return
+        name = _safe(person)
+        for base in dict.fromkeys(self.bases.values()):
+            _mkdir(base / name)
+            if self.version == 2:
+                _enable(base / name, wanted)
+        dirs = {c: base / name for c, base in self.bases.items()}
+        if self.version == 1:
+            _use_hierarchy(dirs["memory"])
+        _set_person_limits(self.version, dirs, memory, cpus)
 
-    def find(self, unit: str) -> Group:
-        """The group of ``unit`` (its folders may be gone already)."""
-        name = _UNIT.sub("-", unit).strip("-.") or "unit"
-        return Group(name, self.version, {c: base / name for c, base in self.bases.items()})
+    def find(self, unit: str, person: str | None = None) -> Group:
+        """The group of ``unit`` in the person-level group `person` (its folders may be
+        gone already). Without `person`: where the unit's group is, in whichever person's
+        group (unit names are unique on the machine) or directly in gpulab's folder (as
+        gpulab made them before person-level groups); gpulab's folder when it is nowhere."""
+        name = _safe(unit)
+        if person is not None:
+            where = _safe(person)
+            return Group(name, self.version,
+                         {c: base / where / name for c, base in self.bases.items()})
+        dirs = {}
+        for c, base in self.bases.items():
+            found = base / name
+            if not found.is_dir():
+                try:
+                    people = sorted(base.glob(PERSON_PREFIX + "*"))
+                except OSError:
+                    people = []
+                found = next((d / name for d in people if (d / name).is_dir()), found)
+            dirs[c] = found
+        return Group(name, self.version, dirs)
 
     def make(self, unit: str, *, memory: int | None = None, cpus: float | None = None,
-             pids: int | None = None, gpus: Iterable[int] | None = None) -> Group:
-        """A fresh group for ``unit`` with the limits (None: not limited).
+             pids: int | None = None, gpus: Iterable[int] | None = None,
+             person: str | None = None, person_memory: int | None = None,
+             person_cpus: float | None = None) -> Group:
+        """A fresh group for ``unit`` with the limits (None: not limited), inside the
+        person-level group `person` (`person_unit`; None: directly in gpulab's folder).
+
+        `person_memory` / `person_cpus`: the limits of all of that person's units together,
+        written on the person's group (made if missing) whenever they differ from what it
+        has; a limit that cannot be lowered now (v1: more memory in use, or units with a
+        larger CPU quota) stays as it was and is logged. On v1 the unit's CPU limit is at
+        most `person_cpus` (the kernel refuses a child's quota above its parent's).
 
         ``pids``: the most processes and threads the group may hold together (where
         `pids_enforced`). ``gpus``: None leaves devices alone; a list of GPU indexes
@@ -400,11 +521,15 @@ class Cgroups:
         (`FileExistsError`): a unit's limits are written once, when it is made, and never
         onto a group someone else is using. Remove a unit's stale group first.
         """
-        group = self.find(unit)
+        group = self.find(unit, person)
+        if person is not None and cpus is not None and person_cpus is not None:
+            cpus = min(cpus, person_cpus)
         made: list[Path] = []
-        for attempt in range(3):  # another unit's removal may take gpulab's folder meanwhile
+        # another unit's removal may take the person's group or gpulab's folder meanwhile
+        # (ENOENT, or ENODEV in a group being removed): made again, up to ten times
+        for attempt in range(10):
             try:
-                self._ensure_bases()
+                self._ensure_bases(person, person_memory, person_cpus)
                 for d in dict.fromkeys(group.dirs.values()):
                     if d not in made:
                         d.mkdir()
@@ -414,8 +539,8 @@ class Cgroups:
                 for d in made:
                     d.rmdir()
                 raise
-            except FileNotFoundError:
-                if attempt == 2:
+            except OSError as e:
+                if e.errno not in (errno.ENOENT, errno.ENODEV) or attempt == 9:
                     for d in made:
                         d.rmdir()
                     raise
@@ -468,6 +593,107 @@ class Cgroups:
                else str(max(1000, int(cpus * CPU_PERIOD_US))))
 
 
+def _mkdir(folder: Path) -> None:
+    """`folder`, made if missing (one that another unit's removal takes right after is
+    ENOENT at the next step, which `Cgroups.make` retries; ``Path.mkdir(exist_ok=True)``
+    would say FileExistsError then)."""
+    try:
+        os.mkdir(folder)
+    except FileExistsError:
+        pass
+
+
+def _safe(unit: str) -> str:
+    """A unit's (or person's) name as one folder name: it cannot leave gpulab's folder."""
+    return _UNIT.sub("-", unit).strip("-.") or "unit"
+
+
+#: v1 reads an unlimited memory limit back as the largest page count (about 2**63)
+_V1_UNLIMITED = 2**62
+
+
+def _page_floor(n: int) -> int:
+    page = os.sysconf("SC_PAGE_SIZE")
+    return n // page * page
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:  # a fresh stand-in folder (the kernel always shows them)
+        return None
+
+
+def _update(path: Path, want: str, unlimited: str) -> None:
+    """Write `want` where the file holds another value (a missing file, a fresh stand-in's,
+    holds `unlimited`)."""
+    now = _read(path)
+    if (unlimited if now is None else now) != want:
+        _write(path, want)
+
+
+def _use_hierarchy(memory_dir: Path) -> None:
+    """v1: a person's memory limit bounds the units below it only with
+    ``memory.use_hierarchy`` 1 (always 1 on kernels since 5.x; set on a group without
+    children on older ones)."""
+    f = memory_dir / "memory.use_hierarchy"
+    if _read(f) != "0":
+        return
+    try:
+        _write(f, "1")
+    except OSError as e:
+        log.warning("memory.use_hierarchy of %s is 0 and cannot be set (%s): the person's "
+                    "memory limit does not bound their servers and replicas", memory_dir,
+                    e.strerror)
+
+
+def _set_person_limits(version: int, dirs: dict[str, Path], memory: int | None,
+                       cpus: float | None) -> None:
+    """Write a person-level group's memory and CPU limit (None: unlimited) where it has
+    another; one the kernel refuses to lower now (EBUSY, EINVAL) is logged and left as it
+    is, the other written all the same."""
+    memory = None if memory is None else _page_floor(memory)
+    quota = None if cpus is None else max(1000, int(cpus * CPU_PERIOD_US))
+    d, c = dirs["memory"], dirs["cpu"]
+
+    def v2_memory():
+        _update(d / "memory.max", "max" if memory is None else str(memory), "max")
+        if memory is not None and (d / "memory.swap.max").exists():
+            _update(d / "memory.swap.max", "0", "")
+
+    def v2_cpu():
+        _update(c / "cpu.max", f"{'max' if quota is None else quota} {CPU_PERIOD_US}",
+                f"max {CPU_PERIOD_US}")
+
+    def v1_memory():
+        now = _read(d / "memory.limit_in_bytes")
+        if (None if now is None or int(now) >= _V1_UNLIMITED else int(now)) == memory:
+            return
+        swap = d / "memory.memsw.limit_in_bytes"
+        try:  # memsw may never be below the memory limit: raised first, lowered last
+            if swap.exists():
+                _write(swap, "-1")
+            _write(d / "memory.limit_in_bytes", "-1" if memory is None else str(memory))
+        finally:
+            limit = _read(d / "memory.limit_in_bytes")
+            if swap.exists() and limit is not None and int(limit) < _V1_UNLIMITED:
+                _write(swap, limit)
+
+    def v1_cpu():
+        _update(c / "cpu.cfs_period_us", str(CPU_PERIOD_US), str(CPU_PERIOD_US))
+        _update(c / "cpu.cfs_quota_us", "-1" if quota is None else str(quota), "-1")
+
+    for what, write in (("memory", v2_memory if version == 2 else v1_memory),
+                        ("CPU", v2_cpu if version == 2 else v1_cpu)):
+        try:
+            write()
+        except OSError as e:
+            if e.errno not in (errno.EBUSY, errno.EINVAL):
+                raise
+            log.warning("The %s limit of %s stays as it was (%s asked): %s", what, d.name,
+                        memory if what == "memory" else cpus, e.strerror)
+
+
 def _write(path: Path, value: str) -> None:
     with open(path, "w") as f:
         f.write(value)
@@ -478,7 +704,7 @@ def _enable(folder: Path, controllers: Iterable[str]) -> None:
     handed down yet; a limit of one it does not offer then fails when written)."""
     listed = folder / "cgroup.controllers"  # (the kernel always shows it; a stand-in may not)
     offered = set(listed.read_text().split()) if listed.exists() else set(controllers)
-    have = set((folder / "cgroup.subtree_control").read_text().split())
+    have = set((_read(folder / "cgroup.subtree_control") or "").split())
     missing = [c for c in controllers if c in offered and c not in have]
     if missing:
         _write(folder / "cgroup.subtree_control", " ".join(f"+{c}" for c in missing))

@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 
 from jupyterhub.spawner import LocalProcessSpawner, set_user_setuid
-from traitlets import Bool, Callable, Int, List, TraitError, Unicode, Union, default, validate
+from jupyterhub.traitlets import ByteSpecification
+from traitlets import (Bool, Callable, Float, Int, List, TraitError, Unicode, Union, default,
+                       validate)
 
 from .accounts import (
     AccountConflict,
@@ -32,7 +34,8 @@ from .accounts import (
 )
 from . import sandbox
 from .cgroups import (Group, default_pids, default_user_processes, limit_user_processes,
-                      local_cgroups, memory_bytes)
+                      local_cgroups, memory_bytes, person_unit, set_oom_score_adj,
+                      share_of_cpus, share_of_memory)
 from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, BadRequest, Ledger, Request
 from gpulab.hub.quota.waiting import GPUQueue, Queue, QueueRefused, queue_of
 
@@ -61,7 +64,11 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
     in the spawner's state: it enforces the profile's ``cpu_limit`` / ``mem_limit`` (also
     passed as ``CPU_LIMIT`` / ``MEM_LIMIT``) and `pids_limit`, lets the server open only its
     own GPUs' device nodes, and on stop everything in it is killed, whatever the server left
-    running. Its processes start with ``RLIMIT_NPROC`` at `max_user_processes`.
+    running. Its processes start with ``RLIMIT_NPROC`` at `max_user_processes`. A profile
+    that sets no ``mem_limit`` / ``cpu_limit`` gets `default_mem_limit` / `default_cpu_limit`;
+    all servers and training replicas of one person together stay within `person_mem_limit`
+    / `person_cpu_limit` (their groups nest in the person's), and the kernel's OOM killer
+    picks servers (`oom_score_adj`) before the hub, its proxy and the gpulab service.
 
     A GPU server whose GPUs are busy may wait in the GPU queue (``user_options``
     ``gpu_wait_minutes``, `gpulab.spawner.queuewait`): its start then waits for its turn,
@@ -200,11 +207,13 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
 
     enforce_limits = Bool(
         True,
-        help="""Enforce a profile's ``cpu_limit`` and ``mem_limit`` in the server's control
-        group (cgroup v2 or v1; needs root). False: the group (which every server gets where
-        control groups can be made, for its GPU device allow-list and a clean stop) has no
-        CPU or memory limit. Where groups cannot be made the limits are only passed to the
-        server as ``CPU_LIMIT`` / ``MEM_LIMIT`` and the hub log says why (default True).
+        help="""Enforce a profile's ``cpu_limit`` and ``mem_limit`` (or the defaults,
+        `default_mem_limit` / `default_cpu_limit`) in the server's control group (cgroup v2
+        or v1; needs root). False: the group (which every server gets where control groups
+        can be made, for its GPU device allow-list and a clean stop) has no CPU or memory
+        limit of its own; its person's (`person_mem_limit`) still holds. Where groups cannot
+        be made the limits are only passed to the server as ``CPU_LIMIT`` / ``MEM_LIMIT``
+        and the hub log says why (default True).
         Example: ``c.LocalGPUSpawner.enforce_limits = False``
         """,
     ).tag(config=True)
@@ -242,6 +251,87 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
     @default("max_user_processes")
     def _max_user_processes_default(self):
         return default_user_processes()
+
+    # -- memory and CPU by default, and for each person as a whole (issue 36) ----------
+    default_mem_limit = ByteSpecification(
+        help="""The memory limit of a server whose profile sets no ``mem_limit`` (the
+        default of ``mem_limit``; a profile's ``kubespawner_override`` and an operator's
+        ``c.Spawner.mem_limit`` still win). Enforced by the server's control group as root
+        (`enforce_limits`): a program over it is killed by the kernel, the rest of the
+        machine untouched. Default: a quarter of this machine's memory (``MemTotal``, whole
+        MiB; 6 GiB on a 24 GiB machine), so that one notebook can hold a real data set while
+        no single one takes the memory of everyone else's; 0: no default limit. Suffixes K,
+        M, G, T. Example: ``c.LocalGPUSpawner.default_mem_limit = "8G"``
+        """,
+    ).tag(config=True)
+
+    @default("default_mem_limit")
+    def _default_mem_limit_default(self):
+        return share_of_memory(0.25)
+
+    default_cpu_limit = Float(
+        help="""The CPU limit of a server whose profile sets no ``cpu_limit`` (the default of
+        ``cpu_limit``; a profile's override and ``c.Spawner.cpu_limit`` still win), in CPUs
+        (0.5: half of one). Enforced by the server's control group as root: beyond it the
+        server is throttled. Default: half of this machine's CPUs, at least 1, so that one
+        busy notebook leaves the other half to everyone else; 0: no default limit.
+        Example: ``c.LocalGPUSpawner.default_cpu_limit = 4``
+        """,
+    ).tag(config=True)
+
+    @default("default_cpu_limit")
+    def _default_cpu_limit_default(self):
+        return share_of_cpus(0.5)
+
+    @default("mem_limit")
+    def _mem_limit_default(self):
+        return self.default_mem_limit or None
+
+    @default("cpu_limit")
+    def _cpu_limit_default(self):
+        return self.default_cpu_limit or None
+
+    person_mem_limit = ByteSpecification(
+        help="""The memory all servers and training replicas of one person may use
+        together, whatever each one's own limit (as root: their control groups nest in one
+        group of that person, ``gpulab/person-<hub>-<name>/``, which has this limit; it is
+        made with their first server or replica and removed with their last). Many servers
+        and replicas of one person, each within its own limit (replicas get
+        ``c.GPUJobs.default_memory`` each, 32 of them per person), cannot then take the
+        machine from everyone else. Default: half of this machine's memory (12 GiB on a 24
+        GiB machine), leaving the other half to other people and to the hub; 0: no limit.
+        The gpulab service applies the same value to replicas (the hub hands it over).
+        Suffixes K, M, G, T. Example: ``c.LocalGPUSpawner.person_mem_limit = "16G"``
+        """,
+    ).tag(config=True)
+
+    @default("person_mem_limit")
+    def _person_mem_limit_default(self):
+        return share_of_memory(0.5)
+
+    person_cpu_limit = Float(
+        help="""The CPUs all servers and training replicas of one person may use together
+        (their person-level control group, as for `person_mem_limit`; a server's or replica's
+        own CPU limit is at most this). Default: three quarters of this machine's CPUs, at
+        least 1, so that one person's busy work leaves a quarter to everyone else and to the
+        hub; 0: no limit. Example: ``c.LocalGPUSpawner.person_cpu_limit = 8``
+        """,
+    ).tag(config=True)
+
+    @default("person_cpu_limit")
+    def _person_cpu_limit_default(self):
+        return share_of_cpus(0.75)
+
+    oom_score_adj = Int(
+        500,
+        help="""``oom_score_adj`` of every server and training replica (-1000..1000; set as
+        root before the process becomes its person's account, who cannot lower it then).
+        When the machine runs out of memory the kernel kills the process with the highest
+        score: people's work, 500 by default, goes before the hub, its proxy and the gpulab
+        service (``c.GpulabHub.oom_score_adj``, -900). Example:
+        ``c.LocalGPUSpawner.oom_score_adj = 300``
+        """,
+    ).tag(config=True)
 
     private_tmp = Bool(
         help="""Give every server a private ``/tmp`` (a mount namespace of its own, as
@@ -566,6 +656,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
     def make_preexec_fn(self, name):
         group = self._server_group
         nproc = self.max_user_processes if self.isolate_users else 0
+        oom = self.oom_score_adj
         tmp, keep = self._tmp_folder, self._tmp_keep()
         ipc, hide = self.private_ipc, self.hide_processes
         shm = self.shm_bytes()
@@ -581,6 +672,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             if group is not None:
                 group.join()  # as root still, before the server becomes its user
             limit_user_processes(nproc)  # RLIMIT_NPROC, as root still (issue 36)
+            set_oom_score_adj(oom)  # as root still: the person cannot lower it (issue 36)
             if tmp is not None or ipc or hide:  # as root: a mount namespace of its own
                 sandbox.private_tmp(tmp, keep=keep, ipc=ipc, shm_size=shm, hide_pids=hide)
             os.umask(0o022)  # a login's umask, not the hub's private 077
@@ -607,6 +699,12 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         hub's database) tells apart hubs that share the machine, so no two servers share a
         group (nor a private /tmp folder, named the same)."""
         return f"server-{self._hub_tag()}-u{self.user.id}-{server_slug(self.name)}"
+
+    @property
+    def person_unit(self) -> str:
+        """The person-level group every server and replica of this user nests in
+        (`gpulab.spawner.cgroups.person_unit`: ``person-<hub>-<name>``)."""
+        return person_unit(self._hub_tag(), self.user.name)
 
     def _hub_tag(self) -> str:
         db_url = str(self.config.JupyterHub.get("db_url", "sqlite:///jupyterhub.sqlite"))
@@ -651,7 +749,11 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         None where control groups cannot be made here (logged)."""
         cgroups, why = local_cgroups()
         if cgroups is None:
-            if self.mem_limit or self.cpu_limit:
+            # (gpulab's own defaults are not worth a warning at every start: local_cgroups
+            # said once why nothing is enforced)
+            chosen = (self.mem_limit, self.cpu_limit) != (self.default_mem_limit or None,
+                                                          self.default_cpu_limit or None)
+            if (self.mem_limit or self.cpu_limit) and chosen:
                 self.log.warning("Limits of %s (cpu %s, memory %s) not enforced: %s",
                                  self._log_name, self.cpu_limit, self.mem_limit, why)
             return None
@@ -662,7 +764,9 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         limits = self.enforce_limits
         group = cgroups.make(unit, memory=(self.mem_limit or None) if limits else None,
                              cpus=(self.cpu_limit or None) if limits else None, gpus=gpus,
-                             pids=self.pids_limit or None)
+                             pids=self.pids_limit or None, person=self.person_unit,
+                             person_memory=self.person_mem_limit or None,
+                             person_cpus=self.person_cpu_limit or None)
         self._cgroup_unit = unit
         return group
 

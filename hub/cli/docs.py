@@ -76,6 +76,7 @@ def config_reference(parser) -> str:
     own ``build_parser()``: passed in, so that this module never imports the CLI that
     imports it) and every configurable's documented traits."""
     from gpulab.hub.deploy.auth import GpulabAuthenticator
+    from gpulab.hub.deploy.localhub import GpulabHub
     from gpulab.hub.jobs.spec import GPUJobs
     from gpulab.hub.jobs.kube import KubeJobBackend
     from gpulab.hub.jobs.kueue import KueueJobBackend
@@ -89,6 +90,7 @@ def config_reference(parser) -> str:
         "",
         _cli_section(parser),
         _trait_section(LocalGPUSpawner),
+        _trait_section(GpulabHub, only_own=True),
         _trait_section(GPUInventory),
         _trait_section(GPULedger),
         _trait_section(GpulabAuthenticator),

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import re
 from pathlib import Path
 
 from jupyterhub.app import JupyterHub
+from traitlets import Int
 from traitlets.config import Config
 
 from gpulab.hub.deploy.local import (LocalSettings, gpulab_service_settings, local_defaults,
@@ -94,9 +97,30 @@ class RefusalLogs(logging.Filter):
         return True
 
 
+def person_bounds(config: Config, spawner_class=None) -> dict:
+    """The person-level bounds and the ``oom_score_adj`` the notebook spawner's settings
+    give (``c.LocalGPUSpawner.person_mem_limit`` / ``person_cpu_limit`` / ``oom_score_adj``
+    and the hub's tag, `gpulab.spawner.cgroups.person_unit`), as `JobLimits` fields: the hub
+    hands them to the gpulab service with the job limits, so a person's replicas nest in the
+    same group, with the same limits, as their servers. A spawner that is not a
+    `LocalGPUSpawner` gives none (replicas then have no person-level group)."""
+    from gpulab.spawner import LocalGPUSpawner
+
+    if not (isinstance(spawner_class, type) and issubclass(spawner_class, LocalGPUSpawner)):
+        spawner_class = LocalGPUSpawner if spawner_class is None else None
+    if spawner_class is None:
+        return {}
+    spawner = spawner_class(config=config)
+    return {"person_tag": spawner._hub_tag(),
+            "person_memory": int(spawner.person_mem_limit or 0),
+            "person_cpu": float(spawner.person_cpu_limit or 0),
+            "oom_score_adj": int(spawner.oom_score_adj)}
+
+
 class GpulabHub(JupyterHub):
     """JupyterHub whose command-line settings (from `gpulab up`) win over the config file,
-    and which writes the gpulab service's config file before it starts its services."""
+    which writes the gpulab service's config file before it starts its services, and which
+    keeps itself, its proxy and the service out of the OOM killer's reach."""
 
     gpulab_essentials: Config | None = None
     #: where the gpulab service's config file goes (`DataDir.service_config_file`; None: the
@@ -107,6 +131,30 @@ class GpulabHub(JupyterHub):
     gpulab_service_settings: dict | None = None
     #: all of them, as the hub gathers them (load_config_file, init_internal_ssl)
     _service_settings: dict = {}
+
+    oom_score_adj = Int(
+        -900,
+        help="""``oom_score_adj`` of the hub (-1000..1000), set as it starts (as root) and
+        inherited by what it starts before any person's work: configurable-http-proxy, the
+        gpulab service and the idle culler. When the machine runs out of memory the kernel
+        kills the process with the highest score: people's servers and replicas
+        (``c.LocalGPUSpawner.oom_score_adj``, 500) go first, the hub and its helpers almost
+        never. Default -900 (-1000 would make them unkillable even when they are the
+        problem). Example: ``c.GpulabHub.oom_score_adj = -500``
+        """,
+    ).tag(config=True)
+
+    async def initialize(self, *args, **kwargs):
+        await super().initialize(*args, **kwargs)
+        # before the proxy and the services start (JupyterHub.start): they inherit it
+        from gpulab.spawner.cgroups import set_oom_score_adj
+
+        if not set_oom_score_adj(self.oom_score_adj):
+            (self.log.warning if os.geteuid() == 0 else self.log.info)(
+                "The hub's oom_score_adj stays %s (%s needs root with CAP_SYS_RESOURCE, which "
+                "some containers drop): the hub, its proxy and the gpulab service score as "
+                "high as people's processes that lower theirs", _read_oom_score_adj(),
+                self.oom_score_adj)
 
     def init_logging(self):
         super().init_logging()
@@ -157,8 +205,10 @@ class GpulabHub(JupyterHub):
         from gpulab.hub.quota.waiting import GPUQueue
 
         jobs = GPUJobs(config=self.config)
+        limits = dataclasses.replace(jobs.limits(),
+                                     **person_bounds(self.config, self.spawner_class))
         settings = {**(self.gpulab_service_settings or {}),
-                    "job_limits": jobs.limits_json(),
+                    "job_limits": json.dumps(dataclasses.asdict(limits)),
                     "queue": GPUQueue(config=self.config).settings_json(),
                     "reconcile_seconds": float(GPULedger(config=self.config).reconcile_interval),
                     "usage_seconds": float(GPUInventory(config=self.config).usage_interval)}
@@ -233,6 +283,14 @@ class GpulabHub(JupyterHub):
                           "restarted", left)
         ledger.close_orphans("notebook", adopted_allocations(), "server gone at hub start-up")
         return result
+
+
+def _read_oom_score_adj() -> str:
+    try:
+        with open("/proc/self/oom_score_adj") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
 
 
 def run_local_hub(settings: LocalSettings, log_level: str = "INFO") -> int:

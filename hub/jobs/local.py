@@ -43,7 +43,11 @@ replica between ``fork`` and ``exec`` while it is still root, then it drops to t
   processes and threads (``c.GPUJobs.pids_per_replica``), the device allow-list of its GPUs,
   and stop kills the whole group (``setsid`` grandchildren too). ``RLIMIT_NPROC``
   (``c.GPUJobs.max_user_processes``) bounds the account's processes as a whole, also where
-  no groups can be made.
+  no groups can be made. The group nests in the person's own, beside their notebook
+  servers', whose memory and CPU limit bounds all their work together
+  (``c.LocalGPUSpawner.person_mem_limit`` / ``person_cpu_limit``, handed over by the hub in
+  the job limits), and the replica starts with ``oom_score_adj`` 500
+  (``c.LocalGPUSpawner.oom_score_adj``): the kernel's OOM killer takes it before the hub.
 - **the working directory** (the job folder) entered after dropping privileges, through a
   descriptor opened without following links (never ``Popen(cwd=...)``, which runs as root).
 - **an environment built from an allow-list** (`replica_env`): never a copy of the service's,
@@ -98,7 +102,8 @@ from gpulab.extensions import contract
 from gpulab.extensions.contract import lead_replica
 from gpulab.spawner import sandbox
 from gpulab.spawner.accounts import AccountError
-from gpulab.spawner.cgroups import limit_user_processes, local_cgroups, memory_bytes
+from gpulab.spawner.cgroups import (limit_user_processes, local_cgroups, memory_bytes,
+                                    person_unit, set_oom_score_adj)
 
 from gpulab.spawner import safefs
 from gpulab.extensions.joblog import restart_marker, restart_record
@@ -253,6 +258,15 @@ def runtime_problem(python: str) -> str | None:
             f"Python for training ({python}). The hub's admin installs "
             f"{'it' if len(missing) == 1 else 'them'}: `bash scripts/run.sh` again (it installs "
             f"gpulab[tf]), or `{python} -m pip install 'gpulab[tf]'`, then restarts gpulab.")
+
+
+def _size(n: int) -> str:
+    """Bytes in words for people: ``12Gi``, ``512Mi``."""
+    for unit, size in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
+        if n >= size:
+            value = n / size
+            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.1f}{unit}"
+    return str(n)
 
 
 class LocalJobBackend(JobBackend):
@@ -443,13 +457,14 @@ class LocalJobBackend(JobBackend):
                 log.warning("Job %s/%s: no restart line in the log of %s-%s: %s", job.user,
                             job.name, r.role, r.index, e)
         folder, job_path = _in_job(job.job_dir)
-        group = self._replica_group(job.id, spec, r.role, r.index, devices)
+        group = self._replica_group(job.id, spec, r.role, r.index, devices, job.user)
         netns = sandbox.open_netns(job.id, self.netns_root) if self.sandboxed else None
         tmp = self.tmp_root / job.id
         # the replica's /dev/shm holds up to its memory limit (its pages count against it)
         shm = memory_bytes(self.limits.memory_of(spec.resources.get(r.role)))
         user_name = pwd.getpwuid(account.uid).pw_name if account.uid is not None else None
         nproc = self.limits.max_user_processes
+        oom = self.limits.oom_score_adj
         # the child says on this pipe when the job folder was not there to enter (the person
         # moved or swapped it since it was made): Popen itself only says preexec failed
         moved_r, moved_w = os.pipe()
@@ -460,6 +475,7 @@ class LocalJobBackend(JobBackend):
                 os.setsid()  # one process group per replica
                 if group is not None:
                     group.join()  # limits, GPU devices, and stop reaches all it starts
+                set_oom_score_adj(oom)  # as root: the person cannot lower it (issue 36)
                 if netns is not None:
                     sandbox.join_netns(netns)  # the job's loopback-only network
                     # the job's own /tmp; the replica's own IPC, /dev/shm, and a /proc
@@ -548,9 +564,10 @@ class LocalJobBackend(JobBackend):
         return f"job-{job_id}-{role}-{index}"
 
     def _replica_group(self, job_id: str, spec: JobSpec, role: str, index: int,
-                       devices: list[int]):
+                       devices: list[int], user: str):
         """A fresh control group for one replica, limits or not: the role's ``cpu`` /
-        ``memory`` or the operator's defaults, and only its own GPUs' device nodes. None
+        ``memory`` or the operator's defaults, and only its own GPUs' device nodes, inside
+        `user`'s person-level group (where the hub named it: `JobLimits.person_tag`). None
         where groups cannot be made here (`gpulab.spawner.cgroups.local_cgroups` logs why)."""
         cgroups, _ = local_cgroups()
         if cgroups is None:
@@ -558,9 +575,13 @@ class LocalJobBackend(JobBackend):
         res = spec.resources.get(role)
         unit = self._unit(job_id, role, index)
         cgroups.find(unit).remove(kill=True)  # a restarted replica starts in a clean group
-        return cgroups.make(unit, memory=memory_bytes(self.limits.memory_of(res)),
-                            cpus=self.limits.cpu_of(res), gpus=devices,
-                            pids=self.limits.pids_per_replica or None)
+        lim = self.limits
+        return cgroups.make(unit, memory=memory_bytes(lim.memory_of(res)),
+                            cpus=lim.cpu_of(res), gpus=devices,
+                            pids=lim.pids_per_replica or None,
+                            person=person_unit(lim.person_tag, user) if lim.person_tag else None,
+                            person_memory=lim.person_memory or None,
+                            person_cpus=lim.person_cpu or None)
 
     def _oom_killed(self, job_id: str, role: str, index: int) -> bool:
         cgroups, _ = local_cgroups()
@@ -617,7 +638,11 @@ class LocalJobBackend(JobBackend):
             whose = (f"the {r.role} role's memory limit"
                      if res is not None and res.memory is not None
                      else "the default memory limit of replicas")
-            return f"{OOM_WORDS} ({whose} is {self.limits.memory_of(res)})"
+            why = f"{whose} is {self.limits.memory_of(res)}"
+            if self.limits.person_tag and self.limits.person_memory:
+                why += (", and all your servers and replicas together may use "
+                        f"{_size(self.limits.person_memory)}")
+            return f"{OOM_WORDS} ({why})"
         return exit_words(r.exit_code)
 
     @staticmethod

@@ -20,7 +20,10 @@ names the field:
 (`GPUJobs.limits_json`, `limits_from_json`): the spec limits checked here, and the bounds a
 backend applies as it admits a job (``default_cpu`` / ``default_memory`` for replicas whose
 role names none, ``max_replicas_per_user``, ``pids_per_replica``, ``max_user_processes``: see
-`gpulab.hub.jobs.local`).
+`gpulab.hub.jobs.local`). The hub adds the person-level bounds and the replicas'
+``oom_score_adj``, whose settings are the notebook spawner's (``c.LocalGPUSpawner.person_*``,
+``oom_score_adj``: one value for a person's servers and replicas alike;
+`gpulab.hub.deploy.localhub.person_bounds`).
 """
 
 from __future__ import annotations
@@ -76,6 +79,15 @@ class JobLimits:
     # processes and threads of one replica (its control group); 0: no bound
     pids_per_replica: int = field(default_factory=lambda: default_pids(512, 4))
     max_user_processes: int = 0  # RLIMIT_NPROC of the person's account; 0: left as it is
+    # the person-level group all of one person's servers and replicas nest in (as root): the
+    # hub's tag in its name (`gpulab.spawner.cgroups.person_unit`; '': replicas get none) and
+    # its limits, in bytes and CPUs (0: none). Their one owner is the hub's
+    # ``c.LocalGPUSpawner.person_mem_limit`` / ``person_cpu_limit``, handed over by the hub
+    person_tag: str = ""
+    person_memory: int = 0
+    person_cpu: float = 0.0
+    # oom_score_adj of replicas (``c.LocalGPUSpawner.oom_score_adj``, handed over by the hub)
+    oom_score_adj: int = 500
 
     def cpu_of(self, res: Resources | None) -> float | None:
         """The CPU limit of a replica whose role asks for `res` (None: not limited)."""

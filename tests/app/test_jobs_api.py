@@ -688,17 +688,23 @@ def test_a_replica_over_its_memory_limit_is_killed_and_the_job_says_so(hub, user
     job = wait_state(ann, "hungry", {"Failed", "Succeeded"})
     worker = job["replicas"][0]
     assert worker["exit_code"] == -9, worker
-    assert worker["reason"] == "killed: out of memory (the worker role's memory limit is 2Gi)"
-    assert job["reason"] == ("worker-0 failed (killed: out of memory (the worker role's memory "
-                             "limit is 2Gi)) after 1 restart of the workers (retries: 1)")
+    # the role's limit, and the person's for all their work (half this machine's memory)
+    from gpulab.hub.jobs.local import _size
+    from gpulab.spawner.cgroups import share_of_memory
+
+    why = ("killed: out of memory (the worker role's memory limit is 2Gi, and all your servers "
+           f"and replicas together may use {_size(share_of_memory(0.5))})")
+    assert worker["reason"] == why
+    assert job["reason"] == (f"worker-0 failed ({why}) after 1 restart of the workers "
+                             "(retries: 1)")
     # the restart between the two attempts says why (issue 34): the group's OOM count
     (restart,) = worker["restart_history"]
     assert (restart["exit_code"], restart["signal"], restart["oom_killed"]) == (-9, "SIGKILL", True)
     text = ann.service("GET", "jobs/hungry/logs/worker-0").json()["text"]
-    assert f"/gpulab/job-{job['id']}-worker-0" in text and "survived" not in text
-    assert re.search(r"^--- restart 1 of worker 0 at \d\d:\d\d:\d\d: previous attempt killed: "
-                     r"out of memory \(the worker role's memory limit is 2Gi\) \(exit -9\) ---$",
-                     text, re.M), text
+    assert re.search(rf"/gpulab/person-[0-9a-f]{{8}}-ann/job-{job['id']}-worker-0\n", text), text
+    assert "survived" not in text
+    assert re.search(r"^--- restart 1 of worker 0 at \d\d:\d\d:\d\d: previous attempt "
+                     + re.escape(why) + r" \(exit -9\) ---$", text, re.M), text
     # the replica's group went with the job
     cgroups, why = Cgroups.detect()
     assert cgroups is not None, why

@@ -1,6 +1,8 @@
 """CPU and memory limits of a profile, enforced on a local server by its control group: a
 researcher's program over the memory limit is killed (not the machine's other work), a busy
-loop is throttled to the CPU limit, and what the server leaves behind ends with it."""
+loop is throttled to the CPU limit, and what the server leaves behind ends with it. A server
+whose profile sets no limits gets the defaults (``c.LocalGPUSpawner.default_mem_limit`` /
+``default_cpu_limit``), and every server nests in its person's group."""
 
 import json
 import re
@@ -62,8 +64,10 @@ def test_profile_limits_are_enforced_on_the_server(hub, users):
         seen = json.loads(probe)
         assert seen["env"] == [str(512 * 2**20), "0.5"]
         dirs = cgroup_dirs(seen["cgroup"])
-        # the group is named by the hub's user id and the server's name (unambiguous)
-        assert all(re.search(r"/gpulab/server-[0-9a-f]{8}-u\d+-small$", str(d)) for d in dirs.values()), dirs
+        # the group is named by the hub's user id and the server's name (unambiguous), in
+        # the group of its person
+        assert all(re.search(r"/gpulab/person-[0-9a-f]{8}-ann/server-[0-9a-f]{8}-u\d+-small$",
+                             str(d)) for d in dirs.values()), dirs
         memory, cpu = dirs["memory"], dirs["cpu"]
 
         # within the limit: fine; over it: that program is killed, the server lives on
@@ -91,20 +95,34 @@ def test_profile_limits_are_enforced_on_the_server(hub, users):
     assert not memory.exists() and not cpu.exists()
 
 
-def test_a_server_without_limits_gets_a_group_without_limits(hub, users):
-    """Every server has a group of its own (its GPU devices, a clean stop), limits or not."""
+def test_a_server_without_limits_in_its_profile_gets_the_defaults(hub, users):
+    """Every server has a group of its own (its GPU devices, a clean stop); one whose profile
+    sets no limits gets the defaults: a quarter of the machine's memory, half its CPUs (at
+    least one), within its person's group (half the memory, three quarters of the CPUs)."""
+    from gpulab.spawner.cgroups import CPU_PERIOD_US, share_of_cpus, share_of_memory
+
     bob = users["bob"]
     assert bob.start_server("", {"profile": "cpu"}).status_code in (201, 202)
     try:
         dirs = cgroup_dirs(bob.run_in_kernel("print(open('/proc/self/cgroup').read())"))
-        assert all(re.search(r"/gpulab/server-[0-9a-f]{8}-u\d+-default$", str(d)) for d in dirs.values()), dirs
+        assert all(re.search(r"/gpulab/person-[0-9a-f]{8}-bob/server-[0-9a-f]{8}-u\d+-default$",
+                             str(d)) for d in dirs.values()), dirs
         memory, cpu = dirs["memory"], dirs["cpu"]
+        unit_cpu = int(share_of_cpus(0.5) * CPU_PERIOD_US)
+        person_cpu = int(share_of_cpus(0.75) * CPU_PERIOD_US)
         if (memory / "memory.max").exists():
-            assert (memory / "memory.max").read_text().strip() == "max"
-            assert (cpu / "cpu.max").read_text().split()[0] == "max"
+            assert int((memory / "memory.max").read_text()) == share_of_memory(0.25)
+            assert int((memory.parent / "memory.max").read_text()) == share_of_memory(0.5)
+            assert int((cpu / "cpu.max").read_text().split()[0]) == unit_cpu
+            assert int((cpu.parent / "cpu.max").read_text().split()[0]) == person_cpu
         else:
-            assert int((memory / "memory.limit_in_bytes").read_text()) > 2**60
-            assert (cpu / "cpu.cfs_quota_us").read_text().strip() == "-1"
+            assert int((memory / "memory.limit_in_bytes").read_text()) == share_of_memory(0.25)
+            assert int((memory.parent / "memory.limit_in_bytes").read_text()) == \
+                share_of_memory(0.5)
+            assert int((cpu / "cpu.cfs_quota_us").read_text()) == unit_cpu
+            assert int((cpu.parent / "cpu.cfs_quota_us").read_text()) == person_cpu
     finally:
         bob.stop_server()
+    # the server's group is gone, and so is bob's, which held nothing else
     assert not memory.exists() and not cpu.exists()
+    assert not memory.parent.exists() and not cpu.parent.exists()
