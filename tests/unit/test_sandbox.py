@@ -317,14 +317,18 @@ def test_isolated_servers_run_kernels_over_unix_sockets_in_their_private_tmp():
 
 
 @pytest.mark.parametrize("shm_size, mem_limit, size", [
-    ("", None, None),  # the kernel's default: half the RAM
+    ("", None, "default"),  # the server's default memory limit (issue 36)
+    ("", 0, None),  # no memory limit at all: the kernel's default, half the RAM
     ("", "4G", 4 * 2**30),  # the server's memory limit (JupyterHub's G is 2**30)
     ("512Mi", "4G", 512 * 2**20),  # the operator's setting wins
-], ids=["default", "memory-limit", "set"])
+], ids=["default", "unlimited", "memory-limit", "set"])
 def test_shm_size_of_a_server(shm_size, mem_limit, size):
     s = _spawner(shm_size=shm_size)
-    if mem_limit:
+    if mem_limit is not None:
         s.mem_limit = mem_limit
+    if size == "default":
+        size = s.mem_limit
+        assert size and size == s.default_mem_limit
     assert s.shm_bytes() == size
 
 
