@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import pwd
-import time
 
 import pytest
 
@@ -21,6 +20,7 @@ from gpulab.spawner.accounts import account_comment, system_username
 
 from tests.app.hubctl import Browser
 from tests.conftest import PASSWORD
+from tests.security.test_hostile_input import wait_final
 
 pytestmark = pytest.mark.security
 
@@ -38,15 +38,6 @@ def approved(hub, admin, name) -> Browser:
     p.login(PASSWORD)
     return p
 
-
-def wait_final(person, name, timeout=120):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        view = person.service("GET", f"jobs/{name}").json()
-        if view["state"] in ("Succeeded", "Failed", "Stopped"):
-            return view
-        time.sleep(0.3)
-    raise TimeoutError(f"job {name} did not end: {view}")
 
 
 @pytest.mark.parametrize("name", [ODD, LONG], ids=["colon", "128-characters"])
