@@ -46,8 +46,17 @@ def test_real_gpus_that_cannot_be_restricted_are_named(tmp_path, monkeypatch):
     (tmp_path / "nvidiactl").touch()
     assert cli._gpus_not_enforced(str(tmp_path)) is None
     (tmp_path / "nvidia0").touch()
-    monkeypatch.setattr(cgroups, "_detected", (cgroups.Cgroups(2, {}), ""))
-    assert "BPF device program" in cli._gpus_not_enforced(str(tmp_path))
+    # cgroup v2: enforced where the kernel takes gpulab's BPF device program (issue 36) ...
+    v2 = cgroups.Cgroups(2, {})
+    v2.bpf_problem = ""
+    monkeypatch.setattr(cgroups, "_detected", (v2, ""))
+    assert cli._gpus_not_enforced(str(tmp_path)) is None
+    # ... and named where it refuses it
+    v2 = cgroups.Cgroups(2, {})
+    v2.bpf_problem = "the kernel refused to load it (Operation not permitted)"
+    monkeypatch.setattr(cgroups, "_detected", (v2, ""))
+    why = cli._gpus_not_enforced(str(tmp_path))
+    assert "BPF device program" in why and "refused to load it" in why, why
     monkeypatch.setattr(cgroups, "_detected", (None, "the hub does not run as root"))
     assert cli._gpus_not_enforced(str(tmp_path)) == "no control groups: the hub does not run as root"
     v1 = cgroups.Cgroups(1, {"memory": tmp_path, "cpu": tmp_path, "devices": tmp_path})
