@@ -167,9 +167,13 @@ async def test_spawn_makes_the_pod_binds_it_to_h100_and_stop_frees_the_quota(
     assert not any(v["name"].startswith("kube-api-access") for v in spec["volumes"])
     (c,) = spec["containers"]
     assert c["name"] == "notebook"
+    # the profile's CPU, memory and GPUs; the namespace's LimitRange adds the ephemeral
+    # storage the profile does not set (issue 36)
     assert c["resources"] == {
-        "limits": {"cpu": "2", "memory": "4294967296", "nvidia.com/gpu": "2"},  # 4G: 4 GiB
-        "requests": {"cpu": "2", "memory": "4294967296", "nvidia.com/gpu": "2"},
+        "limits": {"cpu": "2", "memory": "4294967296", "nvidia.com/gpu": "2",  # 4G: 4 GiB
+                   "ephemeral-storage": "20Gi"},
+        "requests": {"cpu": "2", "memory": "4294967296", "nvidia.com/gpu": "2",
+                     "ephemeral-storage": "1Gi"},
     }
     assert sorted(spec["volumes"], key=lambda v: v["name"]) == [
         {"name": "gpulab-shared", "nfs": {"server": "nfs.invalid", "path": "/gpulab"}},
@@ -211,7 +215,10 @@ async def test_spawn_makes_the_pod_binds_it_to_h100_and_stop_frees_the_quota(
     assert spec["nodeName"] == "cpu-0"
     assert not spec.get("nodeSelector")
     assert not [t for t in spec["tolerations"] if t["key"] == "nvidia.com/gpu"]
-    assert spec["containers"][0].get("resources", {}) == {}
+    # no GPU; the CPU, memory and disk a profile without limits gets from its namespace
+    assert spec["containers"][0].get("resources", {}) == {
+        "limits": {"cpu": "2", "memory": "8Gi", "ephemeral-storage": "20Gi"},
+        "requests": {"cpu": "100m", "memory": "512Mi", "ephemeral-storage": "1Gi"}}
     assert led.open_allocations(user=s.user.name) == []  # no GPU, no allocation
     await s.stop()
     s.clear_state()
@@ -565,7 +572,11 @@ async def test_profile_options_make_kubespawners_pod_plus_the_gpu_parts(
         (c,) = pod["spec"]["containers"]
         (w,) = want["spec"]["containers"]
         assert c["image"] == w["image"]
-        # the same quantities (the API server writes them as strings)
+        # the same quantities (the API server writes them as strings), and the namespace's
+        # default ephemeral storage (issue 36: KubeSpawner sets none)
+        for resource, default in (("cpu", "2"), ("memory", "8Gi"), ("ephemeral-storage", "20Gi")):
+            if resource not in w["resources"]["limits"]:
+                assert c["resources"]["limits"].pop(resource) == default, resource
         assert ({k: float(v) for k, v in c["resources"]["limits"].items()}
                 == {k: float(v) for k, v in w["resources"]["limits"].items()})
         assert c["resources"]["limits"]["nvidia.com/gpu"] == str(gpus)

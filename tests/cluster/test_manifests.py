@@ -95,4 +95,4 @@ def test_gpulabs_network_policies_apply_in_a_user_namespace(control_plane, names
     user_pods = policies[0]["spec"]
     assert user_pods["podSelector"] == {} and "ingress" not in user_pods  # nothing comes in
     internet = user_pods["egress"][-1]["to"][0]["ipBlock"]
-    assert internet["cidr"] == "0.0.0.0/0" and "169.254.169.254/32" in internet["except"]
+    assert internet["cidr"] == "0.0.0.0/0" and "169.254.0.0/16" in internet["except"]
