@@ -34,7 +34,7 @@ def approved(hub, admin, name) -> Browser:
     p = Browser(hub, name)
     r = p.signup(PASSWORD)
     assert r.status_code == 200, r.text[:300]
-    assert admin.s.get(hub.url + f"/hub/authorize/{name}").status_code == 200
+    assert admin.approve(name).status_code == 200
     p.login(PASSWORD)
     return p
 
