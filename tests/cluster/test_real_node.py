@@ -140,6 +140,11 @@ c.KubeGPUSpawner.allowed_egress = {egress!r}
 c.KubeGPUSpawner.allowed_server_ingress = {ingress!r}
 c.KubeGPUSpawner.cpu_limit = 2
 c.KubeGPUSpawner.mem_limit = "3G"
+# what a notebook reserves on the node (z2jh's singleuser.cpu/memory.guarantee): without it
+# the request is the limit, 2 CPUs, the whole node, and the job replicas (which reserve the
+# namespace's default 100m each) would wait for the notebook to stop
+c.KubeGPUSpawner.cpu_guarantee = 0.2
+c.KubeGPUSpawner.mem_guarantee = "512M"
 c.GPUJobs.allowed_images = [{image!r}]
 c.KubeJobBackend.image = {image!r}
 c.GPULedger.pool = "kubernetes"
