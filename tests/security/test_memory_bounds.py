@@ -190,7 +190,10 @@ def test_a_persons_replicas_and_servers_together_stay_within_the_person_limit(hu
     before = gpulab_processes(hub)
     source = (PROBE + "import subprocess, sys\n"
               f"p = subprocess.run([sys.executable, '-c', {BALLOON!r}, '1400'])\n"
-              "print('BALLOON', p.returncode, flush=True)\n")
+              "print('BALLOON', p.returncode, flush=True)\n"
+              # the replica stays (its group with it) until the test has read the group's
+              # files and stops the job: a finished job's groups go at once
+              "import time\ntime.sleep(600)\n")
     spec = {"name": "balloon", "strategy": "multi-worker-mirrored", "replicas": {"worker": 1},
             "resources": {"worker": {"gpus": 0}}, "source": source, "retries": 0}
     r = eve.service("POST", "jobs", json=spec)
