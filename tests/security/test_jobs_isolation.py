@@ -44,6 +44,10 @@ BOUND = 4
 
 VIC = r"""
 import json, os, socket, subprocess, sys, time
+from gpulab.extensions import runtime
+# the job's TensorFlow servers: the runtime starts them with gpulab's strategy, on the
+# program's first call (the program touches TensorFlow first, issue 34)
+runtime.strategy()
 cfg = json.loads(os.environ["TF_CONFIG"])
 me = cfg["task"]["index"]
 peer = cfg["cluster"]["worker"][1 - me]
