@@ -27,6 +27,7 @@ import pwd
 import re
 import stat
 import subprocess
+import threading
 from pathlib import Path
 
 MAX_LINUX_USERNAME = 32
@@ -118,6 +119,19 @@ def check_account(entry: pwd.struct_passwd, hub_user: str) -> pwd.struct_passwd:
             f"the system account {entry.pw_name} exists but was made {made_by}, so it is not "
             f"handed to hub user {hub_user!r}. An admin must remove or rename that account")
     return entry
+
+
+_account_locks: dict[str, threading.Lock] = {}
+_account_locks_guard = threading.Lock()
+
+
+def account_lock(username: str) -> threading.Lock:
+    """One lock per system account, for preparing it (its account and folder) in worker
+    threads: one person's servers started at once must not both run ``useradd`` and hand
+    out the folder while the other is half-way (a race that refused one of them). Other
+    people's starts take other locks."""
+    with _account_locks_guard:
+        return _account_locks.setdefault(username, threading.Lock())
 
 
 def ensure_account(username: str, hub_user: str) -> pwd.struct_passwd:

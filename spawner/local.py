@@ -24,6 +24,7 @@ from traitlets import (Bool, Callable, Float, Int, List, TraitError, Unicode, Un
 from .accounts import (
     AccountConflict,
     AccountError,
+    account_lock,
     ensure_account,
     prepare_user_folder,
     safe_name,
@@ -1016,13 +1017,16 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         return dataclasses.replace(profile, gpus=gpus, model=model)
 
     def _prepare_account(self) -> None:
-        owner = None
-        if self.isolate_users:
-            owner = ensure_account(self.system_user, self.user.name)
-        elif self.home_dir_template:
-            Path(self.home_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
-        if self.shared_dir:
-            prepare_user_folder(self.user_folder, owner)
+        """The person's account and folder (in a worker thread; one person's concurrent
+        starts one after the other, `account_lock`)."""
+        with account_lock(self.system_user):
+            owner = None
+            if self.isolate_users:
+                owner = ensure_account(self.system_user, self.user.name)
+            elif self.home_dir_template:
+                Path(self.home_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+            if self.shared_dir:
+                prepare_user_folder(self.user_folder, owner)
 
     async def _prepare_account_or_refuse(self) -> None:
         """`_prepare_account` in a thread; a refused spawn (`SpawnRefused`) if it fails,

@@ -21,6 +21,7 @@ from gpulab.spawner.accounts import account_comment, system_username
 from tests.app.hubctl import Browser
 from tests.conftest import PASSWORD
 from tests.security.test_hostile_input import wait_final
+from tests.security.test_servers_isolation import person as approved
 
 pytestmark = pytest.mark.security
 
@@ -29,14 +30,6 @@ ODD = "dr:wh\u00f6@lab.x+1"
 #: the longest name the hub accepts (`GpulabAuthenticator.max_username_length`)
 LONG = "l" + "o" * 126 + "g"
 
-
-def approved(hub, admin, name) -> Browser:
-    p = Browser(hub, name)
-    r = p.signup(PASSWORD)
-    assert r.status_code == 200, r.text[:300]
-    assert admin.approve(name).status_code == 200
-    p.login(PASSWORD)
-    return p
 
 
 
