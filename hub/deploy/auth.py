@@ -248,6 +248,42 @@ def with_session_end(handler_class: type) -> type:
         "__doc__": handler_class.__doc__, "__module__": handler_class.__module__})
 
 
+def end_sessions_at_logout(c) -> None:
+    """Make logging out end the person's hub sessions under the stock ``jupyterhub`` app (the
+    chart's hub on Kubernetes), whatever authenticator the configuration ``c`` names so far:
+    its class is replaced by a subclass of the same name (so ``c.<ItsName>`` settings still
+    apply) whose `get_handlers` puts `EndSessionsOnLogout` in front of its logout handler, or
+    adds it at ``/logout``; JupyterHub routes an authenticator's handlers before its own.
+    `gpulab.hub.deploy.localhub.GpulabHub` does the same for every logout handler of the local
+    hub. Idempotent."""
+    from jupyterhub.app import JupyterHub
+
+    trait = JupyterHub.class_traits()["authenticator_class"]
+    base = trait.validate(None, c.JupyterHub.get("authenticator_class", trait.default_value))
+    if not getattr(base, "_gpulab_ends_sessions", False):
+        c.JupyterHub.authenticator_class = ending_sessions(base)
+
+
+def ending_sessions(base: type) -> type:
+    """`base` (an Authenticator class) whose logout ends the person's hub sessions."""
+
+    def get_handlers(self, app):
+        handlers, routed = [], False
+        for spec in base.get_handlers(self, app):
+            if (isinstance(spec, tuple) and isinstance(spec[1], type)
+                    and issubclass(spec[1], LogoutHandler)):
+                spec = (spec[0], with_session_end(spec[1]), *spec[2:])
+                routed = routed or spec[0].rstrip("/") == "/logout"
+            handlers.append(spec)
+        if not routed:
+            handlers.append(("/logout", EndSessionsOnLogout))
+        return handlers
+
+    return type(base.__name__, (base,), {
+        "get_handlers": get_handlers, "_gpulab_ends_sessions": True,
+        "__doc__": base.__doc__, "__module__": base.__module__})
+
+
 def approved_without_hub_user(db) -> list[str]:
     """Names of approved sign-ups that are no hub user yet (`gpulab.hub.deploy.localhub.GpulabHub` makes
     them at start-up)."""

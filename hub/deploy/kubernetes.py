@@ -137,6 +137,11 @@ def kubernetes_config(
     service_ip = service_ip or os.environ.get(POD_IP_ENV) or "127.0.0.1"
 
     c.JupyterHub.spawner_class = SPAWNER_CLASS
+    # logging out ends the person's sessions on the hub's side (a copied cookie dies with it),
+    # with the authenticator configured so far (hub.config's)
+    from gpulab.hub.deploy.auth import end_sessions_at_logout
+
+    end_sessions_at_logout(c)
     c.GPULedger.db_url = ledger_url
     c.GPULedger.pool = "kubernetes"
     # the hub's pages get a "GPUs" link to the gpulab service

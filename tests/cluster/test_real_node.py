@@ -508,3 +508,18 @@ def test_a_multi_worker_job_runs_in_pods_and_tensorboard_shows_it(cluster, hub, 
         assert r.status_code == 403, (r.status_code, r.text[:200])
     finally:
         ann.stop_server()
+
+
+def test_a_copied_cookie_dies_at_logout_on_the_charts_hub(hub):
+    """The chart runs the stock ``jupyterhub`` app; `kubernetes_config` makes its logout end the
+    person's sessions as the local hub's does (tests/security/test_hub_doors.py)."""
+    cal = Browser(hub, "cal")
+    cal.login(PASSWORD)
+    assert cal.api("GET", "/user").json()["name"] == "cal"
+    copy = Browser(hub, "cal")
+    copy.s.cookies.update(cal.s.cookies)
+    assert copy.api("GET", "/user").status_code == 200
+    assert cal.s.get(hub.url + "/hub/logout", allow_redirects=False).status_code == 302
+    r = copy.api("POST", "/users/cal/tokens", json={"note": "a thief's"})
+    assert r.status_code == 403, (r.status_code, r.text)
+    assert copy.api("GET", "/user").status_code == 403
