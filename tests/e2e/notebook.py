@@ -45,12 +45,13 @@ def run(page, cell, attempts=3, timeout=30_000):
 
 
 def run_cell(page, code: str, index: int, paste: bool = False):
-    """Type (or paste) `code` into the notebook's cell `index`, run it, and leave a fresh
-    cell below."""
-    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
+    """Type (or paste) `code` into cell `index` of the notebook opened last, run it, and
+    leave a fresh cell below."""
+    cells = page.locator(".jp-Notebook").last.locator(".jp-Cell")
+    cell = cells.nth(index)
     type_into(page, cell, code, paste)
     run(page, cell)
-    if page.locator(".jp-Notebook .jp-Cell").count() == index + 1:
+    if cells.count() == index + 1:
         page.keyboard.press("Escape")
         page.keyboard.press("b")
     return cell
