@@ -9,7 +9,8 @@ TAKEN = re.compile(r"\[[0-9*]+\]")
 def wait_for_kernel(page, timeout=120_000):
     """A person waits until the notebook's kernel shows Idle before running a cell (a cold
     kernel start takes a while on a loaded machine)."""
-    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(
+    # the shown notebook's (another notebook open in a tab behind has one too, hidden)
+    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']:visible").first.wait_for(
         timeout=timeout)
     page.locator(".jp-StatusBar-Widget", has_text="Idle").first.wait_for(timeout=timeout)
 

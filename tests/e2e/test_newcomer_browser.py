@@ -196,6 +196,8 @@ def test_the_readme_path_from_sign_up_to_trained_jobs(page, hub):
     launcher.locator(".gpulab-code-source button", has_text="a file").click()
     launcher.locator(".gpulab-file select").select_option(label="examples/" + EXAMPLE.name)
     page.wait_for_function("b => !b.disabled", arg=button.element_handle(), timeout=10_000)
+    launcher.scroll_into_view_if_needed()
+    shot(page, "train-a-model.png", launcher)
     # bad input is flagged before anything is submitted
     workers = launcher.locator(".gpulab-workers input")
     kept = workers.input_value()
@@ -208,7 +210,7 @@ def test_the_readme_path_from_sign_up_to_trained_jobs(page, hub):
     page.wait_for_function("b => !b.disabled", arg=button.element_handle(), timeout=10_000)
     button.click()
 
-    view = out.locator(".gpulab-jobview").first
+    view = ready.locator(".gpulab-jobview").first
     view.wait_for(timeout=60_000)
     wait_state(page, view, "Running", 240_000)
     view.locator(".gpulab-progress-text").filter(has_text=re.compile(r"\d")).wait_for(
