@@ -50,6 +50,10 @@ def runs_dir(env=None) -> str:
 
 #: the folder of a person's copy of gpulab's examples, in their own folder
 EXAMPLES = "examples"
+#: the ready notebook among them, which JupyterLab's launcher card "Train a model" opens
+READY_NOTEBOOK = "Train a model.ipynb"
+#: the page-config key that tells the card where that notebook is (below the server's root)
+PAGE_CONFIG_KEY = "gpulabTrainNotebook"
 
 
 def installed_examples() -> Path:
@@ -88,6 +92,24 @@ def offer_examples(env=None, source: Path | None = None) -> Path | None:
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return target if target.is_dir() else None
+
+
+def ready_notebook_path(root_dir: str, env=None) -> str | None:
+    """The ready notebook (``$GPULAB_USER_DIR/examples/Train a model.ipynb``) as JupyterLab
+    names it: its path below the server's `root_dir`; None where it is missing or not below
+    the root (a server whose root is elsewhere, e.g. a home folder on Kubernetes): then
+    there is no card."""
+    env = os.environ if env is None else env
+    base = env.get("GPULAB_USER_DIR")
+    if not base or not root_dir:
+        return None
+    notebook = Path(base) / EXAMPLES / READY_NOTEBOOK
+    try:
+        if not notebook.is_file():
+            return None
+        return notebook.resolve().relative_to(Path(root_dir).resolve()).as_posix()
+    except (OSError, ValueError):
+        return None
 
 
 def tensorboard_proxy_url(env=None, base_url: str | None = None) -> str | None:
@@ -198,6 +220,10 @@ def _load_jupyter_server_extension(serverapp) -> None:
     else:
         if examples is not None:
             serverapp.log.info("gpulab: gpulab's examples copied to %s", examples)
+    # JupyterLab's page config tells the card "Train a model" which notebook to open
+    ready = ready_notebook_path(serverapp.root_dir)
+    if ready is not None:
+        serverapp.web_app.settings.setdefault("page_config_data", {})[PAGE_CONFIG_KEY] = ready
     bound = bound_token_cache(serverapp)
     if bound is not None:
         serverapp.log.info("gpulab: the hub's answer for a token is kept %d s", bound)

@@ -13,6 +13,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from gpulab.extensions import serverext
 from gpulab.extensions.serverext import installed_examples, offer_examples
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,10 +78,32 @@ def test_the_launcher_card_is_a_federated_extension_jupyterlab_lists():
     build = found["gpulab-launcher"]["jupyterlab"]["_build"]  # what the lab page loads
     assert build == {"load": "static/remoteEntry.js", "extension": "./extension"}
     script = (LABEXT / "static" / "remoteEntry.js").read_text()
-    # the container JupyterLab's bootstrap looks for, and the notebook it opens exists
+    # the container JupyterLab's bootstrap looks for; the notebook it opens comes from the
+    # page config, under the key the server extension sets
     assert '_JUPYTERLAB["gpulab-launcher"]' in script
-    opened = re.search(r'var NOTEBOOK = "([^"]+)"', script).group(1)
-    assert opened == "examples/" + NOTEBOOK and (EXAMPLES / NOTEBOOK).is_file()
+    assert re.search(r'var PAGE_CONFIG_KEY = "gpulabTrainNotebook"', script)
+    assert serverext.PAGE_CONFIG_KEY == "gpulabTrainNotebook"
+    assert (EXAMPLES / serverext.READY_NOTEBOOK).is_file()
+
+
+def test_the_card_opens_the_ready_notebook_below_the_servers_root(tmp_path):
+    """Locally the server's root is the person's folder: the card opens
+    examples/Train a model.ipynb there; a root elsewhere (a home folder on Kubernetes) or
+    a person who deleted the notebook gets no card (None)."""
+    user = tmp_path / "users" / "ann"
+    user.mkdir(parents=True)
+    env = {"GPULAB_USER_DIR": str(user)}
+    assert serverext.ready_notebook_path(str(user), env) is None  # not copied yet
+    offer_examples(env, source=EXAMPLES)
+    assert serverext.ready_notebook_path(str(user), env) == "examples/" + NOTEBOOK
+    assert serverext.ready_notebook_path(str(tmp_path), env) == \
+        "users/ann/examples/" + NOTEBOOK
+    home = tmp_path / "home"
+    home.mkdir()
+    assert serverext.ready_notebook_path(str(home), env) is None
+    assert serverext.ready_notebook_path(str(user), {}) is None
+    (user / "examples" / NOTEBOOK).unlink()
+    assert serverext.ready_notebook_path(str(user), env) is None
 
 
 def test_the_ready_notebook_runs_the_example_next_to_it():

@@ -1,14 +1,17 @@
 /* gpulab's JupyterLab extension, written by hand (no build step): a launcher card
  * "Train a model" that opens the ready notebook gpulab copies into every person's folder
- * (examples/Train a model.ipynb, see gpulab.extensions.serverext.offer_examples).
+ * (examples/Train a model.ipynb, see gpulab.extensions.serverext.offer_examples). The server
+ * extension puts its path below the server's root in the page config (gpulabTrainNotebook);
+ * without it (no such notebook there) there is no card.
  *
  * It is a module-federation container as JupyterLab 4 loads them (its bootstrap calls
- * init(shareScope), then get("./extension")): the launcher's token (ILauncher) is taken from
- * JupyterLab's own shared @jupyterlab/launcher, so the card lands in the real launcher. */
+ * init(shareScope), then get("./extension")): the launcher's token (ILauncher) and PageConfig
+ * are taken from JupyterLab's own shared @jupyterlab/launcher and @jupyterlab/coreutils, so
+ * the card lands in the real launcher. */
 var _JUPYTERLAB;
 (function () {
   "use strict";
-  var NOTEBOOK = "examples/Train a model.ipynb";
+  var PAGE_CONFIG_KEY = "gpulabTrainNotebook";
   var COMMAND = "gpulab:train-a-model";
   var ICON = "data:image/svg+xml," + encodeURIComponent(
     '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24">' +
@@ -32,13 +35,15 @@ var _JUPYTERLAB;
     return Promise.resolve(versions[keys[keys.length - 1]].get()).then(function (f) { return f(); });
   }
 
-  function plugin(launcherModule) {
+  function plugin(launcherModule, coreutils) {
     return {
       id: "gpulab-launcher:train-a-model",
-      description: "A launcher card that opens gpulab's ready notebook, " + NOTEBOOK,
+      description: "A launcher card that opens gpulab's ready notebook, Train a model.ipynb",
       autoStart: true,
       requires: [launcherModule.ILauncher],
       activate: function (app, launcher) {
+        var NOTEBOOK = coreutils.PageConfig.getOption(PAGE_CONFIG_KEY);
+        if (!NOTEBOOK) return;
         app.commands.addCommand(COMMAND, {
           label: "Train a model",
           caption: "Open " + NOTEBOOK + ": distributed TensorFlow training on the hub's GPUs",
@@ -58,9 +63,11 @@ var _JUPYTERLAB;
       if (module !== "./extension" && module !== "./index") {
         return Promise.reject(new Error("gpulab-launcher has no module " + module));
       }
-      return shared("@jupyterlab/launcher").then(function (launcherModule) {
-        return function () { return { __esModule: true, default: [plugin(launcherModule)] }; };
-      });
+      return Promise.all([shared("@jupyterlab/launcher"), shared("@jupyterlab/coreutils")])
+        .then(function (modules) {
+          var found = plugin(modules[0], modules[1]);
+          return function () { return { __esModule: true, default: [found] }; };
+        });
     }
   };
 })();
