@@ -196,15 +196,24 @@ def check_quota(requested: int, me: Mapping | None) -> list[str]:
     return problems
 
 
-def quota_summary(me: Mapping | None) -> str:
-    """One line: the quota, what is held, what is free on the hub."""
+def quota_summary(me: Mapping | None, simulated: str = " (simulated)") -> str:
+    """One line: the quota, what is held, what is free on the hub (`simulated` follows the
+    GPUs where they are simulated; the widgets show a "Simulated" pill instead)."""
     if not me:
         return "Quota unknown."
     inv = me.get("inventory") or {}
-    sim = " (simulated)" if inv.get("simulated") else ""
+    sim = simulated if inv.get("simulated") else ""
     return (f"Your quota: {me.get('quota_text') or 'no limit'}; in use: "
             f"{me.get('gpus_held', 0)}; free on the hub: {inv.get('free', '?')} of "
             f"{inv.get('total', '?')} GPUs{sim}.")
+
+
+def stop_question(name: str, gpus: int | None) -> str:
+    """What Stop asks before it stops job `name` holding `gpus` GPUs."""
+    if not gpus:
+        return f"Stop job {name}? Every replica ends."
+    held = "its GPU is" if gpus == 1 else f"its {gpus} GPUs are"
+    return f"Stop job {name}? Every replica ends and {held} released."
 
 
 def is_kubernetes(me: Mapping | None, env: Mapping[str, str] | None = None) -> bool:

@@ -1,7 +1,12 @@
 """gpulab's Jupyter server extension: TensorBoard behind the hub, for every notebook server.
 
 Enabled on install (``etc/jupyter/jupyter_server_config.d/gpulab.json``, as jupyterlab-git
-does). Two things:
+does). Three things:
+
+- Every person finds gpulab's examples in their folder (`offer_examples`: a copy of their own,
+  made at the server's first start), with a ready notebook, ``examples/Train a model.ipynb``,
+  that JupyterLab's launcher card "Train a model" opens (the small JupyterLab extension in
+  ``jupyter-config/labextension``, installed into ``share/jupyter/labextensions``).
 
 - TensorBoard is a jupyter-server-proxy server process (`tensorboard_server`, registered
   with the ``jupyter_serverproxy_servers`` entry point): ``<server prefix>tensorboard/``
@@ -41,6 +46,70 @@ def runs_dir(env=None) -> str:
     path = Path(base) / "jobs"
     path.mkdir(parents=True, exist_ok=True)
     return str(path)
+
+
+#: the folder of a person's copy of gpulab's examples, in their own folder
+EXAMPLES = "examples"
+#: the ready notebook among them, which JupyterLab's launcher card "Train a model" opens
+READY_NOTEBOOK = "Train a model.ipynb"
+#: the page-config key that tells the card where that notebook is (below the server's root)
+PAGE_CONFIG_KEY = "gpulabTrainNotebook"
+
+
+def installed_examples() -> Path:
+    """Where gpulab's examples are installed (``<prefix>/share/gpulab/examples``:
+    pyproject.toml's data-files), read-only for everyone."""
+    return Path(sys.prefix) / "share" / "gpulab" / EXAMPLES
+
+
+def offer_examples(env=None, source: Path | None = None) -> Path | None:
+    """Copy gpulab's examples (`installed_examples`, or `source`) into the person's folder
+    (``$GPULAB_USER_DIR/examples``) where nothing of that name is there yet: run by the
+    server as the person's own account at its start, so the copy is theirs (to change, and to
+    run as jobs: a job's ``script`` is a file in their folder) and nothing is written as root
+    into a folder they control. A folder (or file, or link) named ``examples`` that is there
+    already is left alone; a person who deletes it gets a fresh copy at the next start.
+    Returns the folder made, or None."""
+    import shutil
+
+    env = os.environ if env is None else env
+    base = env.get("GPULAB_USER_DIR")
+    source = installed_examples() if source is None else source
+    if not base or not source.is_dir():
+        return None
+    target = Path(base) / EXAMPLES
+    if os.path.lexists(target):
+        return None
+    # copied beside it, then renamed into place: a server that dies half-way leaves no
+    # half copy under the name (a rename onto an existing name fails: the person's wins)
+    partial = Path(base) / f".{EXAMPLES}-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(source, partial, symlinks=True,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    try:
+        if not os.path.lexists(target):
+            os.rename(partial, target)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return target if target.is_dir() else None
+
+
+def ready_notebook_path(root_dir: str, env=None) -> str | None:
+    """The ready notebook (``$GPULAB_USER_DIR/examples/Train a model.ipynb``) as JupyterLab
+    names it: its path below the server's `root_dir`; None where it is missing or not below
+    the root (a server whose root is elsewhere, e.g. a home folder on Kubernetes): then
+    there is no card."""
+    env = os.environ if env is None else env
+    base = env.get("GPULAB_USER_DIR")
+    if not base or not root_dir:
+        return None
+    notebook = Path(base) / EXAMPLES / READY_NOTEBOOK
+    try:
+        if not notebook.is_file():
+            return None
+        return notebook.resolve().relative_to(Path(root_dir).resolve()).as_posix()
+    except (OSError, ValueError):
+        return None
 
 
 def tensorboard_proxy_url(env=None, base_url: str | None = None) -> str | None:
@@ -144,6 +213,17 @@ def bound_token_cache(serverapp) -> int | None:
 
 
 def _load_jupyter_server_extension(serverapp) -> None:
+    try:
+        examples = offer_examples()
+    except OSError as e:  # a full disk, a read-only folder: the server starts all the same
+        serverapp.log.warning("gpulab: could not copy the examples into your folder: %s", e)
+    else:
+        if examples is not None:
+            serverapp.log.info("gpulab: gpulab's examples copied to %s", examples)
+    # JupyterLab's page config tells the card "Train a model" which notebook to open
+    ready = ready_notebook_path(serverapp.root_dir)
+    if ready is not None:
+        serverapp.web_app.settings.setdefault("page_config_data", {})[PAGE_CONFIG_KEY] = ready
     bound = bound_token_cache(serverapp)
     if bound is not None:
         serverapp.log.info("gpulab: the hub's answer for a token is kept %d s", bound)

@@ -54,6 +54,25 @@ def _message(kind: str, text: str) -> str:
             f"{html.escape(text)}</div>")
 
 
+#: "Simulated" as the hub's pages show it (Bootstrap's ``badge text-bg-warning``): one pill
+#: style wherever gpulab says its GPUs are simulated
+SIMULATED_PILL = ("<span class='gpulab-simulated' style='display:inline-block; padding:.25em "
+                  ".6em; border-radius:.375rem; background:#ffc107; color:#000; font-size:.75em; "
+                  "font-weight:700; line-height:1; vertical-align:baseline'>Simulated</span>")
+
+
+def _quota_html(me: dict) -> str:
+    """The quota line, with the "Simulated" pill where the hub's GPUs are simulated."""
+    line = html.escape(jm.quota_summary(me, simulated=""))
+    return line + (" " + SIMULATED_PILL if (me.get("inventory") or {}).get("simulated") else "")
+
+
+#: what the launcher's quota line says while the quota is being read
+_LOADING = ("<div class='gpulab-loading' style='color:var(--jp-ui-font-color2, #666)'>"
+            "<i class='fa fa-spinner fa-spin' aria-hidden='true'></i> loading your quota and "
+            "the free GPUs…</div>")
+
+
 def _error_text(e: Exception) -> str:
     if isinstance(e, GpulabError):
         return e.message
@@ -145,10 +164,13 @@ class JobView(W.VBox):
         self.restarts = W.HTML("")
         self.restarts.add_class("gpulab-restarts")
         self.progress = W.FloatProgress(value=0.0, min=0.0, max=1.0,
-                                        layout=W.Layout(width="50%", visibility="hidden"))
+                                        layout=W.Layout(width="50%", display="none"))
         self.progress.add_class("gpulab-progress")
         self.progress_label = W.HTML("")
         self.progress_label.add_class("gpulab-progress-text")
+        #: the progress bar and its words; not shown (no empty band) while the job reported none
+        self.progress_row = W.HBox([self.progress, self.progress_label],
+                                   layout=W.Layout(display="none"))
         self.replica_choice = W.Dropdown(options=[], description="Log of",
                                          layout=W.Layout(width="auto"))
         self.replica_choice.add_class("gpulab-log-replica")
@@ -185,7 +207,7 @@ class JobView(W.VBox):
         super().__init__([
             W.HBox([self.title, self.state]),
             self.replicas, self.restarts,
-            W.HBox([self.progress, self.progress_label]),
+            self.progress_row,
             self.replica_choice, self.log_text,
             W.HBox([self.stop_button, self.tb_toggle]), self.confirm_box,
             self.message, self.tb_box,
@@ -277,8 +299,9 @@ class JobView(W.VBox):
         known = jm.progress_of(view)
         if known:
             self.progress.value = known[2]
-            self.progress.layout.visibility = "visible"
+            self.progress.layout.display = "flex"
         self.progress_label.value = html.escape(jm.progress_text(view))
+        self.progress_row.layout.display = "flex" if known or self.progress_label.value else "none"
         names = [r["replica"] for r in jm.replica_rows(view)]
         if list(self.replica_choice.options) != names:
             current = self.replica_choice.value
@@ -334,9 +357,7 @@ class JobView(W.VBox):
 
     def _ask_stop(self) -> None:
         gpus = (self.view or {}).get("gpus")
-        self.confirm_text.value = html.escape(
-            f"Stop job {self.job.name}? Every replica ends"
-            + (f" and its {gpus} GPU{'s' if gpus != 1 else ''} are released." if gpus else "."))
+        self.confirm_text.value = html.escape(jm.stop_question(self.job.name, gpus))
         self.confirm_box.layout.display = "flex"
 
     def _hide_confirm(self) -> None:
@@ -415,10 +436,14 @@ class TrainingLauncher(W.VBox):
                  gpus: int = 0, cpu: float | None = None, memory: str | None = None,
                  image: str | None = None, code: str | None = None, cell: str | None = None,
                  namespace: dict | None = None, user_dir: str | None = None,
-                 show_job: bool = True, quota_interval: float = 10.0):
+                 show_job: bool = True, quota_interval: float = 10.0, background: bool = True):
         import os
 
         self._cb = _Callbacks()
+        #: set once the first look for the quota, the functions and the files is done; until
+        #: then the form shows "loading…" and Launch waits (``background=False``: done
+        #: before the constructor returns)
+        self.loaded = threading.Event()
         #: seconds between reads of the quota while something may change it (0: never)
         self.quota_interval = quota_interval
         self._stop_event = threading.Event()
@@ -431,42 +456,53 @@ class TrainingLauncher(W.VBox):
         self.user_dir = user_dir if user_dir is not None else os.environ.get("GPULAB_USER_DIR")
         self.cell = cell if cell is not None else _current_cell()
 
-        self.name = W.Text(value=name or jm.unique_name(), description="Name")
+        # one label width and one field width for every field: two tidy columns
+        label, field = {"description_width": "7.5em"}, W.Layout(width="19em")
+        self.name = W.Text(value=name or jm.unique_name(), description="Name", style=label,
+                           layout=W.Layout(width="38.5em"))
         self.name.add_class("gpulab-name")
         self.strategy = W.Dropdown(options=list(jm.STRATEGIES), value=strategy,
-                                   description="Strategy")
+                                   description="Strategy", style=label,
+                                   layout=W.Layout(width="38.5em"))
         self.strategy.add_class("gpulab-strategy")
-        self.ps = W.IntText(value=ps, description="PS")
+        self.ps = W.IntText(value=ps, description="PS", style=label, layout=field)
         self.ps.add_class("gpulab-ps")
-        self.workers = W.IntText(value=workers, description="Workers")
+        self.workers = W.IntText(value=workers, description="Workers", style=label,
+                                 layout=field)
         self.workers.add_class("gpulab-workers")
-        self.gpus = W.IntText(value=gpus, description="GPUs/worker",
-                              style={"description_width": "initial"})
+        self.gpus = W.IntText(value=gpus, description="GPUs/worker", style=label,
+                              layout=field)
         self.gpus.add_class("gpulab-gpus")
         self.cpu = W.Text(value="" if cpu is None else str(cpu), description="CPUs/worker",
-                          placeholder="default", style={"description_width": "initial"})
+                          placeholder="default", style=label, layout=field)
         self.cpu.add_class("gpulab-cpu")
-        self.memory = W.Text(value=memory or "", description="Memory", placeholder="e.g. 8Gi")
+        self.memory = W.Text(value=memory or "", description="Memory", placeholder="e.g. 8Gi",
+                             style=label, layout=field)
         self.memory.add_class("gpulab-memory")
         self.image = W.Text(value=image or "", description="Image", placeholder="default",
-                            layout=W.Layout(display="none"))
+                            style=label, layout=W.Layout(width="19em", display="none"))
         self.image.add_class("gpulab-image")
 
         sources = [("this cell", "cell"), ("a function", "function"), ("a file", "file"),
                    ("text", "text")]
         self.code_source = W.ToggleButtons(options=sources,
                                            value="text" if code is not None else "cell",
-                                           description="Code")
+                                           description="Code", style=label)
         self.code_source.add_class("gpulab-code-source")
-        self.function = W.Dropdown(options=[], description="Function")
+        self.function = W.Dropdown(options=[], description="Function", style=label,
+                                   layout=W.Layout(width="38.5em"))
         self.function.add_class("gpulab-function")
-        self.file = W.Dropdown(options=[], description="File")
+        self.file = W.Dropdown(options=[], description="File", style=label,
+                               layout=W.Layout(width="38.5em"))
         self.file.add_class("gpulab-file")
-        self.code = W.Textarea(value=code or "", description="Code",
+        self.code = W.Textarea(value=code or "", description="Program", style=label,
                                layout=W.Layout(width="100%", height="10em"))
         self.code.add_class("gpulab-code")
+        # beside the function or file to choose (what it looks for again), with the quota
         self.rescan = W.Button(description="Rescan", icon="refresh",
-                               tooltip="look again for functions and files, and the quota")
+                               tooltip="look again for functions and files, and the quota",
+                               layout=W.Layout(width="auto"))
+        self.rescan.add_class("gpulab-rescan")
         self.code_box = W.VBox([])
 
         self.quota = W.HTML("")
@@ -491,10 +527,11 @@ class TrainingLauncher(W.VBox):
         super().__init__([
             W.HTML("<b>Distributed TensorFlow training</b>"),
             self.name, self.strategy,
-            W.HBox([self.ps, self.workers]),
-            W.HBox([self.gpus, self.cpu, self.memory]),
-            self.image,
-            W.HBox([self.code_source, self.rescan]), self.code_box,
+            # two columns: how many, then what each worker gets
+            W.HBox([self.workers, self.ps]),
+            W.HBox([self.gpus, self.cpu]),
+            W.HBox([self.memory, self.image]),
+            self.code_source, self.code_box,
             self.quota,
             W.HBox([self.launch_button, self.reason]),
             self.message, self.output,
@@ -502,7 +539,14 @@ class TrainingLauncher(W.VBox):
         self.add_class("gpulab-launcher")
         self._show_strategy()
         self._show_code_source()
-        self.scan()
+        # the form is shown at once; what needs the service (the quota: a request that may
+        # take up to `Client.timeout`) or the folder (its files) is read behind it
+        if background:
+            self.quota.value = _LOADING
+            threading.Thread(target=self._first_scan, daemon=True,
+                             name="gpulab-launcher-scan").start()
+        else:
+            self._first_scan()
 
     # -- callbacks ------------------------------------------------------------------------
 
@@ -516,6 +560,16 @@ class TrainingLauncher(W.VBox):
         self._cb._register("error", callback, remove)
 
     # -- state ----------------------------------------------------------------------------
+
+    def _first_scan(self) -> None:
+        try:
+            self.scan()
+        except Exception as e:  # shown in the form, never lost in a thread
+            self.message.value = _message("error", f"Could not read the quota or your "
+                                          f"folder: {_error_text(e)}")
+        finally:
+            self.loaded.set()
+            self.validate()
 
     def scan(self) -> None:
         """Look (again) for the notebook's functions, the folder's files and the quota."""
@@ -534,7 +588,7 @@ class TrainingLauncher(W.VBox):
             self.me = None
             self.quota.value = _message("warning", f"Quota unknown: {e.message}")
         else:
-            self.quota.value = html.escape(jm.quota_summary(self.me))
+            self.quota.value = _quota_html(self.me)
         self.image.layout.display = "flex" if jm.is_kubernetes(self.me) else "none"
         self.validate()
 
@@ -574,8 +628,8 @@ class TrainingLauncher(W.VBox):
         kind = self.code_source.value
         self.code_box.children = {
             "cell": [W.HTML(f"<i>{html.escape(self._cell_note())}</i>")],
-            "function": [self.function],
-            "file": [self.file],
+            "function": [W.HBox([self.function, self.rescan])],
+            "file": [W.HBox([self.file, self.rescan])],
             "text": [self.code],
         }[kind]
         self.validate()
@@ -628,6 +682,8 @@ class TrainingLauncher(W.VBox):
                              if self.image.layout.display != "none" else None)
         if not problems:
             problems += jm.check_quota(jm.spec_gpus(spec), self.me)
+        if not self.loaded.is_set():
+            problems.insert(0, "Reading your quota and the free GPUs…")
         return spec, jm.check_available(self.me) + problems
 
     def validate(self) -> list[str]:

@@ -27,7 +27,7 @@ extras="$tf_extra${GPULAB_EXTRAS:+,$GPULAB_EXTRAS}"
 # extras and which sources it installed: installed extras that include the ones asked for now
 # are no reason to install again (scripts/stamp.py: test.sh's tf,test serves run.sh's tf)
 sources="$(cd "$repo" && find pyproject.toml images/requirements.txt images/requirements-tf.txt \
-  hub spawner extensions gpulab-top jupyter-config -type f -not -path '*/__pycache__/*' -print0 \
+  hub spawner extensions gpulab-top jupyter-config examples -type f -not -path '*/__pycache__/*' -print0 \
   | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-32)"
 plan="$("$py" "$repo/scripts/stamp.py" "$venv/.gpulab-installed" "$extras" "$sources")"
 [ -x "$venv/bin/gpulab" ] || plan="install $extras"

@@ -72,7 +72,7 @@ def gpulab_kube_service(*, config_file: str | os.PathLike, service_ip: str,
         "command": service_command(python, config_file),
         "environment": env,
         "oauth_client_allowed_scopes": [ADMIN_SCOPE],
-        "display": True,
+        "display": False,  # the navigation's "GPUs" leads to it, not "Services"
         "oauth_no_confirm": True,
     }
 

@@ -178,7 +178,9 @@ def gpulab_service(s: LocalSettings) -> list[dict]:
             "url": f"https://127.0.0.1:{s.service_port}",
             "command": service_command(sys.executable, s.data.service_config_file),
             "oauth_client_allowed_scopes": [ADMIN_SCOPE],
-            "display": True,
+            # not in the hub's "Services" menu: the navigation's "GPUs" (and "GPU admin") lead
+            # to it (hub/templates/jupyterhub/page.html)
+            "display": False,
             "oauth_no_confirm": True,
         }
     ]

@@ -170,7 +170,7 @@ class JobStore:
                              spec=spec.model_dump_json(),
                              state="Queued" if queued else "Admitted",
                              reason="waiting for GPUs" if queued
-                             else f"{spec.total_gpus} GPU(s) admitted",
+                             else f"{_gpus(spec.total_gpus)} admitted",
                              allocation_id=None if queued else allocation.id, job_dir=job_dir,
                              created_at=time.time() if now is None else now))
                 s.flush()
@@ -187,7 +187,7 @@ class JobStore:
             if job is None or job.state != "Queued":
                 return False
             job.state, job.allocation_id = "Admitted", allocation.id
-            job.reason = f"{allocation.gpus} GPU(s) admitted from the queue"
+            job.reason = f"{_gpus(allocation.gpus)} admitted from the queue"
             by = {(r.role, r.index): r for r in reps}
             for columns in replicas:
                 r = by[(columns["role"], columns["index"])]
@@ -245,3 +245,8 @@ class JobStore:
             if job.allocation_id:
                 self.ledger.release(job.allocation_id, f"job {state.lower()}", now=at, session=s)
         return True
+
+
+def _gpus(n: int) -> str:
+    """``1 GPU``, ``2 GPUs`` (a job's reason, read by people)."""
+    return f"{n} GPU{'' if n == 1 else 's'}"

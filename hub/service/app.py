@@ -53,7 +53,8 @@ from gpulab.hub.service.jobs import (JobHandler, JobLogsHandler, JobsBase, JobsH
 from gpulab.hub.service.pages import (AdminPage, ErrorPages, NotFoundHandler,  # noqa: F401
                                       OAuthCallbackHandler, PageError, PageHandler, PageUser,
                                       UserPage, _pages, page_context)
-from gpulab.hub.service.quotas import (AllocationsHandler, AuditHandler, MeHandler,  # noqa: F401
+from gpulab.hub.service.quotas import (AllocationsHandler, AuditHandler,  # noqa: F401
+                                       EffectiveQuotasHandler, MeHandler,
                                        QuotaHandler, QuotasHandler, UsageHandler, inventory_view,
                                        overview,
                                        user_view)
@@ -108,6 +109,7 @@ def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirecto
             (url_path_join(prefix, "oauth_callback"), OAuthCallbackHandler),
             (url_path_join(api, "me"), MeHandler),
             (url_path_join(api, "quotas"), QuotasHandler),
+            (url_path_join(api, "quotas/effective"), EffectiveQuotasHandler),
             (url_path_join(api, "quotas/(default)"), QuotaHandler),
             (url_path_join(api, f"quotas/(users|groups)/{name}"), QuotaHandler),
             (url_path_join(api, "allocations"), AllocationsHandler),

@@ -176,6 +176,14 @@ def openapi_document(prefix: str = "/services/gpulab/") -> dict:
                                                        "items": {"type": "string"}}}}}})}},
             "/quotas": {"get": {"summary": "All quotas set (admin)", "responses": _resp({
                 "type": "object", "properties": {"quotas": {"type": "array", "items": QUOTA_OUT}}})}},
+            "/quotas/effective": {"get": {
+                "summary": "Every person's effective quota: their override, else the most "
+                           "generous of their groups', else the default (admin)",
+                "responses": _resp({"type": "object", "properties": {"users": {
+                    "type": "array", "items": {"type": "object", "properties": {
+                        "name": {"type": "string"}, "quota": {"type": ["object", "null"]},
+                        "quota_source": {"type": "string"},
+                        "quota_text": {"type": "string"}}}}}})}},
             "/quotas/default": quota_ops,
             "/quotas/users/{name}": named,
             "/quotas/groups/{name}": named,
@@ -193,7 +201,8 @@ def openapi_document(prefix: str = "/services/gpulab/") -> dict:
                     "days": {"type": "integer"}, "users": {"type": "object"},
                     "groups": {"type": "object"}}}, 400)}},
             "/audit": {"get": {
-                "summary": "Quota changes, newest first (admin)",
+                "summary": "Quota changes, newest first, each also in words (`old_text`, "
+                           "`new_text`) (admin)",
                 "parameters": [{"name": "limit", "in": "query", "required": False,
                                 "schema": {"type": "integer", "minimum": 1, "maximum": 1000}}],
                 "responses": _resp({"type": "object", "properties": {

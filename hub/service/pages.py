@@ -17,7 +17,7 @@ from jupyterhub.services.auth import HubOAuthCallbackHandler, UserNotAllowed
 from jupyterhub.utils import url_path_join
 from tornado import httputil, web
 
-from gpulab.hub.service import ADMIN_SCOPE, SERVICE_NAME
+from gpulab.hub.service import ADMIN_SCOPE
 from gpulab.hub.service.base import AppHubAuth, Base, log
 from gpulab.hub.service.quotas import _usage, inventory_view, overview, user_view
 from gpulab.hub.service.queue import entry_view
@@ -75,10 +75,14 @@ def page_context(*, hub_prefix: str, service_prefix: str, model: dict | None, xs
         "login_url": hub + "login?next=" + quote(prefix), "no_spawner_check": True,
         "user": PageUser(model["name"]) if model else None, "admin_access": hub_admin,
         "parsed_scopes": {"admin-ui"} if hub_admin else set(), "xsrf_token": xsrf,
-        "services": [{"name": SERVICE_NAME, "href": prefix}] if model else [],
+        # the hub's "Services" menu: the gpulab service is not in it (its "display" is
+        # false; "GPUs" is its link), as on the hub's own pages
+        "services": [],
         # gpulab's own
         "prefix": prefix, "hub_prefix": hub, "xsrf": xsrf, "admin": bool(model) and admin,
         "page": path,
+        # what gpulab's navigation links (jupyterhub/page.html) read
+        "gpulab_prefix": prefix, "gpulab_admin": bool(model) and admin, "gpulab_page": path,
     }
 
 

@@ -119,11 +119,31 @@ def _overview(ledger: Ledger, users: list, usage, now: float) -> dict:
         "groups": sorted(groups.values(), key=lambda g: g["name"]),
         "default": rows.get("default:"),
         "inventory": inventory_view(ledger, usage),
-        # every field of a change (GPU-hours too), in the words of the quota column
-        "audit": [{**a, "old_text": Quota(**a["old"]).describe() if a["old"] else "—",
-                   "new_text": Quota(**a["new"]).describe() if a["new"] else "unset"}
-                  for a in ledger.audit(50)],
+        "audit": audit_view(ledger, 50),
     }
+
+
+def audit_view(ledger: Ledger, limit: int) -> list[dict]:
+    """The newest `limit` quota changes, each with every field of the change (GPU-hours too)
+    in the words of the quota column (``old_text``, ``new_text``)."""
+    return [{**a, "old_text": Quota(**a["old"]).describe() if a["old"] else "—",
+             "new_text": Quota(**a["new"]).describe() if a["new"] else "unset"}
+            for a in ledger.audit(limit)]
+
+
+def effective_view(ledger: Ledger, users: list) -> list[dict]:
+    """Each person's effective quota (the admin page's "Effective quota" column): the hub's
+    users, and people with an override the hub no longer lists."""
+    names = {u["name"] for u in users}
+    users = users + [{"name": q["name"], "groups": []} for q in ledger.quotas()
+                     if q["scope"] == "user" and q["name"] not in names]
+    out = []
+    for u in sorted(users, key=lambda u: u["name"]):
+        quota, source = ledger.effective(u["name"], u["groups"])
+        out.append({"name": u["name"], "quota": quota.as_dict() if quota else None,
+                    "quota_source": source,
+                    "quota_text": quota.describe() if quota else "no limit"})
+    return out
 
 
 # -- REST API ------------------------------------------------------------------------------
@@ -145,6 +165,16 @@ class QuotasHandler(APIHandler):
     async def get(self):
         self.require_admin()
         self.send({"quotas": await asyncio.to_thread(self.ledger.quotas)})
+
+
+class EffectiveQuotasHandler(APIHandler):
+    """``/quotas/effective``: every person's effective quota, as the admin page shows it (it
+    reads this after a quota is saved, to show the change without a reload)."""
+
+    async def get(self):
+        self.require_admin()
+        users = await self.directory.users()
+        self.send({"users": await asyncio.to_thread(effective_view, self.ledger, users)})
 
 
 class QuotaHandler(APIHandler):
@@ -221,4 +251,4 @@ class AuditHandler(APIHandler):
     async def get(self):
         self.require_admin()
         limit = self.int_arg("limit", 100, 1, 1000)
-        self.send({"audit": await asyncio.to_thread(self.ledger.audit, limit)})
+        self.send({"audit": await asyncio.to_thread(audit_view, self.ledger, limit)})

@@ -204,6 +204,7 @@ def test_client_and_magic_inside_a_notebook_server(hub, users):
             "from gpulab.extensions import TrainingLauncher\n"
             "w = TrainingLauncher(name='cl-widget', strategy='multi-worker-mirrored', "
             "workers=2, gpus=1, code='print(\"from the launcher\")')\n"
+            "assert w.loaded.wait(60)\n"  # the quota is read behind the form
             "assert not w.launch_button.disabled, w.reason.value\n"
             "w.launch_button.click()\n"
             "v = w.job_view\n"

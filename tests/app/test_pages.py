@@ -50,6 +50,20 @@ def test_pages_look_like_the_hubs(hub, users, admin):
     assert 'id="gpulab-admin-nav"' in r.text and 'href="/hub/admin"' in r.text
 
 
+def test_the_hubs_own_pages_lead_to_gpulab(hub, users, admin):
+    """Issue 37: "GPU admin" is in the navigation of the hub's own pages too (for gpulab
+    admins), and the service is not repeated under the hub's "Services" menu."""
+    home = admin.s.get(hub.url + "/hub/home", timeout=30)
+    assert home.status_code == 200
+    assert re.search(r'id="gpulab-nav" href="/hub/\.\./services/gpulab/">GPUs</a>', home.text)
+    assert re.search(r'id="gpulab-admin-nav" href="/hub/\.\./services/gpulab/admin">GPU admin',
+                     home.text)
+    mine = users["ann"].s.get(hub.url + "/hub/home", timeout=30)
+    assert 'id="gpulab-nav"' in mine.text and 'id="gpulab-admin-nav"' not in mine.text
+    for r in (home, mine, page(admin, "admin"), page(users["ann"], "")):
+        assert ">Services</a>" not in r.text and ">gpulab</a>" not in r.text
+
+
 def test_a_non_admin_on_the_admin_page_gets_a_page_saying_where_to_go(hub, users):
     r = page(users["ann"], "admin")
     assert r.status_code == 403

@@ -31,6 +31,7 @@ MATRIX = [
      {ANON: 401, NOSCOPE: 403, USER: 200, OTHER: 403, ADMIN: 200}),
     ("GET", "usage?days=30", None, {ANON: 401, NOSCOPE: 403, USER: 200, ADMIN: 200}),
     ("GET", "audit", None, {ANON: 401, NOSCOPE: 403, USER: 403, ADMIN: 200}),
+    ("GET", "quotas/effective", None, {ANON: 401, NOSCOPE: 403, USER: 403, ADMIN: 200}),
 ]
 
 
@@ -130,6 +131,14 @@ def test_quota_set_by_admin_reaches_the_next_spawn(users, admin, hub):
     carl = users["carl"]
     assert admin.service("PUT", "quotas/users/carl", json={"max_gpus": 1}).status_code == 200
     try:
+        # what the admin page shows after a save, without a reload: the effective quota and
+        # the audit trail in words
+        effective = {u["name"]: u for u in
+                     admin.service("GET", "quotas/effective").json()["users"]}
+        assert (effective["carl"]["quota_text"], effective["carl"]["quota_source"]) == \
+            ("1 GPU at once", "user")
+        newest = admin.service("GET", "audit?limit=1").json()["audit"]
+        assert [(a["name"], a["new_text"]) for a in newest] == [("carl", "1 GPU at once")]
         r = carl.start_server("", {"profile": "gpu-2"})
         assert r.status_code == 409
         assert "your quota is 1 GPU at once" in r.json()["message"]

@@ -9,7 +9,8 @@ TAKEN = re.compile(r"\[[0-9*]+\]")
 def wait_for_kernel(page, timeout=120_000):
     """A person waits until the notebook's kernel shows Idle before running a cell (a cold
     kernel start takes a while on a loaded machine)."""
-    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(
+    # the shown notebook's (another notebook open in a tab behind has one too, hidden)
+    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']:visible").first.wait_for(
         timeout=timeout)
     page.locator(".jp-StatusBar-Widget", has_text="Idle").first.wait_for(timeout=timeout)
 
@@ -45,12 +46,13 @@ def run(page, cell, attempts=3, timeout=30_000):
 
 
 def run_cell(page, code: str, index: int, paste: bool = False):
-    """Type (or paste) `code` into the notebook's cell `index`, run it, and leave a fresh
-    cell below."""
-    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
+    """Type (or paste) `code` into cell `index` of the notebook opened last, run it, and
+    leave a fresh cell below."""
+    cells = page.locator(".jp-Notebook").last.locator(".jp-Cell")
+    cell = cells.nth(index)
     type_into(page, cell, code, paste)
     run(page, cell)
-    if page.locator(".jp-Notebook .jp-Cell").count() == index + 1:
+    if cells.count() == index + 1:
         page.keyboard.press("Escape")
         page.keyboard.press("b")
     return cell

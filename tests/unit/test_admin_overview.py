@@ -35,3 +35,53 @@ def test_audit_trail_shows_gpu_hours_and_unsets(tmp_path):
     assert ('<td class="old">2 GPUs at once</td><td class="new">2 GPUs at once, at most 1 per '
             'request, 100 GPU-hours per') in rows
     assert '<td class="new">unset</td>' in rows and '<td class="old">—</td>' in rows
+
+
+def test_effective_quotas_as_the_admin_page_refreshes_them(tmp_path):
+    """``GET quotas/effective`` (what the page reads after a save, issue 37): each person's
+    effective quota in the words of the "Effective quota" column, people with an override
+    the hub no longer lists included; the audit in words (``GET audit``)."""
+    from gpulab.hub.service.quotas import audit_view, effective_view
+
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.sqlite'}")
+    ledger.migrate()
+    ledger.set_quota("default", "", Quota(2), actor="admin")
+    ledger.set_quota("group", "staff", Quota(3), actor="admin")
+    ledger.set_quota("user", "gone", Quota(1), actor="admin")
+    users = [{"name": "ann", "groups": ["staff"], "admin": False},
+             {"name": "bob", "groups": [], "admin": False}]
+    got = {u["name"]: (u["quota_text"], u["quota_source"]) for u in effective_view(ledger, users)}
+    assert got == {"ann": ("3 GPUs at once", "group 'staff'"), "bob": ("2 GPUs at once", "default"),
+                   "gone": ("1 GPU at once", "user")}
+    assert users == [{"name": "ann", "groups": ["staff"], "admin": False},
+                     {"name": "bob", "groups": [], "admin": False}]  # the hub's list untouched
+    newest = audit_view(ledger, 1)
+    assert [(a["scope"], a["name"], a["old_text"], a["new_text"]) for a in newest] == [
+        ("user", "gone", "—", "1 GPU at once")]
+
+
+def test_the_admin_page_has_the_hubs_orange_save_and_an_unset_ready(tmp_path):
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.sqlite'}")
+    ledger.migrate()
+    ledger.sync_inventory(DeviceInfo(i, simulated=True) for i in range(2))
+
+    class Handler:
+        pass
+
+    h = Handler()
+    h.ledger, h.directory, h.settings = ledger, Directory(), {}
+    o = asyncio.run(overview(h))
+    ctx = page_context(hub_prefix="/hub/", service_prefix="/services/gpulab/",
+                       model={"name": "admin", "admin": True}, xsrf="x", admin=True,
+                       path="/services/gpulab/admin")
+    page = _pages.get_template("admin.html").render(o=o, **ctx)
+    assert 'class="btn btn-sm btn-jupyter" type="submit" name="save"' in page
+    ours = page[page.index('id="gpulab-page"'):page.index("const API")]  # gpulab's own part
+    assert "btn-primary" not in ours
+    # ann has no override: her Unset is there, hidden, for the save that makes one
+    row = page[page.index("<tr data-user=\"ann\">"):]
+    assert 'name="unset" hidden>Unset</button>' in row[:row.index("</tr>")]
+    assert '<span class="badge text-bg-warning gpulab-simulated">Simulated</span>' in page
+    # the navigation: GPUs, and GPU admin (current), not repeated under Services
+    assert 'active" aria-current="page" id="gpulab-admin-nav"' in page
+    assert ">Services</a>" not in page

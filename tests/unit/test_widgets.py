@@ -289,7 +289,41 @@ def launcher(client=None, **kw):
     kw.setdefault("namespace", {})
     kw.setdefault("user_dir", None)
     kw.setdefault("cell", "")
+    kw.setdefault("background", False)  # the quota read before it returns (see below)
     return TrainingLauncher(client or FakeClient(), show_job=kw.pop("show_job", False), **kw)
+
+
+def test_launcher_appears_before_the_quota_is_read():
+    """Issue 37: the form is there at once, saying it is loading, while the quota is read
+    behind it (the request may take up to Client.timeout, 30 s); Launch waits for it."""
+    import threading
+
+    class SlowClient(FakeClient):
+        def __init__(self):
+            super().__init__()
+            self.answer = threading.Event()
+
+        def me(self):
+            assert self.answer.wait(10)
+            return super().me()
+
+    client = SlowClient()
+    started = time.monotonic()
+    w = launcher(client, code="print('train')", background=True)
+    assert time.monotonic() - started < 1
+    assert not w.loaded.is_set()
+    assert "gpulab-loading" in w.quota.value and "loading" in w.quota.value
+    assert w.launch_button.disabled and "Reading your quota" in w.reason.value
+    client.answer.set()
+    assert w.loaded.wait(10)
+    assert "4 GPUs at once" in w.quota.value
+    assert not w.launch_button.disabled and w.reason.value == ""
+
+
+def test_launcher_shows_simulated_gpus_with_the_pill():
+    w = launcher(code="x")
+    assert "class='gpulab-simulated'" in w.quota.value and ">Simulated</span>" in w.quota.value
+    assert "(simulated)" not in w.quota.value
 
 
 def test_launcher_disables_launch_with_the_reason():
@@ -459,7 +493,8 @@ def test_jobview_renders_replicas_progress_and_log_tail():
     assert "data-state='Running'" in view.state.value
     assert view.replicas.value.count("class='gpulab-replica'") == 4
     assert "data-replica='worker-1' data-state='Running'" in view.replicas.value
-    assert view.progress.value == 0.25 and view.progress.layout.visibility == "visible"
+    assert view.progress.value == 0.25 and view.progress.layout.display == "flex"
+    assert view.progress_row.layout.display == "flex"
     assert "step 30 of 120 (25%)" in view.progress_label.value
     assert view.replica_choice.options == ("chief-0", "ps-0", "worker-0", "worker-1")
     assert view.replica_choice.value == "chief-0"
@@ -549,6 +584,27 @@ def test_jobview_of_a_failed_job_opens_the_failed_replicas_log():
     assert view.replica_choice.value == "ps-0"
 
 
+def test_jobview_has_no_progress_band_without_progress():
+    """An ended job that reported no progress shows no empty band above "Log of"."""
+    from gpulab.extensions.widgets import JobView
+
+    client = FakeClient(jobs={"digits": ([job_view(state="Succeeded")], {})})
+    view = JobView("digits", client, start=False)
+    view.refresh()
+    assert view.progress_row.layout.display == "none"
+    assert view.progress_row in view.children
+
+
+@pytest.mark.parametrize("gpus,words", [
+    (0, "Stop job j? Every replica ends."),
+    (None, "Stop job j? Every replica ends."),
+    (1, "Stop job j? Every replica ends and its GPU is released."),
+    (2, "Stop job j? Every replica ends and its 2 GPUs are released."),
+], ids=["none", "unknown", "one", "two"])
+def test_stop_question_counts_gpus_in_words(gpus, words):
+    assert jm.stop_question("j", gpus) == words
+
+
 def test_jobview_stop_asks_first():
     from gpulab.extensions.widgets import JobView
 
@@ -560,7 +616,7 @@ def test_jobview_stop_asks_first():
     assert {"gpulab-stop"} <= classes(view.stop_button)
     assert "gpulab-stop-confirm" in classes(view.confirm_button)
     view.stop_button.click()
-    assert view.confirm_box.layout.display == "flex" and "2 GPUs are released" in \
+    assert view.confirm_box.layout.display == "flex" and "and its 2 GPUs are released." in \
         view.confirm_text.value
     assert not [c for c in client.calls if c[1] == "stop"]
     view.cancel_button.click()
