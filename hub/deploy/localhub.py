@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -144,8 +145,39 @@ class GpulabHub(JupyterHub):
         """,
     ).tag(config=True)
 
+    def _disks_shared(self) -> str | None:
+        """The shared storage whose people's disks this hub mounts (`gpulab.spawner.userdisk`):
+        a `LocalGPUSpawner`'s that isolates people, as root; else None."""
+        from gpulab.spawner import LocalGPUSpawner
+
+        spawner = self.spawner_class
+        if os.geteuid() != 0 or not (isinstance(spawner, type)
+                                     and issubclass(spawner, LocalGPUSpawner)):
+            return None
+        conf = spawner(config=self.config)
+        return conf.shared_dir if conf.isolate_users and conf.shared_dir else None
+
+    async def cleanup(self):
+        await super().cleanup()
+        # after the servers stopped: people's disks are unmounted, their loop devices go with
+        # the last mount (a training job that goes on keeps its own until it ends)
+        shared = self._disks_shared()
+        if shared:
+            from gpulab.spawner.userdisk import unmount_all
+
+            gone = await asyncio.to_thread(unmount_all, shared)
+            if gone:
+                self.log.info("Unmounted %d person's disk(s) on %s", len(gone), shared)
+
     async def initialize(self, *args, **kwargs):
         await super().initialize(*args, **kwargs)
+        shared = self._disks_shared()
+        if shared:  # every person's disk at their folder before anything of theirs starts
+            from gpulab.spawner.userdisk import mount_all
+
+            done = await asyncio.to_thread(mount_all, shared)
+            if done:
+                self.log.info("Mounted %d person's disk(s) on %s", len(done), shared)
         # before the proxy and the services start (JupyterHub.start): they inherit it
         from gpulab.spawner.cgroups import set_oom_score_adj
 
