@@ -11,8 +11,9 @@ among them) do not have; a loop-mounted ext4 image works on any Linux with loop 
   can never take more of the shared filesystem than it has (a limit that does not fit is
   refused, `DiskError`), and a full shared filesystem can never fail a write inside an image
   (a loop device over a sparse file would turn that into an I/O error).
-- It is made with ``mkfs.ext4 -m 0 -E nodiscard,root_owner=<uid>:<gid>`` (no blocks kept for
-  root, never punched back into holes) and mounted ``nosuid,nodev`` with the loop option, whose
+- It is made with ``mkfs.ext4 -m 0 -E nodiscard,lazy_itable_init=0,root_owner=<uid>:<gid>``
+  (no blocks kept for root; nothing zeroed later, which a loop device would turn into holes;
+  the holes mkfs itself punches are allocated again, and again before every mount) and mounted ``nosuid,nodev`` with the loop option, whose
   device detaches itself when the last mount goes (autoclear). Files a person had in their
   folder before they had a limit are copied in first (refused when they do not fit).
 - A higher limit grows it: online (``resize2fs`` on the mounted device) where the hub has
@@ -230,6 +231,7 @@ def ensure_disk(disk: Disk, size: int, uid: int, gid: int) -> str:
                 done = done or "mounted the disk in use"
             else:
                 _resize_offline(disk, size)
+                _allocate(disk.image, disk.image.stat().st_size)  # holes of before, if any
                 _adopt_files(disk)
                 _mount(str(disk.image), disk.folder, loop=True)
                 done = done or f"mounted the disk of {_size_text(size)}"
@@ -267,8 +269,12 @@ def _create(disk: Disk, size: int, uid: int, gid: int) -> None:
     part.unlink(missing_ok=True)
     try:
         _allocate(part, size)
+        # every inode table and the journal written now (no lazy zeroing later, which a loop
+        # device turns into holes punched in the image)
         _run(["mkfs.ext4", "-q", "-F", "-b", str(BLOCK), "-m", "0", "-L", "gpulab-user",
-              "-E", f"nodiscard,root_owner={uid}:{gid}", str(part)], "mkfs.ext4")
+              "-E", f"nodiscard,lazy_itable_init=0,lazy_journal_init=0,root_owner={uid}:{gid}",
+              str(part)], "mkfs.ext4")
+        _allocate(part, size)  # mkfs punches holes where it zeroes: allocated again
         os.rename(part, disk.image)
     finally:
         part.unlink(missing_ok=True)
@@ -371,6 +377,7 @@ def mount_all(shared: str | Path) -> list[str]:
                     _mount(attached[0], disk.folder, loop=False)
                 else:
                     _run(["e2fsck", "-p", str(disk.image)], "e2fsck")
+                    _allocate(disk.image, disk.image.stat().st_size)
                     _adopt_files(disk)
                     _mount(str(disk.image), disk.folder, loop=True)
                 done.append(image.stem)
