@@ -36,6 +36,7 @@ import shutil
 import struct
 import subprocess
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -312,7 +313,7 @@ def _resize_mounted(disk: Disk, device: str, current: int, size: int) -> str:
             return f"grew the disk to {_size_text(size)} (online)"
     # offline: only when this namespace's mount is the last user of the device
     _umount(disk.folder)
-    if disk.loop_devices():  # a server or job of theirs holds it: back as it was
+    if _still_held(disk):  # a server or job of theirs holds it: back as it was
         _mount(device, disk.folder, loop=False)
         log.info("The disk %s is in use; it becomes %s when nothing holds it", disk.image,
                  _size_text(size))
@@ -322,6 +323,18 @@ def _resize_mounted(disk: Disk, device: str, current: int, size: int) -> str:
     finally:
         _mount(str(disk.image), disk.folder, loop=True)
     return f"resized the disk to {_size_text(size)}"
+
+
+def _still_held(disk: Disk, wait: float = 3) -> bool:
+    """Whether the image's loop device stays attached after this namespace's mount went:
+    the kernel detaches an autoclear device in the background, so it is given `wait`
+    seconds (a mount of a server or job of theirs keeps it for as long as that runs)."""
+    deadline = time.monotonic() + wait
+    while disk.loop_devices():
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _adopt_files(disk: Disk) -> None:
@@ -386,9 +399,10 @@ def mount_all(shared: str | Path) -> list[str]:
     return done
 
 
-def unmount_all(shared: str | Path) -> list[str]:
+def unmount_all(shared: str | Path, wait: float = 10) -> list[str]:
     """Unmount every person's disk (the hub's stop; `gpulab` uninstall); their loop devices
-    detach themselves once nothing holds them (autoclear). Returns the names unmounted."""
+    detach themselves once nothing holds them (autoclear; waited for up to `wait` seconds).
+    Returns the names unmounted."""
     done = []
     root = Path(shared) / IMAGES
     for image in sorted(root.glob("*.img")) if root.is_dir() else ():
@@ -400,6 +414,14 @@ def unmount_all(shared: str | Path) -> list[str]:
                 done.append(image.stem)
         except (DiskError, OSError) as e:
             log.error("Could not unmount the disk %s: %s", image, e)
+    # the kernel detaches an autoclear loop device after its last user, in the background
+    deadline = time.monotonic() + wait
+    disks = [Disk.of(shared, name) for name in done]
+    while (held := [d for d in disks if d.loop_devices()]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for d in held:
+        log.warning("The disk %s is still held (a training job of theirs that goes on?); its "
+                    "loop device detaches when that ends", d.image)
     return done
 
 

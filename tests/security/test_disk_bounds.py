@@ -48,10 +48,25 @@ def workdir():
         loops = [line for line in subprocess.run(["losetup", "-a"], capture_output=True,
                                                  text=True).stdout.splitlines()
                  if str(d) in line]
+        holders = sorted({f.split("/")[2] for f in _mountinfos() if str(d) in _read(f)})
+        if loops:  # who holds them, for the failure's message
+            loops.append(f"mount namespaces of pids {holders}: " + "; ".join(
+                _read(f"/proc/{p}/cmdline").replace("\0", " ")[:120] for p in holders[:5]))
         if subprocess.run(["umount", str(d)]).returncode != 0:
             subprocess.run(["umount", "-l", str(d)])
         shutil.rmtree(d, ignore_errors=True)
         assert not left and not loops, (left, loops)
+
+
+def _mountinfos() -> list[str]:
+    return [f"/proc/{p}/mountinfo" for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +123,8 @@ def test_eve_fills_her_disk_and_vic_goes_on(hub, admin, vic, eve):
     assert "No space left on device" in r.stdout, r.stdout
     written = int(r.stdout.split()[-1])
     assert 40 * MiB < written < 64 * MiB, written  # stopped by the kernel at her limit
-    assert eve.sh("echo more >> $D/fill", env={"D": str(folder(hub, "eve"))}).returncode != 0
+    r = eve.sh("head -c 1048576 /dev/zero > $D/more", env={"D": str(folder(hub, "eve"))})
+    assert r.returncode != 0 and "No space left on device" in r.stderr, r
     # the shared storage itself (and the hub's databases on it) kept its room
     assert shutil.disk_usage(hub.data_dir).free > 100 * MiB
 
@@ -142,9 +158,10 @@ def test_a_limit_below_her_files_is_refused_and_a_higher_one_grows_her_disk(hub,
     assert eve.start_server().status_code in (201, 202)
     st = os.statvfs(folder(hub, "eve"))
     assert st.f_blocks * st.f_frsize > 80 * MiB  # the file system is 96 MiB now
-    assert eve.sh(f"dd if=/dev/zero of={folder(hub, 'eve')}/more bs=1M count=20 2>&1"
+    assert eve.sh(f"dd if=/dev/zero of={folder(hub, 'eve')}/more2 bs=1M count=20 2>&1"
                   ).returncode == 0  # room beyond her old limit
     assert (folder(hub, "eve") / "fill").stat().st_size > 40 * MiB  # her files kept
+    (folder(hub, "eve") / "fill").unlink()
 
 
 def test_a_full_shared_storage_still_takes_tokens_and_saves_in_own_disks(hub, vic):
