@@ -21,6 +21,9 @@ among them) do not have; a loop-mounted ext4 image works on any Linux with loop 
   growing offline and mounting again when nothing of the person's holds it, else at the next
   such moment. A lower limit is refused while their files take more (`DiskError`, 409), and
   applied (offline ``resize2fs``) when nothing of theirs holds the disk.
+- ``<shared>/users`` is bound onto itself as a shared mount (`share_users_folder`), so that
+  the mount namespaces of servers and replicas (slaves of the hub's) see a disk mounted or
+  unmounted there after they started, and hold no copy of it once it is unmounted.
 - Every operation on one image holds a lock file (``fcntl.flock``): the hub and the gpulab
   service both prepare people's folders. Nothing here may run on an event loop: callers use
   a worker thread.
@@ -127,6 +130,41 @@ class Disk:
         return folder_usage(self.folder)
 
 
+def share_users_folder(shared: str | Path) -> None:
+    """Make ``<shared>/users`` a shared mount (a bind mount of itself, as systemd's ``/``
+    is), so that a person's disk mounted or unmounted under it reaches the mount namespaces
+    of servers and replicas too (`gpulab.spawner.sandbox` makes theirs slaves of this one):
+    otherwise every server started after a disk was mounted would keep a private copy of
+    it, and the disk could not be resized or detached until that server ended."""
+    users = Path(shared) / "users"
+    users.mkdir(mode=0o755, exist_ok=True)
+    point = str(users.resolve())
+    info = [fields for fields in _mountinfo() if fields[0] == point]
+    if not info:
+        # recursive: disks mounted there already come along
+        _run(["mount", "--rbind", point, point], "Binding the people's folders")
+    elif any(f.startswith("shared:") for f in info[-1][1]):
+        return
+    _run(["mount", "--make-shared", point], "Sharing the people's folders' mount")
+
+
+def _unshare_users_folder(shared: str | Path) -> None:
+    point = str((Path(shared) / "users").resolve())
+    if any(fields[0] == point for fields in _mountinfo()):
+        _umount(Path(point))
+
+
+def _mountinfo() -> list[tuple[str, list[str]]]:
+    """``(mount point, optional fields)`` of this mount namespace, in mount order."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left = line.partition(" - ")[0].split()
+            if len(left) >= 6:
+                out.append((_unescape(left[4]), left[6:]))
+    return out
+
+
 def mounts() -> list[tuple[str, str, str]]:
     """``(mount point, source, fs type)`` of this mount namespace (``/proc/self/mountinfo``)."""
     out = []
@@ -209,6 +247,7 @@ def ensure_disk(disk: Disk, size: int, uid: int, gid: int) -> str:
     cannot be had (the person's files take more, the shared storage has no room)."""
     size = size // BLOCK * BLOCK
     with _locked(disk):
+        share_users_folder(disk.folder.parent.parent)
         if (disk.mounted_device() is None and not disk.loop_devices() and _has_files(disk.folder)
                 and _busy(uid)):
             # their files would move into the disk under a running program of theirs
@@ -379,7 +418,13 @@ def mount_all(shared: str | Path) -> list[str]:
     writes goes into their disk from the first moment). Returns the names mounted."""
     done = []
     root = Path(shared) / IMAGES
-    for image in sorted(root.glob("*.img")) if root.is_dir() else ():
+    images = sorted(root.glob("*.img")) if root.is_dir() else []
+    if images:
+        try:
+            share_users_folder(shared)
+        except DiskError as e:
+            log.error("%s", e)
+    for image in images:
         disk = Disk.of(shared, image.stem)
         try:
             with _locked(disk):
@@ -405,15 +450,24 @@ def unmount_all(shared: str | Path, wait: float = 10) -> list[str]:
     Returns the names unmounted."""
     done = []
     root = Path(shared) / IMAGES
-    for image in sorted(root.glob("*.img")) if root.is_dir() else ():
-        disk = Disk.of(shared, image.stem)
-        try:
-            with _locked(disk):
-                while disk.mounted_device() is not None:
-                    _umount(disk.folder)
-                done.append(image.stem)
-        except (DiskError, OSError) as e:
-            log.error("Could not unmount the disk %s: %s", image, e)
+    images = sorted(root.glob("*.img")) if root.is_dir() else []
+    for last in (False, True):
+        for image in images:
+            disk = Disk.of(shared, image.stem)
+            try:
+                with _locked(disk):
+                    while disk.mounted_device() is not None:
+                        _umount(disk.folder)
+                    if not last:
+                        done.append(image.stem)
+            except (DiskError, OSError) as e:
+                log.error("Could not unmount the disk %s: %s", image, e)
+        if not last:
+            try:  # the people's folders' own bind mount (`share_users_folder`); a disk it
+                # covered (mounted before it) is unmounted in the second round
+                _unshare_users_folder(shared)
+            except (DiskError, OSError) as e:
+                log.error("Could not unmount %s/users: %s", shared, e)
     # the kernel detaches an autoclear loop device after its last user, in the background
     deadline = time.monotonic() + wait
     disks = [Disk.of(shared, name) for name in done]

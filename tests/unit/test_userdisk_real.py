@@ -13,6 +13,7 @@ import errno
 import os
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,26 @@ def test_person_disks_follow_the_ledger_and_refuse_a_lower_limit_than_use(shared
     assert why is not None and why.startswith("ann's disk: The files take")
     assert disks.refusal("user", "ann", Quota(1, disk=64 * MiB), users) is None
     assert disks.refusal("default", "", Quota(1, disk=32 * MiB), users) is None  # staff's wins
+
+
+def test_a_server_started_after_the_mount_does_not_hold_the_disk(shared):
+    """A server's or replica's mount namespace is a slave of the hub's
+    (`gpulab.spawner.sandbox`): the disk mounted before it started is unmounted there too
+    when the hub unmounts it, so the disk can be resized and its loop device detaches."""
+    ann = Disk.of(shared, "ann")
+    _folder(shared, "ann")
+    ensure_disk(ann, 48 * MiB, UID, GID)
+    server = subprocess.Popen(["unshare", "-m", "--propagation", "slave", "sleep", "60"])
+    try:
+        deadline = time.monotonic() + 5  # its namespace exists, with the disk in it
+        while f"{ann.folder} " not in Path(f"/proc/{server.pid}/mountinfo").read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert ensure_disk(ann, 64 * MiB, UID, GID) in (
+            "resized the disk to 64 MiB", "grew the disk to 64 MiB (online)")
+        unmount_all(shared)
+        assert str(ann.folder) not in Path(f"/proc/{server.pid}/mountinfo").read_text()
+        assert not ann.loop_devices()
+    finally:
+        server.kill()
+        server.wait()
