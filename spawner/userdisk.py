@@ -500,10 +500,11 @@ class PersonDisks:
             return ""
         return ensure_disk(self.disk(user), size, entry.pw_uid, entry.pw_gid)
 
-    def refusal(self, scope: str, name: str, quota, users: list[dict]) -> str | None:
-        """Why storing `quota` as the ``scope``/``name`` quota would leave somebody with
-        less disk than their files take (None: it would not). `users`: the hub's, with
-        their groups."""
+    def refusal(self, scope: str, name: str, quota, users: list[dict]) -> DiskError | None:
+        """Why `quota` cannot be stored as the ``scope``/``name`` quota (None: it can): it
+        would leave somebody with less disk than their files take (409), or a new disk of
+        the person it names would not fit in the shared storage (507). `users`: the hub's,
+        with their groups."""
         from gpulab.hub.quota.policy import effective_disk
 
         rows = {(q["scope"], q["name"]): q for q in self.ledger.quotas()}
@@ -512,6 +513,12 @@ class PersonDisks:
         for u in users:
             disk = self.disk(u["name"])
             if not disk.image.exists():
+                room = shutil.disk_usage(self.shared).free
+                if (scope == "user" and u["name"] == name and quota.disk is not None
+                        and quota.disk > room and self.accounts(name) is not None):
+                    return DiskError(f"{name}'s disk: the shared storage has too little room "
+                                     f"for a disk of {_size_text(quota.disk)} "
+                                     f"({_size_text(room)} free).", 507)
                 continue
             groups = {g: as_quota[("group", g)] for g in u["groups"] if ("group", g) in as_quota}
             size, _ = effective_disk(as_quota.get(("default", "")), groups,
@@ -521,7 +528,7 @@ class PersonDisks:
             try:
                 check_limit(disk, size)
             except DiskError as e:
-                return f"{u['name']}'s disk: {e.message}"
+                return DiskError(f"{u['name']}'s disk: {e.message}", e.status)
         return None
 
     def apply(self, users: list[dict]) -> None:

@@ -178,8 +178,8 @@ class QuotaHandler(APIHandler):
             if disks is not None:
                 # a lower limit than somebody's files take is refused before it is stored
                 why = await asyncio.to_thread(disks.refusal, scope, name, quota, users)
-                if why:
-                    raise FieldError(409, "disk", why)
+                if why is not None:
+                    raise FieldError(why.status, "disk", why.message)
             # writes wait for the ledger's lock: in a worker thread, never on the event loop
             row = await asyncio.to_thread(self.ledger.set_quota, scope, name, quota,
                                           self.current_user["name"])

@@ -155,9 +155,15 @@ def test_person_disks_follow_the_ledger_and_refuse_a_lower_limit_than_use(shared
     assert not disks.disk("bob").image.exists()  # bob has no account: his comes at his start
     _fill(disks.disk("ann").folder, 30)
     why = disks.refusal("group", "staff", Quota(1, disk=32 * MiB), users)
-    assert why is not None and why.startswith("ann's disk: The files take")
+    assert why.status == 409 and why.message.startswith("ann's disk: The files take")
     assert disks.refusal("user", "ann", Quota(1, disk=64 * MiB), users) is None
     assert disks.refusal("default", "", Quota(1, disk=32 * MiB), users) is None  # staff's wins
+    # a new disk that the shared storage (200 MiB) cannot hold is refused before it is stored
+    ann_disk = disks.disk("ann")
+    unmount_all(shared)
+    ann_disk.image.unlink()
+    why = disks.refusal("user", "ann", Quota(1, disk=300 * MiB), users)
+    assert why.status == 507 and "too little room" in why.message
 
 
 def test_a_server_started_after_the_mount_does_not_hold_the_disk(shared):
