@@ -34,6 +34,7 @@ from .accounts import (
     system_username,
 )
 from . import sandbox
+from .userdisk import Disk, DiskError, ensure_disk
 from .cgroups import (Group, default_pids, default_user_processes, limit_user_processes,
                       local_cgroups, memory_bytes, person_unit, set_oom_score_adj,
                       share_of_cpus, share_of_memory)
@@ -1016,9 +1017,10 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         self.gpu_record_overrides(before)
         return dataclasses.replace(profile, gpus=gpus, model=model)
 
-    def _prepare_account(self) -> None:
-        """The person's account and folder (in a worker thread; one person's concurrent
-        starts one after the other, `account_lock`)."""
+    def _prepare_account(self, groups: tuple[str, ...] = ()) -> None:
+        """The person's account and folder, and their disk where a quota gives them one (in
+        a worker thread; one person's concurrent starts one after the other,
+        `account_lock`)."""
         with account_lock(self.system_user):
             owner = None
             if self.isolate_users:
@@ -1027,17 +1029,35 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
                 Path(self.home_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
             if self.shared_dir:
                 prepare_user_folder(self.user_folder, owner)
+                if owner is not None:
+                    self._prepare_disk(owner, groups)
+
+    def _prepare_disk(self, owner, groups: tuple[str, ...]) -> None:
+        """Their folder on their own disk of the size their quota's ``disk`` says
+        (`gpulab.spawner.userdisk`), mounted before the server starts; none without a limit."""
+        size, source = self.gpu_ledger.disk_limit(self.user.name, groups)
+        if size is None:
+            return
+        done = ensure_disk(Disk.of(self.shared_dir, safe_name(self.user.name)), size,
+                           owner.pw_uid, owner.pw_gid)
+        if done:
+            self.log.info("Disk of %s (%s quota): %s", self._log_name, source, done)
 
     async def _prepare_account_or_refuse(self) -> None:
         """`_prepare_account` in a thread; a refused spawn (`SpawnRefused`) if it fails,
         403 when the account or folder belongs to somebody else."""
+        groups = tuple(g.name for g in self.user.groups)  # the hub's ORM: on the event loop
         try:
-            await asyncio.to_thread(self._prepare_account)
+            await asyncio.to_thread(self._prepare_account, groups)
         except AccountConflict as e:
             self.log.error("Refused to start %s: %s", self._log_name, e)
             raise SpawnRefused(403, f"Your server cannot start: {e}.") from e
         except AccountError as e:
             raise SpawnRefused(500, f"Your server could not be prepared: {e}") from e
+        except DiskError as e:
+            self.log.error("Refused to start %s: its disk: %s", self._log_name, e.message)
+            raise SpawnRefused(e.status, f"Your server cannot start: your disk on the shared "
+                               f"storage: {e.message}") from e
 
     async def start(self):
         # a server reads nothing from the terminal `gpulab up` runs in: it is another

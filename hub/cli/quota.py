@@ -16,6 +16,7 @@ from urllib.parse import quote
 
 from gpulab.extensions.client import DEFAULT_HUB_URL, GpulabError
 
+from gpulab.hub.quota.policy import disk_text
 from gpulab.hub.cli.common import (EXIT_USAGE, add_global_options, common, error_text, fail,
                                    fail_api, hub_client, table)
 
@@ -41,6 +42,8 @@ def add_quota_parsers(sub) -> None:
                            help="GPU-hour budget over the window")
             p.add_argument("--window-hours", type=int, default=None,
                            help="rolling window of the budget, hours (e.g. 168)")
+            p.add_argument("--disk", default=None,
+                           help="disk on the shared storage, e.g. 20G or 512M (binary units)")
             p.add_argument("--force", action="store_true",
                            help="set it even for a user or group the hub does not know (yet)")
         common(p)
@@ -123,6 +126,8 @@ def describe_quota(row: dict) -> str:
         if window and window % 24 == 0:
             days = f" ({window // 24} day{'' if window == 24 else 's'})"
         parts.append(f"{_num(hours)} GPU-hours per {window}-hour window{days}")
+    disk = row.get("disk")
+    parts.append("no disk limit" if disk is None else f"{disk_text(disk)} disk")
     return ", ".join(parts)
 
 
@@ -175,16 +180,18 @@ def cmd_quota(args) -> int:
                 print(json.dumps(quotas, indent=2))
                 return 0
             print(table([[q["scope"], q["name"] or "-", q["max_gpus"], _dash(q["max_per_request"]),
-                          _dash(q["gpu_hours"]), _dash(q["window_hours"]), q["updated_by"]]
+                          _dash(q["gpu_hours"]), _dash(q["window_hours"]),
+                          "-" if q.get("disk") is None else disk_text(q["disk"]), q["updated_by"]]
                          for q in quotas],
-                        ["SCOPE", "NAME", "MAX GPUS", "PER REQUEST", "GPU-HOURS", "WINDOW H", "BY"]))
+                        ["SCOPE", "NAME", "MAX GPUS", "PER REQUEST", "GPU-HOURS", "WINDOW H",
+                         "DISK", "BY"]))
         elif args.action == "set":
             if kind != "default" and not args.force:
                 refused = _check_target(args, kind, name)
                 if refused is not None:
                     return refused
             body = {"max_gpus": args.max_gpus}
-            for k in ("max_per_request", "gpu_hours", "window_hours"):
+            for k in ("max_per_request", "gpu_hours", "window_hours", "disk"):
                 if getattr(args, k) is not None:
                     body[k] = getattr(args, k)
             row = client.request("PUT", f"quotas/{target}", body)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -117,6 +118,51 @@ def person_bounds(config: Config, spawner_class=None) -> dict:
             "oom_score_adj": int(spawner.oom_score_adj)}
 
 
+def _disk_full(e: BaseException) -> bool:
+    """Whether a database error says that its file system is full (SQLite's SQLITE_FULL,
+    "database or disk is full"; PostgreSQL's 53100 ``disk_full``)."""
+    text = str(getattr(e, "orig", e)).lower()
+    return "disk is full" in text or "no space left" in text or \
+        getattr(getattr(e, "orig", None), "pgcode", None) == "53100"
+
+
+def keep_tokens_on_a_full_disk() -> None:
+    """A hub whose database's file system is full still knows its tokens and cookies.
+
+    JupyterHub records a token's (and its user's) ``last_activity`` as it checks the token,
+    and commits. When the file system is full that commit fails ("database or disk is full":
+    SQLite writes a journal file for every transaction), the check raises, and every request
+    with a token or a cookie was refused (401/403): the hub's API, the gpulab service (which
+    asks the hub about every token) and every notebook server, for everyone, while one person
+    had filled the disk. Here such a check is rolled back and made again without recording
+    the activity (reads need no room), and the hub's log says why. Installed once, on
+    JupyterHub's `BaseHandler`."""
+    from jupyterhub.handlers.base import BaseHandler
+    from sqlalchemy.exc import OperationalError
+
+    for name in ("get_current_user_token", "get_current_user_cookie"):
+        original = getattr(BaseHandler, name)
+        if getattr(original, "gpulab_full_disk", False):
+            continue
+
+        def check(self, _original=original):
+            try:
+                return _original(self)
+            except OperationalError as e:
+                if not _disk_full(e):
+                    raise
+                self.db.rollback()
+                self.log.warning("The hub's database cannot record activity (%s): the "
+                                 "request is authenticated without it. Free space on the "
+                                 "data folder's file system.", getattr(e, "orig", e))
+                self._record_activity = lambda obj, timestamp=None: False
+                return _original(self)
+
+        check.gpulab_full_disk = True
+        check.__doc__ = original.__doc__
+        setattr(BaseHandler, name, check)
+
+
 class GpulabHub(JupyterHub):
     """JupyterHub whose command-line settings (from `gpulab up`) win over the config file,
     which writes the gpulab service's config file before it starts its services, and which
@@ -144,8 +190,40 @@ class GpulabHub(JupyterHub):
         """,
     ).tag(config=True)
 
+    def _disks_shared(self) -> str | None:
+        """The shared storage whose people's disks this hub mounts (`gpulab.spawner.userdisk`):
+        a `LocalGPUSpawner`'s that isolates people, as root; else None."""
+        from gpulab.spawner import LocalGPUSpawner
+
+        spawner = self.spawner_class
+        if os.geteuid() != 0 or not (isinstance(spawner, type)
+                                     and issubclass(spawner, LocalGPUSpawner)):
+            return None
+        conf = spawner(config=self.config)
+        return conf.shared_dir if conf.isolate_users and conf.shared_dir else None
+
+    async def cleanup(self):
+        await super().cleanup()
+        # after the servers stopped: people's disks are unmounted, their loop devices go with
+        # the last mount (a training job that goes on keeps its own until it ends)
+        shared = self._disks_shared()
+        if shared:
+            from gpulab.spawner.userdisk import unmount_all
+
+            gone = await asyncio.to_thread(unmount_all, shared)
+            if gone:
+                self.log.info("Unmounted %d person's disk(s) on %s", len(gone), shared)
+
     async def initialize(self, *args, **kwargs):
+        keep_tokens_on_a_full_disk()
         await super().initialize(*args, **kwargs)
+        shared = self._disks_shared()
+        if shared:  # every person's disk at their folder before anything of theirs starts
+            from gpulab.spawner.userdisk import mount_all
+
+            done = await asyncio.to_thread(mount_all, shared)
+            if done:
+                self.log.info("Mounted %d person's disk(s) on %s", len(done), shared)
         # before the proxy and the services start (JupyterHub.start): they inherit it
         from gpulab.spawner.cgroups import set_oom_score_adj
 

@@ -102,6 +102,7 @@ from gpulab.extensions import contract
 from gpulab.extensions.contract import lead_replica
 from gpulab.spawner import sandbox
 from gpulab.spawner.accounts import AccountError
+from gpulab.spawner.userdisk import DiskError
 from gpulab.spawner.cgroups import (limit_user_processes, local_cgroups, memory_bytes,
                                     person_unit, set_oom_score_adj)
 
@@ -279,6 +280,9 @@ class LocalJobBackend(JobBackend):
                  queue: Queue | None = None):
         self._setup_workflow(ledger, queue)
         self.accounts = accounts  # callable: user name -> UserAccount
+        #: people's disks on the shared storage (`gpulab.spawner.userdisk.PersonDisks`), made
+        #: and mounted before their replicas start; None: no disk limits here
+        self.disks = None
         self.python = python
         self.poll_interval = poll_interval
         self.stop_grace = stop_grace
@@ -323,6 +327,12 @@ class LocalJobBackend(JobBackend):
             account = await asyncio.to_thread(self.accounts, user)
         except AccountError as e:  # e.g. the mapped account belongs to someone else
             raise JobError(f"Your jobs cannot run: {e}", 403) from None
+        if self.disks is not None:
+            try:  # their folder on their own disk, as their quota sizes it (mkfs, mount)
+                await asyncio.to_thread(self.disks.prepare, user, groups)
+            except DiskError as e:
+                raise JobError(f"Your job cannot start: your disk on the shared storage: "
+                               f"{e.message}", e.status) from None
         script = None
         if spec.script is not None:
             script = (account.folder / spec.script).resolve()

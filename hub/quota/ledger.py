@@ -55,7 +55,8 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from gpulab.hub.db import Base, alembic_config, make_engine
-from gpulab.hub.quota.policy import Holding, Quota, QuotaError, effective_quota, refusal
+from gpulab.hub.quota.policy import (Holding, Quota, QuotaError, effective_disk, effective_quota,
+                                     refusal)
 
 log = logging.getLogger("gpulab.ledger")
 
@@ -91,11 +92,14 @@ class QuotaRow(Base):
     max_per_request: Mapped[int | None] = mapped_column(Integer, nullable=True)
     gpu_hours: Mapped[float | None] = mapped_column(Float, nullable=True)
     window_hours: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: the person's disk on the shared storage, bytes (None: this quota sets none)
+    disk: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     updated_at: Mapped[float] = mapped_column(Float)
     updated_by: Mapped[str] = mapped_column(String(255), default="")
 
     def quota(self) -> Quota:
-        return Quota(self.max_gpus, self.max_per_request, self.gpu_hours, self.window_hours)
+        return Quota(self.max_gpus, self.max_per_request, self.gpu_hours, self.window_hours,
+                     self.disk)
 
 
 class AuditRow(Base):
@@ -298,6 +302,7 @@ class Ledger:
                 s.add(row)
             row.max_gpus, row.max_per_request = quota.max_gpus, quota.max_per_request
             row.gpu_hours, row.window_hours = quota.gpu_hours, quota.window_hours
+            row.disk = quota.disk
             row.updated_at, row.updated_by = now, actor
             s.add(AuditRow(at=now, actor=actor, scope=scope, name=name,
                            old=json.dumps(old) if old else None, new=json.dumps(quota.as_dict())))
@@ -333,6 +338,13 @@ class Ledger:
             with self.Reader() as own:
                 return _effective(own.execute(_SEL_QUOTAS, args).all())
         return _effective(s.execute(_SEL_QUOTAS, args).all())
+
+    def disk_limit(self, user: str, groups: Iterable[str]) -> tuple[int | None, str]:
+        """``(bytes or None, source)``: the disk limit of `user` in `groups` on the shared
+        storage (`gpulab.hub.quota.policy.effective_disk`)."""
+        args = {"user": user, "groups": sorted(set(groups))}
+        with self.Reader() as s:
+            return effective_disk(*_split(s.execute(_SEL_QUOTAS, args).all()))
 
     # -- allocations ---------------------------------------------------------------------
     # admission and release are prebuilt SQL statements (SQLAlchemy Core, run on the DBAPI
@@ -530,7 +542,7 @@ _SEL_OPEN_FOR = select(_A.c.user, _A.c.kind, _A.c.holder, _A.c.gpus, _A.c.device
 _SEL_OPEN_OF = select(_A.c.user, _A.c.kind, _A.c.holder, _A.c.gpus, _A.c.devices).where(
     _A.c.pool == bindparam("pool"), _A.c.ended_at.is_(None), _A.c.user == bindparam("user"))
 _QUOTA_COLUMNS = (_Q.c.scope, _Q.c.name, _Q.c.max_gpus, _Q.c.max_per_request, _Q.c.gpu_hours,
-                  _Q.c.window_hours)
+                  _Q.c.window_hours, _Q.c.disk)
 
 
 def _sel_quotas(in_groups):
@@ -939,6 +951,11 @@ def _allocation(row) -> Allocation:
 
 def _effective(rows):
     """`effective_quota` of the rows `_SEL_QUOTAS` reads."""
+    return effective_quota(*_split(rows))
+
+
+def _split(rows):
+    """``(default, {group: quota}, own)`` of the rows `_SEL_QUOTAS` reads."""
     default, mine, by_group = None, None, {}
     for scope, name, *numbers in rows:
         quota = Quota(*numbers)
@@ -948,7 +965,7 @@ def _effective(rows):
             mine = quota
         else:
             by_group[name] = quota
-    return effective_quota(default, by_group, mine)
+    return default, by_group, mine
 
 
 def _sum_gpu_hours(rows, since: float, until: float) -> dict[str, float]:

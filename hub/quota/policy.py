@@ -2,7 +2,8 @@
 
 A `Quota` bounds the GPUs held at once (notebooks and training jobs together), optionally the
 GPUs of one request, and optionally GPU-hours over a rolling window; past the budget, new
-requests are refused while running work continues.
+requests are refused while running work continues. A quota may also bound the person's
+disk on the shared storage (``disk``, bytes; see `effective_disk`).
 
 The effective quota of a user is their own override if an admin set one, else the most
 generous quota among their groups, else the default, else no limit but the hardware.
@@ -11,12 +12,19 @@ generous quota among their groups, else the default, else no limit but the hardw
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass
 
 #: limits that keep a typo from becoming a quota (checked on every write)
 MAX_GPUS = 4096
 MAX_GPU_HOURS = 10_000_000
 MAX_WINDOW_HOURS = 24 * 366
+#: a disk limit's bounds, bytes: below 32 MiB an ext4 image holds little but its own
+#: structures; 1 PiB keeps a typo from becoming a limit
+MIN_DISK = 32 * 2**20
+MAX_DISK = 2**50
+_DISK_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "p": 2**50}
+_DISK_TEXT = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?)(?:i?b)?\s*", re.IGNORECASE)
 
 SCOPES = ("default", "group", "user")
 
@@ -36,6 +44,8 @@ class Quota:
     max_per_request: int | None = None
     gpu_hours: float | None = None
     window_hours: int | None = None
+    #: the person's disk on the shared storage, bytes (None: this quota sets none)
+    disk: int | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -55,10 +65,50 @@ class Quota:
             parts.append(f"at most {self.max_per_request} per request")
         if self.gpu_hours is not None:
             parts.append(f"{_num(self.gpu_hours)} GPU-hours per {_window(self.window_hours)}")
+        if self.disk is not None:
+            parts.append(f"{disk_text(self.disk)} disk")
         return ", ".join(parts)
 
 
-FIELDS = {"max_gpus", "max_per_request", "gpu_hours", "window_hours"}
+FIELDS = {"max_gpus", "max_per_request", "gpu_hours", "window_hours", "disk"}
+
+
+def disk_text(size: int) -> str:
+    """``64 MiB``, ``20 GiB``, ``1.5 TiB``: a size in bytes in binary units."""
+    for unit, factor in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20),
+                         ("KiB", 2**10)):
+        if size >= factor:
+            return f"{_num(round(size / factor, 2))} {unit}"
+    return f"{size} bytes"
+
+
+def disk_input(size: int | None) -> str | None:
+    """A disk limit as `parse_disk` reads it back exactly: ``20G``, ``1536M``, or bytes."""
+    if size is None:
+        return None
+    for unit, factor in (("P", 2**50), ("T", 2**40), ("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if size % factor == 0:
+            return f"{size // factor}{unit}"
+    return str(size)
+
+
+def parse_disk(value) -> int | None:
+    """A disk limit in bytes from an API value: a whole number of bytes, or a string such as
+    ``"20G"``, ``"512MiB"``, ``"1.5T"`` (binary units: K, M, G, T, P, with or without
+    ``iB``/``B``); None stays None. `QuotaError` (field ``disk``) for anything else."""
+    if value is None:
+        return None
+    bounds = f"from {disk_text(MIN_DISK)} to {disk_text(MAX_DISK)}"
+    if _is_int(value):
+        size = value
+    elif isinstance(value, str) and (m := _DISK_TEXT.fullmatch(value)):
+        size = int(float(m.group(1)) * _DISK_UNITS[m.group(2).lower()])
+    else:
+        raise QuotaError("disk", "'disk' must be a size such as \"20G\", \"512M\" or a whole "
+                         f"number of bytes ({bounds}), or null for none, got {value!r}.")
+    if not MIN_DISK <= size <= MAX_DISK:
+        raise QuotaError("disk", f"'disk' must be {bounds}, got {value!r}.")
+    return size
 
 
 def _is_int(value) -> bool:
@@ -101,7 +151,8 @@ def parse_quota(body) -> Quota:
                          "rolling window (e.g. 168 for 7 days).")
     if window is not None and hours is None:
         raise QuotaError("gpu_hours", "'window_hours' is only meaningful with 'gpu_hours'.")
-    return Quota(max_gpus, per, float(hours) if hours is not None else None, window)
+    return Quota(max_gpus, per, float(hours) if hours is not None else None, window,
+                 parse_disk(body.get("disk")))
 
 
 def effective_quota(
@@ -121,6 +172,26 @@ def effective_quota(
         return quota, f"group '{name}'"
     if default is not None:
         return default, "default"
+    return None, "none"
+
+
+def effective_disk(
+    default: Quota | None,
+    groups: dict[str, Quota],
+    user: Quota | None,
+) -> tuple[int | None, str]:
+    """The disk limit that applies, in bytes, and where it comes from, decided on its own
+    (not with the GPUs): the person's own quota's ``disk`` if it sets one, else the largest
+    ``disk`` among their groups' quotas, else the default quota's; ``(None, 'none')``: no
+    limit."""
+    if user is not None and user.disk is not None:
+        return user.disk, "user"
+    sized = {name: q.disk for name, q in groups.items() if q.disk is not None}
+    if sized:
+        name, disk = max(sized.items(), key=lambda item: (item[1], item[0]))
+        return disk, f"group '{name}'"
+    if default is not None and default.disk is not None:
+        return default.disk, "default"
     return None, "none"
 
 

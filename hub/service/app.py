@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pwd
 import signal
 import sys
 from pathlib import Path
@@ -134,6 +135,8 @@ def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirecto
         default_handler_class=NotFoundHandler,
         on_quota_change=on_quota_change or (lambda scope, name: directory.forget()),
         jobs=jobs,
+        # people's disks, sized by the quotas' ``disk`` (None: no disk limits here)
+        disks=getattr(jobs, "disks", None),
         job_limits=job_limits or DEFAULT_LIMITS,
         gpu_usage=gpu_usage,
     )
@@ -192,6 +195,16 @@ def local_backend_from_env(ledger: Ledger, shared: str | None = None, isolate: b
     queue = os.environ.get("GPULAB_QUEUE") if queue is None else queue
     backend = LocalJobBackend(ledger, account, python=python,
                               queue=queue_from_json(ledger, queue))
+    if isolate and os.geteuid() == 0:  # people's disks (loop mounts need root)
+        from gpulab.spawner.userdisk import PersonDisks
+
+        def existing(user: str):
+            try:
+                return pwd.getpwnam(system_username(prefix, user))
+            except KeyError:
+                return None
+
+        backend.disks = PersonDisks(ledger, shared, existing)
     backend.unavailable = runtime_problem(python)
     if backend.unavailable:
         log.error("%s", backend.unavailable)

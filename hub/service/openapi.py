@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from gpulab.extensions.contract import STATES
 
-from gpulab.hub.quota.policy import MAX_GPU_HOURS, MAX_GPUS, MAX_WINDOW_HOURS
+from gpulab.hub.quota.policy import MAX_DISK, MAX_GPU_HOURS, MAX_GPUS, MAX_WINDOW_HOURS, MIN_DISK
 
 ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -35,6 +35,10 @@ QUOTA_IN = {
         "gpu_hours": {"type": ["number", "null"], "minimum": 0, "maximum": MAX_GPU_HOURS,
                       "description": "GPU-hour budget over the rolling window"},
         "window_hours": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_WINDOW_HOURS},
+        "disk": {"type": ["integer", "string", "null"],
+                 "description": "the person's disk on the shared storage: bytes, or a size "
+                                "such as \"20G\" (binary units K, M, G, T, P); answered in "
+                                f"bytes; {MIN_DISK} to {MAX_DISK} bytes"},
     },
 }
 QUOTA_OUT = {

@@ -11,7 +11,7 @@ import time
 from tornado import web
 
 from gpulab.hub.quota.ledger import Ledger
-from gpulab.hub.quota.policy import Quota, QuotaError, parse_quota
+from gpulab.hub.quota.policy import Quota, QuotaError, disk_input, parse_quota
 from gpulab.hub.service.base import DAY, APIHandler, Base, FieldError
 
 # -- views shared by the API and the pages ------------------------------------------------
@@ -76,7 +76,9 @@ def _overview(ledger: Ledger, users: list, usage, now: float) -> dict:
     models = {d.index: d.model for d in ledger.devices()}
     u7 = ledger.usage(now - 7 * DAY, now)
     u30 = ledger.usage(now - 30 * DAY, now)
-    rows = {q["scope"] + ":" + q["name"]: q for q in ledger.quotas()}
+    # each row with its disk limit as the admin page's input shows it ("20G": exact)
+    rows = {q["scope"] + ":" + q["name"]: {**q, "disk_text": disk_input(q.get("disk"))}
+            for q in ledger.quotas()}
     known = {u["name"] for u in users}
     # people the hub no longer lists but who still hold GPUs or have history stay visible
     for name in sorted(({a.user for a in open_allocs} | set(u30)) - known):
@@ -197,14 +199,26 @@ class QuotaHandler(APIHandler):
 
     async def put(self, kind, name=None):
         scope, name = self._target(kind, name)
+        disks = self.settings.get("disks")
         try:
             quota = parse_quota(self.json_body())
+            users = await self.directory.users() if disks is not None else []
+            if disks is not None and scope == "user" and name not in {u["name"] for u in users}:
+                users = [*users, {"name": name, "groups": await self.directory.groups_of(name)}]
+            if disks is not None:
+                # a lower limit than somebody's files take is refused before it is stored
+                why = await asyncio.to_thread(disks.refusal, scope, name, quota, users)
+                if why is not None:
+                    raise FieldError(why.status, "disk", why.message)
             # writes wait for the ledger's lock: in a worker thread, never on the event loop
             row = await asyncio.to_thread(self.ledger.set_quota, scope, name, quota,
                                           self.current_user["name"])
         except QuotaError as e:
             raise FieldError(400, e.field, e.message) from None
         self.settings["on_quota_change"](scope, name)
+        if disks is not None:  # made, grown or shrunk now (mkfs, resize2fs: in a thread)
+            await asyncio.to_thread(disks.apply, [u for u in users if scope != "user"
+                                                  or u["name"] == name])
         self.send(row)
 
     async def delete(self, kind, name=None):

@@ -167,9 +167,12 @@ def test_quota_set_by_admin_reaches_the_next_spawn(users, admin, hub):
         ({"max_gpus": 1, "gpu_hours": 10, "window_hours": 0}, "window_hours"),
         ("{not json", "body"),
         ([], "body"),
+        ({"max_gpus": 1, "disk": "lots"}, "disk"),
+        ({"max_gpus": 1, "disk": "1M"}, "disk"),
+        ({"max_gpus": 1, "disk": -5}, "disk"),
     ],
     ids=["negative", "fractional", "absurd", "unknown-field", "zero-window", "malformed-json",
-         "not-an-object"],
+         "not-an-object", "disk-word", "disk-too-small", "disk-negative"],
 )
 def test_bad_quota_bodies(admin, body, field):
     kw = {"data": body} if isinstance(body, str) else {"json": body}

@@ -73,7 +73,7 @@ def test_a_quota_error_points_at_the_field_it_names(page, hub, users, admin):
     page.goto(hub.url + "/services/gpulab/admin")
     form = page.locator("tr[data-user='bob'] form.quota")
     # every input's label shows the name the API and its errors use
-    for field in ("max_gpus", "max_per_request", "gpu_hours", "window_hours"):
+    for field in ("max_gpus", "max_per_request", "gpu_hours", "window_hours", "disk"):
         label = form.locator("label", has=page.locator(f"input[name={field}]"))
         assert field in label.locator("code").inner_text()
     form.locator("input[name=max_gpus]").fill("2")
@@ -91,6 +91,20 @@ def test_a_quota_error_points_at_the_field_it_names(page, hub, users, admin):
     form.locator(".msg.ok").wait_for()
     page.wait_for_load_state("load")
     page.locator("tr[data-user='bob'] td.effective", has_text="10 GPU-hours").wait_for()
+    # a disk limit in words the service does not read: the disk input is marked
+    form = page.locator("tr[data-user='bob'] form.quota")
+    form.locator("input[name=disk]").fill("20 X")
+    form.locator("button[name=save]").click()
+    form.locator(".msg.error").wait_for()
+    assert "'disk'" in form.locator(".msg").inner_text()
+    assert form.locator("input.is-invalid").get_attribute("name") == "disk"
+    form.locator("input[name=disk]").fill("64M")
+    form.locator("button[name=save]").click()
+    form.locator(".msg.ok").wait_for()
+    page.wait_for_load_state("load")
+    page.locator("tr[data-user='bob'] td.effective", has_text="64 MiB disk").wait_for()
+    # the input shows the stored limit as it reads it back
+    assert page.locator("tr[data-user='bob'] input[name=disk]").input_value() == "64M"
     assert admin.service("DELETE", "quotas/users/bob").status_code == 204
 
 

@@ -85,8 +85,12 @@ class FakeHub:
                 return 403, {"status": 403, "message": "This needs the scope custom:gpulab:admin "
                              "(a gpulab admin)."}
             scope, _, name = path[len(api + "quotas/"):].partition("/")
+            # as the service answers: the disk limit in bytes
+            from gpulab.hub.quota.policy import parse_disk
+
             return 200, {"scope": scope.rstrip("s"), "name": name, "max_per_request": None,
-                         "gpu_hours": None, "window_hours": None, **body}
+                         "gpu_hours": None, "window_hours": None, **body,
+                         "disk": parse_disk(body.get("disk"))}
         if path == api + "jobs" and method == "POST":  # the queue is full: it waits
             return 202, {**JOB, "name": body["name"], "state": "Queued", "started_at": None,
                          "finished_at": None, "reason": "Waits for free GPUs.",
@@ -195,17 +199,19 @@ def test_quota_set_prints_every_field(fake, capsys):
                       "--window-hours", "168")
     assert rc == 0, err
     assert out.strip() == ("set user quota ann: 2 GPUs at once, at most 1 per request, "
-                           "100 GPU-hours per 168-hour window (7 days)")
+                           "100 GPU-hours per 168-hour window (7 days), no disk limit")
     assert fake.requests[-1][3] == {"max_gpus": 2, "max_per_request": 1, "gpu_hours": 100.0,
                                     "window_hours": 168}
     rc, out, _ = gl(capsys, "--url", fake.url, "--token", "t", "quota", "set", "--group",
-                    "staff", "--max-gpus", "1", "--gpu-hours", "7.5", "--window-hours", "36")
+                    "staff", "--max-gpus", "1", "--gpu-hours", "7.5", "--window-hours", "36",
+                    "--disk", "1.5T")
     assert rc == 0 and out.strip() == ("set group quota staff: 1 GPU at once, no per-request "
-                                       "limit, 7.5 GPU-hours per 36-hour window")
+                                       "limit, 7.5 GPU-hours per 36-hour window, 1.5 TiB disk")
+    assert fake.requests[-1][3]["disk"] == "1.5T"  # the service reads the units
     rc, out, _ = gl(capsys, "--url", fake.url, "--token", "t", "quota", "set", "--default",
                     "--max-gpus", "4")
     assert rc == 0 and out.strip() == ("set default quota: 4 GPUs at once, no per-request "
-                                       "limit, no GPU-hour budget")
+                                       "limit, no GPU-hour budget, no disk limit")
     # the user and the group were looked up on the hub; the default quota has no name
     assert [p for _, p in fake.paths() if p.startswith("/hub/api/")] == [
         "/hub/api/user", "/hub/api/users/ann", "/hub/api/user", "/hub/api/groups/staff"]

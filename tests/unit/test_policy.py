@@ -2,7 +2,9 @@
 
 import pytest
 
-from gpulab.hub.quota.policy import Holding, Quota, QuotaError, effective_quota, parse_quota, refusal
+from gpulab.hub.quota.policy import (MAX_DISK, MIN_DISK, Holding, Quota, QuotaError, disk_input,
+                                     effective_disk, effective_quota, parse_disk,
+                                     parse_quota, refusal)
 
 D = Quota(1)
 SMALL = Quota(2, max_per_request=1)
@@ -93,3 +95,54 @@ def test_good_quota_round_trips():
     q = parse_quota({"max_gpus": 4, "max_per_request": 2, "gpu_hours": 100, "window_hours": 168})
     assert q == Quota(4, 2, 100.0, 168)
     assert q.describe() == "4 GPUs at once, at most 2 per request, 100 GPU-hours per 7 days"
+
+
+# -- the disk limit on the shared storage -------------------------------------------------
+
+GiB, MiB = 2**30, 2**20
+
+
+@pytest.mark.parametrize("value,size", [
+    (None, None), ("20G", 20 * GiB), ("20GiB", 20 * GiB), ("20gb", 20 * GiB),
+    ("512M", 512 * MiB), ("1.5T", 3 * 2**39), (" 64 MiB ", 64 * MiB), (2**30, GiB),
+    ("1P", MAX_DISK), (MIN_DISK, MIN_DISK),
+], ids=["none", "G", "GiB", "gb", "M", "fraction", "spaces", "bytes", "largest", "smallest"])
+def test_disk_sizes_read_binary_units(value, size):
+    assert parse_disk(value) == size
+    if size is not None:  # the admin page's input reads back exactly what is stored
+        assert parse_disk(disk_input(size)) == size
+
+
+@pytest.mark.parametrize("value", [
+    "lots", "-1G", "20 X", "1e3G", "", "G", True, 1.5, [20], {"G": 1}, "31M", MIN_DISK - 1,
+    "2P", MAX_DISK + 1, "20G20G",
+], ids=["word", "negative", "unit", "exponent", "empty", "no-number", "bool", "float", "list",
+        "object", "too-small", "bytes-too-small", "too-large", "bytes-too-large", "twice"])
+def test_bad_disk_limits_are_refused_naming_the_field(value):
+    with pytest.raises(QuotaError) as e:
+        parse_quota({"max_gpus": 1, "disk": value})
+    assert e.value.field == "disk" and "'disk' must be" in e.value.message
+    assert repr(value) in e.value.message  # says what it got
+
+
+def test_a_disk_limit_round_trips_and_is_described():
+    q = parse_quota({"max_gpus": 1, "disk": "20G"})
+    assert q == Quota(1, disk=20 * GiB) and q.as_dict()["disk"] == 20 * GiB
+    assert q.describe() == "1 GPU at once, 20 GiB disk"
+
+
+@pytest.mark.parametrize("default,groups,user,expected", [
+    (None, {}, None, (None, "none")),
+    (Quota(1), {"a": Quota(8)}, Quota(2), (None, "none")),
+    (Quota(1, disk=GiB), {}, None, (GiB, "default")),
+    # the disk is decided on its own: the largest group disk, not the most generous GPUs'
+    (Quota(1, disk=GiB), {"a": Quota(8), "b": Quota(1, disk=5 * GiB),
+                          "c": Quota(1, disk=2 * GiB)}, None, (5 * GiB, "group 'b'")),
+    # the person's own wins, smaller or not; their own without a disk leaves it to the rest
+    (Quota(1, disk=GiB), {"b": Quota(1, disk=5 * GiB)}, Quota(1, disk=MIN_DISK),
+     (MIN_DISK, "user")),
+    (Quota(1, disk=GiB), {"b": Quota(1, disk=5 * GiB)}, Quota(4), (5 * GiB, "group 'b'")),
+], ids=["nothing", "no-disk-anywhere", "default", "largest-group", "own-wins",
+        "own-without-disk"])
+def test_effective_disk(default, groups, user, expected):
+    assert effective_disk(default, groups, user) == expected
