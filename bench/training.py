@@ -64,8 +64,10 @@ class Replicas(threading.Thread):
         self.procs: dict[int, psutil.Process] = {}
         self.peak: dict[int, int] = {}
         self.cpu: dict[int, float] = {}
-        # (time, CPU seconds of all replicas, busy CPU seconds of the whole machine)
-        self.series: list[tuple[float, float, float]] = []
+        self.sys: dict[int, float] = {}
+        # (time, CPU seconds of all replicas, busy CPU seconds of the whole machine, the
+        # replicas' system CPU seconds)
+        self.series: list[tuple[float, float, float, float]] = []
         self.done = threading.Event()
 
     def _find(self):
@@ -88,10 +90,12 @@ class Replicas(threading.Thread):
                 except psutil.Error:  # ended: its last figures stay
                     continue
                 self.cpu[pid] = t.user + t.system
+                self.sys[pid] = t.system
                 self.peak[pid] = max(self.peak.get(pid, 0), rss)
             m = psutil.cpu_times()
             busy = sum(m) - m.idle - getattr(m, "iowait", 0.0)
-            self.series.append((time.time(), sum(self.cpu.values()), busy))
+            self.series.append((time.time(), sum(self.cpu.values()), busy,
+                                sum(self.sys.values())))
             self.done.wait(self.every)
 
     def stop(self) -> list[int]:
@@ -99,8 +103,19 @@ class Replicas(threading.Thread):
         self.join()
         return sorted(self.peak.values())
 
-    def cpu_at(self, t: float) -> tuple[float, float]:
-        """(the replicas' CPU seconds, the machine's busy CPU seconds) at time `t`,
+    def started(self) -> float:
+        """When the last of the replicas' processes started (time.time())."""
+        times = []
+        for p in self.procs.values():
+            try:
+                times.append(p.create_time())
+            except psutil.Error:
+                pass
+        return max(times)
+
+    def cpu_at(self, t: float) -> tuple[float, ...]:
+        """(the replicas' CPU seconds, the machine's busy CPU seconds, the replicas' system
+        CPU seconds) at time `t`,
         interpolated between samples."""
         s = self.series
         for (t0, *a), (t1, *b) in zip(s, s[1:]):
@@ -142,12 +157,16 @@ def measure(records: list[dict], t0: float, replicas: Replicas) -> dict:
         raise RuntimeError(f"too few progress lines ({len(records)}) to measure")
     first, last = records[0], records[-1]
     steps, seconds = last["step"] - first["step"], last["time"] - first["time"]
-    (cpu0, busy0), (cpu1, busy1) = replicas.cpu_at(first["time"]), replicas.cpu_at(last["time"])
+    (cpu0, busy0, sys0), (cpu1, busy1, sys1) = (replicas.cpu_at(first["time"]),
+                                                replicas.cpu_at(last["time"]))
     return {"steps_per_s": steps / seconds,
             "first_step_s": first["time"] - t0,
+            # of which: until all four replica processes were started (by hand: Popen)
+            "start_s": replicas.started() - t0,
             # CPU time (user + system) of all four replicas per training step: what the work
             # costs, whatever else the machine's CPUs are busy with meanwhile
             "cpu_ms_per_step": 1000 * (cpu1 - cpu0) / steps,
+            "sys_ms_per_step": 1000 * (sys1 - sys0) / steps,  # of it, in the kernel
             # CPUs the replicas had on average, and those the rest of the machine used
             "replica_cpus": (cpu1 - cpu0) / seconds,
             "other_cpus": max(0.0, (busy1 - busy0) - (cpu1 - cpu0)) / seconds,
@@ -247,10 +266,11 @@ def main() -> int:
                 res["hub_cpus"] = (hub_cpu(hub) - h0) / (time.time() - w0)
                 rounds[-1][kind] = res
                 print(f"round {i + 1} {kind:6s}: {res['steps_per_s']:6.1f} steps/s, "
-                      f"{res['cpu_ms_per_step']:5.1f} ms CPU/step, replicas had "
+                      f"{res['cpu_ms_per_step']:5.1f} ms CPU/step ({res['sys_ms_per_step']:4.1f} system), "
+                      f"replicas had "
                       f"{res['replica_cpus']:.2f} CPUs, others used {res['other_cpus']:.2f} "
                       f"(the hub {res['hub_cpus']:.2f}), first epoch after "
-                      f"{res['first_step_s']:.1f} s, peak RSS per replica "
+                      f"{res['first_step_s']:.1f} s (started after {res['start_s']:.2f} s), peak RSS per replica "
                       f"{[round(b / 2**20) for b in res['peak_rss']]} MiB", flush=True)
     finally:
         hub.stop()
@@ -271,7 +291,8 @@ def main() -> int:
     for kind in ("hand", "gpulab"):
         print(f"  {kind:6s} medians: "
               f"{statistics.median(r[kind]['steps_per_s'] for r in rounds):.1f} steps/s, "
-              f"{statistics.median(r[kind]['cpu_ms_per_step'] for r in rounds):.1f} ms CPU/step, "
+              f"{statistics.median(r[kind]['cpu_ms_per_step'] for r in rounds):.1f} ms CPU/step "
+              f"({statistics.median(r[kind]['sys_ms_per_step'] for r in rounds):.1f} system), "
               f"others used {statistics.median(r[kind]['other_cpus'] for r in rounds):.2f} CPUs")
     return 0
 
