@@ -7,16 +7,28 @@ ways on this machine, in the same run:
   loopback ports, as one would without gpulab (``python -m gpulab.extensions.runtime`` is
   the entry point in both cases, since the program uses the runtime's helpers);
 - **gpulab**: the same spec submitted to the jobs API of a `gpulab up` started here
-  (``--no-isolation``, so both run as this account), which admits the GPUs, starts and
-  supervises the replicas and writes their logs to the job folder.
+  (``--no-isolation``, so both run as this account), which admits the GPUs, starts the
+  replicas in their sandbox (control groups, network and mount namespaces), supervises them
+  and writes their logs to the job folder; the bench polls the job every 2 s, as a job view
+  would.
 
-    python bench/training.py [--epochs 8] [--rounds 3]
+    python bench/training.py [--epochs 8] [--rounds 6]
 
-Prints, for each, training steps per second (from the program's progress lines, first epoch
-left out as warm-up), the time from launch (or submit) to the first finished epoch, and the
-peak resident memory per replica, then the ratios gpulab / by hand (goals: steps/s >= 0.95,
-time to first step <= 1.05 or so, memory <= 1.05). Rounds alternate the two so that drift on
-the machine hits both alike. Numbers are printed, never asserted.
+Each round runs both, in ABBA order (the side that goes first alternates), and prints for
+each: training steps per second and the replicas' CPU time (user + system, all four
+processes, read with psutil) per step, both over the window from the first to the last
+progress line (the first epoch, with TensorFlow's start-up, is left out); the CPUs the
+replicas had and those the rest of the machine used meanwhile (the hub's share apart); the
+time from launch (or submit) to the first finished epoch and when the replica processes were
+started; and the peak resident memory per replica. At the end: each figure's ratio gpulab /
+by hand *within each round*, as median [min–max] over the rounds (goals: steps/s >= 0.95,
+CPU time per step <= 1.05, time to the first epoch ~1, memory <= 1.05).
+
+Steps per second follow the CPUs the replicas get, which on a small busy machine swing from
+round to round with what else runs (other load counts per thread, gpulab's work as a whole
+weighs one thread per CPU: `gpulab.spawner.cgroups`); CPU time per step hardly depends on
+other load, so it is the figure for gpulab's own overhead. Numbers are printed, never
+asserted.
 """
 
 from __future__ import annotations
