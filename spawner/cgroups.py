@@ -31,6 +31,11 @@ everything the process started, ``setsid`` grandchildren too.
   Stop freezes the group (``freezer.state``), kills every process in it and thaws it: nothing
   can fork its way out between reading the list and the kill.
 
+**gpulab's folder weighs as many threads as the machine has CPUs** (`_weigh_base`: v1
+``cpu.shares`` 1024 × CPUs, v2 ``cpu.weight`` 100 × CPUs, where it still has the kernel's
+default): with the default it would weigh one busy thread, and people's work together would
+get no more CPU time than any single thread of the processes beside it.
+
 **One person as a whole.** Every unit of one person (their servers and training replicas)
 nests in a group of that person, ``gpulab/person-<hub>-<name>/<unit>`` (`person_unit`; v1 in
 every hierarchy, v2 once), with a memory and CPU limit of its own (`Cgroups.make`'s
@@ -91,6 +96,11 @@ _UNIT = re.compile(r"[^A-Za-z0-9_.-]+")
 _V1_OPTIONAL = ("pids", "devices", "freezer")
 #: the v2 controllers gpulab's folder hands down to its groups (pids only where offered)
 _V2_CONTROLLERS = ("cpu", "memory", "pids")
+
+#: the CPU weight of one busy thread at nice 0 (v1 ``cpu.shares``, v2 ``cpu.weight``: the
+#: kernel's default of a group) and the most a group may have
+_ONE_THREAD_WEIGHT = {1: 1024, 2: 100}
+_MAX_WEIGHT = {1: 262144, 2: 10000}
 
 #: the name of every person-level group starts with this (`person_unit`)
 PERSON_PREFIX = "person-"
@@ -465,6 +475,8 @@ class Cgroups:
             _mkdir(base)
             if self.version == 2:
                 _enable(base, wanted)
+        if "cpu" in self.bases:
+            _weigh_base(self.version, self.bases["cpu"])
         if person is None:
             return
         name = _safe(person)
@@ -692,6 +704,32 @@ def _set_person_limits(version: int, dirs: dict[str, Path], memory: int | None,
                 raise
             log.warning("The %s limit of %s stays as it was (%s asked): %s", what, d.name,
                         memory if what == "memory" else cpus, e.strerror)
+
+
+def _weigh_base(version: int, base: Path) -> None:
+    """gpulab's folder weighs, against the processes and groups beside it, as much as as
+    many busy threads as the machine has CPUs (``cpu.shares`` 1024 × CPUs on v1,
+    ``cpu.weight`` 100 × CPUs on v2), where it still has the kernel's default, one thread's
+    (a value the operator wrote stays). With one thread's weight, all people's work together
+    would get, when the CPUs are contended, as much as one busy thread of any process in
+    the hub's group (the root group where the hub runs outside systemd): a training job of
+    four replicas had 0.9 CPUs where the same processes started by hand had 1.2 (issue 34).
+    The hub's own processes beside it still get nearly one CPU when people's work fills the
+    machine."""
+    f = base / ("cpu.shares" if version == 1 else "cpu.weight")
+    one = _ONE_THREAD_WEIGHT[version]
+    if _read(f) != str(one):  # missing (a stand-in's, or no cpu controller), or the operator's
+        return
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    want = min(_MAX_WEIGHT[version], one * cpus)
+    if want != one:
+        try:
+            _write(f, str(want))
+        except OSError as e:
+            log.warning("Could not give %s the CPU weight of %d threads: %s", base, cpus, e)
 
 
 def _write(path: Path, value: str) -> None:

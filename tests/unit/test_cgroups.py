@@ -241,3 +241,43 @@ def test_the_v2_device_allow_list():
     assert len(program([])) == 8 * 8
     # type, access (no mknod), major, minor
     assert len(program([Rule(DEV_CHAR, 195, 0)])) == 8 * (6 + 4 + 2 + 2)
+
+
+def test_gpulab_folder_weighs_one_busy_thread_per_cpu(tmp_path):
+    """With the kernel's default weight (one busy thread's) on gpulab's folder, all people's
+    work together got, on a busy machine, the CPU time of a single thread of any process
+    beside it (issue 34's training benchmark: 0.9 CPUs where the same processes started by
+    hand had 1.2). The folder gets one thread's weight per CPU, where it still has the
+    default; an operator's own value stays."""
+    cpus = len(os.sched_getaffinity(0))
+    root = fake_v2(tmp_path / "cg")
+    (root / "gpulab" / "cpu.weight").write_text("100\n")
+    cgroups = Cgroups(2, {"cpu": root / "gpulab", "memory": root / "gpulab"},
+                      bpf_problem="not in a fake folder")
+    cgroups.make("server-ann-default", person="person-h-ann")
+    assert (root / "gpulab" / "cpu.weight").read_text() == str(min(10000, 100 * cpus))
+    # v1: cpu.shares of gpulab's folder in the cpu hierarchy
+    v1 = fake_v1(tmp_path / "v1")
+    (tmp_path / "v1" / "cpu" / "gpulab" / "cpu.shares").write_text("1024\n")
+    v1.make("job-x-worker-0", cpus=2)
+    assert (tmp_path / "v1" / "cpu" / "gpulab" / "cpu.shares").read_text() == str(1024 * cpus)
+    # an operator's own weight is theirs
+    (root / "gpulab" / "cpu.weight").write_text("300\n")
+    cgroups.make("server-bob-default")
+    assert (root / "gpulab" / "cpu.weight").read_text() == "300\n"
+
+
+def test_gpulab_folder_weight_on_this_machine():
+    """On this machine's real hierarchy (v1 here): after a unit is made, gpulab's folder in the
+    cpu hierarchy weighs one busy thread per CPU (unless an operator set another weight)."""
+    cgroups, why = Cgroups.detect()
+    assert cgroups is not None, why
+    shares = cgroups.bases["cpu"] / ("cpu.shares" if cgroups.version == 1 else "cpu.weight")
+    one = 1024 if cgroups.version == 1 else 100
+    want = str(one * len(os.sched_getaffinity(0)))
+    before = shares.read_text().strip() if shares.exists() else str(one)
+    group = cgroups.make(f"test-weight-{os.getpid()}")
+    try:
+        assert shares.read_text().strip() == (want if before in (str(one), want) else before)
+    finally:
+        assert group.remove(kill=True)
