@@ -158,7 +158,10 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
     choice, callables) and ``user_options`` of KubeSpawner's shape, from the form or the API.
     The GPUs are ``extra_resource_limits["nvidia.com/gpu"]`` and their model
     ``node_selector["nvidia.com/gpu.product"]`` after all overrides. gpulab adds
-    ``allowed_groups`` per profile. Overrides are undone before the next start. An
+    ``allowed_groups`` per profile. Overrides are undone before the next start. As in
+    KubeSpawner, ``options_from_form`` only builds ``user_options`` (a typed text its
+    ``validation_regex`` refuses is returned as typed) and ``load_user_options`` checks them,
+    raising a ValueError (`OptionRefused`, 400) that the form shows. An
     operator's own ``options_form`` / ``options_from_form`` / ``apply_user_options`` are
     used as KubeSpawner would use them.
 
@@ -383,13 +386,6 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
             if callable(configured):
                 raise ProfileError("A callable profile_list is resolved when the server starts.")
         return parse_profiles(list(configured) or default_profile_list(0))
-
-    def gpu_check_form_options(self, options: dict) -> None:
-        """Checked against ``profile_list`` here unless that is a callable not resolved yet
-        (then when the server starts, in `load_user_options`)."""
-        if callable(self.profile_list) and self._gpu_profile_list is None:
-            return
-        super().gpu_check_form_options(options)
 
     @property
     def gpu_inventory(self):

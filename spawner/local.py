@@ -733,6 +733,12 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         keep = [self.shared_dir, self.notebook_dir]
         if not self.isolate_users:
             keep.append(self.home_dir)
+            # the files `shell_cmd` names (``bash --rcfile /tmp/x/rc``): the server is the
+            # hub's own account, which may read them anyway. (An isolated server is a
+            # person's account: the hub's /tmp is not theirs to see; files its shell_cmd
+            # reads lie elsewhere, readable by them.)
+            keep += [os.path.dirname(a) for a in self.shell_cmd
+                     if a.startswith("/tmp/") and os.path.isfile(a)]
         certs = (getattr(self, "cert_paths", None) or {}).get("keyfile")
         if self.internal_ssl and certs:
             keep.append(os.path.dirname(certs))

@@ -310,29 +310,34 @@ class GPUSpawnerMixin:
     # -- spawn form ------------------------------------------------------------------------
 
     def _gpu_options_from_form(self, formdata):
-        """The form's fields as KubeSpawner reads them: ``{"profile": <slug>, <option>:
-        <choice>, "<option>--unlisted-choice": <text>}``. Beside an operator's own
-        ``options_form``, the base class's reading (their fields, and a ``profile`` among
-        them still chooses the GPU profile). Other fields are refused with 400."""
+        """The form's fields as ``user_options``, KubeSpawner's way: ``{"profile": <slug>,
+        <option>: <choice>, "<option>--unlisted-choice": <text>}``; the spawner's own fields
+        (`gpu_extra_option_keys`) with plain numbers as numbers; any other field passed
+        through as the base class passes the form (a list of strings). Beside an operator's
+        own ``options_form``, the base class's reading (their fields; a ``profile`` among them
+        still chooses the GPU profile).
+
+        Nothing is refused here: as KubeSpawner's and JupyterHub's contract says, this only
+        builds ``user_options``; they are checked when the server starts
+        (`gpu_selection` in ``load_user_options`` / ``start``: an unknown profile or choice,
+        a typed text its ``validation_regex`` refuses, a field gpulab does not know, several
+        profiles), with a 400 (`OptionRefused`, a ValueError) whose message JupyterHub shows on
+        the form again."""
         if self.gpu_operator_form:
             return self._base_options_from_form(formdata)
-        if len(formdata.get("profile") or []) > 1:
-            raise SpawnRefused(400, "Choose exactly one profile.")
         options, other = options_from_formdata(formdata)
-        for key in self.gpu_extra_option_keys():  # checked with the rest just below
+        profiles = formdata.get("profile") or []
+        if len(profiles) > 1:  # refused at start: "'profile' must be a profile name"
+            options["profile"] = list(profiles)
+        for key in self.gpu_extra_option_keys():
             if key in other:
                 other.remove(key)
                 value = (formdata.get(key) or [""])[0]
                 options[key] = (int(value) if is_plain_number(value) and len(value) <= 6
                                 else value)
-        if other:
-            raise SpawnRefused(400, f"Unknown form field(s): {', '.join(other)}.")
-        self.gpu_check_form_options(options)  # no profile: the default one, as KubeSpawner
+        for key in other:  # the base class's passthrough; refused at start unless an
+            options[key] = formdata[key]  # operator's hook of their own takes them
         return options
-
-    def gpu_check_form_options(self, options: dict) -> None:
-        """Refuse a tampered form before anything starts."""
-        self.gpu_selection(options)
 
     async def gpu_ledger_view(self, *, reap: bool = False, mine_only: bool = False) -> LedgerView:
         """What the spawn form and the quota summary read of the ledger, read in a worker

@@ -322,16 +322,31 @@ def state_words(job: dict, now: float | None = None) -> str:
     return f"{job['state']} ({waiting})" if waiting else job["state"]
 
 
+def progress_words(p: dict | None, now: float | None = None) -> str:
+    """The job's last progress line in words: ``progress: step 40/100 (loss 0.31), reported
+    2026-12-04 14:07:00 (12 s ago)``; the runtime's ``time`` (a Unix time) as local time."""
+    if not p or "step" not in p:
+        return ""
+    total = f"/{p['total']}" if p.get("total") else ""
+    metrics = ", ".join(f"{k} {v}" for k, v in p.items() if k not in ("step", "total", "time"))
+    line = f"progress: step {p['step']}{total}" + (f" ({metrics})" if metrics else "")
+    at = p.get("time")
+    if isinstance(at, (int, float)) and not isinstance(at, bool) and at > 0:
+        now = time.time() if now is None else now
+        line += f", reported {local_time(at)}"
+        if now >= at:
+            line += f" ({_duration(now - at)} ago)"
+    return line
+
+
 def print_job(job: dict, now: float | None = None) -> None:
     print(f"{job['name']} ({job['user']}): {state_words(job, now)}: {job['reason']}")
     print(f"strategy {job['strategy']}, {job['gpus']} GPU(s), folder {job['job_dir']}")
     for line in job_times(job, now):
         print(line)
-    p = job.get("progress")
-    if p:
-        total = f"/{p['total']}" if p.get("total") else ""
-        metrics = ", ".join(f"{k} {v}" for k, v in p.items() if k not in ("step", "total"))
-        print(f"progress: step {p['step']}{total}" + (f" ({metrics})" if metrics else ""))
+    line = progress_words(job.get("progress"), now)
+    if line:
+        print(line)
     print(table([[r["name"], r["state"], r["restarts"], r["exit_code"],
                   ",".join(map(str, r["devices"])) or "-", r["reason"]] for r in job["replicas"]],
                 ["REPLICA", "STATE", "RESTARTS", "EXIT", "GPUS", "REASON"]))
@@ -375,6 +390,47 @@ def _width() -> int:
     return shutil.get_terminal_size().columns
 
 
+#: answers that mean the hub (or its proxy, or the gpulab service behind it) is not there
+#: now, rather than that the request was wrong
+HUB_GONE = (502, 503, 504)
+
+
+def hub_gone(e: GpulabError, args, name: str, replica: str | None = None) -> int:
+    """Following a job's log ended because the hub stopped answering: the job itself goes on
+    (the hub re-adopts it when it starts again), so say so, and how to follow it again.
+    Other errors are printed as any other (`fail_api`)."""
+    if e.kind != "unreachable" and e.status not in HUB_GONE:
+        return fail_api(e)
+    from gpulab.hub.cli.common import error_text
+
+    why = error_text(e) + (f" (HTTP {e.status})" if e.status else "")
+    who = f" --user {args.user}" if getattr(args, "user", None) else ""
+    again = f"gpulab jobs logs {name}{' ' + replica if replica else ''}{who} -f"
+    print(f"gpulab: the hub stopped answering while following job '{name}': {why}\n"
+          f"The job goes on without the hub. Follow it again once the hub is back: {again}  "
+          f"(its state: gpulab jobs show {name}{who})", file=sys.stderr)
+    return 1
+
+
+def whose_job_hint(client, name: str) -> str:
+    """For an admin whose own job `name` does not exist: whose it is, when it is someone
+    else's (``ann has one: gpulab jobs show x --user ann``), else how to name another
+    person's job; for everyone else nothing. A failing look-up costs only the hint."""
+    try:
+        if not client.me().get("admin"):
+            return ""
+        owners = sorted({j["user"] for j in client.jobs(everyone=True) if j.get("name") == name})
+    except (GpulabError, KeyError, TypeError, AttributeError):
+        owners = None
+    if owners and len(owners) == 1:
+        return f"{owners[0]} has one: add --user {owners[0]} (an admin may name whose job)."
+    if owners:
+        return (f"{', '.join(owners[:-1])} and {owners[-1]} have one: add --user NAME "
+                "to say whose.")
+    return ("To act on another person's job, add --user NAME (`gpulab jobs list --all` "
+            "lists everyone's).")
+
+
 def cmd_jobs(args) -> int:
     if args.action is None:
         print("gpulab jobs: choose submit, list, show, logs, stop or export (see gpulab jobs -h)",
@@ -404,8 +460,11 @@ def cmd_jobs(args) -> int:
             else:
                 print(f"submitted {job['name']}: {state_words(job)}: {job['reason']}")
             if args.follow:
-                follow_logs(submitted, lead_replica(job["strategy"]), True)
-                job = submitted.status()
+                try:
+                    follow_logs(submitted, lead_replica(job["strategy"]), True)
+                    job = submitted.status()
+                except GpulabError as e:
+                    return hub_gone(e, args, job["name"])
                 print(f"{job['name']}: {job['state']}: {job['reason']}")
                 return 0 if job["state"] == "Succeeded" else 1
         elif args.action == "list":
@@ -426,8 +485,17 @@ def cmd_jobs(args) -> int:
         elif args.action == "logs":
             job = client.job(args.name, user=args.user)
             replica = args.replica or lead_replica(job.status()["strategy"])
-            return follow_logs(job, replica, args.follow, args.raw)
+            if not args.follow:
+                return follow_logs(job, replica, False, args.raw)
+            try:
+                return follow_logs(job, replica, True, args.raw)
+            except GpulabError as e:
+                return hub_gone(e, args, args.name, replica if args.replica else None)
     except GpulabError as e:
+        if (e.status == 404 and args.action in ("show", "stop", "logs") and not args.user
+                and e.message == f"You have no job named '{args.name}'."):
+            hint = whose_job_hint(client, args.name)
+            e.message = f"{e.message} {hint}" if hint else e.message
         return fail_api(e)
     except KeyboardInterrupt:
         return 130

@@ -10,6 +10,7 @@ they share (the hub options, the service's client, errors, the table) is in
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from gpulab.hub.cli.common import EXIT_USAGE, add_global_options, apply_global_options, fail
@@ -27,6 +28,8 @@ def cmd_config_reference(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpulab", description="gpulab: a JupyterHub for shared GPUs")
+    parser.add_argument("--version", action="version", version=f"gpulab {version()}",
+                        help="print gpulab's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_up_parser(sub)
     sub.add_parser("config-reference", help="print the configuration reference (Markdown)")
@@ -41,7 +44,41 @@ COMMANDS = {"up": cmd_up, "config-reference": cmd_config_reference, "quota": cmd
             "usage": cmd_usage, "jobs": cmd_jobs, "service": cmd_service}
 
 
+def version() -> str:
+    """The installed distribution's version (``0.1.0``); ``unknown`` when run from a tree
+    that is not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("gpulab")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+#: the exit status when the reader of standard output went away (``gpulab … | head``): what a
+#: shell reports for a program killed by SIGPIPE, 128 + 13
+EXIT_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status. When whoever reads standard output has gone
+    (``gpulab jobs show x | head -1``), the command ends quietly with `EXIT_PIPE`, as Python's
+    documentation on SIGPIPE advises: no traceback, and standard output pointed at /dev/null
+    so that the interpreter's last flush at exit finds nothing to complain about."""
+    try:
+        try:
+            return run(argv)
+        finally:  # (also after --version or -h) a closed pipe shows here, not at exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_PIPE
+
+
+def run(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     problem = apply_global_options(args)

@@ -250,6 +250,11 @@ def cmd_up(args) -> int:
         ]
     print("\n".join(banner), flush=True)
 
+    # jsonschema (through JupyterHub's event log) checks the "iri" formats with
+    # rfc3987-syntax when that is installed, whose grammar is built as it is imported: 1.5 to
+    # 3.5 s of every start on a loaded two-core machine (bench/startup.py). No schema the hub
+    # validates uses those formats; without the module, jsonschema leaves them unchecked.
+    sys.modules.setdefault("rfc3987_syntax", None)
     from gpulab.hub.deploy.localhub import run_local_hub
 
     return run_local_hub(settings, log_level=args.log_level)

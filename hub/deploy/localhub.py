@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import time
 from pathlib import Path
 
 from jupyterhub.app import JupyterHub
@@ -234,6 +235,93 @@ class GpulabHub(JupyterHub):
                 "high as people's processes that lower theirs", _read_oom_score_adj(),
                 self.oom_score_adj)
 
+    #: set when the gpulab service failed to come up: `gpulab up` then exits 1
+    gpulab_service_failed = False
+
+    async def start_service(self, service_name, service, ssl_context=None):
+        """JupyterHub starts each managed service and waits until it answers (up to 10 s)
+        before the proxy routes anything to the hub, so the login page waited for the gpulab
+        service's start (its imports and migrations: 1 to 3 s of every start on a loaded
+        two-core machine, bench/startup.py). The gpulab service is started the same way,
+        but waited for beside the rest: the login page comes as soon as the hub is up, and
+        the service's pages answer 503 for the moment it may still take. A service that
+        exits or never answers stops the hub as before (`gpulab up` exits 1)."""
+        from gpulab.hub.service import SERVICE_NAME
+
+        if service_name != SERVICE_NAME or not service.managed or not service.url:
+            return await super().start_service(service_name, service, ssl_context)
+        self.log.info("Starting managed service %s at %s", service_name, service.url)
+        try:
+            await service.start()
+        except Exception:
+            self.log.critical("Failed to start service %s", service_name, exc_info=True)
+            return False
+        self._gpulab_service_wait = asyncio.ensure_future(
+            self._wait_for_service(service_name, service, ssl_context))
+        return True
+
+    async def _wait_for_service(self, service_name, service, ssl_context=None) -> None:
+        """JupyterHub's wait for a managed service (`start_service`), off the start's path:
+        10 tries of 1 s; if the service exits or never answers, the hub shuts down."""
+        import ssl
+
+        from jupyterhub.objects import Server
+        from jupyterhub.utils import AnyTimeoutError, make_ssl_context
+
+        if ssl_context is None:
+            ssl_context = make_ssl_context(self.internal_ssl_key, self.internal_ssl_cert,
+                                           cafile=self.internal_ssl_ca,
+                                           purpose=ssl.Purpose.CLIENT_AUTH)
+        for _ in range(10):
+            try:
+                await Server.from_orm(service.orm.server).wait_up(
+                    http=True, timeout=1, ssl_context=ssl_context)
+            except AnyTimeoutError:
+                status = await service.spawner.poll()
+                if status is not None:
+                    self.log.critical("Service %s exited with status %s", service_name, status)
+                    break
+            else:
+                self.log.info("Service %s is up", service_name)
+                return
+        else:
+            self.log.critical("Cannot connect to %s service %s", service.kind, service_name)
+        self.gpulab_service_failed = True
+        await self.shutdown_cancel_tasks()
+
+    #: seconds between the lines that say which servers are still stopping (Ctrl-C)
+    stop_report_seconds = 2.0
+
+    async def cleanup(self):
+        """JupyterHub's clean-up (services, then every server at once, then the proxy), with
+        a line saying which servers it stops and, every `stop_report_seconds`, which are
+        still stopping and for how long: each gets up to its spawner's
+        ``interrupt_timeout`` to shut its kernels down, and a Ctrl-C should not look hung."""
+        running = []
+        if self.cleanup_servers:
+            running = [(user.name + (f"/{name}" if name else ""), spawner)
+                       for user in self.users.values()
+                       for name, spawner in list(user.spawners.items()) if spawner.active]
+        report = None
+        if running:
+            self.log.info("Stopping %d server(s): %s", len(running),
+                          ", ".join(n for n, _ in running))
+            report = asyncio.ensure_future(self._report_stopping(running))
+        try:
+            await super().cleanup()
+        finally:
+            if report is not None:
+                report.cancel()
+
+    async def _report_stopping(self, running) -> None:
+        started = time.monotonic()
+        while True:
+            await asyncio.sleep(self.stop_report_seconds)
+            left = [n for n, spawner in running if spawner.active]
+            if left:
+                self.log.info("Still stopping %d of %d server(s) after %.0f s: %s", len(left),
+                              len(running), time.monotonic() - started, ", ".join(left))
+
     def init_logging(self):
         super().init_logging()
         for handler in self.log.handlers:
@@ -386,5 +474,7 @@ def run_local_hub(settings: LocalSettings, log_level: str = "INFO") -> int:
     # The hub's working directory holds nothing of gpulab's; state lives in the data folder.
     os.chdir(data.path)
     GpulabHub.launch_instance(["-f", str(data.config_file), f"--log-level={log_level.upper()}"])
-    return 0
+    from gpulab.hub.service import exit_at_once
 
+    exit_at_once(1 if app.gpulab_service_failed else 0)
+    return 0  # (not reached)

@@ -43,6 +43,7 @@ from traitlets.config import Application
 from tornado.ioloop import IOLoop, PeriodicCallback
 
 from gpulab.hub.quota.ledger import Ledger
+from gpulab.hub.service import exit_at_once
 from gpulab.hub.service import (ACCESS_SCOPE, ADMIN_SCOPE, RECONCILE_ENV,  # noqa: F401
                                 SERVICE_NAME, USAGE_ENV)
 from gpulab.hub.service.base import (DAY, MAX_BODY, MAX_BUFFERED_BODY, MAX_JSON_DEPTH,  # noqa: F401
@@ -453,6 +454,12 @@ class GpulabService(Application):
             IOLoop.current().asyncio_loop.add_signal_handler(sig, stop, sig)
         log.info("gpulab service at %s%s (ledger %s)", url.geturl(), prefix, ledger.engine.url.render_as_string(hide_password=True))
         IOLoop.current().start()
+        # stopped: what runs in worker threads (a ledger write) ends first; then the process
+        # ends without the interpreter's teardown of every module, which held the hub's
+        # Ctrl-C for a second or more (bench/startup.py); training jobs go on either way
+        loop = IOLoop.current().asyncio_loop
+        loop.run_until_complete(loop.shutdown_default_executor())
+        exit_at_once(0)
 
 
 def main(argv=None) -> None:

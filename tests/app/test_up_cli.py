@@ -62,3 +62,29 @@ def test_real_gpus_that_cannot_be_restricted_are_named(tmp_path, monkeypatch):
     v1 = cgroups.Cgroups(1, {"memory": tmp_path, "cpu": tmp_path, "devices": tmp_path})
     monkeypatch.setattr(cgroups, "_detected", (v1, ""))
     assert cli._gpus_not_enforced(str(tmp_path)) is None
+
+
+@pytest.mark.app
+def test_a_gpulab_service_that_exits_stops_the_hub_with_exit_1(tmp_path):
+    """The login page no longer waits for the gpulab service (issue 37: `GpulabHub.
+    start_service` waits for it beside the rest), but a service that exits at start still
+    stops the hub, as JupyterHub does for a managed service, and `gpulab up` exits 1."""
+    import os
+
+    from .hubctl import Hub
+
+    broken = tmp_path / "broken"  # any Python started with it on its path exits 3 at once
+    broken.mkdir(mode=0o755)
+    (broken / "sitecustomize.py").write_text("import os\nos._exit(3)\n")
+    data = tmp_path / "data"
+    data.mkdir(mode=0o711)
+    os.chmod(tmp_path, 0o711)
+    (data / "gpulab_config.py").write_text(
+        f'c.JupyterHub.services = [{{"name": "gpulab", "environment": '
+        f'{{"PYTHONPATH": "{broken}"}}}}]\n')
+    hub = Hub(data, "--simulated-gpus", "1", "--no-isolation", "--idle-timeout", "0")
+    with pytest.raises(RuntimeError, match="exited 1"):
+        hub.start(timeout=90)
+    out = hub.output()
+    assert "Service gpulab exited with status 3" in out, out[-3000:]
+    hub.stop()

@@ -5,9 +5,13 @@ name it is given and what it prints, the times of ``jobs show``; and the noteboo
 tests/app/test_client.py."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -15,7 +19,7 @@ import pytest
 from gpulab.extensions.client import Client, with_chief
 from gpulab.extensions.joblog import render_text, restart_record
 from gpulab.hub.cli import build_parser, main
-from gpulab.hub.cli.jobs import job_times, print_job
+from gpulab.hub.cli.jobs import job_times, print_job, progress_words
 
 CREATED = 1796393131.25  # 2026-12-04 14:05:31.25 UTC
 JOB = {"name": "digits", "user": "ann", "strategy": "parameter-server", "state": "Succeeded",
@@ -37,6 +41,9 @@ class FakeHub:
         self.groups = {"staff"}
         self.whoami = {"name": "admin", "scopes": ADMIN_SCOPES}
         self.gpulab_admin = True
+        self.others: dict[str, str] = {}  # job name -> its owner, not the token's owner
+        self.logs_status = 200  # the log API's answer: 503 once "the hub stopped"
+        self.unknown: set[str] = set()  # job names nobody has
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -96,6 +103,20 @@ class FakeHub:
                          "finished_at": None, "reason": "Waits for free GPUs.",
                          "queue": {"position": 2, "estimated_start": None, "ahead": 1,
                                    "ahead_gpus": 4}}
+        if path.startswith(api + "jobs/") and "/logs/" in path and self.logs_status != 200:
+            return self.logs_status, {"status": self.logs_status}  # as the proxy answers
+        job_name, _, query = path[len(api + "jobs/"):].partition("?")
+        job_name = job_name.split("/")[0]
+        if path.startswith(api + "jobs/") and job_name in self.unknown:
+            return 404, {"status": 404, "message": f"You have no job named '{job_name}'."}
+        if path.startswith(api + "jobs/") and job_name in self.others:
+            if f"user={self.others[job_name]}" not in query:
+                return 404, {"status": 404, "message": f"You have no job named '{job_name}'."}
+            if "/logs/" not in path:
+                return 200, {**JOB, "name": job_name, "user": self.others[job_name]}
+        if path.startswith(api + "jobs?") and "all=1" in path:
+            return 200, {"jobs": [JOB] + [{**JOB, "name": n, "user": u}
+                                          for n, u in self.others.items()]}
         if path.startswith(api + "jobs/") and "/logs/" in path:  # the service's answer
             raw = "raw=1" in path
             return 200, {"replica": "chief-0", "offset": len(LOG), "from": 0, "size": len(LOG),
@@ -393,3 +414,128 @@ def test_submit_leaves_other_specs_alone():
     gl = Recorder(url="http://hub/services/gpulab/", token="t")
     gl.submit(name="kw", strategy="parameter-server", ps=1, workers=1)
     assert gl.sent["replicas"] == {"chief": 1, "ps": 1, "worker": 1}
+
+
+# -- gpulab --version; a closed pipe; the progress line's time; --user for admins; -f ---------
+
+GPULAB = str(Path(sys.executable).with_name("gpulab"))  # the console script, as people run it
+
+
+def test_version_is_the_installed_distributions(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"gpulab {version('gpulab')}\n"
+    out = subprocess.run([GPULAB, "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == f"gpulab {version('gpulab')}\n", out.stderr
+
+
+def closed_pipe_run(argv, env=None) -> subprocess.CompletedProcess:
+    """Run the console script with a standard output nobody reads any more (``| head`` that
+    has exited): the read end is closed before the command writes a byte."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([GPULAB, *argv], stdout=write, stderr=subprocess.PIPE, text=True,
+                              timeout=60, env=env)
+    finally:
+        os.close(write)
+    return proc
+
+
+def test_a_closed_pipe_ends_quietly():
+    proc = closed_pipe_run(["config-reference"])  # the longest output: gpulab … | head
+    assert proc.stderr == "" and proc.returncode == 141, proc.stderr
+
+
+def test_jobs_show_into_a_closed_pipe_ends_quietly(fake):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPULAB", "JUPYTERHUB"))}
+    proc = closed_pipe_run(["jobs", "show", "digits", "--url", fake.url, "--token", "t"], env)
+    assert proc.stderr == "" and proc.returncode == 141, proc.stderr
+    assert fake.paths()  # it did ask the hub, and then met the closed pipe
+    # the same command into a pipe that is read: the job, whole
+    out = subprocess.run(f"'{GPULAB}' jobs show digits --url {fake.url} --token t | head -n 1",
+                         shell=True, capture_output=True, text=True, env=env, timeout=60)
+    assert out.stdout.startswith("digits (ann): Succeeded") and out.stderr == ""
+
+
+def test_the_progress_line_gives_local_time_not_a_unix_time(fake, capsys, utc):
+    fake_job = {**JOB, "progress": {"step": 40, "total": 100, "loss": 0.31,
+                                    "time": CREATED + 72}}
+    print_job(fake_job, now=CREATED + 84)
+    out = capsys.readouterr().out
+    assert ("progress: step 40/100 (loss 0.31), reported 2026-12-04 14:06:43 (0:00:12 ago)"
+            in out.splitlines())
+    assert not re.search(r"\b1\d{9}\b", out), out
+    assert progress_words({"step": 3}) == "progress: step 3"  # no time: nothing made up
+    assert progress_words(None) == ""
+
+
+def test_jobs_show_through_the_command_prints_the_progress_time_as_local_time(fake, capsys,
+                                                                               utc):
+    JOB["progress"] = {"step": 7, "time": CREATED + 60}
+    try:
+        rc, out, err = gl(capsys, "--url", fake.url, "--token", "t", "jobs", "show", "digits")
+    finally:
+        del JOB["progress"]
+    assert rc == 0, err
+    assert "progress: step 7, reported 2026-12-04 14:06:31" in out
+    assert not re.search(r"\b1\d{9}\b", out), out
+
+
+@pytest.mark.parametrize("action", ["show", "stop", "logs"])
+def test_an_admin_missing_a_job_hears_whose_it_is(fake, capsys, action):
+    fake.others = {"ann-long": "ann"}
+    rc, out, err = gl(capsys, "--url", fake.url, "--token", "t", "jobs", action, "ann-long")
+    assert rc == 1 and out == "" and "Traceback" not in err
+    assert err.strip() == ("gpulab: error: You have no job named 'ann-long'. ann has one: add "
+                           "--user ann (an admin may name whose job). (HTTP 404)")
+    rc, out, err = gl(capsys, "--url", fake.url, "--token", "t", "jobs", action, "ann-long",
+                      "--user", "ann")
+    assert rc == 0, err  # the hint works
+
+
+def test_an_admin_missing_a_job_nobody_has_hears_of_user_and_list_all(fake, capsys):
+    fake.others = {"ann-long": "ann"}
+    fake.unknown = {"gone"}
+    rc, out, err = gl(capsys, "--url", fake.url, "--token", "t", "jobs", "show", "gone")
+    assert rc == 1 and out == "" and err.strip() == (
+        "gpulab: error: You have no job named 'gone'. To act on another person's job, add "
+        "--user NAME (`gpulab jobs list --all` lists everyone's). (HTTP 404)")
+
+
+def test_someone_not_an_admin_gets_no_admin_hint(fake, capsys):
+    fake.others = {"ann-long": "ann"}
+    fake.gpulab_admin = False
+    rc, _, err = gl(capsys, "--url", fake.url, "--token", "t", "jobs", "show", "ann-long")
+    assert rc == 1 and err.strip() == ("gpulab: error: You have no job named 'ann-long'. "
+                                       "(HTTP 404)")
+    assert not any("all=1" in p for _, p in fake.paths())  # nobody's jobs were asked for
+
+
+@pytest.mark.parametrize("argv", [
+    ["jobs", "submit", "--name", "big", "--strategy", "multi-worker-mirrored", "--script",
+     "t.py", "-f"],
+    ["jobs", "logs", "big", "-f"]], ids=["submit -f", "logs -f"])
+def test_following_when_the_hub_stops_says_the_job_goes_on(fake, capsys, argv):
+    fake.logs_status = 503  # what the proxy answers once the hub behind it has stopped
+    rc, out, err = gl(capsys, "--url", fake.url, "--token", "t", *argv)
+    assert rc == 1 and "Traceback" not in err
+    assert err.strip().splitlines() == [
+        "gpulab: the hub stopped answering while following job 'big': Service Unavailable "
+        "(HTTP 503)",
+        "The job goes on without the hub. Follow it again once the hub is back: "
+        "gpulab jobs logs big -f  (its state: gpulab jobs show big)"]
+    fake.server.shutdown()  # and when nothing answers at all
+    fake.server.server_close()
+    rc, _, err = gl(capsys, "--url", fake.url, "--token", "t", "jobs", "logs", "big", "worker-1",
+                    "-f", "--user", "ann")
+    assert rc == 1 and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("gpulab: the hub stopped answering while following job 'big': "
+                               f"Cannot reach {fake.url}/services/gpulab")
+    assert lines[1] == ("The job goes on without the hub. Follow it again once the hub is "
+                        "back: gpulab jobs logs big worker-1 --user ann -f  (its state: gpulab "
+                        "jobs show big --user ann)")

@@ -193,6 +193,46 @@ async def test_options_kubespawner_would_fail_on_are_refused_with_a_reason(confi
     assert not gpu.gpu_claim_id
 
 
+@pytest.mark.parametrize("spawner_class", [KubeSpawner, KubeGPUSpawner])
+async def test_the_form_is_read_as_typed_and_load_user_options_refuses_it(config,
+                                                                          spawner_class):
+    """KubeSpawner's contract (its tests/test_spawner.py,
+    test_user_options_set_from_form_invalid_regex): ``options_from_form`` only builds
+    ``user_options``, a typed text that fails ``validation_regex`` included, and
+    ``load_user_options`` raises ValueError; the stock spawner and gpulab's alike."""
+    s = spawner_class(config=copy.deepcopy(config), _mock=True)
+    await s.get_options_form()
+    s.user_options = s.options_from_form({
+        "profile": ["test-choices"],
+        "profile-option-test-choices--image--unlisted-choice": ["invalid/foo:latest"]})
+    assert s.user_options == {"profile": "test-choices",
+                              "image--unlisted-choice": "invalid/foo:latest"}
+    with pytest.raises(ValueError) as e:
+        await s.load_user_options()
+    if spawner_class is KubeGPUSpawner:  # with the operator's words, for the form to show
+        assert e.value.status_code == 400
+        assert e.value.jupyterhub_message == ("'invalid/foo:latest' is not allowed for "
+                                              "'Image': Must be a pangeo image.")
+        assert not s.gpu_claim_id and s.image != "invalid/foo:latest"
+
+
+async def test_the_form_never_refuses_gpulab_refuses_at_start(config):
+    """What gpulab reads more strictly than KubeSpawner (fields it does not know, several
+    profiles, a profile nobody has) is still only read by ``options_from_form`` and refused
+    by ``load_user_options`` with a 400 the form shows."""
+    for form, message in [
+        ({"profile": ["nope"]}, "There is no profile 'nope'"),
+        ({"profile": ["training-r"], "privileged": ["1"]}, "Unknown server option(s): privileged"),
+        ({"profile": ["training-r", "test-choices"]}, "'profile' must be a profile name"),
+    ]:
+        gpu = KubeGPUSpawner(config=copy.deepcopy(config), _mock=True)
+        gpu.user_options = gpu.options_from_form({**form, "_xsrf": ["x"]})
+        with pytest.raises(SpawnRefused) as e:
+            await gpu.load_user_options()
+        assert e.value.status_code == 400 and message in e.value.jupyterhub_message, form
+        assert isinstance(e.value, ValueError) and not gpu.gpu_claim_id
+
+
 # -- the GPU allocation across starts ---------------------------------------------------------
 
 from gpulab.hub.quota.ledger import Request  # noqa: E402
