@@ -9,7 +9,7 @@ It is KubeSpawner configured through its own traits and hooks, plus `GPUSpawnerM
 - the namespace's NetworkPolicies are applied at every spawn (server-side apply, so a policy
   deleted or edited by hand is put back): only the hub and the proxy reach the server, and the
   user's pods reach only DNS, the hub, the gpulab service and the operator's ``allowed_egress``
-  (the namespace is prepared by `gpulab.spawner.namespaces.prepare_user_namespace`, as
+  (the namespace is prepared by `gpulab.hub.cluster.namespaces.prepare_user_namespace`, as
   training jobs' is);
 - the GPUs come from the chosen profile of ``profile_list`` and its ``profile_options``
   (KubeSpawner's, applied as KubeSpawner applies them: ``extra_resource_limits``,
@@ -21,7 +21,7 @@ It is KubeSpawner configured through its own traits and hooks, plus `GPUSpawnerM
   server becomes the same quota message; the scheduler's reasons reach the progress page in
   plain words.
 
-The Kubernetes objects are built by the pure functions of `gpulab.spawner.kubeobjects`. The
+The Kubernetes objects are built by the pure functions of `gpulab.hub.cluster.kubeobjects`. The
 permissions the hub needs are in ``helm-values/rbac.yaml``.
 """
 
@@ -43,7 +43,7 @@ from traitlets import Bool, Dict, Float, Integer, List, Unicode, default
 from gpulab.hub.quota.ledger import Request
 from gpulab.hub.quota.policy import Holding, Quota, refusal
 
-from .kubeobjects import (
+from gpulab.hub.cluster.kubeobjects import (
     RUNTIME_DEFAULT_SECCOMP,
     explain_unschedulable,
     free_gpus_by_node,
@@ -51,8 +51,8 @@ from .kubeobjects import (
     server_pod_settings,
     with_runtime_default_seccomp,
 )
-from .kueuemirror import KueueMirror
-from .kueueobjects import (
+from gpulab.hub.cluster.kueuemirror import KueueMirror
+from gpulab.hub.cluster.kueueobjects import (
     ADMISSION_GATE,
     LOCAL_QUEUE,
     QUEUE_NAME_LABEL,
@@ -62,8 +62,7 @@ from .kueueobjects import (
     visibility_place,
     workload_wait_reason,
 )
-from .mixin import GPUSpawnerMixin, LedgerView, SpawnRefused, hub_ledger
-from .namespaces import (
+from gpulab.hub.cluster.namespaces import (
     APPLY,
     DATASETS_SUBPATH,
     FIELD_MANAGER,
@@ -81,6 +80,14 @@ from .namespaces import (
     effective_max_gpus,
     prepare_user_namespace,
 )
+from gpulab.hub.cluster.settings import (
+    ALLOWED_EGRESS_HELP,
+    ALLOWED_SERVER_INGRESS_HELP,
+    HUB_NAMESPACE_HELP,
+    hub_namespace_default,
+)
+
+from .mixin import GPUSpawnerMixin, LedgerView, SpawnRefused, hub_ledger
 from .profiles import (
     GPUProfile,
     ProfileError,
@@ -88,61 +95,6 @@ from .profiles import (
     gpu_request,
     parse_profiles,
 )
-
-#: where a pod finds its own namespace (the hub's, when the hub runs in the cluster)
-SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
-
-
-def hub_namespace_default() -> str:
-    """The hub's namespace: ``$POD_NAMESPACE`` (z2jh sets it in the hub pod), else the
-    namespace of the pod's ServiceAccount, else ``default``."""
-    if os.environ.get("POD_NAMESPACE"):
-        return os.environ["POD_NAMESPACE"]
-    try:
-        with open(SA_NAMESPACE_FILE) as f:
-            return f.read().strip() or "default"
-    except OSError:
-        return "default"
-
-
-HUB_NAMESPACE_HELP = """The namespace of the hub and proxy pods (the z2jh release namespace).
-        The NetworkPolicies of the user namespaces let the pods labelled ``component: hub`` or
-        ``component: proxy`` there reach notebook servers, and user pods reach the hub pod's
-        API (8081) and gpulab service (8002). Default: ``$POD_NAMESPACE`` (set by the chart in
-        the hub pod), else the hub's ServiceAccount namespace, else ``default``.
-        Example: ``c.KubeGPUSpawner.hub_namespace = "gpulab"``"""
-
-ALLOWED_EGRESS_HELP = """Where else the pods of user namespaces (notebook servers and
-        training replicas) may connect, as NetworkPolicy egress rules (``to`` and/or
-        ``ports``; default ``[]``: only the cluster DNS, the hub and the gpulab service). The
-        shared storage needs no rule when the kubelet mounts it (NFS, CephFS volumes); a
-        server reached from inside the pods does. Keep the clouds' credential endpoints out
-        of any broad rule (link-local ``169.254.0.0/16``, ``100.64.0.0/10``,
-        ``168.63.129.16``, ``100.100.100.200``). Example: an NFS server, and the internet
-        without those and the cluster's private ranges::
-
-            c.KubeGPUSpawner.allowed_egress = [
-                {"to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}],
-                 "ports": [{"protocol": "TCP", "port": 2049}]},
-                {"to": [{"ipBlock": {"cidr": "0.0.0.0/0",
-                                     "except": ["169.254.0.0/16", "100.64.0.0/10",
-                                                "168.63.129.16/32", "100.100.100.200/32",
-                                                "10.0.0.0/8"]}}]},
-            ]
-        """
-
-ALLOWED_SERVER_INGRESS_HELP = """Who else may connect to notebook servers, as NetworkPolicy
-        ingress rules (``from`` and/or ``ports``) added to the servers' policy of every user
-        namespace (default ``[]``: only the hub and proxy pods of ``hub_namespace``, on the
-        server's port). For a hub or proxy that does not run in a pod of the cluster (its
-        address then matches no pod selector). A rule without ``from`` lets anyone in. Example:
-        a proxy at 10.0.0.7::
-
-            c.KubeGPUSpawner.allowed_server_ingress = [
-                {"from": [{"ipBlock": {"cidr": "10.0.0.7/32"}}],
-                 "ports": [{"protocol": "TCP", "port": 8888}]},
-            ]
-        """
 
 #: traits the spawner sets for each start (from the profile and its own settings)
 _MANAGED_TRAITS = ("tolerations", "volumes", "volume_mounts", "environment", "extra_labels")
@@ -542,7 +494,7 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
     async def _ensure_namespace(self):
         """Create or update the user's namespace (Pod Security labels), then its
         NetworkPolicies and quota (`prepare_user_namespace`, as the job backend does); with
-        Kueue, the person's Kueue objects (`gpulab.spawner.kueuemirror`)."""
+        Kueue, the person's Kueue objects (`gpulab.hub.cluster.kueuemirror`)."""
         # opened by admit_gpus already; the first call would migrate, so not on the loop
         ledger = await asyncio.to_thread(hub_ledger, self.config, self.gpu_assigns_devices)
         try:
@@ -777,7 +729,4 @@ async def _maybe_await(value):
     return value
 
 
-# GPUQuotaMirror, apply_network_policies, effective_max_gpus, api_message, APPLY and
-# FIELD_MANAGER live in gpulab.spawner.namespaces; their names here keep working
-__all__ = ["APPLY", "FIELD_MANAGER", "GPUQuotaMirror", "KubeGPUSpawner", "api_message",
-           "apply_network_policies", "effective_max_gpus", "hub_namespace_default"]
+__all__ = ["KubeGPUSpawner"]

@@ -31,8 +31,8 @@ from traitlets.config import SingletonConfigurable
 from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, DeviceInfo, Ledger, Request
 from gpulab.hub.quota.policy import Quota
 
-from .gpuusage import device_usage
-from .inventory import GPU, GPUInventory, gpus_json, model_matches
+from gpulab.hub.machine.gpuusage import device_usage
+from gpulab.hub.machine.inventory import GPU, GPUInventory, gpus_json, model_matches
 from .profiles import (
     UNLISTED_SUFFIX,
     GPUProfile,

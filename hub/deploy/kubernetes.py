@@ -25,7 +25,7 @@ from pathlib import Path
 
 from traitlets.config import Config
 
-from gpulab.spawner.kubeobjects import GPULAB_SERVICE_PORT
+from gpulab.hub.cluster.kubeobjects import GPULAB_SERVICE_PORT
 
 from gpulab.hub.deploy.local import gpulab_roles
 from gpulab.hub.deploy.serviceconfig import (SERVICE_CONFIG_NAME, private_folder,

@@ -100,7 +100,7 @@ class RefusalLogs(logging.Filter):
 def person_bounds(config: Config, spawner_class=None) -> dict:
     """The person-level bounds and the ``oom_score_adj`` the notebook spawner's settings
     give (``c.LocalGPUSpawner.person_mem_limit`` / ``person_cpu_limit`` / ``oom_score_adj``
-    and the hub's tag, `gpulab.spawner.cgroups.person_unit`), as `JobLimits` fields: the hub
+    and the hub's tag, `gpulab.hub.machine.cgroups.person_unit`), as `JobLimits` fields: the hub
     hands them to the gpulab service with the job limits, so a person's replicas nest in the
     same group, with the same limits, as their servers. A spawner that is not a
     `LocalGPUSpawner` gives none (replicas then have no person-level group)."""
@@ -147,7 +147,7 @@ class GpulabHub(JupyterHub):
     async def initialize(self, *args, **kwargs):
         await super().initialize(*args, **kwargs)
         # before the proxy and the services start (JupyterHub.start): they inherit it
-        from gpulab.spawner.cgroups import set_oom_score_adj
+        from gpulab.hub.machine.cgroups import set_oom_score_adj
 
         if not set_oom_score_adj(self.oom_score_adj):
             (self.log.warning if os.geteuid() == 0 else self.log.info)(
@@ -200,7 +200,7 @@ class GpulabHub(JupyterHub):
 
         from gpulab.spawner.mixin import GPULedger
 
-        from gpulab.spawner.inventory import GPUInventory
+        from gpulab.hub.machine.inventory import GPUInventory
 
         from gpulab.hub.quota.waiting import GPUQueue
 

@@ -74,22 +74,22 @@ from gpulab.extensions.contract import (
     EXIT_PROGRAM,
     FINAL,
 )
-from gpulab.spawner.kube import (
+from gpulab.hub.cluster.settings import (
     ALLOWED_EGRESS_HELP,
     ALLOWED_SERVER_INGRESS_HELP,
     HUB_NAMESPACE_HELP,
-    api_message,
     hub_namespace_default,
 )
-from gpulab.spawner.kubeobjects import parse_quota_refusal
-from gpulab.spawner.namespaces import (
+from gpulab.hub.cluster.kubeobjects import parse_quota_refusal
+from gpulab.hub.cluster.namespaces import (
     DEFAULT_CONTAINER_LIMITS,
     DEFAULT_CONTAINER_REQUESTS,
     GPU_QUOTA_SYNC_INTERVAL,
     NamespaceSettingsError,
+    api_message,
     prepare_user_namespace,
 )
-from gpulab.spawner.profiles import GPU_MODEL_LABEL, GPU_RESOURCE
+from gpulab.hub.cluster.kubeobjects import GPU_MODEL_LABEL, GPU_RESOURCE
 
 from gpulab.extensions.contract import last_progress
 from gpulab.extensions.joblog import restart_record, signal_name

@@ -21,7 +21,7 @@ that the kubelet's ``$(VAR)`` expansion hands the replica exactly what was writt
 
 `make_job_network_policy` is the job's NetworkPolicy: its replicas accept connections from,
 and open them to, the replicas of the same job only (beside the user namespace's own
-policies, `gpulab.spawner.kubeobjects.make_user_network_policies`, which refuse every other
+policies, `gpulab.hub.cluster.kubeobjects.make_user_network_policies`, which refuse every other
 ingress). A TF server runs any graph it is sent, so nothing but its own job may reach it.
 
 Labels (``kubectl get jobs,pods,svc -l gpulab.io/job=<job>``): ``gpulab.io/user``,
@@ -33,7 +33,7 @@ Pods: restart policy ``Never`` (a failed replica is replaced by the Job controll
 ``backoffLimit`` = the spec's ``retries``; `pod_failure_policy` says which failures are not
 retried), ``activeDeadlineSeconds`` = ``max_runtime``, the GPU
 limit, toleration and model node selector on roles with GPUs, the user's shared folders as in
-notebooks (`gpulab.spawner.kubeobjects.server_pod_settings`), no service-account token, no
+notebooks (`gpulab.hub.cluster.kubeobjects.server_pod_settings`), no service-account token, no
 privilege escalation, no host paths.
 
 `make_tfjob` renders the same job as a Kubeflow ``TFJob`` (``kubeflow.org/v1``) for clusters
@@ -46,10 +46,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from gpulab.spawner.kubeobjects import (MANAGED_BY, USER_LABEL, escape_expansion, server_pod_settings,
+from gpulab.hub.cluster.kubeobjects import (MANAGED_BY, USER_LABEL, escape_expansion, server_pod_settings,
                                        with_runtime_default_seccomp)
-from gpulab.spawner.kueueobjects import PRIORITY_CLASS_LABEL, QUEUE_NAME_LABEL
-from gpulab.spawner.profiles import GPU_MODEL_LABEL, GPU_RESOURCE
+from gpulab.hub.cluster.kueueobjects import PRIORITY_CLASS_LABEL, QUEUE_NAME_LABEL
+from gpulab.hub.cluster.kubeobjects import GPU_MODEL_LABEL, GPU_RESOURCE
 
 from gpulab.hub.jobs.spec import ROLES, JobSpec
 
@@ -384,8 +384,8 @@ def make_training_jobset(
 
 def job_network_policy_name(job: str) -> str:
     """``<job>-replicas``: never the name of a namespace policy (`USER_PODS_POLICY
-    <gpulab.spawner.kubeobjects.USER_PODS_POLICY>` and `SERVERS_POLICY
-    <gpulab.spawner.kubeobjects.SERVERS_POLICY>` do not end so) nor of another job's."""
+    <gpulab.hub.cluster.kubeobjects.USER_PODS_POLICY>` and `SERVERS_POLICY
+    <gpulab.hub.cluster.kubeobjects.SERVERS_POLICY>` do not end so) nor of another job's."""
     return f"{job}-replicas"
 
 

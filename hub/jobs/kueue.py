@@ -53,8 +53,8 @@ from gpulab.hub.jobs.kubeobjects import (
 )
 from gpulab.hub.jobs.spec import JobSpec
 from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, Request
-from gpulab.spawner.kueuemirror import KueueMirror
-from gpulab.spawner.kueueobjects import (
+from gpulab.hub.cluster.kueuemirror import KueueMirror
+from gpulab.hub.cluster.kueueobjects import (
     LOCAL_QUEUE,
     PREEMPTIBLE_PRIORITY_CLASS,
     PREEMPTIBLE_QUEUE,

@@ -39,7 +39,7 @@ from traitlets.config import Configurable
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gpulab.extensions.contract import NAME_RE, ROLES, STRATEGIES
-from gpulab.spawner.cgroups import default_pids, default_user_processes, memory_bytes
+from gpulab.hub.machine.cgroups import default_pids, default_user_processes, memory_bytes
 
 from gpulab.hub.quota.policy import MAX_GPUS
 
@@ -80,7 +80,7 @@ class JobLimits:
     pids_per_replica: int = field(default_factory=lambda: default_pids(512, 4))
     max_user_processes: int = 0  # RLIMIT_NPROC of the person's account; 0: left as it is
     # the person-level group all of one person's servers and replicas nest in (as root): the
-    # hub's tag in its name (`gpulab.spawner.cgroups.person_unit`; '': replicas get none) and
+    # hub's tag in its name (`gpulab.hub.machine.cgroups.person_unit`; '': replicas get none) and
     # its limits, in bytes and CPUs (0: none). Their one owner is the hub's
     # ``c.LocalGPUSpawner.person_mem_limit`` / ``person_cpu_limit``, handed over by the hub
     person_tag: str = ""

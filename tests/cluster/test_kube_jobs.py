@@ -26,7 +26,7 @@ from gpulab.hub.jobs.spec import JobLimits, SpecError, parse_spec
 from gpulab.hub.jobs.kube import KubeJobBackend
 from gpulab.hub.quota.ledger import Ledger, QuotaExceeded, Request
 from gpulab.hub.quota.policy import Quota
-from gpulab.spawner.kube import GPUQuotaMirror
+from gpulab.hub.cluster.namespaces import GPUQuotaMirror
 from tests.app.hubctl import Hub
 
 from . import hubrbac

@@ -153,7 +153,7 @@ def test_process_bounds_reach_the_service():
     from traitlets.config import Config
 
     from gpulab.hub.jobs.spec import GPUJobs, limits_from_json
-    from gpulab.spawner.cgroups import default_user_processes
+    from gpulab.hub.machine.cgroups import default_user_processes
 
     plain = limits_from_json(GPUJobs().limits_json())
     assert plain.pids_per_replica == max(512, 4 * os.cpu_count())

@@ -20,8 +20,8 @@ from gpulab.hub.jobs.kueue import (
 from gpulab.hub.jobs.spec import parse_spec
 from gpulab.hub.quota.ledger import AdmissionRefused, Ledger, Request
 from gpulab.hub.quota.policy import Quota
-from gpulab.spawner.kueuemirror import KueueMirror, Wanted, node_gpus, wanted
-from gpulab.spawner.kueueobjects import ordinal, pending_position
+from gpulab.hub.cluster.kueuemirror import KueueMirror, Wanted, node_gpus, wanted
+from gpulab.hub.cluster.kueueobjects import ordinal, pending_position
 
 
 def cond(type_, status, **kw):
@@ -235,7 +235,7 @@ async def test_the_mirror_applies_the_pool_when_it_changes_and_an_operators_pool
     pool is one count of any model, and no node is listed for it."""
     import logging
 
-    from gpulab.spawner.kueueobjects import QUOTA_RESOURCE, gpu_flavor_name
+    from gpulab.hub.cluster.kueueobjects import QUOTA_RESOURCE, gpu_flavor_name
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'l.sqlite'}", pool="kubernetes")
     ledger.migrate()

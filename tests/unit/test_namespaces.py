@@ -1,4 +1,4 @@
-"""A user's namespace, prepared one way (`gpulab.spawner.namespaces.prepare_user_namespace`)
+"""A user's namespace, prepared one way (`gpulab.hub.cluster.namespaces.prepare_user_namespace`)
 by KubeGPUSpawner and KubeJobBackend, and the settings the two share.
 
 The Kubernetes API is `tests.doubles.FakeKubeAPI` here (no API server in this tier); the
@@ -24,9 +24,9 @@ from gpulab.hub.jobs.base import JobError
 from gpulab.hub.quota.ledger import Ledger, Request
 from gpulab.hub.quota.policy import Quota
 from gpulab.spawner.kube import KubeGPUSpawner
-from gpulab.spawner.kubeobjects import make_user_network_policies
+from gpulab.hub.cluster.kubeobjects import make_user_network_policies
 from gpulab.spawner.mixin import GPULedger, SpawnRefused, hub_ledger
-from gpulab.spawner.namespaces import (
+from gpulab.hub.cluster.namespaces import (
     GPUQuotaMirror,
     NamespaceSettingsError,
     prepare_user_namespace,
@@ -256,7 +256,7 @@ async def test_both_callers_read_the_quota_off_the_loop_and_prepare_the_same_nam
     reads = reads_of("quotas")
     made = FakeKubeAPI()
     s.api = made
-    monkeypatch.setattr("gpulab.spawner.namespaces.shared_client", lambda name: made)
+    monkeypatch.setattr("gpulab.hub.cluster.namespaces.shared_client", lambda name: made)
     await s._ensure_namespace()
     assert [n for n, _ in reads] == ["quotas"] and reads[0][1] is not loop_thread
 
@@ -290,7 +290,7 @@ async def test_the_backend_writes_the_servers_policy_the_spawner_writes(config, 
     await asyncio.to_thread(hub_ledger, s.config, False)
     made = FakeKubeAPI()
     s.api = made
-    monkeypatch.setattr("gpulab.spawner.namespaces.shared_client", lambda name: made)
+    monkeypatch.setattr("gpulab.hub.cluster.namespaces.shared_client", lambda name: made)
     await s._ensure_namespace()
 
     b = KubeJobBackend.from_settings(Ledger(f"sqlite:///{tmp_path / 'jobs.sqlite'}"), backend_settings(s.config))

@@ -261,7 +261,7 @@ async def prepare_user_namespace(
     for them. Each request may take ``request_timeout`` seconds
     (``asyncio.TimeoutError`` otherwise); ``sync_interval`` is the mirror's period when
     this call starts it. ``gpu_resource_quota`` False (Kueue admits the namespace's work,
-    `gpulab.spawner.kueuemirror`): no GPU ResourceQuota, and one left from before is removed
+    `gpulab.hub.cluster.kueuemirror`): no GPU ResourceQuota, and one left from before is removed
     (it would refuse the pods of preemptible work that borrows beyond the person's quota).
     ``container_limits`` / ``container_requests``: the LimitRange's defaults (None: gpulab's
     `DEFAULT_CONTAINER_LIMITS` / `DEFAULT_CONTAINER_REQUESTS`; ``{}``: none). Raises
