@@ -31,14 +31,13 @@ import asyncio
 import copy
 import dataclasses
 import json
-import os
 from functools import partial
 from typing import Any
 
 from kubernetes_asyncio.client.rest import ApiException
 from kubespawner import KubeSpawner
 from kubespawner.clients import load_config, shared_client
-from traitlets import Bool, Dict, Float, Integer, List, Unicode, default
+from traitlets import Unicode, default
 
 from gpulab.hub.quota.ledger import Request
 from gpulab.hub.quota.policy import Holding, Quota, refusal
@@ -63,29 +62,13 @@ from gpulab.hub.cluster.kueueobjects import (
     workload_wait_reason,
 )
 from gpulab.hub.cluster.namespaces import (
-    APPLY,
-    DATASETS_SUBPATH,
-    FIELD_MANAGER,
-    GPU_QUOTA_SYNC_INTERVAL,
-    DEFAULT_CONTAINER_LIMITS,
-    DEFAULT_CONTAINER_REQUESTS,
-    POD_SECURITY_LEVEL,
-    SHARED_MOUNT_PATH,
     USER_NAMESPACE_TEMPLATE,
-    USER_SUBPATH_TEMPLATE,
     GPUQuotaMirror,
     NamespaceSettingsError,
     api_message,
-    apply_network_policies,
-    effective_max_gpus,
     prepare_user_namespace,
 )
-from gpulab.hub.cluster.settings import (
-    ALLOWED_EGRESS_HELP,
-    ALLOWED_SERVER_INGRESS_HELP,
-    HUB_NAMESPACE_HELP,
-    hub_namespace_default,
-)
+from gpulab.hub.cluster.settings import KubeSettings
 
 from .mixin import GPUSpawnerMixin, LedgerView, SpawnRefused, hub_ledger
 from .profiles import (
@@ -102,7 +85,7 @@ _MANAGED_TRAITS = ("tolerations", "volumes", "volume_mounts", "environment", "ex
 KUEUE_PROGRESS_SECONDS = 2.0
 
 
-class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
+class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
     """Starts each server as a pod in the user's namespace on the GPUs of the chosen profile.
 
     ``profile_list`` is KubeSpawner's (z2jh ``singleuser.profileList``), with its
@@ -123,142 +106,11 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
 
     gpu_assigns_devices = False
 
-    pod_security_level = Unicode(
-        POD_SECURITY_LEVEL,
-        help="""Pod Security Standard enforced in each user namespace (label
-        ``pod-security.kubernetes.io/enforce``): ``baseline`` (default: no privileged pods,
-        host paths or host namespaces) or ``restricted``. The label is applied at every spawn.
-        Example: ``c.KubeGPUSpawner.pod_security_level = "restricted"``
-        """,
-    ).tag(config=True)
-
-    default_container_limits = Dict(
-        DEFAULT_CONTAINER_LIMITS,
-        help="""What a container of a user namespace may use when it names no limit of its
-        own (the namespace's LimitRange ``gpulab-defaults``, applied at every spawn and by the
-        job backend): notebook servers whose profile sets no ``cpu_limit`` / ``mem_limit``,
-        and training replicas whose role sets no ``cpu`` / ``memory``. Keys ``cpu``,
-        ``memory``, ``ephemeral-storage`` (the container's writable layer, logs and
-        ``emptyDir``: the kubelet evicts a pod over it); ``{}``: no defaults. Default
-        ``{"cpu": "2", "memory": "8Gi", "ephemeral-storage": "20Gi"}``: without them one
-        person's 32 unbounded replicas could take a node's memory and disk and get other
-        people's pods evicted. Example:
-        ``c.KubeGPUSpawner.default_container_limits = {"cpu": "4", "memory": "16Gi",
-        "ephemeral-storage": "50Gi"}``
-        """,
-    ).tag(config=True)
-
-    default_container_requests = Dict(
-        DEFAULT_CONTAINER_REQUESTS,
-        help="""What such a container reserves on its node (the LimitRange's
-        ``defaultRequest``; each at most the limit above). Default ``{"cpu": "100m", "memory":
-        "512Mi", "ephemeral-storage": "1Gi"}``: small, so that idle notebooks and parameter
-        servers do not hold nodes from others. With Kueue these count against its pool (cpu,
-        memory and ephemeral-storage are covered there). Example:
-        ``c.KubeGPUSpawner.default_container_requests = {"cpu": "1", "memory": "4Gi"}``
-        """,
-    ).tag(config=True)
-
-    shared_volume = Dict(
-        None,
-        allow_none=True,
-        help="""The team's shared ReadWriteMany storage, as a pod volume source, or ``{}``
-        (default) for none. Each server mounts the user's own sub-path (``user_subpath_template``)
-        read-write and ``datasets_subpath`` read-only under ``shared_mount_path``.
-        Example (NFS, allowed by the ``baseline`` Pod Security level)::
-
-            c.KubeGPUSpawner.shared_volume = {"nfs": {"server": "nfs.example.org", "path": "/gpulab"}}
-        """,
-    ).tag(config=True)
-
-    shared_mount_path = Unicode(
-        SHARED_MOUNT_PATH,
-        help="""Where the shared storage's folders appear in the server (default
-        ``/gpulab/shared``): ``<path>/users/<name>`` and ``<path>/datasets``, also given to the
-        server as ``GPULAB_USER_DIR`` and ``GPULAB_DATASETS_DIR``.""",
-    ).tag(config=True)
-
-    user_subpath_template = Unicode(
-        USER_SUBPATH_TEMPLATE,
-        help="""The user's own folder on the shared storage (a sub-path of it; KubeSpawner's
-        template fields, default ``users/{username}``). Only this folder is writable.""",
-    ).tag(config=True)
-
-    datasets_subpath = Unicode(
-        DATASETS_SUBPATH,
-        help="""The shared datasets folder on the shared storage, mounted read-only (default
-        ``datasets``; '' for none).""",
-    ).tag(config=True)
-
     home_mount_path = Unicode(
         "/home/jovyan",
         help="""Where the user's home volume (KubeSpawner's PVC ``pvc_name``, made when
         ``storage_pvc_ensure``) is mounted; '' to leave volumes to ``volumes`` (default
         ``/home/jovyan``, the Jupyter Docker Stacks' home).""",
-    ).tag(config=True)
-
-    hub_namespace = Unicode(help=HUB_NAMESPACE_HELP).tag(config=True)
-
-    @default("hub_namespace")
-    def _hub_namespace_default(self):
-        return hub_namespace_default()
-
-    allowed_egress = List(Dict(), help=ALLOWED_EGRESS_HELP).tag(config=True)
-    allowed_server_ingress = List(Dict(), help=ALLOWED_SERVER_INGRESS_HELP).tag(config=True)
-
-    gpu_quota_sync_interval = Float(
-        GPU_QUOTA_SYNC_INTERVAL,
-        help=f"""Seconds between two comparisons of the ledger's quotas with the users'
-        ResourceQuotas (default {GPU_QUOTA_SYNC_INTERVAL:g}); an admin's quota edit reaches the
-        cluster within that. The gpulab service's `KubeJobBackend` takes it too.
-        Example: ``c.KubeGPUSpawner.gpu_quota_sync_interval = 10``""",
-    ).tag(config=True)
-
-    kueue = Bool(
-        False,
-        help="""The cluster runs Kueue, which queues and admits gpulab's GPU work (the
-        gpulab service's ``c.KubeJobBackend.kueue`` takes this unless set there; see the
-        deploy guide). A GPU server's pod then carries the person's LocalQueue
-        (``kueue.x-k8s.io/queue-name``): it waits, gated, until Kueue admits it within their
-        quota (the progress page says why it waits; ``start_timeout`` bounds the wait), and
-        the ledger records its GPUs once it runs. Its person's Kueue objects are made from
-        the ledger before the pod. User namespaces get no GPU ResourceQuota (it would refuse
-        the pods of preemptible work that borrows idle GPUs). Default False.
-        Example: ``c.KubeGPUSpawner.kueue = True``""",
-    ).tag(config=True)
-
-    kueue_gpus = Integer(
-        None,
-        allow_none=True,
-        min=0,
-        help="""With ``kueue``: the GPUs gpulab's work may take on the cluster all together
-        (the pool of Kueue's root cohort ``gpulab``, which every person's queues borrow from,
-        each up to their quota). None (default): all GPUs of the cluster's schedulable nodes,
-        counted again as nodes come and go. Set it lower to leave GPUs to work outside gpulab.
-        The gpulab service's job backend takes it from here.
-        Example: ``c.KubeGPUSpawner.kueue_gpus = 16``""",
-    ).tag(config=True)
-
-    kueue_gpu_models = Bool(
-        False,
-        help="""With ``kueue``: split the pool by GPU model (the nodes' label
-        ``nvidia.com/gpu.product``), one ResourceFlavor per model, so that work asking for a
-        model (a profile's or a job's node selector) is admitted only when that model's GPUs
-        are free, and work asking for none is placed on a model that has them; a person's
-        quota then counts the GPUs of every model together as ``gpulab.io/gpus``. Needs this
-        entry in Kueue's configuration (``resources.transformations``)::
-
-            - input: nvidia.com/gpu
-              strategy: Retain
-              outputs: {gpulab.io/gpus: "1"}
-
-        which applies to every workload of the cluster: only for a Kueue that admits
-        gpulab's work alone (another team's ClusterQueues would have to cover
-        ``gpulab.io/gpus`` too). Without it the quota holds per model only. Ignored with
-        ``kueue_gpus`` (a count of any model). Default False: one pool of any model, where
-        work for a model whose nodes are full may be admitted and wait for them.
-        The gpulab service's job backend takes it from here.
-        Example: ``c.KubeGPUSpawner.kueue_gpu_models = True``""",
     ).tag(config=True)
 
     @default("enable_user_namespaces")

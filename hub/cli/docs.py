@@ -37,14 +37,23 @@ def _default(cls, name, trait) -> str:
     return repr(value)
 
 
-def _trait_section(cls, only_own: bool = False) -> str:
-    """``only_own``: the traits ``cls`` adds to its gpulab base (whose section lists those)."""
+def _trait_section(cls, only_own: bool = False, shared=None, shared_in=None) -> str:
+    """``only_own``: the traits ``cls`` adds to its gpulab base (whose section lists those).
+    ``shared``: a settings class ``cls`` shares with ``shared_in``, whose section lists its
+    traits."""
     lines = [f"### `{cls.__name__}`", ""]
     doc = inspect.getdoc(cls) or ""
     if doc:
         lines += [doc.split("\n\n")[0].replace("\n", " "), ""]
+    skip = set(shared.class_own_traits(config=True)) if shared is not None else set()
+    if skip:
+        names = ", ".join(f"`{n}`" for n in sorted(skip))
+        lines += [textwrap.fill(
+            f"Also the settings it shares with `{shared_in.__name__}` ({names}; help there): "
+            f"the hub hands it `c.{shared_in.__name__}.<name>` unless `c.{cls.__name__}.<name>` "
+            f"is set (the Kueue ones must not differ).", width=96), ""]
     for name, trait in _own_traits(cls):
-        if only_own and name not in vars(cls):
+        if (only_own and name not in vars(cls)) or name in skip:
             continue
         help_text = inspect.cleandoc(trait.help or "")
         kind = type(trait).__name__
@@ -75,6 +84,7 @@ def config_reference(parser) -> str:
     """The README's configuration reference: `gpulab up`'s flags (from `parser`, the CLI's
     own ``build_parser()``: passed in, so that this module never imports the CLI that
     imports it) and every configurable's documented traits."""
+    from gpulab.hub.cluster.settings import KubeSettings
     from gpulab.hub.deploy.auth import GpulabAuthenticator
     from gpulab.hub.deploy.localhub import GpulabHub
     from gpulab.hub.jobs.spec import GPUJobs
@@ -98,7 +108,7 @@ def config_reference(parser) -> str:
         _trait_section(GPUJobs),
         _trait_section(GPUQueue),
         _trait_section(KubeGPUSpawner),
-        _trait_section(KubeJobBackend),
+        _trait_section(KubeJobBackend, shared=KubeSettings, shared_in=KubeGPUSpawner),
         _trait_section(KueueJobBackend, only_own=True),
     ]
     return "\n".join(parts).rstrip() + "\n"

@@ -15,9 +15,9 @@
 The ledger's quotas are read in a worker thread (`asyncio.to_thread`), here and in the
 mirror's periodic sync: the event loop never waits for the ledger's lock.
 
-The defaults of the settings the two classes share (``SHARED_WITH_SPAWNER`` in
-`gpulab.hub.jobs.kube`, which fills the backend's from ``c.KubeGPUSpawner``) are defined
-here once, so that they cannot drift apart.
+The defaults of the settings the two classes share (`gpulab.hub.cluster.settings.KubeSettings`,
+which both inherit; the hub fills the service's backend's from ``c.KubeGPUSpawner``) are
+defined here once, so that they cannot drift apart.
 """
 
 from __future__ import annotations

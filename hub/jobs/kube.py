@@ -65,7 +65,7 @@ from kubernetes_asyncio.client.rest import ApiException
 from kubespawner.clients import load_config, shared_client
 from kubespawner.reflector import MultiNamespaceResourceReflector
 from kubespawner.slugs import safe_slug
-from traitlets import Bool, Dict, Float, Integer, List, Unicode, Union, default
+from traitlets import Dict, Float, Integer, List, Unicode, Union
 from traitlets.config import LoggingConfigurable
 
 from gpulab.extensions.contract import (
@@ -74,17 +74,10 @@ from gpulab.extensions.contract import (
     EXIT_PROGRAM,
     FINAL,
 )
-from gpulab.hub.cluster.settings import (
-    ALLOWED_EGRESS_HELP,
-    ALLOWED_SERVER_INGRESS_HELP,
-    HUB_NAMESPACE_HELP,
-    hub_namespace_default,
-)
+from gpulab.hub.cluster.settings import KubeSettings
 from gpulab.hub.cluster.kubeobjects import parse_quota_refusal
 from gpulab.hub.cluster.namespaces import (
-    DEFAULT_CONTAINER_LIMITS,
-    DEFAULT_CONTAINER_REQUESTS,
-    GPU_QUOTA_SYNC_INTERVAL,
+    USER_NAMESPACE_TEMPLATE,
     NamespaceSettingsError,
     api_message,
     prepare_user_namespace,
@@ -258,21 +251,15 @@ def _ts(value: str | None) -> float | None:
     return float(calendar.timegm(time.strptime(value, "%Y-%m-%dT%H:%M:%SZ")))
 
 
-#: settings a KubeJobBackend takes from KubeGPUSpawner's unless set on KubeJobBackend itself
-SHARED_WITH_SPAWNER = {"namespace_template": "user_namespace_template",
-                       "shared_volume": "shared_volume", "shared_mount_path": "shared_mount_path",
-                       "user_subpath_template": "user_subpath_template",
-                       "datasets_subpath": "datasets_subpath",
-                       "pod_security_level": "pod_security_level",
-                       "hub_namespace": "hub_namespace", "allowed_egress": "allowed_egress",
-                       "allowed_server_ingress": "allowed_server_ingress",
-                       "server_port": "port", "server_component": "component_label",
-                       "gpu_quota_sync_interval": "gpu_quota_sync_interval",
-                       "kueue": "kueue", "kueue_gpus": "kueue_gpus",
-                       "kueue_gpu_models": "kueue_gpu_models",
-                       "default_container_limits": "default_container_limits",
-                       "default_container_requests": "default_container_requests",
-                       "node_selector": "node_selector", "tolerations": "tolerations"}
+#: KubeSpawner's own settings a KubeJobBackend takes from KubeGPUSpawner's (under its own
+#: names) unless set on KubeJobBackend itself
+FROM_KUBESPAWNER = {"namespace_template": "user_namespace_template", "server_port": "port",
+                    "server_component": "component_label", "node_selector": "node_selector",
+                    "tolerations": "tolerations"}
+#: every setting a KubeJobBackend takes from KubeGPUSpawner's unless set on KubeJobBackend
+#: itself: those both inherit from `KubeSettings` (one name), and KubeSpawner's own above
+SHARED_WITH_SPAWNER = {**{name: name for name in sorted(KubeSettings.class_own_traits(config=True))},
+                       **FROM_KUBESPAWNER}
 #: the environment variable the gpulab service falls back to for these settings when its
 #: config file has no ``GpulabService.kube_jobs`` (the hub writes them there)
 SETTINGS_ENV = "GPULAB_KUBE_JOBS"
@@ -284,7 +271,8 @@ def backend_settings(config) -> str:
     with ``c.KubeGPUSpawner`` filled from there (one namespace, quota and folder per user)."""
     ours = dict(config.get("KubeJobBackend", {}))
     ours.update(config.get("KueueJobBackend", {}))  # its own settings (queues, CPU, memory)
-    spawner = config.get("KubeGPUSpawner", {})
+    # the spawner's values as traitlets gives them to it: its own section over the shared one
+    spawner = {**config.get("KubeSettings", {}), **config.get("KubeGPUSpawner", {})}
     if "kueue" in ours and bool(ours["kueue"]) != bool(spawner.get("kueue", False)):
         # one switch: the spawner's pods and the backend's jobs in the same queues, and no
         # GPU ResourceQuota made by one and removed by the other
@@ -302,13 +290,14 @@ def backend_settings(config) -> str:
     return json.dumps(ours, sort_keys=True)
 
 
-class KubeJobBackend(JobBackend, LoggingConfigurable):
+class KubeJobBackend(JobBackend, KubeSettings, LoggingConfigurable):
     """Training jobs on Kubernetes: pods of Indexed Jobs in each user's namespace.
 
     Use it in the gpulab service with the hub's ServiceAccount bound by
-    ``helm-values/rbac.yaml``; its namespace and shared-storage settings must match
-    `gpulab.spawner.kube.KubeGPUSpawner`'s so that a user's notebook and jobs share a
-    namespace, a quota and their folders.
+    ``helm-values/rbac.yaml``. Its namespace and shared-storage settings are `KubeSettings`,
+    which `gpulab.spawner.kube.KubeGPUSpawner` shares (the hub hands the spawner's to the
+    service, `backend_settings`), so that a user's notebook and jobs share a namespace, a
+    quota and their folders.
     """
 
     name = "kubernetes"
@@ -317,7 +306,7 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         Container image of the replicas when the spec names none (a spec may name one of
         ``c.GPUJobs.allowed_images``). Example: ``c.KubeJobBackend.image = "gpulab/singleuser:1"``
         """).tag(config=True)
-    namespace_template = Unicode("gpulab-{username}", help="""
+    namespace_template = Unicode(USER_NAMESPACE_TEMPLATE, help="""
         The user's namespace; ``{username}`` is KubeSpawner's safe slug of the user name. Must
         equal ``c.KubeGPUSpawner.user_namespace_template`` (default ``gpulab-{username}``).
         """).tag(config=True)
@@ -325,44 +314,6 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         GPU model (node label ``nvidia.com/gpu.product``) of the replicas that have GPUs; None
         (default): any GPU node. Example: ``c.KubeJobBackend.gpu_model = "NVIDIA-H100"``
         """).tag(config=True)
-    pod_security_level = Unicode("baseline", help="""
-        Pod Security level of user namespaces the backend creates (as KubeGPUSpawner's
-        ``pod_security_level``; default ``baseline``).""").tag(config=True)
-    default_container_limits = Dict(DEFAULT_CONTAINER_LIMITS, help="""
-        The LimitRange defaults of user namespaces the backend prepares (as KubeGPUSpawner's
-        ``default_container_limits``, from where the hub takes it): what a replica whose role
-        sets no ``cpu`` / ``memory`` may use.""").tag(config=True)
-    default_container_requests = Dict(DEFAULT_CONTAINER_REQUESTS, help="""
-        As KubeGPUSpawner's ``default_container_requests`` (from where the hub takes it).
-        """).tag(config=True)
-    shared_volume = Dict(None, allow_none=True, help="""
-        The shared ReadWriteMany storage as a pod volume source (as KubeGPUSpawner's); ``{}``
-        (default): none (then ``source`` specs work and ``script`` paths are inside the
-        image). Example: ``c.KubeJobBackend.shared_volume = {"nfs": {"server": "nfs", "path": "/gpulab"}}``
-        """).tag(config=True)
-    shared_mount_path = Unicode("/gpulab/shared", help="""
-        Where the shared storage appears in replicas (default ``/gpulab/shared``).""").tag(
-        config=True)
-    user_subpath_template = Unicode("users/{username}", help="""
-        The user's folder on the shared storage (default ``users/{username}``); jobs run in
-        ``<folder>/jobs/<job>``.""").tag(config=True)
-    datasets_subpath = Unicode("datasets", help="""
-        The read-only datasets folder on the shared storage (default ``datasets``; empty:
-        none).""").tag(config=True)
-    hub_namespace = Unicode(help=HUB_NAMESPACE_HELP + """
-        (KubeJobBackend: taken from ``c.KubeGPUSpawner.hub_namespace`` unless set here.)""").tag(
-        config=True)
-
-    @default("hub_namespace")
-    def _hub_namespace_default(self):
-        return hub_namespace_default()
-
-    allowed_egress = List(Dict(), help=ALLOWED_EGRESS_HELP + """
-        (KubeJobBackend: taken from ``c.KubeGPUSpawner.allowed_egress`` unless set here.)""").tag(
-        config=True)
-    allowed_server_ingress = List(Dict(), help=ALLOWED_SERVER_INGRESS_HELP + """
-        (KubeJobBackend: taken from ``c.KubeGPUSpawner.allowed_server_ingress`` unless set
-        here; it prepares the namespace's policies too.)""").tag(config=True)
     server_port = Integer(8888, help="""
         The notebook servers' port, which the servers' NetworkPolicy opens to the hub and the
         proxy. Taken from ``c.KubeGPUSpawner.port`` (KubeSpawner's trait, default 8888): the
@@ -391,32 +342,8 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         no API request unless something must be done).""").tag(config=True)
     node_cache_seconds = Float(30.0, help="""
         Seconds a list of the nodes (GPU capacity) is reused (default 30).""").tag(config=True)
-    gpu_quota_sync_interval = Float(GPU_QUOTA_SYNC_INTERVAL, help=f"""
-        Seconds between two comparisons of the ledger's quotas with the users' ResourceQuotas
-        (default {GPU_QUOTA_SYNC_INTERVAL:g}); an admin's quota edit reaches the cluster within
-        that. Taken from ``c.KubeGPUSpawner.gpu_quota_sync_interval`` unless set here.
-        Example: ``c.KubeJobBackend.gpu_quota_sync_interval = 10``""").tag(config=True)
     request_timeout = Float(30.0, help="Seconds an API request may take (default 30).").tag(
         config=True)
-    kueue = Bool(False, help="""
-        Queue and admit jobs with Kueue (the cluster runs Kueue v0.17 and JobSet v0.11, see
-        the deploy guide): each job is one JobSet in the person's LocalQueue, admitted whole
-        when their quota allows, and the ledger follows Kueue's admissions
-        (`gpulab.hub.jobs.kueue.KueueJobBackend`). False (default): Indexed Jobs, admitted by
-        the ledger after a capacity check. Taken from ``c.KubeGPUSpawner.kueue`` unless set
-        here. Example: ``c.KubeJobBackend.kueue = True``""").tag(config=True)
-    kueue_gpus = Integer(None, allow_none=True, min=0, help="""
-        With ``kueue``: the GPUs gpulab's work may take on the cluster all together (Kueue's
-        root cohort ``gpulab``); None (default): all GPUs of the schedulable nodes. Taken from
-        ``c.KubeGPUSpawner.kueue_gpus``; set it there (the hub's quota mirror writes the same
-        pool): a different value here is refused. Example: ``c.KubeGPUSpawner.kueue_gpus = 16``
-        """).tag(config=True)
-    kueue_gpu_models = Bool(False, help="""
-        With ``kueue``: the pool split by GPU model, the quota counted as ``gpulab.io/gpus``
-        (needs Kueue's resource transformation: see ``c.KubeGPUSpawner.kueue_gpu_models``).
-        Default False. Taken from ``c.KubeGPUSpawner.kueue_gpu_models``; set it there (the
-        hub's quota mirror writes the same pool): a different value here is refused.
-        Example: ``c.KubeGPUSpawner.kueue_gpu_models = True``""").tag(config=True)
     progress_cache_seconds = Float(5.0, help="""
         Seconds a job's progress, read from its lead replica's log when someone looks at the
         job, is reused (default 5): one log request per watched job and period, none for jobs

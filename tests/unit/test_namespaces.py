@@ -414,6 +414,54 @@ def test_the_spawners_shared_settings_reach_the_backend(tmp_path):
     assert b.gpu_quota_sync_interval == 30.0
 
 
+#: a value other than the default for each of `KubeSettings`' traits
+NOT_DEFAULT = {
+    "pod_security_level": "restricted",
+    "default_container_limits": {"cpu": "4", "memory": "16Gi"},
+    "default_container_requests": {"cpu": "1"},
+    "shared_volume": {"nfs": {"server": "nfs.example.org", "path": "/gpulab"}},
+    "shared_mount_path": "/team",
+    "user_subpath_template": "people/{username}",
+    "datasets_subpath": "data",
+    "hub_namespace": "gpulab-hub",
+    "allowed_egress": [{"to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}]}],
+    "allowed_server_ingress": [{"from": [{"ipBlock": {"cidr": "10.0.0.7/32"}}]}],
+    "gpu_quota_sync_interval": 10.0,
+    "kueue": True,
+    "kueue_gpus": 16,
+    "kueue_gpu_models": True,
+}
+
+
+async def test_one_settings_class_holds_what_spawner_and_backend_share(config, tmp_path):
+    """`KubeSettings` is both classes' own (declared and documented once), and each of its
+    settings set on c.KubeGPUSpawner alone reaches the spawner and, through the hub's
+    `backend_settings`, the job backend; c.KubeSettings reaches both the same way."""
+    from gpulab.hub.cluster.settings import KubeSettings
+    from gpulab.hub.jobs.kube import backend_settings
+    from gpulab.hub.jobs.kueue import backend_from_settings
+
+    assert issubclass(KubeGPUSpawner, KubeSettings) and issubclass(KubeJobBackend, KubeSettings)
+    names = set(KubeSettings.class_own_traits(config=True))
+    assert names == set(NOT_DEFAULT)
+    for name in names:  # one declaration: neither class redefines the trait
+        assert name not in vars(KubeGPUSpawner) and name not in vars(KubeJobBackend), name
+        assert KubeGPUSpawner.class_traits()[name] is KubeJobBackend.class_traits()[name]
+    plain_s, plain_b = spawner(config), backend(config, tmp_path)
+    for section in ("KubeGPUSpawner", "KubeSettings"):
+        c = Config(config)
+        for name, value in NOT_DEFAULT.items():
+            setattr(c[section], name, value)
+        s = KubeGPUSpawner(config=c, user=SimpleNamespace(name="ann", id=1, url="/user/ann/",
+                                                          groups=[]), _mock=True)
+        b = backend_from_settings(Ledger(f"sqlite:///{tmp_path / f'{section}.sqlite'}"),
+                                  backend_settings(c))
+        for name, value in NOT_DEFAULT.items():
+            assert getattr(plain_s, name) != value and getattr(plain_b, name) != value, name
+            assert getattr(s, name) == value, (section, name, getattr(s, name))
+            assert getattr(b, name) == value, (section, name, getattr(b, name))
+
+
 async def test_a_waiting_notebooks_place_is_kueues_and_worked_out_where_kueue_cannot_say(
         config, monkeypatch):
     """The place in the queue comes from Kueue's visibility API (positionInLocalQueue, from
