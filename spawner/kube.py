@@ -40,7 +40,7 @@ from kubespawner.clients import load_config, shared_client
 from traitlets import Unicode, default
 
 from gpulab.hub.quota.ledger import Request
-from gpulab.hub.quota.policy import Holding, Quota, refusal
+from gpulab.hub.quota.policy import Holding, Quota, never_fits, refusal
 
 from gpulab.hub.cluster.kubeobjects import (
     RUNTIME_DEFAULT_SECCOMP,
@@ -270,15 +270,10 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
         ledger = await asyncio.to_thread(hub_ledger, self.config, self.gpu_assigns_devices)
         quota, source = await asyncio.to_thread(ledger.effective, self.user.name,
                                                 self.user_groups)
-        if (quota is not None and quota.max_per_request is not None
-                and profile.gpus > quota.max_per_request):
-            raise SpawnRefused(409, f"Cannot start with profile '{profile.display_name}': it "
-                               f"asks for {profile.gpus} GPUs and your quota ({source}) allows "
-                               f"at most {quota.max_per_request} per request.")
-        if quota is not None and profile.gpus > quota.max_gpus:
-            raise SpawnRefused(409, f"Cannot start with profile '{profile.display_name}': it "
-                               f"asks for {profile.gpus} GPUs and your quota ({source}) is "
-                               f"{quota.max_gpus}. Choose a smaller profile.")
+        never = never_fits(quota, profile.gpus)
+        if never is not None:
+            raise SpawnRefused(409, f"Cannot start with profile '{profile.display_name}'. "
+                               + never.message(source))
         return ()
 
     def kueue_mirror(self, ledger) -> KueueMirror:

@@ -29,7 +29,7 @@ from traitlets import Float, Unicode
 from traitlets.config import SingletonConfigurable
 
 from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, DeviceInfo, Ledger, Request
-from gpulab.hub.quota.policy import Quota
+from gpulab.hub.quota.policy import Quota, never_fits
 
 from gpulab.hub.machine.gpuusage import device_usage
 from gpulab.hub.machine.inventory import GPU, GPUInventory, gpus_json, model_matches
@@ -375,13 +375,9 @@ class GPUSpawnerMixin:
             elif self.gpu_assigns_devices and len(matching) < p.gpus:
                 available = False
                 why = f"this machine has {len(matching)} matching GPU(s)"
-            elif quota is not None and quota.max_per_request is not None \
-                    and p.gpus > quota.max_per_request:
-                available = False
-                why = f"your quota allows {quota.max_per_request} per server or job"
-            elif quota is not None and p.gpus > quota.max_gpus:
+            elif (never := never_fits(quota, p.gpus)) is not None:
                 available = False  # never, whatever is stopped: say so, not "stop something"
-                why = f"more than your quota allows ({quota.max_gpus} at once)"
+                why = never.short()
             elif quota is not None and mine_gpus + p.gpus > quota.max_gpus:
                 available = False
                 why = (f"over your quota ({quota.max_gpus} at once, {mine_gpus} in use: "

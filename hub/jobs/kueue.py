@@ -53,6 +53,7 @@ from gpulab.hub.jobs.kubeobjects import (
 )
 from gpulab.hub.jobs.spec import JobSpec
 from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, Request
+from gpulab.hub.quota.policy import never_fits
 from gpulab.hub.cluster.kueuemirror import KueueMirror
 from gpulab.hub.cluster.kueueobjects import (
     LOCAL_QUEUE,
@@ -259,18 +260,11 @@ class KueueJobBackend(KubeJobBackend):
         more than their quota allows per request."""
         if not req.gpus:
             return None
-        quota, _ = self.ledger.effective(req.user, req.groups)
-        if quota is None:
-            return None
-        if quota.max_per_request is not None and req.gpus > quota.max_per_request:
-            raise AdmissionRefused(
-                f"This job asks for {req.gpus} GPUs and your quota allows at most "
-                f"{quota.max_per_request} per request. Ask for fewer GPUs.")
-        if not spec.preemptible and req.gpus > quota.max_gpus:
-            raise AdmissionRefused(
-                f"This job asks for {req.gpus} GPUs and your quota is {quota.max_gpus}: "
-                "it could never start. Ask for fewer GPUs, or mark it preemptible to "
-                "borrow idle GPUs.")
+        quota, source = self.ledger.effective(req.user, req.groups)
+        never = never_fits(quota, req.gpus, borrows=spec.preemptible,
+                           can_borrow=not spec.preemptible)
+        if never is not None:
+            raise AdmissionRefused(never.message(source))
         return None
 
     async def _create_objects(self, user, groups, spec: JobSpec, ns, user_dir, job_dir) -> None:

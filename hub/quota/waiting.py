@@ -160,9 +160,11 @@ class Queue:
         with self.ledger.Session.begin() as s:
             self._lock(s)
             devices = self._devices(s)
-            quota, _source = self.ledger.effective(req.user, req.groups, s)
-            borrows = bool(preemptible) and req.kind == "job" and self.settings.borrowing
-            why = policy.refusal_now(req.gpus, req.model, quota, devices, self.matches, borrows)
+            quota, source = self.ledger.effective(req.user, req.groups, s)
+            can_borrow = req.kind == "job" and self.settings.borrowing
+            why = policy.refusal_now(req.gpus, req.model, quota, devices, self.matches,
+                                     borrows=bool(preemptible) and can_borrow,
+                                     can_borrow=can_borrow and not preemptible, source=source)
             if why:
                 raise QueueRefused(why)
             busy = s.scalar(select(QueueEntryRow.id).where(

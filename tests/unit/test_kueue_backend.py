@@ -102,7 +102,8 @@ def test_a_job_over_the_persons_quota_is_refused_at_once(tmp_path):
                            "script": "t.py", **kw})
 
     req = Request(user="ann", kind="job", holder="j", gpus=3)
-    with pytest.raises(AdmissionRefused, match="asks for 3 GPUs and your quota is 2"):
+    with pytest.raises(AdmissionRefused, match="asks for 3 GPUs; your quota is 2 GPUs at once. "
+                       "Ask for fewer, mark it preemptible to borrow idle GPUs, or ask an admin"):
         b._admit_or_queue(req, spec(3))
     assert b._admit_or_queue(req, spec(3, preemptible=True)) is None  # may borrow
     assert b._admit_or_queue(Request(user="ann", kind="job", holder="j", gpus=2), spec(2)) is None
@@ -169,7 +170,7 @@ def test_a_request_over_the_per_request_cap_is_refused_at_once(tmp_path):
     b = KueueJobBackend(ledger)
     spec = parse_spec({"name": "j", "strategy": "multi-worker-mirrored", "replicas": {"worker": 4},
                        "resources": {"worker": {"gpus": 1}}, "script": "t.py", "preemptible": True})
-    with pytest.raises(AdmissionRefused, match="at most 2 per request"):
+    with pytest.raises(AdmissionRefused, match="at most 2 in one request"):
         b._admit_or_queue(Request(user="ann", kind="job", holder="j", gpus=4), spec)
 
 
