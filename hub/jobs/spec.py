@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import PurePosixPath
 from typing import Literal
 
@@ -355,6 +355,11 @@ def _check_limits(spec: JobSpec, lim: JobLimits) -> None:
         raise SpecError("image", f"image: {spec.image!r} is not allowed (allowed: {allowed})")
 
 
+def limit_settings() -> list[str]:
+    """The fields of `JobLimits` an admin sets as ``c.GPUJobs.<name>``."""
+    return [f.name for f in fields(JobLimits) if f.name in GPUJobs.class_traits(config=True)]
+
+
 class GPUJobs(Configurable):
     """Limits on the training jobs people submit (checked before anything is admitted)."""
 
@@ -451,16 +456,13 @@ class GPUJobs(Configurable):
         return value
 
     def limits(self) -> JobLimits:
-        return JobLimits(max_replicas=self.max_replicas,
-                         max_gpus_per_replica=self.max_gpus_per_replica,
-                         max_source_bytes=self.max_source_bytes, max_runtime=self.max_runtime,
-                         default_max_runtime=max(0, min(self.default_max_runtime,
-                                                        self.max_runtime)),
-                         max_retries=self.max_retries, allowed_images=tuple(self.allowed_images),
-                         default_cpu=self.default_cpu, default_memory=self.default_memory,
-                         max_replicas_per_user=self.max_replicas_per_user,
-                         pids_per_replica=self.pids_per_replica,
-                         max_user_processes=self.max_user_processes)
+        """The `JobLimits` these settings give: each of its fields that is a setting here
+        (`JobLimits` holds the defaults, the traits here the help; nothing is listed twice)."""
+        values = {name: getattr(self, name) for name in limit_settings()}
+        values["allowed_images"] = tuple(values["allowed_images"])
+        # a default time limit is never longer than the longest one may ask for
+        values["default_max_runtime"] = max(0, min(self.default_max_runtime, self.max_runtime))
+        return JobLimits(**values)
 
     def limits_json(self) -> str:
         return json.dumps(asdict(self.limits()))
