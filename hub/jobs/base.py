@@ -66,6 +66,16 @@ class JobError(Exception):
             self.status = status
 
 
+class JobNotFound(JobError):
+    """The person has no job of that name (the service answers 404)."""
+
+    status = 404
+
+    def __init__(self, name: str):
+        super().__init__(f"You have no job named '{name}'.", 404, "name")
+        self.name = name
+
+
 def job_view(job: JobRow, replicas: list[ReplicaRow]) -> dict:
     """The view of a job the API, the CLI and the notebook client show (without progress)."""
     spec = json.loads(job.spec)
@@ -232,6 +242,14 @@ class JobBackend:
                 v["reason"] = e.reason
         return views
 
+    async def view(self, user: str, name: str) -> dict:
+        """One job's view for someone looking at it (`detail`); `JobNotFound` if there is
+        no such job."""
+        view = await self.detail(user, name)
+        if view is None:
+            raise JobNotFound(name)
+        return view
+
     async def detail(self, user: str, name: str) -> dict | None:
         """One job's view for someone looking at it (``GET jobs/<name>``): `get`, plus what
         only such a look is worth fetching (a driver may override it)."""
@@ -242,7 +260,7 @@ class JobBackend:
         """(up to ``limit`` bytes of a replica's log from ``offset``, its size, job finished)."""
         job, replicas = await asyncio.to_thread(self.store.find, user, name)
         if job is None:
-            raise JobError(f"You have no job named '{name}'.", 404)
+            raise JobNotFound(name)
         names = [f"{r.role}-{r.index}" for r in replicas]
         if replica not in names:
             raise JobError(f"Job '{name}' has no replica '{replica}'; it has "
@@ -519,7 +537,7 @@ class JobBackend:
         """Stop a job (its reason: ``stopped by <actor>``, or `reason`)."""
         view = await asyncio.to_thread(self.get, user, name)
         if view is None:
-            raise JobError(f"No job '{name}'.", 404)
+            raise JobNotFound(name)
         if view["state"] in FINAL:
             return view
         async with self._lock:  # no supervision pass restarts what is being stopped
