@@ -96,6 +96,7 @@ from gpulab.hub.jobs.kubeobjects import (
     ROLE_LABEL,
     SELECTOR,
     SOURCE_PROGRAM,
+    Placement,
     make_job_network_policy,
     make_source_configmap,
     make_training_job_objects,
@@ -635,31 +636,34 @@ class KubeJobBackend(JobBackend, KubeSettings, LoggingConfigurable):
             return f"not allowed by the cluster: {msg}"
         return msg
 
-    def _object_args(self, user: str, spec: JobSpec, ns: str, user_dir: str, job_dir: str) -> dict:
-        """The arguments of the job's object builders (`gpulab.hub.jobs.kubeobjects`)."""
+    def _placement(self, user: str, spec: JobSpec, ns: str, user_dir: str,
+                   job_dir: str) -> Placement:
+        """Where the job's replicas run (`gpulab.hub.jobs.kubeobjects.Placement`), for its
+        object builders."""
         if spec.source is not None:
             program = SOURCE_PROGRAM
         elif self.shared_volume:
             program = f"{user_dir}/{spec.script}"
         else:
             program = spec.script
-        return dict(spec=spec, namespace=ns, user_label=self.user_label(user),
-                    image=spec.image or self.image, program=program, job_dir=job_dir,
-                    user_dir=user_dir, gpu_model=self.gpu_model,
-                    shared_volume=self.shared_volume, shared_mount=self.shared_mount_path,
-                    user_subpath=self._expand(self.user_subpath_template, user),
-                    datasets_subpath=self.datasets_subpath or None,
-                    node_selector=self.node_selector or None, tolerations=self.tolerations or None)
+        return Placement(namespace=ns, user_label=self.user_label(user),
+                         image=spec.image or self.image, program=program, job_dir=job_dir,
+                         user_dir=user_dir, gpu_model=self.gpu_model,
+                         shared_volume=self.shared_volume, shared_mount=self.shared_mount_path,
+                         user_subpath=self._expand(self.user_subpath_template, user),
+                         datasets_subpath=self.datasets_subpath or None,
+                         node_selector=self.node_selector or None,
+                         tolerations=self.tolerations or None)
 
     async def _create_objects(self, user, groups, spec: JobSpec, ns, user_dir, job_dir) -> None:
         await self._ensure_namespace(user, groups)
-        common = self._object_args(user, spec, ns, user_dir, job_dir)
-        service = make_training_job_objects(**common)[0]
+        where = self._placement(user, spec, ns, user_dir, job_dir)
+        service = make_training_job_objects(spec, where)[0]
         self.api_requests += 1
         created = await self.core.create_namespaced_service(
             ns, service, _request_timeout=self.request_timeout)
         uid = created.metadata.uid
-        objects = make_training_job_objects(**common, parent_uid=uid)[1:]
+        objects = make_training_job_objects(spec, where, parent_uid=uid)[1:]
         policy = make_job_network_policy(job=spec.name, namespace=ns,
                                          user_label=self.user_label(user), parent_uid=uid)
         creating = [self.networking.create_namespaced_network_policy(

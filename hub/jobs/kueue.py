@@ -275,7 +275,7 @@ class KueueJobBackend(KubeJobBackend):
                  else self.preemptible_queue if spec.preemptible else self.local_queue)
         # preemptible work has a priority below in-quota work's: what in-quota work may preempt
         jobset = make_training_jobset(
-            **self._object_args(user, spec, ns, user_dir, job_dir), queue_name=queue,
+            spec, self._placement(user, spec, ns, user_dir, job_dir), queue_name=queue,
             priority_class=PREEMPTIBLE_PRIORITY_CLASS if queue and spec.preemptible else None)
         # the person's groups (their quota may be a group's): a restarted service mirrors
         # the quota of the people whose jobs it finds without waiting for their next submit

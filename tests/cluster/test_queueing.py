@@ -446,7 +446,7 @@ def people(cp):
 
 
 def gpulab_jobset(name, ns, *, workers, gpus, queue="gpulab", strategy="parameter-server"):
-    from gpulab.hub.jobs.kubeobjects import make_training_jobset
+    from gpulab.hub.jobs.kubeobjects import Placement, make_training_jobset
     from gpulab.hub.jobs.spec import parse_spec
     from gpulab.hub.cluster.kueueobjects import PREEMPTIBLE_PRIORITY_CLASS, PREEMPTIBLE_QUEUE
 
@@ -454,10 +454,10 @@ def gpulab_jobset(name, ns, *, workers, gpus, queue="gpulab", strategy="paramete
                 else {"worker": workers})
     spec = parse_spec({"name": name, "strategy": strategy, "replicas": replicas,
                        "resources": {"worker": {"gpus": gpus}}, "script": "train.py"})
-    return make_training_jobset(spec=spec, namespace=ns, user_label="ann", image=IMAGE,
+    return make_training_jobset(spec, Placement(namespace=ns, user_label="ann", image=IMAGE,
                                 program="/gpulab/shared/users/ann/train.py",
                                 job_dir="/gpulab/shared/users/ann/jobs/" + name,
-                                user_dir="/gpulab/shared/users/ann", gpu_model="NVIDIA-H100",
+                                user_dir="/gpulab/shared/users/ann", gpu_model="NVIDIA-H100"),
                                 queue_name=queue, priority_class=PREEMPTIBLE_PRIORITY_CLASS
                                 if queue == PREEMPTIBLE_QUEUE else None)
 
