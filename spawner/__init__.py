@@ -10,7 +10,7 @@ Kubernetes objects `gpulab.hub.cluster`'s).
 """
 
 from .local import LocalGPUSpawner
-from .mixin import GPULedger, GPUSpawnerMixin, SpawnRefused
+from .mixin import GPUSpawnerMixin, SpawnRefused
 from .profiles import GPUProfile, ProfileError, parse_profiles
 
 
@@ -23,7 +23,6 @@ def __getattr__(name):
 
 
 __all__ = [
-    "GPULedger",
     "GPUProfile",
     "GPUSpawnerMixin",
     "KubeGPUSpawner",

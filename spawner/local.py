@@ -40,7 +40,9 @@ from gpulab.hub.machine.cgroups import (Group, default_pids, default_user_proces
 from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, BadRequest, Ledger, Request
 from gpulab.hub.quota.waiting import GPUQueue, Queue, QueueRefused, queue_of
 
-from .mixin import GPUSpawnerMixin, LineAhead, OptionRefused, SpawnRefused, pid_alive
+from gpulab.hub.machine.processes import pid_alive
+
+from .mixin import GPUSpawnerMixin, LineAhead, OptionRefused, SpawnRefused
 from .profiles import (GPUProfile, OptionError, ProfileError, Selection, gpu_request,
                        merge_overrides)
 from .queuewait import WAIT_KEY, allowed_waits, decide, parse_wait_minutes, progress_message

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpulab.spawner.mixin import pid_alive
+from gpulab.hub.machine.processes import pid_alive
 
 from gpulab.hub.cli.common import fail
 from gpulab.hub.deploy.datadir import DataDir, DataDirError

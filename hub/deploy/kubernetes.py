@@ -154,7 +154,7 @@ def kubernetes_config(
 
     from gpulab.hub.jobs.kube import backend_settings
 
-    from gpulab.spawner.mixin import GPULedger
+    from gpulab.hub.quota.settings import GPULedger
 
     limits = GPUJobs(config=c).limits_json()
     settings = gpulab_kube_settings(ledger_url=ledger_url, job_limits=limits,

@@ -198,7 +198,7 @@ class GpulabHub(JupyterHub):
         # reconciles notebook allocations as often as it says
         from gpulab.hub.jobs.spec import GPUJobs
 
-        from gpulab.spawner.mixin import GPULedger
+        from gpulab.hub.quota.settings import GPULedger
 
         from gpulab.hub.machine.inventory import GPUInventory
 

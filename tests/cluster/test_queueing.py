@@ -868,7 +868,7 @@ async def test_a_person_who_left_loses_their_queues_and_a_returning_one_gets_new
 
     from gpulab.hub.quota.policy import Quota
     from gpulab.spawner.kube import KubeGPUSpawner
-    from gpulab.spawner.mixin import GPULedger
+    from gpulab.hub.quota.settings import GPULedger
 
     b = kueue_backend
     user = f"d{uuid.uuid4().hex[:6]}"
@@ -1028,7 +1028,8 @@ async def test_a_gpu_notebook_waits_in_the_persons_queue_and_the_progress_says_w
     from gpulab.hub.quota.policy import Quota
     from gpulab.hub.cluster.namespaces import GPUQuotaMirror, KubeGPUSpawner
     from gpulab.hub.cluster.kueuemirror import KueueMirror
-    from gpulab.spawner.mixin import GPULedger, SpawnRefused
+    from gpulab.hub.quota.settings import GPULedger
+    from gpulab.spawner.mixin import SpawnRefused
 
     monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", hub_kubeconfig)
     load_config.cache_clear()

@@ -20,7 +20,7 @@ from gpulab.hub.deploy.local import ADMIN_GROUP
 from gpulab.hub.deploy.kubernetes import SERVICE_PORT
 from gpulab.hub.service import ADMIN_SCOPE, SERVICE_NAME
 from gpulab.spawner.kube import KubeGPUSpawner
-from gpulab.spawner.mixin import GPULedger
+from gpulab.hub.quota.settings import GPULedger
 from gpulab.spawner.profiles import parse_profiles
 
 HELM = Path(__file__).resolve().parents[2] / "helm-values"

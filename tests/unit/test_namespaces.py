@@ -25,7 +25,8 @@ from gpulab.hub.quota.ledger import Ledger, Request
 from gpulab.hub.quota.policy import Quota
 from gpulab.spawner.kube import KubeGPUSpawner
 from gpulab.hub.cluster.kubeobjects import make_user_network_policies
-from gpulab.spawner.mixin import GPULedger, SpawnRefused, hub_ledger
+from gpulab.hub.quota.settings import GPULedger
+from gpulab.spawner.mixin import SpawnRefused, hub_ledger
 from gpulab.hub.cluster.namespaces import (
     GPUQuotaMirror,
     NamespaceSettingsError,

@@ -27,7 +27,7 @@ from gpulab.hub.machine.cgroups import (CPU_PERIOD_US, Cgroups, machine_memory, 
                                     share_of_cpus, share_of_memory)
 from gpulab.hub.machine.inventory import GPUInventory
 from gpulab.spawner.local import LocalGPUSpawner
-from gpulab.spawner.mixin import GPULedger
+from gpulab.hub.quota.settings import GPULedger
 from tests.unit.test_cgroups import fake_v1, fake_v2
 
 GiB, MiB = 2**30, 2**20
