@@ -108,7 +108,9 @@ from gpulab.hub.quota.ledger import Allocation, Ledger
 
 log = logging.getLogger("gpulab.jobs.kube")
 
-_LABELS = dict(kv.split("=") for kv in SELECTOR.split(","))
+#: the labels of everything a training job is made of, which the shared watches select
+#: (published for `gpulab.hub.jobs.kueue`'s watches too)
+JOB_LABELS = dict(kv.split("=") for kv in SELECTOR.split(","))
 #: how much of the lead replica's log end a progress read fetches
 PROGRESS_TAIL_LINES = 200
 
@@ -119,7 +121,9 @@ class _JobReflector(MultiNamespaceResourceReflector):
     list_method_name = "list_job_for_all_namespaces"
 
 
-class _PodReflector(MultiNamespaceResourceReflector):
+class PodReflector(MultiNamespaceResourceReflector):
+    """The shared watch of the replicas' pods (of every driver on Kubernetes)."""
+
     kind = "pods"
 
 
@@ -207,7 +211,7 @@ def pod_restarts(pods: list[dict], *, gpus: int = 0, model: str | None = None) -
             why = f"killed by {signal_name(code)}"
         term = (((old["status"].get("containerStatuses") or [{}])[0].get("state") or {})
                 .get("terminated") or {})
-        at = (_ts(new["metadata"].get("creationTimestamp")) or _ts(term.get("finishedAt"))
+        at = (k8s_time(new["metadata"].get("creationTimestamp")) or k8s_time(term.get("finishedAt"))
               or 0.0)
         out.append(restart_record(restart=len(out) + 1, at=at, exit_code=code, reason=why,
                                   oom_killed=term.get("reason") == "OOMKilled",
@@ -242,11 +246,13 @@ def _unschedulable_since(pod: dict) -> float | None:
     for c in pod.get("status", {}).get("conditions") or []:
         if (c.get("type") == "PodScheduled" and c.get("status") == "False"
                 and c.get("reason") == "Unschedulable"):
-            return _ts(pod["metadata"].get("creationTimestamp"))
+            return k8s_time(pod["metadata"].get("creationTimestamp"))
     return None
 
 
-def _ts(value: str | None) -> float | None:
+def k8s_time(value: str | None) -> float | None:
+    """A Kubernetes timestamp (``2024-01-02T03:04:05Z``) in seconds since the epoch (None
+    where there is none; ValueError where it cannot be read)."""
     if not value:
         return None
     return float(calendar.timegm(time.strptime(value, "%Y-%m-%dT%H:%M:%SZ")))
@@ -369,7 +375,7 @@ class KubeJobBackend(JobBackend, KubeSettings, LoggingConfigurable):
         self._ready_ns: set[str] = set()
         self._nodes: tuple[float, list[dict]] = (0.0, [])
         self._jobs_r: _JobReflector | None = None
-        self._pods_r: _PodReflector | None = None
+        self._pods_r: PodReflector | None = None
         self._started = asyncio.Lock()
         self._deleted: set[tuple[str, str]] = set()
         self.api_requests = 0  # requests made outside the shared watches (bench/k8s_jobs.py)
@@ -397,8 +403,8 @@ class KubeJobBackend(JobBackend, KubeSettings, LoggingConfigurable):
         async with self._started:
             if self._jobs_r is None:
                 load_config()
-                jobs = _JobReflector(labels=_LABELS, parent=self)
-                pods = _PodReflector(labels=_LABELS, parent=self)
+                jobs = _JobReflector(labels=JOB_LABELS, parent=self)
+                pods = PodReflector(labels=JOB_LABELS, parent=self)
                 await jobs.start()
                 await pods.start()
                 self._jobs_r, self._pods_r = jobs, pods
@@ -442,11 +448,8 @@ class KubeJobBackend(JobBackend, KubeSettings, LoggingConfigurable):
         view["namespace"] = self.namespace_of(job.user)
         return view
 
-    async def detail(self, user: str, name: str) -> dict | None:
-        """`get`, with the job's progress from its lead replica's log (cached)."""
-        view = await asyncio.to_thread(self.get, user, name)
-        if view is None:
-            return None
+    async def _detail(self, view: dict) -> dict:
+        """The job's progress, from its lead replica's log (cached)."""
         view["progress"] = await self._read_progress(view)
         return view
 

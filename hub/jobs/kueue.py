@@ -42,8 +42,8 @@ from kubespawner.reflector import MultiNamespaceResourceReflector
 from traitlets import Unicode
 
 from gpulab.hub.jobs.base import JobError
-from gpulab.hub.jobs.kube import (_LABELS, KubeJobBackend, _PodReflector, _ts, pod_restarts,
-                                  pod_words)
+from gpulab.hub.jobs.kube import (JOB_LABELS, KubeJobBackend, PodReflector, k8s_time,
+                                  pod_restarts, pod_words)
 from gpulab.hub.jobs.kubeobjects import (
     JOBSET_API,
     make_job_network_policy,
@@ -123,7 +123,7 @@ def waiting_words(workload: dict | None, place: int | None = None) -> str:
 def _when(value: str | None) -> float | None:
     """A Kubernetes timestamp in seconds (None where there is none or it cannot be read)."""
     try:
-        return _ts(value)
+        return k8s_time(value)
     except ValueError:
         return None
 
@@ -173,8 +173,8 @@ class KueueJobBackend(KubeJobBackend):
         async with self._started:
             if self._jobsets_r is None:
                 load_config()
-                watches = [_JobSetReflector(labels=_LABELS, parent=self),
-                           _PodReflector(labels=_LABELS, parent=self),
+                watches = [_JobSetReflector(labels=JOB_LABELS, parent=self),
+                           PodReflector(labels=JOB_LABELS, parent=self),
                            _WorkloadReflector(parent=self)]
                 for r in watches:
                     await r.start()
@@ -254,10 +254,10 @@ class KueueJobBackend(KubeJobBackend):
                 "order you submit them. Submit without a priority (or with 0).", 400,
                 field="priority")
 
-    def _admit_or_queue(self, req: Request, spec: JobSpec) -> Allocation | None:
-        """Queued, always (Kueue admits it); refused at once only when it asks more GPUs than
-        the person's quota, which Kueue would never admit (preemptible work may borrow), or
-        more than their quota allows per request."""
+    def _admission(self, req: Request, spec: JobSpec) -> Allocation | None:
+        """Queued, always (Kueue admits it); refused at once only when it could never fit the
+        person's quota (`never_fits`: Kueue would never admit it; preemptible work may
+        borrow)."""
         if not req.gpus:
             return None
         quota, source = self.ledger.effective(req.user, req.groups)
@@ -332,10 +332,6 @@ class KueueJobBackend(KubeJobBackend):
                 raise
 
     # -- following Kueue and JobSet ----------------------------------------------------------
-
-    def _active_to_supervise(self) -> list[str]:
-        """Queued jobs too: Kueue, not a gpulab pass, admits them."""
-        return [j for j in self.store.active_ids() if j not in self._launching]
 
     def _index_workloads(self) -> None:
         """Once per pass: the Workloads by (namespace, the uid of the object they are for:

@@ -104,10 +104,10 @@ def test_a_job_over_the_persons_quota_is_refused_at_once(tmp_path):
     req = Request(user="ann", kind="job", holder="j", gpus=3)
     with pytest.raises(AdmissionRefused, match="asks for 3 GPUs; your quota is 2 GPUs at once. "
                        "Ask for fewer, mark it preemptible to borrow idle GPUs, or ask an admin"):
-        b._admit_or_queue(req, spec(3))
-    assert b._admit_or_queue(req, spec(3, preemptible=True)) is None  # may borrow
-    assert b._admit_or_queue(Request(user="ann", kind="job", holder="j", gpus=2), spec(2)) is None
-    assert b._admit_or_queue(Request(user="bob", kind="job", holder="j", gpus=9), spec(9)) is None
+        b._admission(req, spec(3))
+    assert b._admission(req, spec(3, preemptible=True)) is None  # may borrow
+    assert b._admission(Request(user="ann", kind="job", holder="j", gpus=2), spec(2)) is None
+    assert b._admission(Request(user="bob", kind="job", holder="j", gpus=9), spec(9)) is None
     assert ledger.open_allocations() == []  # Kueue admits; nothing is held at submit
 
 
@@ -171,7 +171,7 @@ def test_a_request_over_the_per_request_cap_is_refused_at_once(tmp_path):
     spec = parse_spec({"name": "j", "strategy": "multi-worker-mirrored", "replicas": {"worker": 4},
                        "resources": {"worker": {"gpus": 1}}, "script": "t.py", "preemptible": True})
     with pytest.raises(AdmissionRefused, match="at most 2 in one request"):
-        b._admit_or_queue(Request(user="ann", kind="job", holder="j", gpus=4), spec)
+        b._admission(Request(user="ann", kind="job", holder="j", gpus=4), spec)
 
 
 def test_one_switch_for_the_spawner_and_the_backend():
