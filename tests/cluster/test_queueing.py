@@ -1026,7 +1026,8 @@ async def test_a_gpu_notebook_waits_in_the_persons_queue_and_the_progress_says_w
     from gpulab.hub.jobs.kueue import backend_from_settings
     from gpulab.hub.quota.ledger import Ledger
     from gpulab.hub.quota.policy import Quota
-    from gpulab.hub.cluster.namespaces import GPUQuotaMirror, KubeGPUSpawner
+    from gpulab.hub.cluster.namespaces import GPUQuotaMirror
+    from gpulab.spawner.kube import KubeGPUSpawner
     from gpulab.hub.cluster.kueuemirror import KueueMirror
     from gpulab.hub.quota.settings import GPULedger
     from gpulab.spawner.mixin import SpawnRefused
