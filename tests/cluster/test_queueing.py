@@ -1067,7 +1067,7 @@ async def test_a_gpu_notebook_waits_in_the_persons_queue_and_the_progress_says_w
         s.user_options = {"profile": "h100-3"}
         with pytest.raises(SpawnRefused) as e:
             await s.start()
-        assert e.value.status_code == 409 and "your quota (user) is 2" in e.value.jupyterhub_message
+        assert e.value.status_code == 409 and "your quota is 2 GPUs at once" in e.value.jupyterhub_message
 
         await backend.submit(user, (), mw("train", 2))
         await until(lambda: backend.get(user, "train")["state"] == "Running", "the job Running")
