@@ -32,7 +32,8 @@ from sqlalchemy import Column, Integer, MetaData, String, Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpulab.hub.quota.ledger import AdmissionRefused, AllocationRow, DeviceInfo, Ledger, Request  # noqa: E402
+from gpulab.hub.quota.ledger import AdmissionRefused, DeviceInfo, Ledger, Request  # noqa: E402
+from gpulab.hub.quota.rows import AllocationRow  # noqa: E402
 from gpulab.hub.quota.policy import Quota  # noqa: E402
 
 

@@ -76,21 +76,22 @@ async def wait(check, timeout=120.0):
 async def direct_create(backend, spec, ns: str, user: str) -> None:
     """The same objects, made directly: Service, then the role Jobs owned by it (with Kueue:
     the same JobSet, in the person's LocalQueue)."""
-    from gpulab.hub.jobs.kubeobjects import make_training_job_objects, make_training_jobset
+    from gpulab.hub.jobs.kubeobjects import (Placement, make_training_job_objects,
+                                             make_training_jobset)
 
-    common = dict(spec=spec, namespace=ns, user_label=backend.user_label(user),
-                  image=backend.image, program=f"/gpulab/shared/users/{user}/train.py",
-                  job_dir=f"/gpulab/shared/users/{user}/jobs/{spec.name}",
-                  user_dir=f"/gpulab/shared/users/{user}", gpu_model=backend.gpu_model)
+    where = Placement(namespace=ns, user_label=backend.user_label(user),
+                      image=backend.image, program=f"/gpulab/shared/users/{user}/train.py",
+                      job_dir=f"/gpulab/shared/users/{user}/jobs/{spec.name}",
+                      user_dir=f"/gpulab/shared/users/{user}", gpu_model=backend.gpu_model)
     if getattr(backend, "launches_queued", False):
         from gpulab.hub.jobs.kueue import JOBSET
 
         await backend.custom.create_namespaced_custom_object(
             *JOBSET[:2], ns, JOBSET[2],
-            make_training_jobset(**common, queue_name=backend.local_queue))
+            make_training_jobset(spec, where, queue_name=backend.local_queue))
         return
-    svc = await backend.core.create_namespaced_service(ns, make_training_job_objects(**common)[0])
-    for job in make_training_job_objects(**common, parent_uid=svc.metadata.uid)[1:]:
+    svc = await backend.core.create_namespaced_service(ns, make_training_job_objects(spec, where)[0])
+    for job in make_training_job_objects(spec, where, parent_uid=svc.metadata.uid)[1:]:
         await backend.batch.create_namespaced_job(ns, job)
 
 

@@ -26,7 +26,7 @@ CPU time per step <= 1.05, time to the first epoch ~1, memory <= 1.05).
 
 Steps per second follow the CPUs the replicas get, which on a small busy machine swing from
 round to round with what else runs (other load counts per thread, gpulab's work as a whole
-weighs one thread per CPU: `gpulab.spawner.cgroups`); CPU time per step hardly depends on
+weighs one thread per CPU: `gpulab.hub.machine.cgroups`); CPU time per step hardly depends on
 other load, so it is the figure for gpulab's own overhead. Numbers are printed, never
 asserted.
 """

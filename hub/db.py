@@ -44,10 +44,10 @@ def make_engine(url: str, echo: bool = False) -> Engine:
         return engine
     # read committed whatever the server's default (a DBA may make it repeatable read or
     # serializable): admission reads after its locks, each statement in a snapshot of its own
-    # (`_Direct`); under one snapshot per transaction, taken before the pool's lock is granted,
-    # two admissions hand out one GPU.
+    # (`gpulab.hub.quota.fastpath.Direct`); under one snapshot per transaction, taken before
+    # the pool's lock is granted, two admissions hand out one GPU.
     # psycopg's own statement preparing off: the ledger prepares its admission statements on
-    # each connection (`gpulab.hub.quota.ledger._Statements`), and psycopg sends ``DEALLOCATE
+    # each connection (`gpulab.hub.quota.fastpath._Statements`), and psycopg sends ``DEALLOCATE
     # ALL`` at every ROLLBACK of a connection where it has prepared statements of its own
     # (which also wipes its own count of uses, so that sessions that end in a rollback, the
     # readers, seldom reached its threshold of five anyway)
@@ -69,7 +69,7 @@ def _ping_when_idle(engine: Engine) -> None:
     every release; a quiet service pings as before, so a connection the server dropped while
     it was idle (a restart, an idle timeout, a proxy) is replaced before anyone uses it. One
     that dies within the second after its last use fails that one transaction, which is
-    rolled back and its connection dropped (`gpulab.hub.quota.ledger._Direct`, SQLAlchemy's
+    rolled back and its connection dropped (`gpulab.hub.quota.fastpath.Direct`, SQLAlchemy's
     ``Connection``)."""
 
     @event.listens_for(engine, "checkin")

@@ -1,4 +1,6 @@
-"""GPU spawning for gpulab: profiles, the GPU inventory, the shared spawner mixin and spawners.
+"""GPU spawning for gpulab: profiles, the shared spawner mixin and spawners (the GPU inventory,
+accounts, sandboxes and cgroups they stand on are `gpulab.hub.machine`'s; namespaces and
+Kubernetes objects `gpulab.hub.cluster`'s).
 
 - `LocalGPUSpawner`: local processes bound to whole GPUs (the embedded default).
 - `KubeGPUSpawner` (``gpulab.spawner.kube``): pods in each user's namespace on a cluster; imported
@@ -7,9 +9,8 @@
   Kubernetes spawner.
 """
 
-from .inventory import GPU, GPUInventory
 from .local import LocalGPUSpawner
-from .mixin import GPULedger, GPUSpawnerMixin, SpawnRefused
+from .mixin import GPUSpawnerMixin, SpawnRefused
 from .profiles import GPUProfile, ProfileError, parse_profiles
 
 
@@ -22,9 +23,6 @@ def __getattr__(name):
 
 
 __all__ = [
-    "GPU",
-    "GPUInventory",
-    "GPULedger",
     "GPUProfile",
     "GPUSpawnerMixin",
     "KubeGPUSpawner",

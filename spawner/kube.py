@@ -9,7 +9,7 @@ It is KubeSpawner configured through its own traits and hooks, plus `GPUSpawnerM
 - the namespace's NetworkPolicies are applied at every spawn (server-side apply, so a policy
   deleted or edited by hand is put back): only the hub and the proxy reach the server, and the
   user's pods reach only DNS, the hub, the gpulab service and the operator's ``allowed_egress``
-  (the namespace is prepared by `gpulab.spawner.namespaces.prepare_user_namespace`, as
+  (the namespace is prepared by `gpulab.hub.cluster.namespaces.prepare_user_namespace`, as
   training jobs' is);
 - the GPUs come from the chosen profile of ``profile_list`` and its ``profile_options``
   (KubeSpawner's, applied as KubeSpawner applies them: ``extra_resource_limits``,
@@ -21,7 +21,7 @@ It is KubeSpawner configured through its own traits and hooks, plus `GPUSpawnerM
   server becomes the same quota message; the scheduler's reasons reach the progress page in
   plain words.
 
-The Kubernetes objects are built by the pure functions of `gpulab.spawner.kubeobjects`. The
+The Kubernetes objects are built by the pure functions of `gpulab.hub.cluster.kubeobjects`. The
 permissions the hub needs are in ``helm-values/rbac.yaml``.
 """
 
@@ -31,19 +31,18 @@ import asyncio
 import copy
 import dataclasses
 import json
-import os
 from functools import partial
 from typing import Any
 
 from kubernetes_asyncio.client.rest import ApiException
 from kubespawner import KubeSpawner
 from kubespawner.clients import load_config, shared_client
-from traitlets import Bool, Dict, Float, Integer, List, Unicode, default
+from traitlets import Unicode, default
 
 from gpulab.hub.quota.ledger import Request
-from gpulab.hub.quota.policy import Holding, Quota, refusal
+from gpulab.hub.quota.policy import Holding, Quota, never_fits, refusal
 
-from .kubeobjects import (
+from gpulab.hub.cluster.kubeobjects import (
     RUNTIME_DEFAULT_SECCOMP,
     explain_unschedulable,
     free_gpus_by_node,
@@ -51,8 +50,8 @@ from .kubeobjects import (
     server_pod_settings,
     with_runtime_default_seccomp,
 )
-from .kueuemirror import KueueMirror
-from .kueueobjects import (
+from gpulab.hub.cluster.kueuemirror import KueueMirror
+from gpulab.hub.cluster.kueueobjects import (
     ADMISSION_GATE,
     LOCAL_QUEUE,
     QUEUE_NAME_LABEL,
@@ -62,25 +61,16 @@ from .kueueobjects import (
     visibility_place,
     workload_wait_reason,
 )
-from .mixin import GPUSpawnerMixin, LedgerView, SpawnRefused, hub_ledger
-from .namespaces import (
-    APPLY,
-    DATASETS_SUBPATH,
-    FIELD_MANAGER,
-    GPU_QUOTA_SYNC_INTERVAL,
-    DEFAULT_CONTAINER_LIMITS,
-    DEFAULT_CONTAINER_REQUESTS,
-    POD_SECURITY_LEVEL,
-    SHARED_MOUNT_PATH,
+from gpulab.hub.cluster.namespaces import (
     USER_NAMESPACE_TEMPLATE,
-    USER_SUBPATH_TEMPLATE,
     GPUQuotaMirror,
     NamespaceSettingsError,
     api_message,
-    apply_network_policies,
-    effective_max_gpus,
     prepare_user_namespace,
 )
+from gpulab.hub.cluster.settings import KubeSettings
+
+from .mixin import GPUSpawnerMixin, LedgerView, SpawnRefused, hub_ledger
 from .profiles import (
     GPUProfile,
     ProfileError,
@@ -89,68 +79,13 @@ from .profiles import (
     parse_profiles,
 )
 
-#: where a pod finds its own namespace (the hub's, when the hub runs in the cluster)
-SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
-
-
-def hub_namespace_default() -> str:
-    """The hub's namespace: ``$POD_NAMESPACE`` (z2jh sets it in the hub pod), else the
-    namespace of the pod's ServiceAccount, else ``default``."""
-    if os.environ.get("POD_NAMESPACE"):
-        return os.environ["POD_NAMESPACE"]
-    try:
-        with open(SA_NAMESPACE_FILE) as f:
-            return f.read().strip() or "default"
-    except OSError:
-        return "default"
-
-
-HUB_NAMESPACE_HELP = """The namespace of the hub and proxy pods (the z2jh release namespace).
-        The NetworkPolicies of the user namespaces let the pods labelled ``component: hub`` or
-        ``component: proxy`` there reach notebook servers, and user pods reach the hub pod's
-        API (8081) and gpulab service (8002). Default: ``$POD_NAMESPACE`` (set by the chart in
-        the hub pod), else the hub's ServiceAccount namespace, else ``default``.
-        Example: ``c.KubeGPUSpawner.hub_namespace = "gpulab"``"""
-
-ALLOWED_EGRESS_HELP = """Where else the pods of user namespaces (notebook servers and
-        training replicas) may connect, as NetworkPolicy egress rules (``to`` and/or
-        ``ports``; default ``[]``: only the cluster DNS, the hub and the gpulab service). The
-        shared storage needs no rule when the kubelet mounts it (NFS, CephFS volumes); a
-        server reached from inside the pods does. Keep the clouds' credential endpoints out
-        of any broad rule (link-local ``169.254.0.0/16``, ``100.64.0.0/10``,
-        ``168.63.129.16``, ``100.100.100.200``). Example: an NFS server, and the internet
-        without those and the cluster's private ranges::
-
-            c.KubeGPUSpawner.allowed_egress = [
-                {"to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}],
-                 "ports": [{"protocol": "TCP", "port": 2049}]},
-                {"to": [{"ipBlock": {"cidr": "0.0.0.0/0",
-                                     "except": ["169.254.0.0/16", "100.64.0.0/10",
-                                                "168.63.129.16/32", "100.100.100.200/32",
-                                                "10.0.0.0/8"]}}]},
-            ]
-        """
-
-ALLOWED_SERVER_INGRESS_HELP = """Who else may connect to notebook servers, as NetworkPolicy
-        ingress rules (``from`` and/or ``ports``) added to the servers' policy of every user
-        namespace (default ``[]``: only the hub and proxy pods of ``hub_namespace``, on the
-        server's port). For a hub or proxy that does not run in a pod of the cluster (its
-        address then matches no pod selector). A rule without ``from`` lets anyone in. Example:
-        a proxy at 10.0.0.7::
-
-            c.KubeGPUSpawner.allowed_server_ingress = [
-                {"from": [{"ipBlock": {"cidr": "10.0.0.7/32"}}],
-                 "ports": [{"protocol": "TCP", "port": 8888}]},
-            ]
-        """
-
 #: traits the spawner sets for each start (from the profile and its own settings)
 _MANAGED_TRAITS = ("tolerations", "volumes", "volume_mounts", "environment", "extra_labels")
 #: seconds between two reads of a queued notebook's Workload (its reason, for the progress page)
 KUEUE_PROGRESS_SECONDS = 2.0
 
 
-class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
+class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
     """Starts each server as a pod in the user's namespace on the GPUs of the chosen profile.
 
     ``profile_list`` is KubeSpawner's (z2jh ``singleuser.profileList``), with its
@@ -174,142 +109,11 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
 
     gpu_assigns_devices = False
 
-    pod_security_level = Unicode(
-        POD_SECURITY_LEVEL,
-        help="""Pod Security Standard enforced in each user namespace (label
-        ``pod-security.kubernetes.io/enforce``): ``baseline`` (default: no privileged pods,
-        host paths or host namespaces) or ``restricted``. The label is applied at every spawn.
-        Example: ``c.KubeGPUSpawner.pod_security_level = "restricted"``
-        """,
-    ).tag(config=True)
-
-    default_container_limits = Dict(
-        DEFAULT_CONTAINER_LIMITS,
-        help="""What a container of a user namespace may use when it names no limit of its
-        own (the namespace's LimitRange ``gpulab-defaults``, applied at every spawn and by the
-        job backend): notebook servers whose profile sets no ``cpu_limit`` / ``mem_limit``,
-        and training replicas whose role sets no ``cpu`` / ``memory``. Keys ``cpu``,
-        ``memory``, ``ephemeral-storage`` (the container's writable layer, logs and
-        ``emptyDir``: the kubelet evicts a pod over it); ``{}``: no defaults. Default
-        ``{"cpu": "2", "memory": "8Gi", "ephemeral-storage": "20Gi"}``: without them one
-        person's 32 unbounded replicas could take a node's memory and disk and get other
-        people's pods evicted. Example:
-        ``c.KubeGPUSpawner.default_container_limits = {"cpu": "4", "memory": "16Gi",
-        "ephemeral-storage": "50Gi"}``
-        """,
-    ).tag(config=True)
-
-    default_container_requests = Dict(
-        DEFAULT_CONTAINER_REQUESTS,
-        help="""What such a container reserves on its node (the LimitRange's
-        ``defaultRequest``; each at most the limit above). Default ``{"cpu": "100m", "memory":
-        "512Mi", "ephemeral-storage": "1Gi"}``: small, so that idle notebooks and parameter
-        servers do not hold nodes from others. With Kueue these count against its pool (cpu,
-        memory and ephemeral-storage are covered there). Example:
-        ``c.KubeGPUSpawner.default_container_requests = {"cpu": "1", "memory": "4Gi"}``
-        """,
-    ).tag(config=True)
-
-    shared_volume = Dict(
-        None,
-        allow_none=True,
-        help="""The team's shared ReadWriteMany storage, as a pod volume source, or ``{}``
-        (default) for none. Each server mounts the user's own sub-path (``user_subpath_template``)
-        read-write and ``datasets_subpath`` read-only under ``shared_mount_path``.
-        Example (NFS, allowed by the ``baseline`` Pod Security level)::
-
-            c.KubeGPUSpawner.shared_volume = {"nfs": {"server": "nfs.example.org", "path": "/gpulab"}}
-        """,
-    ).tag(config=True)
-
-    shared_mount_path = Unicode(
-        SHARED_MOUNT_PATH,
-        help="""Where the shared storage's folders appear in the server (default
-        ``/gpulab/shared``): ``<path>/users/<name>`` and ``<path>/datasets``, also given to the
-        server as ``GPULAB_USER_DIR`` and ``GPULAB_DATASETS_DIR``.""",
-    ).tag(config=True)
-
-    user_subpath_template = Unicode(
-        USER_SUBPATH_TEMPLATE,
-        help="""The user's own folder on the shared storage (a sub-path of it; KubeSpawner's
-        template fields, default ``users/{username}``). Only this folder is writable.""",
-    ).tag(config=True)
-
-    datasets_subpath = Unicode(
-        DATASETS_SUBPATH,
-        help="""The shared datasets folder on the shared storage, mounted read-only (default
-        ``datasets``; '' for none).""",
-    ).tag(config=True)
-
     home_mount_path = Unicode(
         "/home/jovyan",
         help="""Where the user's home volume (KubeSpawner's PVC ``pvc_name``, made when
         ``storage_pvc_ensure``) is mounted; '' to leave volumes to ``volumes`` (default
         ``/home/jovyan``, the Jupyter Docker Stacks' home).""",
-    ).tag(config=True)
-
-    hub_namespace = Unicode(help=HUB_NAMESPACE_HELP).tag(config=True)
-
-    @default("hub_namespace")
-    def _hub_namespace_default(self):
-        return hub_namespace_default()
-
-    allowed_egress = List(Dict(), help=ALLOWED_EGRESS_HELP).tag(config=True)
-    allowed_server_ingress = List(Dict(), help=ALLOWED_SERVER_INGRESS_HELP).tag(config=True)
-
-    gpu_quota_sync_interval = Float(
-        GPU_QUOTA_SYNC_INTERVAL,
-        help=f"""Seconds between two comparisons of the ledger's quotas with the users'
-        ResourceQuotas (default {GPU_QUOTA_SYNC_INTERVAL:g}); an admin's quota edit reaches the
-        cluster within that. The gpulab service's `KubeJobBackend` takes it too.
-        Example: ``c.KubeGPUSpawner.gpu_quota_sync_interval = 10``""",
-    ).tag(config=True)
-
-    kueue = Bool(
-        False,
-        help="""The cluster runs Kueue, which queues and admits gpulab's GPU work (the
-        gpulab service's ``c.KubeJobBackend.kueue`` takes this unless set there; see the
-        deploy guide). A GPU server's pod then carries the person's LocalQueue
-        (``kueue.x-k8s.io/queue-name``): it waits, gated, until Kueue admits it within their
-        quota (the progress page says why it waits; ``start_timeout`` bounds the wait), and
-        the ledger records its GPUs once it runs. Its person's Kueue objects are made from
-        the ledger before the pod. User namespaces get no GPU ResourceQuota (it would refuse
-        the pods of preemptible work that borrows idle GPUs). Default False.
-        Example: ``c.KubeGPUSpawner.kueue = True``""",
-    ).tag(config=True)
-
-    kueue_gpus = Integer(
-        None,
-        allow_none=True,
-        min=0,
-        help="""With ``kueue``: the GPUs gpulab's work may take on the cluster all together
-        (the pool of Kueue's root cohort ``gpulab``, which every person's queues borrow from,
-        each up to their quota). None (default): all GPUs of the cluster's schedulable nodes,
-        counted again as nodes come and go. Set it lower to leave GPUs to work outside gpulab.
-        The gpulab service's job backend takes it from here.
-        Example: ``c.KubeGPUSpawner.kueue_gpus = 16``""",
-    ).tag(config=True)
-
-    kueue_gpu_models = Bool(
-        False,
-        help="""With ``kueue``: split the pool by GPU model (the nodes' label
-        ``nvidia.com/gpu.product``), one ResourceFlavor per model, so that work asking for a
-        model (a profile's or a job's node selector) is admitted only when that model's GPUs
-        are free, and work asking for none is placed on a model that has them; a person's
-        quota then counts the GPUs of every model together as ``gpulab.io/gpus``. Needs this
-        entry in Kueue's configuration (``resources.transformations``)::
-
-            - input: nvidia.com/gpu
-              strategy: Retain
-              outputs: {gpulab.io/gpus: "1"}
-
-        which applies to every workload of the cluster: only for a Kueue that admits
-        gpulab's work alone (another team's ClusterQueues would have to cover
-        ``gpulab.io/gpus`` too). Without it the quota holds per model only. Ignored with
-        ``kueue_gpus`` (a count of any model). Default False: one pool of any model, where
-        work for a model whose nodes are full may be admitted and wait for them.
-        The gpulab service's job backend takes it from here.
-        Example: ``c.KubeGPUSpawner.kueue_gpu_models = True``""",
     ).tag(config=True)
 
     @default("enable_user_namespaces")
@@ -462,15 +266,10 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
         ledger = await asyncio.to_thread(hub_ledger, self.config, self.gpu_assigns_devices)
         quota, source = await asyncio.to_thread(ledger.effective, self.user.name,
                                                 self.user_groups)
-        if (quota is not None and quota.max_per_request is not None
-                and profile.gpus > quota.max_per_request):
-            raise SpawnRefused(409, f"Cannot start with profile '{profile.display_name}': it "
-                               f"asks for {profile.gpus} GPUs and your quota ({source}) allows "
-                               f"at most {quota.max_per_request} per request.")
-        if quota is not None and profile.gpus > quota.max_gpus:
-            raise SpawnRefused(409, f"Cannot start with profile '{profile.display_name}': it "
-                               f"asks for {profile.gpus} GPUs and your quota ({source}) is "
-                               f"{quota.max_gpus}. Choose a smaller profile.")
+        never = never_fits(quota, profile.gpus)
+        if never is not None:
+            raise SpawnRefused(409, f"Cannot start with profile '{profile.display_name}'. "
+                               + never.message(source))
         return ()
 
     def kueue_mirror(self, ledger) -> KueueMirror:
@@ -538,7 +337,7 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSpawner):
     async def _ensure_namespace(self):
         """Create or update the user's namespace (Pod Security labels), then its
         NetworkPolicies and quota (`prepare_user_namespace`, as the job backend does); with
-        Kueue, the person's Kueue objects (`gpulab.spawner.kueuemirror`)."""
+        Kueue, the person's Kueue objects (`gpulab.hub.cluster.kueuemirror`)."""
         # opened by admit_gpus already; the first call would migrate, so not on the loop
         ledger = await asyncio.to_thread(hub_ledger, self.config, self.gpu_assigns_devices)
         try:
@@ -773,7 +572,4 @@ async def _maybe_await(value):
     return value
 
 
-# GPUQuotaMirror, apply_network_policies, effective_max_gpus, api_message, APPLY and
-# FIELD_MANAGER live in gpulab.spawner.namespaces; their names here keep working
-__all__ = ["APPLY", "FIELD_MANAGER", "GPUQuotaMirror", "KubeGPUSpawner", "api_message",
-           "apply_network_policies", "effective_max_gpus", "hub_namespace_default"]
+__all__ = ["KubeGPUSpawner"]

@@ -21,7 +21,7 @@ from jupyterhub.traitlets import ByteSpecification
 from traitlets import (Bool, Callable, Float, Int, List, TraitError, Unicode, Union, default,
                        validate)
 
-from .accounts import (
+from gpulab.hub.machine.accounts import (
     AccountConflict,
     AccountError,
     account_lock,
@@ -33,15 +33,17 @@ from .accounts import (
     server_stem,
     system_username,
 )
-from . import sandbox
-from .userdisk import Disk, DiskError, ensure_disk
-from .cgroups import (Group, default_pids, default_user_processes, limit_user_processes,
+from gpulab.hub.machine import sandbox
+from gpulab.hub.machine.userdisk import Disk, DiskError, ensure_disk
+from gpulab.hub.machine.cgroups import (Group, default_pids, default_user_processes, limit_user_processes,
                       local_cgroups, memory_bytes, person_unit, set_oom_score_adj,
                       share_of_cpus, share_of_memory)
 from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, BadRequest, Ledger, Request
 from gpulab.hub.quota.waiting import GPUQueue, Queue, QueueRefused, queue_of
 
-from .mixin import GPUSpawnerMixin, LineAhead, OptionRefused, SpawnRefused, pid_alive
+from gpulab.hub.machine.processes import pid_alive
+
+from .mixin import GPUSpawnerMixin, LineAhead, OptionRefused, SpawnRefused
 from .profiles import (GPUProfile, OptionError, ProfileError, Selection, gpu_request,
                        merge_overrides)
 from .queuewait import WAIT_KEY, allowed_waits, decide, parse_wait_minutes, progress_message
@@ -59,10 +61,10 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
     """Starts each server as a local process on the GPUs of the profile the user chose.
 
     As root, each hub user's server runs as its own system account (``jupyter-<name>``,
-    `gpulab.spawner.accounts`: an injective mapping, and an account made for another hub user
+    `gpulab.hub.machine.accounts`: an injective mapping, and an account made for another hub user
     is never handed out); otherwise every server runs as the hub's account and users are not
     isolated. As root, every server also runs in a control group of its own
-    (`gpulab.spawner.cgroups`), named by the hub's user id and the server's name and recorded
+    (`gpulab.hub.machine.cgroups`), named by the hub's user id and the server's name and recorded
     in the spawner's state: it enforces the profile's ``cpu_limit`` / ``mem_limit`` (also
     passed as ``CPU_LIMIT`` / ``MEM_LIMIT``) and `pids_limit`, lets the server open only its
     own GPUs' device nodes, and on stop everything in it is killed, whatever the server left
@@ -705,7 +707,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
     @property
     def person_unit(self) -> str:
         """The person-level group every server and replica of this user nests in
-        (`gpulab.spawner.cgroups.person_unit`: ``person-<hub>-<name>``)."""
+        (`gpulab.hub.machine.cgroups.person_unit`: ``person-<hub>-<name>``)."""
         return person_unit(self._hub_tag(), self.user.name)
 
     def _hub_tag(self) -> str:
@@ -1040,7 +1042,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
 
     def _prepare_disk(self, owner, groups: tuple[str, ...]) -> None:
         """Their folder on their own disk of the size their quota's ``disk`` says
-        (`gpulab.spawner.userdisk`), mounted before the server starts; none without a limit."""
+        (`gpulab.hub.machine.userdisk`), mounted before the server starts; none without a limit."""
         size, source = self.gpu_ledger.disk_limit(self.user.name, groups)
         if size is None:
             return

@@ -17,7 +17,6 @@ import copy
 import html
 import inspect
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,14 +24,12 @@ from pathlib import Path
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from tornado import web
 
-from traitlets import Float, Unicode
-from traitlets.config import SingletonConfigurable
-
 from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, DeviceInfo, Ledger, Request
-from gpulab.hub.quota.policy import Quota
+from gpulab.hub.quota.policy import Quota, never_fits
+from gpulab.hub.quota.settings import GPULedger
 
-from .gpuusage import device_usage
-from .inventory import GPU, GPUInventory, gpus_json, model_matches
+from gpulab.hub.machine.gpuusage import device_usage
+from gpulab.hub.machine.inventory import GPU, GPUInventory, gpus_json, model_matches
 from .profiles import (
     UNLISTED_SUFFIX,
     GPUProfile,
@@ -69,35 +66,6 @@ class SpawnRefused(web.HTTPError):
 
 class OptionRefused(SpawnRefused, ValueError):
     """Bad ``user_options`` (400); a ValueError too, as KubeSpawner raises for them."""
-
-
-class GPULedger(SingletonConfigurable):
-    """Where the hub keeps its quota ledger (quotas, GPU allocations, audit trail)."""
-
-    db_url = Unicode(
-        "sqlite:///gpulab.sqlite",
-        help="""SQLAlchemy URL of the quota ledger, shared by the hub and the gpulab service:
-        ``sqlite:///<path>`` (the local default, ``<data-dir>/gpulab.sqlite``) or
-        ``postgresql+psycopg://user:password@host/db`` in production.
-        """,
-    ).tag(config=True)
-
-    pool = Unicode(
-        "local",
-        help="""Name of this hub's GPU pool in the ledger (``local`` for the embedded
-        deployment, ``kubernetes`` for a cluster).""",
-    ).tag(config=True)
-
-    reconcile_interval = Float(
-        60.0,
-        help="""Seconds between two passes of the gpulab service over the open notebook
-        allocations, closing those whose server the hub no longer has (a hub stopped in the
-        middle of a spawn), and over the training jobs, stopping those of people whose hub
-        account was deleted; 0 turns it off. Allocations younger than this (at least 30 s) are
-        left alone.""",
-    ).tag(config=True)
-
-    _ledger: Ledger | None = None
 
 
 @dataclass(frozen=True)
@@ -380,13 +348,9 @@ class GPUSpawnerMixin:
             elif self.gpu_assigns_devices and len(matching) < p.gpus:
                 available = False
                 why = f"this machine has {len(matching)} matching GPU(s)"
-            elif quota is not None and quota.max_per_request is not None \
-                    and p.gpus > quota.max_per_request:
-                available = False
-                why = f"your quota allows {quota.max_per_request} per server or job"
-            elif quota is not None and p.gpus > quota.max_gpus:
+            elif (never := never_fits(quota, p.gpus)) is not None:
                 available = False  # never, whatever is stopped: say so, not "stop something"
-                why = f"more than your quota allows ({quota.max_gpus} at once)"
+                why = never.short()
             elif quota is not None and mine_gpus + p.gpus > quota.max_gpus:
                 available = False
                 why = (f"over your quota ({quota.max_gpus} at once, {mine_gpus} in use: "
@@ -670,20 +634,3 @@ def _option_rows(profile: GPUProfile, saved: dict) -> list[dict]:
 
 def _describe(a: Allocation) -> str:
     return f"server '{a.holder}'" if a.kind == "notebook" else f"job '{a.holder}'"
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists (zombies count as gone); 0 or negative: no process."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True

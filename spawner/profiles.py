@@ -42,8 +42,7 @@ import functools
 import re
 from dataclasses import dataclass, field
 
-GPU_RESOURCE = "nvidia.com/gpu"
-GPU_MODEL_LABEL = "nvidia.com/gpu.product"
+from gpulab.hub.cluster.kubeobjects import GPU_MODEL_LABEL, GPU_RESOURCE
 
 # Override keys that LocalGPUSpawner applies; every other KubeSpawner trait is accepted and
 # only used in Kubernetes mode.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpulab.spawner.accounts import delete_account
+from gpulab.hub.machine.accounts import delete_account
 
 from tests.app.hubctl import Browser, Hub
 

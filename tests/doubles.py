@@ -13,7 +13,7 @@ Index:
   does (rendered as a terminal shows it by `gpulab.extensions.joblog`, or raw).
 - `FakeKubeAPI`: stands in for kubernetes_asyncio's ``CoreV1Api`` and ``NetworkingV1Api`` in
   the unit tests of a user namespace's preparation (tests/unit/test_namespaces.py): it
-  answers the writes `gpulab.spawner.namespaces` makes (server-side apply of a namespace, a
+  answers the writes `gpulab.hub.cluster.namespaces` makes (server-side apply of a namespace, a
   NetworkPolicy, a ResourceQuota; a policy's replacement; a quota's deletion) with what an API
   server would store, keeping the ``spec`` fields another field manager added to a policy
   (``foreign``), and records each call. The real API server (bound by the hub's RBAC) is in

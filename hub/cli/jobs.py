@@ -141,8 +141,8 @@ def export_tfjob(args) -> str:
     from kubespawner.slugs import safe_slug
 
     from gpulab.hub.jobs.spec import JobLimits, SpecError, parse_spec
-    from gpulab.hub.jobs.kubeobjects import (SOURCE_PROGRAM, make_source_configmap, make_tfjob,
-                                   mount_source)
+    from gpulab.hub.jobs.kubeobjects import (SOURCE_PROGRAM, Placement, make_source_configmap,
+                                             make_tfjob, mount_source)
 
     raw = spec_from_args(args)
     try:
@@ -160,12 +160,12 @@ def export_tfjob(args) -> str:
         if not server or not path.startswith("/"):
             raise UsageError(f"--nfs takes SERVER:/PATH, not {args.nfs!r}")
         shared = {"nfs": {"server": server, "path": path}}
-    tfjob = make_tfjob(
-        spec=spec, namespace=ns, user_label=label, image=spec.image or args.default_image,
+    tfjob = make_tfjob(spec, Placement(
+        namespace=ns, user_label=label, image=spec.image or args.default_image,
         program=SOURCE_PROGRAM if spec.source is not None else f"{user_dir}/{spec.script}",
         job_dir=f"{user_dir}/jobs/{spec.name}", user_dir=user_dir, gpu_model=args.gpu_model,
         shared_volume=shared, shared_mount=root, user_subpath=f"users/{label}",
-        datasets_subpath="datasets")
+        datasets_subpath="datasets"))
     docs = [tfjob]
     if spec.source is not None:
         for replica in tfjob["spec"]["tfReplicaSpecs"].values():

@@ -125,7 +125,7 @@ def _refuse_non_root(args) -> int | None:
 
 def hub_outside_service(data_dir: str) -> int | None:
     """The pid of a hub running on `data_dir` that is not gpulab.service's (None: none)."""
-    from gpulab.spawner.mixin import pid_alive
+    from gpulab.hub.machine.processes import pid_alive
 
     try:
         pid = int((Path(data_dir) / "jupyterhub.pid").read_text().strip())

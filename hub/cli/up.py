@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpulab.spawner.mixin import pid_alive
+from gpulab.hub.machine.processes import pid_alive
 
 from gpulab.hub.cli.common import fail
 from gpulab.hub.deploy.datadir import DataDir, DataDirError
@@ -268,7 +268,7 @@ def _gpus_not_enforced(dev: str = "/dev") -> str | None:
 
     if not [p for p in glob.glob(os.path.join(dev, "nvidia*")) if re.fullmatch(r"nvidia\d+", os.path.basename(p))]:
         return None
-    from gpulab.spawner.cgroups import local_cgroups
+    from gpulab.hub.machine.cgroups import local_cgroups
 
     cgroups, why = local_cgroups()
     if cgroups is None:

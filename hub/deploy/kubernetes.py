@@ -25,7 +25,7 @@ from pathlib import Path
 
 from traitlets.config import Config
 
-from gpulab.spawner.kubeobjects import GPULAB_SERVICE_PORT
+from gpulab.hub.cluster.kubeobjects import GPULAB_SERVICE_PORT
 
 from gpulab.hub.deploy.local import gpulab_roles
 from gpulab.hub.deploy.serviceconfig import (SERVICE_CONFIG_NAME, private_folder,
@@ -159,7 +159,7 @@ def kubernetes_config(
 
     from gpulab.hub.jobs.kube import backend_settings
 
-    from gpulab.spawner.mixin import GPULedger
+    from gpulab.hub.quota.settings import GPULedger
 
     limits = GPUJobs(config=c).limits_json()
     settings = gpulab_kube_settings(ledger_url=ledger_url, job_limits=limits,

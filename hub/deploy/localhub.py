@@ -102,7 +102,7 @@ class RefusalLogs(logging.Filter):
 def person_bounds(config: Config, spawner_class=None) -> dict:
     """The person-level bounds and the ``oom_score_adj`` the notebook spawner's settings
     give (``c.LocalGPUSpawner.person_mem_limit`` / ``person_cpu_limit`` / ``oom_score_adj``
-    and the hub's tag, `gpulab.spawner.cgroups.person_unit`), as `JobLimits` fields: the hub
+    and the hub's tag, `gpulab.hub.machine.cgroups.person_unit`), as `JobLimits` fields: the hub
     hands them to the gpulab service with the job limits, so a person's replicas nest in the
     same group, with the same limits, as their servers. A spawner that is not a
     `LocalGPUSpawner` gives none (replicas then have no person-level group)."""
@@ -192,7 +192,7 @@ class GpulabHub(JupyterHub):
     ).tag(config=True)
 
     def _disks_shared(self) -> str | None:
-        """The shared storage whose people's disks this hub mounts (`gpulab.spawner.userdisk`):
+        """The shared storage whose people's disks this hub mounts (`gpulab.hub.machine.userdisk`):
         a `LocalGPUSpawner`'s that isolates people, as root; else None."""
         from gpulab.spawner import LocalGPUSpawner
 
@@ -209,7 +209,7 @@ class GpulabHub(JupyterHub):
         # the last mount (a training job that goes on keeps its own until it ends)
         shared = self._disks_shared()
         if shared:
-            from gpulab.spawner.userdisk import unmount_all
+            from gpulab.hub.machine.userdisk import unmount_all
 
             gone = await asyncio.to_thread(unmount_all, shared)
             if gone:
@@ -220,13 +220,13 @@ class GpulabHub(JupyterHub):
         await super().initialize(*args, **kwargs)
         shared = self._disks_shared()
         if shared:  # every person's disk at their folder before anything of theirs starts
-            from gpulab.spawner.userdisk import mount_all
+            from gpulab.hub.machine.userdisk import mount_all
 
             done = await asyncio.to_thread(mount_all, shared)
             if done:
                 self.log.info("Mounted %d person's disk(s) on %s", len(done), shared)
         # before the proxy and the services start (JupyterHub.start): they inherit it
-        from gpulab.spawner.cgroups import set_oom_score_adj
+        from gpulab.hub.machine.cgroups import set_oom_score_adj
 
         if not set_oom_score_adj(self.oom_score_adj):
             (self.log.warning if os.geteuid() == 0 else self.log.info)(
@@ -364,9 +364,9 @@ class GpulabHub(JupyterHub):
         # reconciles notebook allocations as often as it says
         from gpulab.hub.jobs.spec import GPUJobs
 
-        from gpulab.spawner.mixin import GPULedger
+        from gpulab.hub.quota.settings import GPULedger
 
-        from gpulab.spawner.inventory import GPUInventory
+        from gpulab.hub.machine.inventory import GPUInventory
 
         from gpulab.hub.quota.waiting import GPUQueue
 

@@ -18,7 +18,7 @@ What the unit says, and why:
   crash the same SIGKILL ends the servers left behind, and the restarted hub closes their
   GPU allocations: under systemd a crash is a clean restart, not a resume.
 - ``Delegate=yes``: on cgroup v2 the service's group is gpulab's to divide; the servers' and
-  replicas' groups go inside it (`gpulab.spawner.delegation`), so that they are part of the
+  replicas' groups go inside it (`gpulab.hub.machine.delegation`), so that they are part of the
   service (``systemctl stop`` and ``systemd-cgtop`` see them) rather than at the top of the
   hierarchy, where systemd does not expect anyone.
 - ``TasksMax=infinity``: everybody's servers and replicas are processes of this one unit;

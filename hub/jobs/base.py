@@ -66,6 +66,16 @@ class JobError(Exception):
             self.status = status
 
 
+class JobNotFound(JobError):
+    """The person has no job of that name (the service answers 404)."""
+
+    status = 404
+
+    def __init__(self, name: str):
+        super().__init__(f"You have no job named '{name}'.", 404, "name")
+        self.name = name
+
+
 def job_view(job: JobRow, replicas: list[ReplicaRow]) -> dict:
     """The view of a job the API, the CLI and the notebook client show (without progress)."""
     spec = json.loads(job.spec)
@@ -101,7 +111,9 @@ def add_restart(r: ReplicaRow, record: dict) -> None:
 
 
 class JobBackend:
-    """The job workflow the service calls; a driver subclass fills the hooks below.
+    """The job workflow the service calls; a driver subclass fills the hooks below
+    (``# -- hooks a driver fills``) and overrides none of the workflow's methods (`WORKFLOW`,
+    each of which says so), as oauthenticator's ``OAuthenticator`` keeps its ``authenticate``.
 
     The service's calls: ``async submit(user, groups, spec) -> view``; ``list(user | None)``
     and ``get(user, name) -> view | None`` (sync: the service runs them in a thread);
@@ -109,6 +121,15 @@ class JobBackend:
     (bytes, size, done)``; ``async stop(user, name, actor) -> view``; ``recover()`` at
     start-up; ``ensure_supervisor()`` (with a running event loop); ``async shutdown()``.
     """
+
+    #: the workflow's methods, which drivers do not override (each says so;
+    #: tests/unit/test_driver_boundary.py checks the drivers): a driver fills the hooks
+    WORKFLOW = ('submit', 'list', 'get', 'view', 'detail', 'read_log', 'read_log_text', 'stop',
+                'recover', 'shutdown', 'ensure_supervisor', 'active_owners', '_setup_workflow',
+                '_with_places', '_check_new_name', '_check_replica_bound', '_admit_and_record',
+                '_admit_or_queue', '_launch_or_undo', '_undo', '_supervise_round',
+                '_supervise_forever', '_active_to_supervise', '_queue_pass', '_start_queued',
+                '_preempt', '_finish')
 
     #: the backend's name in the job rows (``local``, ``kubernetes``)
     name = ""
@@ -125,7 +146,8 @@ class JobBackend:
 
     def _setup_workflow(self, ledger: Ledger, queue: Queue | None = None) -> None:
         """The workflow's state; a driver's ``__init__`` calls it. With a `queue`, GPU work
-        that does not fit now waits in it (Queued) instead of being refused."""
+        that does not fit now waits in it (Queued) instead of being refused.
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
         self.ledger = ledger
         self.queue = queue
         self.store = JobStore(ledger, self.name)
@@ -200,16 +222,31 @@ class JobBackend:
         """A job's view; ``detail``: for one job (``get``), not the list."""
         return job_view(job, replicas)
 
+    async def _detail(self, view: dict) -> dict:
+        """One job's view (`get`'s) with what only someone looking at it is worth fetching
+        (`detail`; the Kubernetes driver: its progress, from the lead replica's log)."""
+        return view
+
+    def _admission(self, req: Request, spec: JobSpec) -> Allocation | None:
+        """The admission choice at submit (in a worker thread, submits serialized): the job's
+        allocation now, or None: it is recorded Queued (raise `AdmissionRefused` to refuse
+        it). Default: gpulab's ledger and queue (`_admit_or_queue`). The Kueue driver's:
+        always Queued (Kueue admits it), refused only when it could never fit the quota."""
+        return self._admit_or_queue(req, spec)
+
     # -- queries -------------------------------------------------------------------------
 
     def list(self, user: str | None = None) -> list[dict]:
+        """Drivers should not override this method (the workflow's; they fill the hooks)."""
         return self._with_places([self._view(j, reps) for j, reps in self.store.all(user)])
 
     def active_owners(self) -> list[tuple[str, str]]:
-        """``(user, name)`` of every job not yet final, waiting ones too (sync)."""
+        """``(user, name)`` of every job not yet final, waiting ones too (sync).
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
         return self.store.active_owners()
 
     def get(self, user: str, name: str) -> dict | None:
+        """Drivers should not override this method (the workflow's; they fill the hooks)."""
         job, replicas = self.store.find(user, name)
         if job is None:
             return None
@@ -218,7 +255,8 @@ class JobBackend:
 
     def _with_places(self, views: list[dict]) -> list[dict]:
         """Queued jobs' views with where they stand (``queue``: position, estimated start,
-        the work ahead, why they wait), computed now from the whole line."""
+        the work ahead, why they wait), computed now from the whole line.
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
         queued = [v for v in views if v["state"] == "Queued"]
         if not queued or self.queue is None:
             return views
@@ -232,17 +270,29 @@ class JobBackend:
                 v["reason"] = e.reason
         return views
 
+    async def view(self, user: str, name: str) -> dict:
+        """One job's view for someone looking at it (`detail`); `JobNotFound` if there is
+        no such job.
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
+        view = await self.detail(user, name)
+        if view is None:
+            raise JobNotFound(name)
+        return view
+
     async def detail(self, user: str, name: str) -> dict | None:
         """One job's view for someone looking at it (``GET jobs/<name>``): `get`, plus what
-        only such a look is worth fetching (a driver may override it)."""
-        return await asyncio.to_thread(self.get, user, name)
+        only such a look is worth fetching (the driver's `_detail`); None: no such job.
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
+        view = await asyncio.to_thread(self.get, user, name)
+        return None if view is None else await self._detail(view)
 
     async def read_log(self, user: str, name: str, replica: str, offset: int = 0,
                        limit: int = 1 << 20) -> tuple[bytes, int, bool]:
-        """(up to ``limit`` bytes of a replica's log from ``offset``, its size, job finished)."""
+        """(up to ``limit`` bytes of a replica's log from ``offset``, its size, job finished).
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
         job, replicas = await asyncio.to_thread(self.store.find, user, name)
         if job is None:
-            raise JobError(f"You have no job named '{name}'.", 404)
+            raise JobNotFound(name)
         names = [f"{r.role}-{r.index}" for r in replicas]
         if replica not in names:
             raise JobError(f"Job '{name}' has no replica '{replica}'; it has "
@@ -258,7 +308,8 @@ class JobBackend:
         the line still open at ``offset`` (at most `LINE_BACK` before it), so that a line
         redrawn across reads comes whole, in its newest state, and the reader replaces its
         own open line with it; ``offset``: where to ask next; ``size``; ``done``. With
-        ``raw``: the bytes from ``offset`` as they are (``from`` == ``offset``)."""
+        ``raw``: the bytes from ``offset`` as they are (``from`` == ``offset``).
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
         back = 0 if raw else min(offset, LINE_BACK)
         data, size, done = await self.read_log(user, name, replica, offset - back, limit + back)
         before, data = data[:back], data[back:]
@@ -272,13 +323,15 @@ class JobBackend:
     # -- submit --------------------------------------------------------------------------
 
     def _check_new_name(self, user: str, name: str) -> None:
+        """Drivers should not override this method (the workflow's; they fill the hooks)."""
         if self.store.name_taken(user, name):
             raise JobError(f"name: you already have a job named '{name}' (jobs are "
                            "kept as history); choose another name.", 409, "name")
 
     def _check_replica_bound(self, user: str, spec: JobSpec) -> None:
         """Refuse a job that would take `user`'s active replicas (all backends, all their
-        jobs) over ``max_replicas_per_user``. Called where admissions are serialized."""
+        jobs) over ``max_replicas_per_user``. Called where admissions are serialized.
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
         bound = self.limits.max_replicas_per_user
         if not bound:
             return
@@ -293,12 +346,13 @@ class JobBackend:
                           prepared: Any) -> tuple[str, Allocation]:
         """The name rule, the replica bound, the admission and the rows (in a thread, under
         ``_admitting``): a second submit of one name is told so, not refused GPUs, and
-        concurrent submits of one person cannot pass the bound together."""
+        concurrent submits of one person cannot pass the bound together.
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
         self._check_new_name(user, spec.name)
         self._check_replica_bound(user, spec)
         req = Request(user=user, kind="job", holder=spec.name, gpus=spec.total_gpus,
                       groups=groups, max_runtime=spec.max_runtime)
-        allocation = self._admit_or_queue(req, spec)
+        allocation = self._admission(req, spec)
         job_id = uuid.uuid4().hex
         try:
             self.store.record(job_id=job_id, user=user, spec=spec, allocation=allocation,
@@ -318,7 +372,8 @@ class JobBackend:
     def _admit_or_queue(self, req: Request, spec: JobSpec) -> Allocation | None:
         """The whole job's GPUs in one transaction (the ledger's refusal reaches the service
         as it is), or, with a queue, None: the job waits in line. Nobody jumps the line: while
-        anyone waits, new GPU work queues behind them (or, with ``wait: false``, is refused)."""
+        anyone waits, new GPU work queues behind them (or, with ``wait: false``, is refused).
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
         if self.queue is None or req.gpus == 0:
             return self.ledger.admit(req)
         waiting = self.queue.waiting_count()
@@ -345,6 +400,7 @@ class JobBackend:
     async def submit(self, user: str, groups: tuple[str, ...], spec: JobSpec) -> dict:
         # a spec without a time limit gets the operator's default (``c.GPUJobs``), enforced
         # as an explicit one is, and counted by the queue's estimates
+        """Drivers should not override this method (the workflow's; they fill the hooks)."""
         spec = self.limits.with_time_limit(spec)
         prepared = await self._prepare(user, groups, spec)
         async with self._admitting:
@@ -365,7 +421,8 @@ class JobBackend:
 
     async def _launch_or_undo(self, job_id: str, allocation_id: str | None, user: str, groups,
                               spec: JobSpec, prepared: Any, keep: bool) -> None:
-        """`_launch` (with the lock held); if it raises, `_undo` and raise the person's error."""
+        """`_launch` (with the lock held); if it raises, `_undo` and raise the person's error.
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
         try:
             await self._launch(job_id, user, groups, spec, prepared)
         except BaseException as e:
@@ -381,7 +438,8 @@ class JobBackend:
                     why: str, keep: bool = False) -> None:
         """Everything a submit did after admission, undone (the one place for it): the
         driver's leftovers, then the rows (or the job kept as Failed) and its GPUs. The job's
-        folder stays (it is the person's, and may have been there before)."""
+        folder stays (it is the person's, and may have been there before).
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
         try:
             await self._unlaunch(job_id, user, spec)
         except Exception:
@@ -403,12 +461,14 @@ class JobBackend:
     # -- supervision ---------------------------------------------------------------------
 
     def ensure_supervisor(self) -> None:
+        """Drivers should not override this method (the workflow's; they fill the hooks)."""
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._supervise_forever())
 
     async def _supervise_round(self) -> bool:
         """One round under the lock: the queue's pass, then the supervision pass; whether
-        there is more to supervise."""
+        there is more to supervise.
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
         async with self._lock:
             if self.queue is not None:
                 await self._queue_pass()
@@ -418,6 +478,7 @@ class JobBackend:
         return more
 
     async def _supervise_forever(self) -> None:
+        """Drivers should not override this method (the workflow's; they fill the hooks)."""
         await self._start_supervising()
         while True:
             # each round a task of its own, which `shutdown` lets finish: a cancel would stop
@@ -435,8 +496,12 @@ class JobBackend:
             await asyncio.sleep(self.supervise_interval)
 
     def _active_to_supervise(self) -> list[str]:
-        """The started jobs of this backend (not Queued) that no submit is launching now."""
-        return [j for j in self.store.active_ids(started=True) if j not in self._launching]
+        """The active jobs of this backend that no submit is launching now: the started ones
+        (not Queued), or with ``launches_queued`` the Queued ones too (the cluster's queue,
+        not a gpulab pass, admits them).
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
+        return [j for j in self.store.active_ids(started=not self.launches_queued)
+                if j not in self._launching]
 
     # -- the queue -----------------------------------------------------------------------
 
@@ -445,7 +510,8 @@ class JobBackend:
         brought in line with the queue's state: a Queued job whose entry was admitted starts,
         a running job whose entry is being preempted stops and waits again. The pass that
         admitted or preempted may have been another process's (the hub runs passes while a
-        notebook waits): the queue's rows, not one pass's answer, say what to do."""
+        notebook waits): the queue's rows, not one pass's answer, say what to do.
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
         await asyncio.to_thread(self.queue.schedule)
         entries = await asyncio.to_thread(self.queue.holders, "job")
         if not entries:
@@ -469,6 +535,7 @@ class JobBackend:
                     await self._preempt(allocation, entry.reason)
 
     async def _start_queued(self, entry: Entry, allocation: Allocation) -> None:
+        """Drivers should not override this method (the workflow's; they fill the hooks)."""
         job, _ = await asyncio.to_thread(self.store.find, entry.user, entry.holder)
         if job is None or job.state != "Queued":  # stopped meanwhile: the GPUs go back
             await asyncio.to_thread(self.ledger.release, allocation.id, "job no longer waits")
@@ -495,7 +562,8 @@ class JobBackend:
     async def _preempt(self, allocation: Allocation, why: str) -> None:
         """Stop a preemptible job that borrowed GPUs (SIGTERM first, so that it can save),
         and put it back in line: it resumes from its last checkpoint when it starts again.
-        ``why``: the queue's words for its owner ("Preempted: …")."""
+        ``why``: the queue's words for its owner ("Preempted: …").
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
         job, reps = await asyncio.to_thread(self.store.find, allocation.user, allocation.holder)
         entry = await asyncio.to_thread(self.queue.of_holder, allocation.user, "job",
                                         allocation.holder)
@@ -516,10 +584,11 @@ class JobBackend:
 
     async def stop(self, user: str, name: str, actor: str | None = None,
                    reason: str | None = None) -> dict:
-        """Stop a job (its reason: ``stopped by <actor>``, or `reason`)."""
+        """Stop a job (its reason: ``stopped by <actor>``, or `reason`).
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
         view = await asyncio.to_thread(self.get, user, name)
         if view is None:
-            raise JobError(f"No job '{name}'.", 404)
+            raise JobNotFound(name)
         if view["state"] in FINAL:
             return view
         async with self._lock:  # no supervision pass restarts what is being stopped
@@ -531,7 +600,8 @@ class JobBackend:
     def _finish(self, job_id: str, state: str, reason: str, at: float | None = None) -> None:
         """End a job (sync; in a thread): first the driver frees what it held (processes'
         groups, sandboxes), then the job is final and its GPUs free in one commit (``at``:
-        when it ended, default now)."""
+        when it ended, default now).
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
         job, _ = self.store.read(job_id)
         if job is None or job.state in FINAL:
             return
@@ -543,7 +613,8 @@ class JobBackend:
 
     def recover(self) -> None:
         """At start-up (sync): the driver's re-adoption, then the allocations of jobs that no
-        longer run (e.g. the service died between admission and the rows) are closed."""
+        longer run (e.g. the service died between admission and the rows) are closed.
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
         self._recover_active()
         keep = set(self.store.active_allocations())
         if self.queue is not None:  # admitted by a pass, not started yet: `_queue_pass` will
@@ -552,7 +623,8 @@ class JobBackend:
         self.ledger.close_orphans("job", keep, "job gone at service start-up")
 
     async def shutdown(self) -> None:
-        """Stop supervising; the jobs keep running (a restarted service picks them up)."""
+        """Stop supervising; the jobs keep running (a restarted service picks them up).
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()

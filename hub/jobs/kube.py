@@ -65,7 +65,7 @@ from kubernetes_asyncio.client.rest import ApiException
 from kubespawner.clients import load_config, shared_client
 from kubespawner.reflector import MultiNamespaceResourceReflector
 from kubespawner.slugs import safe_slug
-from traitlets import Bool, Dict, Float, Integer, List, Unicode, Union, default
+from traitlets import Dict, Float, Integer, List, Unicode, Union
 from traitlets.config import LoggingConfigurable
 
 from gpulab.extensions.contract import (
@@ -74,22 +74,15 @@ from gpulab.extensions.contract import (
     EXIT_PROGRAM,
     FINAL,
 )
-from gpulab.spawner.kube import (
-    ALLOWED_EGRESS_HELP,
-    ALLOWED_SERVER_INGRESS_HELP,
-    HUB_NAMESPACE_HELP,
-    api_message,
-    hub_namespace_default,
-)
-from gpulab.spawner.kubeobjects import parse_quota_refusal
-from gpulab.spawner.namespaces import (
-    DEFAULT_CONTAINER_LIMITS,
-    DEFAULT_CONTAINER_REQUESTS,
-    GPU_QUOTA_SYNC_INTERVAL,
+from gpulab.hub.cluster.settings import KubeSettings
+from gpulab.hub.cluster.kubeobjects import parse_quota_refusal
+from gpulab.hub.cluster.namespaces import (
+    USER_NAMESPACE_TEMPLATE,
     NamespaceSettingsError,
+    api_message,
     prepare_user_namespace,
 )
-from gpulab.spawner.profiles import GPU_MODEL_LABEL, GPU_RESOURCE
+from gpulab.hub.cluster.kubeobjects import GPU_MODEL_LABEL, GPU_RESOURCE
 
 from gpulab.extensions.contract import last_progress
 from gpulab.extensions.joblog import restart_record, signal_name
@@ -103,6 +96,7 @@ from gpulab.hub.jobs.kubeobjects import (
     ROLE_LABEL,
     SELECTOR,
     SOURCE_PROGRAM,
+    Placement,
     make_job_network_policy,
     make_source_configmap,
     make_training_job_objects,
@@ -114,7 +108,9 @@ from gpulab.hub.quota.ledger import Allocation, Ledger
 
 log = logging.getLogger("gpulab.jobs.kube")
 
-_LABELS = dict(kv.split("=") for kv in SELECTOR.split(","))
+#: the labels of everything a training job is made of, which the shared watches select
+#: (published for `gpulab.hub.jobs.kueue`'s watches too)
+JOB_LABELS = dict(kv.split("=") for kv in SELECTOR.split(","))
 #: how much of the lead replica's log end a progress read fetches
 PROGRESS_TAIL_LINES = 200
 
@@ -125,7 +121,9 @@ class _JobReflector(MultiNamespaceResourceReflector):
     list_method_name = "list_job_for_all_namespaces"
 
 
-class _PodReflector(MultiNamespaceResourceReflector):
+class PodReflector(MultiNamespaceResourceReflector):
+    """The shared watch of the replicas' pods (of every driver on Kubernetes)."""
+
     kind = "pods"
 
 
@@ -213,7 +211,7 @@ def pod_restarts(pods: list[dict], *, gpus: int = 0, model: str | None = None) -
             why = f"killed by {signal_name(code)}"
         term = (((old["status"].get("containerStatuses") or [{}])[0].get("state") or {})
                 .get("terminated") or {})
-        at = (_ts(new["metadata"].get("creationTimestamp")) or _ts(term.get("finishedAt"))
+        at = (k8s_time(new["metadata"].get("creationTimestamp")) or k8s_time(term.get("finishedAt"))
               or 0.0)
         out.append(restart_record(restart=len(out) + 1, at=at, exit_code=code, reason=why,
                                   oom_killed=term.get("reason") == "OOMKilled",
@@ -248,31 +246,27 @@ def _unschedulable_since(pod: dict) -> float | None:
     for c in pod.get("status", {}).get("conditions") or []:
         if (c.get("type") == "PodScheduled" and c.get("status") == "False"
                 and c.get("reason") == "Unschedulable"):
-            return _ts(pod["metadata"].get("creationTimestamp"))
+            return k8s_time(pod["metadata"].get("creationTimestamp"))
     return None
 
 
-def _ts(value: str | None) -> float | None:
+def k8s_time(value: str | None) -> float | None:
+    """A Kubernetes timestamp (``2024-01-02T03:04:05Z``) in seconds since the epoch (None
+    where there is none; ValueError where it cannot be read)."""
     if not value:
         return None
     return float(calendar.timegm(time.strptime(value, "%Y-%m-%dT%H:%M:%SZ")))
 
 
-#: settings a KubeJobBackend takes from KubeGPUSpawner's unless set on KubeJobBackend itself
-SHARED_WITH_SPAWNER = {"namespace_template": "user_namespace_template",
-                       "shared_volume": "shared_volume", "shared_mount_path": "shared_mount_path",
-                       "user_subpath_template": "user_subpath_template",
-                       "datasets_subpath": "datasets_subpath",
-                       "pod_security_level": "pod_security_level",
-                       "hub_namespace": "hub_namespace", "allowed_egress": "allowed_egress",
-                       "allowed_server_ingress": "allowed_server_ingress",
-                       "server_port": "port", "server_component": "component_label",
-                       "gpu_quota_sync_interval": "gpu_quota_sync_interval",
-                       "kueue": "kueue", "kueue_gpus": "kueue_gpus",
-                       "kueue_gpu_models": "kueue_gpu_models",
-                       "default_container_limits": "default_container_limits",
-                       "default_container_requests": "default_container_requests",
-                       "node_selector": "node_selector", "tolerations": "tolerations"}
+#: KubeSpawner's own settings a KubeJobBackend takes from KubeGPUSpawner's (under its own
+#: names) unless set on KubeJobBackend itself
+FROM_KUBESPAWNER = {"namespace_template": "user_namespace_template", "server_port": "port",
+                    "server_component": "component_label", "node_selector": "node_selector",
+                    "tolerations": "tolerations"}
+#: every setting a KubeJobBackend takes from KubeGPUSpawner's unless set on KubeJobBackend
+#: itself: those both inherit from `KubeSettings` (one name), and KubeSpawner's own above
+SHARED_WITH_SPAWNER = {**{name: name for name in sorted(KubeSettings.class_own_traits(config=True))},
+                       **FROM_KUBESPAWNER}
 #: the environment variable the gpulab service falls back to for these settings when its
 #: config file has no ``GpulabService.kube_jobs`` (the hub writes them there)
 SETTINGS_ENV = "GPULAB_KUBE_JOBS"
@@ -284,7 +278,8 @@ def backend_settings(config) -> str:
     with ``c.KubeGPUSpawner`` filled from there (one namespace, quota and folder per user)."""
     ours = dict(config.get("KubeJobBackend", {}))
     ours.update(config.get("KueueJobBackend", {}))  # its own settings (queues, CPU, memory)
-    spawner = config.get("KubeGPUSpawner", {})
+    # the spawner's values as traitlets gives them to it: its own section over the shared one
+    spawner = {**config.get("KubeSettings", {}), **config.get("KubeGPUSpawner", {})}
     if "kueue" in ours and bool(ours["kueue"]) != bool(spawner.get("kueue", False)):
         # one switch: the spawner's pods and the backend's jobs in the same queues, and no
         # GPU ResourceQuota made by one and removed by the other
@@ -302,13 +297,14 @@ def backend_settings(config) -> str:
     return json.dumps(ours, sort_keys=True)
 
 
-class KubeJobBackend(JobBackend, LoggingConfigurable):
+class KubeJobBackend(JobBackend, KubeSettings, LoggingConfigurable):
     """Training jobs on Kubernetes: pods of Indexed Jobs in each user's namespace.
 
     Use it in the gpulab service with the hub's ServiceAccount bound by
-    ``helm-values/rbac.yaml``; its namespace and shared-storage settings must match
-    `gpulab.spawner.kube.KubeGPUSpawner`'s so that a user's notebook and jobs share a
-    namespace, a quota and their folders.
+    ``helm-values/rbac.yaml``. Its namespace and shared-storage settings are `KubeSettings`,
+    which `gpulab.spawner.kube.KubeGPUSpawner` shares (the hub hands the spawner's to the
+    service, `backend_settings`), so that a user's notebook and jobs share a namespace, a
+    quota and their folders.
     """
 
     name = "kubernetes"
@@ -317,7 +313,7 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         Container image of the replicas when the spec names none (a spec may name one of
         ``c.GPUJobs.allowed_images``). Example: ``c.KubeJobBackend.image = "gpulab/singleuser:1"``
         """).tag(config=True)
-    namespace_template = Unicode("gpulab-{username}", help="""
+    namespace_template = Unicode(USER_NAMESPACE_TEMPLATE, help="""
         The user's namespace; ``{username}`` is KubeSpawner's safe slug of the user name. Must
         equal ``c.KubeGPUSpawner.user_namespace_template`` (default ``gpulab-{username}``).
         """).tag(config=True)
@@ -325,44 +321,6 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         GPU model (node label ``nvidia.com/gpu.product``) of the replicas that have GPUs; None
         (default): any GPU node. Example: ``c.KubeJobBackend.gpu_model = "NVIDIA-H100"``
         """).tag(config=True)
-    pod_security_level = Unicode("baseline", help="""
-        Pod Security level of user namespaces the backend creates (as KubeGPUSpawner's
-        ``pod_security_level``; default ``baseline``).""").tag(config=True)
-    default_container_limits = Dict(DEFAULT_CONTAINER_LIMITS, help="""
-        The LimitRange defaults of user namespaces the backend prepares (as KubeGPUSpawner's
-        ``default_container_limits``, from where the hub takes it): what a replica whose role
-        sets no ``cpu`` / ``memory`` may use.""").tag(config=True)
-    default_container_requests = Dict(DEFAULT_CONTAINER_REQUESTS, help="""
-        As KubeGPUSpawner's ``default_container_requests`` (from where the hub takes it).
-        """).tag(config=True)
-    shared_volume = Dict(None, allow_none=True, help="""
-        The shared ReadWriteMany storage as a pod volume source (as KubeGPUSpawner's); ``{}``
-        (default): none (then ``source`` specs work and ``script`` paths are inside the
-        image). Example: ``c.KubeJobBackend.shared_volume = {"nfs": {"server": "nfs", "path": "/gpulab"}}``
-        """).tag(config=True)
-    shared_mount_path = Unicode("/gpulab/shared", help="""
-        Where the shared storage appears in replicas (default ``/gpulab/shared``).""").tag(
-        config=True)
-    user_subpath_template = Unicode("users/{username}", help="""
-        The user's folder on the shared storage (default ``users/{username}``); jobs run in
-        ``<folder>/jobs/<job>``.""").tag(config=True)
-    datasets_subpath = Unicode("datasets", help="""
-        The read-only datasets folder on the shared storage (default ``datasets``; empty:
-        none).""").tag(config=True)
-    hub_namespace = Unicode(help=HUB_NAMESPACE_HELP + """
-        (KubeJobBackend: taken from ``c.KubeGPUSpawner.hub_namespace`` unless set here.)""").tag(
-        config=True)
-
-    @default("hub_namespace")
-    def _hub_namespace_default(self):
-        return hub_namespace_default()
-
-    allowed_egress = List(Dict(), help=ALLOWED_EGRESS_HELP + """
-        (KubeJobBackend: taken from ``c.KubeGPUSpawner.allowed_egress`` unless set here.)""").tag(
-        config=True)
-    allowed_server_ingress = List(Dict(), help=ALLOWED_SERVER_INGRESS_HELP + """
-        (KubeJobBackend: taken from ``c.KubeGPUSpawner.allowed_server_ingress`` unless set
-        here; it prepares the namespace's policies too.)""").tag(config=True)
     server_port = Integer(8888, help="""
         The notebook servers' port, which the servers' NetworkPolicy opens to the hub and the
         proxy. Taken from ``c.KubeGPUSpawner.port`` (KubeSpawner's trait, default 8888): the
@@ -391,32 +349,8 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         no API request unless something must be done).""").tag(config=True)
     node_cache_seconds = Float(30.0, help="""
         Seconds a list of the nodes (GPU capacity) is reused (default 30).""").tag(config=True)
-    gpu_quota_sync_interval = Float(GPU_QUOTA_SYNC_INTERVAL, help=f"""
-        Seconds between two comparisons of the ledger's quotas with the users' ResourceQuotas
-        (default {GPU_QUOTA_SYNC_INTERVAL:g}); an admin's quota edit reaches the cluster within
-        that. Taken from ``c.KubeGPUSpawner.gpu_quota_sync_interval`` unless set here.
-        Example: ``c.KubeJobBackend.gpu_quota_sync_interval = 10``""").tag(config=True)
     request_timeout = Float(30.0, help="Seconds an API request may take (default 30).").tag(
         config=True)
-    kueue = Bool(False, help="""
-        Queue and admit jobs with Kueue (the cluster runs Kueue v0.17 and JobSet v0.11, see
-        the deploy guide): each job is one JobSet in the person's LocalQueue, admitted whole
-        when their quota allows, and the ledger follows Kueue's admissions
-        (`gpulab.hub.jobs.kueue.KueueJobBackend`). False (default): Indexed Jobs, admitted by
-        the ledger after a capacity check. Taken from ``c.KubeGPUSpawner.kueue`` unless set
-        here. Example: ``c.KubeJobBackend.kueue = True``""").tag(config=True)
-    kueue_gpus = Integer(None, allow_none=True, min=0, help="""
-        With ``kueue``: the GPUs gpulab's work may take on the cluster all together (Kueue's
-        root cohort ``gpulab``); None (default): all GPUs of the schedulable nodes. Taken from
-        ``c.KubeGPUSpawner.kueue_gpus``; set it there (the hub's quota mirror writes the same
-        pool): a different value here is refused. Example: ``c.KubeGPUSpawner.kueue_gpus = 16``
-        """).tag(config=True)
-    kueue_gpu_models = Bool(False, help="""
-        With ``kueue``: the pool split by GPU model, the quota counted as ``gpulab.io/gpus``
-        (needs Kueue's resource transformation: see ``c.KubeGPUSpawner.kueue_gpu_models``).
-        Default False. Taken from ``c.KubeGPUSpawner.kueue_gpu_models``; set it there (the
-        hub's quota mirror writes the same pool): a different value here is refused.
-        Example: ``c.KubeGPUSpawner.kueue_gpu_models = True``""").tag(config=True)
     progress_cache_seconds = Float(5.0, help="""
         Seconds a job's progress, read from its lead replica's log when someone looks at the
         job, is reused (default 5): one log request per watched job and period, none for jobs
@@ -441,7 +375,7 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         self._ready_ns: set[str] = set()
         self._nodes: tuple[float, list[dict]] = (0.0, [])
         self._jobs_r: _JobReflector | None = None
-        self._pods_r: _PodReflector | None = None
+        self._pods_r: PodReflector | None = None
         self._started = asyncio.Lock()
         self._deleted: set[tuple[str, str]] = set()
         self.api_requests = 0  # requests made outside the shared watches (bench/k8s_jobs.py)
@@ -469,8 +403,8 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         async with self._started:
             if self._jobs_r is None:
                 load_config()
-                jobs = _JobReflector(labels=_LABELS, parent=self)
-                pods = _PodReflector(labels=_LABELS, parent=self)
+                jobs = _JobReflector(labels=JOB_LABELS, parent=self)
+                pods = PodReflector(labels=JOB_LABELS, parent=self)
                 await jobs.start()
                 await pods.start()
                 self._jobs_r, self._pods_r = jobs, pods
@@ -514,11 +448,8 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
         view["namespace"] = self.namespace_of(job.user)
         return view
 
-    async def detail(self, user: str, name: str) -> dict | None:
-        """`get`, with the job's progress from its lead replica's log (cached)."""
-        view = await asyncio.to_thread(self.get, user, name)
-        if view is None:
-            return None
+    async def _detail(self, view: dict) -> dict:
+        """The job's progress, from its lead replica's log (cached)."""
         view["progress"] = await self._read_progress(view)
         return view
 
@@ -708,31 +639,34 @@ class KubeJobBackend(JobBackend, LoggingConfigurable):
             return f"not allowed by the cluster: {msg}"
         return msg
 
-    def _object_args(self, user: str, spec: JobSpec, ns: str, user_dir: str, job_dir: str) -> dict:
-        """The arguments of the job's object builders (`gpulab.hub.jobs.kubeobjects`)."""
+    def _placement(self, user: str, spec: JobSpec, ns: str, user_dir: str,
+                   job_dir: str) -> Placement:
+        """Where the job's replicas run (`gpulab.hub.jobs.kubeobjects.Placement`), for its
+        object builders."""
         if spec.source is not None:
             program = SOURCE_PROGRAM
         elif self.shared_volume:
             program = f"{user_dir}/{spec.script}"
         else:
             program = spec.script
-        return dict(spec=spec, namespace=ns, user_label=self.user_label(user),
-                    image=spec.image or self.image, program=program, job_dir=job_dir,
-                    user_dir=user_dir, gpu_model=self.gpu_model,
-                    shared_volume=self.shared_volume, shared_mount=self.shared_mount_path,
-                    user_subpath=self._expand(self.user_subpath_template, user),
-                    datasets_subpath=self.datasets_subpath or None,
-                    node_selector=self.node_selector or None, tolerations=self.tolerations or None)
+        return Placement(namespace=ns, user_label=self.user_label(user),
+                         image=spec.image or self.image, program=program, job_dir=job_dir,
+                         user_dir=user_dir, gpu_model=self.gpu_model,
+                         shared_volume=self.shared_volume, shared_mount=self.shared_mount_path,
+                         user_subpath=self._expand(self.user_subpath_template, user),
+                         datasets_subpath=self.datasets_subpath or None,
+                         node_selector=self.node_selector or None,
+                         tolerations=self.tolerations or None)
 
     async def _create_objects(self, user, groups, spec: JobSpec, ns, user_dir, job_dir) -> None:
         await self._ensure_namespace(user, groups)
-        common = self._object_args(user, spec, ns, user_dir, job_dir)
-        service = make_training_job_objects(**common)[0]
+        where = self._placement(user, spec, ns, user_dir, job_dir)
+        service = make_training_job_objects(spec, where)[0]
         self.api_requests += 1
         created = await self.core.create_namespaced_service(
             ns, service, _request_timeout=self.request_timeout)
         uid = created.metadata.uid
-        objects = make_training_job_objects(**common, parent_uid=uid)[1:]
+        objects = make_training_job_objects(spec, where, parent_uid=uid)[1:]
         policy = make_job_network_policy(job=spec.name, namespace=ns,
                                          user_label=self.user_label(user), parent_uid=uid)
         creating = [self.networking.create_namespaced_network_policy(

@@ -21,7 +21,7 @@ that the kubelet's ``$(VAR)`` expansion hands the replica exactly what was writt
 
 `make_job_network_policy` is the job's NetworkPolicy: its replicas accept connections from,
 and open them to, the replicas of the same job only (beside the user namespace's own
-policies, `gpulab.spawner.kubeobjects.make_user_network_policies`, which refuse every other
+policies, `gpulab.hub.cluster.kubeobjects.make_user_network_policies`, which refuse every other
 ingress). A TF server runs any graph it is sent, so nothing but its own job may reach it.
 
 Labels (``kubectl get jobs,pods,svc -l gpulab.io/job=<job>``): ``gpulab.io/user``,
@@ -33,7 +33,7 @@ Pods: restart policy ``Never`` (a failed replica is replaced by the Job controll
 ``backoffLimit`` = the spec's ``retries``; `pod_failure_policy` says which failures are not
 retried), ``activeDeadlineSeconds`` = ``max_runtime``, the GPU
 limit, toleration and model node selector on roles with GPUs, the user's shared folders as in
-notebooks (`gpulab.spawner.kubeobjects.server_pod_settings`), no service-account token, no
+notebooks (`gpulab.hub.cluster.kubeobjects.server_pod_settings`), no service-account token, no
 privilege escalation, no host paths.
 
 `make_tfjob` renders the same job as a Kubeflow ``TFJob`` (``kubeflow.org/v1``) for clusters
@@ -44,12 +44,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from gpulab.spawner.kubeobjects import (MANAGED_BY, USER_LABEL, escape_expansion, server_pod_settings,
+from gpulab.hub.cluster.kubeobjects import (MANAGED_BY, USER_LABEL, escape_expansion, server_pod_settings,
                                        with_runtime_default_seccomp)
-from gpulab.spawner.kueueobjects import PRIORITY_CLASS_LABEL, QUEUE_NAME_LABEL
-from gpulab.spawner.profiles import GPU_MODEL_LABEL, GPU_RESOURCE
+from gpulab.hub.cluster.kueueobjects import PRIORITY_CLASS_LABEL, QUEUE_NAME_LABEL
+from gpulab.hub.cluster.kubeobjects import GPU_MODEL_LABEL, GPU_RESOURCE
+from gpulab.hub.cluster.namespaces import SHARED_MOUNT_PATH
 
 from gpulab.hub.jobs.spec import ROLES, JobSpec
 
@@ -73,6 +75,33 @@ REPLICA_COMMAND = ["sh", "-c", 'mkdir -p "$GPULAB_JOB_DIR/logs" && cd "$GPULAB_J
                    'exec python -m gpulab.extensions.runtime "$@"', "gpulab-replica"]
 _INDEX_FIELD = f"metadata.annotations['{INDEX_LABEL}']"
 _TFJOB_ROLES = {"chief": "Chief", "ps": "PS", "worker": "Worker", "evaluator": "Evaluator"}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one job's replicas run and what they run, beside the spec: what every builder
+    of a job's objects (`make_training_job_objects`, `make_training_jobset`, `make_tfjob`)
+    takes. ``program`` and ``job_dir`` are paths inside the container (on the shared
+    volume); ``user_dir`` is the user's folder there (``GPULAB_USER_DIR``); ``shared_*``,
+    ``user_subpath`` and ``datasets_subpath`` mount the shared storage as notebook servers
+    have it (`KubeSettings <gpulab.hub.cluster.settings.KubeSettings>`); ``node_selector``
+    and ``tolerations`` (KubeSpawner's traits of the same names, for a node pool) go to
+    every pod, the GPU model's selector and the GPU toleration added to them."""
+
+    namespace: str
+    user_label: str
+    image: str
+    program: str
+    job_dir: str
+    user_dir: str
+    gpu_model: str | None = None
+    shared_volume: Mapping[str, Any] | None = None
+    shared_mount: str = SHARED_MOUNT_PATH
+    user_subpath: str = ""
+    datasets_subpath: str | None = None
+    port: int = TF_PORT
+    node_selector: Mapping[str, str] | None = None
+    tolerations: list | dict | None = None
 
 
 def job_labels(*, user_label: str, job: str, role: str | None = None) -> dict[str, str]:
@@ -130,26 +159,23 @@ def _resources(spec: JobSpec, role: str) -> dict[str, dict[str, str]]:
     return out
 
 
-def _pod_spec(*, spec: JobSpec, role: str, image: str, program: str, user_dir: str,
-              gpu_model: str | None, shared_volume: Mapping[str, Any] | None, shared_mount: str,
-              user_subpath: str, datasets_subpath: str | None, env: list[dict],
-              port: int, node_selector: Mapping[str, str] | None = None,
-              tolerations: list | dict | None = None) -> dict:
+def _pod_spec(*, spec: JobSpec, role: str, where: Placement, env: list[dict]) -> dict:
     gpus = spec.gpus_of(role)
     shared = server_pod_settings(
-        gpus=gpus, tolerations=tolerations or [], volumes=[], volume_mounts=[], environment={}, home=None,
-        shared_volume=shared_volume, shared_mount=shared_mount, user_subpath=user_subpath,
-        datasets_subpath=datasets_subpath)
+        gpus=gpus, tolerations=where.tolerations or [], volumes=[], volume_mounts=[],
+        environment={}, home=None, shared_volume=where.shared_volume,
+        shared_mount=where.shared_mount, user_subpath=where.user_subpath,
+        datasets_subpath=where.datasets_subpath)
     container: dict[str, Any] = {
         "name": CONTAINER,
-        "image": image,
-        "command": [*REPLICA_COMMAND, escape_expansion(program),
+        "image": where.image,
+        "command": [*REPLICA_COMMAND, escape_expansion(where.program),
                     *(escape_expansion(a) for a in spec.args)],
-        "workingDir": user_dir,
+        "workingDir": where.user_dir,
         "env": [*env, *({"name": k, "value": v} for k, v in shared["environment"].items()
                         if k not in {e["name"] for e in env}),
                 *({"name": k, "value": escape_expansion(v)} for k, v in spec.env.items())],
-        "ports": [{"name": "tf", "containerPort": port}],
+        "ports": [{"name": "tf", "containerPort": where.port}],
         "resources": _resources(spec, role),
         "securityContext": {"allowPrivilegeEscalation": False, "privileged": False},
     }
@@ -167,9 +193,9 @@ def _pod_spec(*, spec: JobSpec, role: str, image: str, program: str, user_dir: s
         pod["volumes"] = shared["volumes"]
     if shared["tolerations"]:
         pod["tolerations"] = shared["tolerations"]
-    selector = dict(node_selector or {})
-    if gpus and gpu_model:
-        selector[GPU_MODEL_LABEL] = gpu_model
+    selector = dict(where.node_selector or {})
+    if gpus and where.gpu_model:
+        selector[GPU_MODEL_LABEL] = where.gpu_model
     if selector:
         pod["nodeSelector"] = selector
     return pod
@@ -190,31 +216,12 @@ def pod_failure_policy(*, strategy: str, role: str) -> dict:
     ]}
 
 
-def make_training_job_objects(
-    *,
-    spec: JobSpec,
-    namespace: str,
-    user_label: str,
-    image: str,
-    program: str,
-    job_dir: str,
-    user_dir: str,
-    gpu_model: str | None = None,
-    shared_volume: Mapping[str, Any] | None = None,
-    shared_mount: str = "/gpulab/shared",
-    user_subpath: str = "",
-    datasets_subpath: str | None = None,
-    parent_uid: str | None = None,
-    port: int = TF_PORT,
-    node_selector: Mapping[str, str] | None = None,
-    tolerations: list | dict | None = None,
-) -> list[dict]:
+def make_training_job_objects(spec: JobSpec, where: Placement, *,
+                              parent_uid: str | None = None) -> list[dict]:
     """``[service, *jobs]``: the parent Service, then one Indexed Job per role (ROLES order).
-
-    ``program`` and ``job_dir`` are paths inside the container (on the shared volume);
-    ``user_dir`` is the user's folder there (``GPULAB_USER_DIR``). With ``parent_uid`` (the
-    created Service's uid) every Job names the Service as its owner.
+    With ``parent_uid`` (the created Service's uid) every Job names the Service as its owner.
     """
+    namespace, user_label, port = where.namespace, where.user_label, where.port
     labels = job_labels(user_label=user_label, job=spec.name)
     service = {
         "apiVersion": "v1",
@@ -230,12 +237,7 @@ def make_training_job_objects(
     owner = ([{"apiVersion": "v1", "kind": "Service", "name": spec.name, "uid": parent_uid}]
              if parent_uid else None)
     objects = [service]
-    for role, pod, role_labels in _role_pods(
-            spec=spec, namespace=namespace, user_label=user_label, image=image,
-            program=program, job_dir=job_dir, user_dir=user_dir, gpu_model=gpu_model,
-            shared_volume=shared_volume, shared_mount=shared_mount, user_subpath=user_subpath,
-            datasets_subpath=datasets_subpath, port=port, host=replica_host,
-            node_selector=node_selector, tolerations=tolerations):
+    for role, pod, role_labels in _role_pods(spec=spec, where=where, host=replica_host):
         pod["subdomain"] = spec.name
         job_spec = _role_job_spec(spec=spec, role=role, pod=pod, labels=role_labels)
         meta: dict[str, Any] = {"name": role_job_name(spec.name, role), "namespace": namespace,
@@ -279,27 +281,17 @@ def _role_env(*, spec: JobSpec, cluster: Mapping[str, list[str]], role: str, job
     ]
 
 
-def _role_pods(*, spec: JobSpec, namespace: str, user_label: str, image: str, program: str,
-               job_dir: str, user_dir: str, gpu_model: str | None,
-               shared_volume: Mapping[str, Any] | None, shared_mount: str, user_subpath: str,
-               datasets_subpath: str | None, port: int, host,
-               node_selector: Mapping[str, str] | None = None, tolerations: list | dict | None = None):
+def _role_pods(*, spec: JobSpec, where: Placement, host):
     """``(role, pod spec, role labels)`` of each role the spec has, in ROLES order, their
-    ``TF_CONFIG`` naming the replicas by ``host`` (`replica_host`, `jobset_replica_host`);
-    ``node_selector`` and ``tolerations`` (KubeSpawner's traits of the same names, for a node
-    pool) go to every pod, the GPU model's selector and GPU toleration added to them."""
-    cluster = tf_cluster(spec=spec, namespace=namespace, port=port, host=host)
+    ``TF_CONFIG`` naming the replicas by ``host`` (`replica_host`, `jobset_replica_host`)."""
+    cluster = tf_cluster(spec=spec, namespace=where.namespace, port=where.port, host=host)
     for role in ROLES:
         if not spec.count(role):
             continue
-        env = _role_env(spec=spec, cluster=cluster, role=role, job_dir=job_dir,
-                        user_dir=user_dir)
-        pod = _pod_spec(spec=spec, role=role, image=image, program=program, user_dir=user_dir,
-                        gpu_model=gpu_model, shared_volume=shared_volume,
-                        shared_mount=shared_mount, user_subpath=user_subpath,
-                        datasets_subpath=datasets_subpath, env=env, port=port,
-                        node_selector=node_selector, tolerations=tolerations)
-        yield role, pod, job_labels(user_label=user_label, job=spec.name, role=role)
+        env = _role_env(spec=spec, cluster=cluster, role=role, job_dir=where.job_dir,
+                        user_dir=where.user_dir)
+        pod = _pod_spec(spec=spec, role=role, where=where, env=env)
+        yield role, pod, job_labels(user_label=where.user_label, job=spec.name, role=role)
 
 
 def jobset_success_roles(spec: JobSpec) -> list[str]:
@@ -309,26 +301,8 @@ def jobset_success_roles(spec: JobSpec) -> list[str]:
     return ["chief"] if spec.strategy == "parameter-server" else ["worker"]
 
 
-def make_training_jobset(
-    *,
-    spec: JobSpec,
-    namespace: str,
-    user_label: str,
-    image: str,
-    program: str,
-    job_dir: str,
-    user_dir: str,
-    gpu_model: str | None = None,
-    shared_volume: Mapping[str, Any] | None = None,
-    shared_mount: str = "/gpulab/shared",
-    user_subpath: str = "",
-    datasets_subpath: str | None = None,
-    queue_name: str | None = None,
-    priority_class: str | None = None,
-    port: int = TF_PORT,
-    node_selector: Mapping[str, str] | None = None,
-    tolerations: list | dict | None = None,
-) -> dict:
+def make_training_jobset(spec: JobSpec, where: Placement, *, queue_name: str | None = None,
+                         priority_class: str | None = None) -> dict:
     """The job as one JobSet (``jobset.x-k8s.io/v1alpha2``): a replicated job per role (one
     Indexed Job each, as `make_training_job_objects` makes them), JobSet's own headless
     Service for the stable host names in ``TF_CONFIG`` (`jobset_replica_host`), and:
@@ -346,7 +320,7 @@ def make_training_jobset(
 
     `gpulab.hub.jobs.kueue.KueueJobBackend` creates it; `KubeJobBackend` (no Kueue) creates
     `make_training_job_objects`."""
-    labels = job_labels(user_label=user_label, job=spec.name)
+    labels = job_labels(user_label=where.user_label, job=spec.name)
     if queue_name:
         labels[QUEUE_NAME_LABEL] = queue_name
     if priority_class:
@@ -356,11 +330,7 @@ def make_training_jobset(
         "replicas": 1,
         "template": {"metadata": {"labels": role_labels},
                      "spec": _role_job_spec(spec=spec, role=role, pod=pod, labels=role_labels)},
-    } for role, pod, role_labels in _role_pods(
-        spec=spec, namespace=namespace, user_label=user_label, image=image, program=program,
-        job_dir=job_dir, user_dir=user_dir, gpu_model=gpu_model, shared_volume=shared_volume,
-        shared_mount=shared_mount, user_subpath=user_subpath, datasets_subpath=datasets_subpath,
-        port=port, host=jobset_replica_host, node_selector=node_selector, tolerations=tolerations)]
+    } for role, pod, role_labels in _role_pods(spec=spec, where=where, host=jobset_replica_host)]
     rules: list[dict[str, Any]] = []
     if spec.count("ps"):
         rules.append({"name": "lostParameterServer", "action": "RestartJobSet",
@@ -370,7 +340,7 @@ def make_training_jobset(
     return {
         "apiVersion": JOBSET_API,
         "kind": "JobSet",
-        "metadata": {"name": spec.name, "namespace": namespace, "labels": labels},
+        "metadata": {"name": spec.name, "namespace": where.namespace, "labels": labels},
         "spec": {
             "suspend": bool(queue_name),
             "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
@@ -384,8 +354,8 @@ def make_training_jobset(
 
 def job_network_policy_name(job: str) -> str:
     """``<job>-replicas``: never the name of a namespace policy (`USER_PODS_POLICY
-    <gpulab.spawner.kubeobjects.USER_PODS_POLICY>` and `SERVERS_POLICY
-    <gpulab.spawner.kubeobjects.SERVERS_POLICY>` do not end so) nor of another job's."""
+    <gpulab.hub.cluster.kubeobjects.USER_PODS_POLICY>` and `SERVERS_POLICY
+    <gpulab.hub.cluster.kubeobjects.SERVERS_POLICY>` do not end so) nor of another job's."""
     return f"{job}-replicas"
 
 
@@ -417,28 +387,13 @@ def make_job_network_policy(*, job: str, namespace: str, user_label: str,
     }
 
 
-def make_tfjob(
-    *,
-    spec: JobSpec,
-    namespace: str,
-    user_label: str,
-    image: str,
-    program: str,
-    job_dir: str,
-    user_dir: str,
-    gpu_model: str | None = None,
-    shared_volume: Mapping[str, Any] | None = None,
-    shared_mount: str = "/gpulab/shared",
-    user_subpath: str = "",
-    datasets_subpath: str | None = None,
-    port: int = TF_PORT,
-) -> dict:
+def make_tfjob(spec: JobSpec, where: Placement) -> dict:
     """The job as a Kubeflow ``TFJob`` (v1): replica types Chief (not Master), PS, Worker,
     Evaluator; ``runPolicy.cleanPodPolicy: Running`` (running pods are removed when the job
     ends), ``backoffLimit`` from ``retries``, ``activeDeadlineSeconds`` from ``max_runtime``.
     The operator sets ``TF_CONFIG``; restart policy ``ExitCode`` retries the runtime's
     retryable exits (signals, 75 lost cluster) but not a program error."""
-    labels = job_labels(user_label=user_label, job=spec.name)
+    labels = job_labels(user_label=where.user_label, job=spec.name)
     replica_specs = {}
     for role in ROLES:
         n = spec.count(role)
@@ -447,20 +402,17 @@ def make_tfjob(
         env = [
             {"name": "GPULAB_STRATEGY", "value": spec.strategy},
             {"name": "GPULAB_JOB_NAME", "value": spec.name},
-            {"name": "GPULAB_JOB_DIR", "value": job_dir},
-            {"name": "GPULAB_USER_DIR", "value": user_dir},
+            {"name": "GPULAB_JOB_DIR", "value": where.job_dir},
+            {"name": "GPULAB_USER_DIR", "value": where.user_dir},
             {"name": "PYTHONUNBUFFERED", "value": "1"},
         ]
-        pod = _pod_spec(spec=spec, role=role, image=image, program=program, user_dir=user_dir,
-                        gpu_model=gpu_model, shared_volume=shared_volume,
-                        shared_mount=shared_mount, user_subpath=user_subpath,
-                        datasets_subpath=datasets_subpath, env=env, port=port)
-        pod["containers"][0]["ports"] = [{"name": "tfjob-port", "containerPort": port}]
+        pod = _pod_spec(spec=spec, role=role, where=where, env=env)
+        pod["containers"][0]["ports"] = [{"name": "tfjob-port", "containerPort": where.port}]
         del pod["restartPolicy"]  # the operator's restartPolicy below decides
         replica_specs[_TFJOB_ROLES[role]] = {
             "replicas": n,
             "restartPolicy": "ExitCode",
-            "template": {"metadata": {"labels": job_labels(user_label=user_label,
+            "template": {"metadata": {"labels": job_labels(user_label=where.user_label,
                                                            job=spec.name, role=role)},
                          "spec": pod},
         }
@@ -470,7 +422,7 @@ def make_tfjob(
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "TFJob",
-        "metadata": {"name": spec.name, "namespace": namespace, "labels": labels},
+        "metadata": {"name": spec.name, "namespace": where.namespace, "labels": labels},
         "spec": {"runPolicy": run_policy, "tfReplicaSpecs": replica_specs},
     }
 

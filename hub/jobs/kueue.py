@@ -42,8 +42,8 @@ from kubespawner.reflector import MultiNamespaceResourceReflector
 from traitlets import Unicode
 
 from gpulab.hub.jobs.base import JobError
-from gpulab.hub.jobs.kube import (_LABELS, KubeJobBackend, _PodReflector, _ts, pod_restarts,
-                                  pod_words)
+from gpulab.hub.jobs.kube import (JOB_LABELS, KubeJobBackend, PodReflector, k8s_time,
+                                  pod_restarts, pod_words)
 from gpulab.hub.jobs.kubeobjects import (
     JOBSET_API,
     make_job_network_policy,
@@ -53,8 +53,9 @@ from gpulab.hub.jobs.kubeobjects import (
 )
 from gpulab.hub.jobs.spec import JobSpec
 from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, Request
-from gpulab.spawner.kueuemirror import KueueMirror
-from gpulab.spawner.kueueobjects import (
+from gpulab.hub.quota.policy import never_fits
+from gpulab.hub.cluster.kueuemirror import KueueMirror
+from gpulab.hub.cluster.kueueobjects import (
     LOCAL_QUEUE,
     PREEMPTIBLE_PRIORITY_CLASS,
     PREEMPTIBLE_QUEUE,
@@ -122,7 +123,7 @@ def waiting_words(workload: dict | None, place: int | None = None) -> str:
 def _when(value: str | None) -> float | None:
     """A Kubernetes timestamp in seconds (None where there is none or it cannot be read)."""
     try:
-        return _ts(value)
+        return k8s_time(value)
     except ValueError:
         return None
 
@@ -172,8 +173,8 @@ class KueueJobBackend(KubeJobBackend):
         async with self._started:
             if self._jobsets_r is None:
                 load_config()
-                watches = [_JobSetReflector(labels=_LABELS, parent=self),
-                           _PodReflector(labels=_LABELS, parent=self),
+                watches = [_JobSetReflector(labels=JOB_LABELS, parent=self),
+                           PodReflector(labels=JOB_LABELS, parent=self),
                            _WorkloadReflector(parent=self)]
                 for r in watches:
                     await r.start()
@@ -253,24 +254,17 @@ class KueueJobBackend(KubeJobBackend):
                 "order you submit them. Submit without a priority (or with 0).", 400,
                 field="priority")
 
-    def _admit_or_queue(self, req: Request, spec: JobSpec) -> Allocation | None:
-        """Queued, always (Kueue admits it); refused at once only when it asks more GPUs than
-        the person's quota, which Kueue would never admit (preemptible work may borrow), or
-        more than their quota allows per request."""
+    def _admission(self, req: Request, spec: JobSpec) -> Allocation | None:
+        """Queued, always (Kueue admits it); refused at once only when it could never fit the
+        person's quota (`never_fits`: Kueue would never admit it; preemptible work may
+        borrow)."""
         if not req.gpus:
             return None
-        quota, _ = self.ledger.effective(req.user, req.groups)
-        if quota is None:
-            return None
-        if quota.max_per_request is not None and req.gpus > quota.max_per_request:
-            raise AdmissionRefused(
-                f"This job asks for {req.gpus} GPUs and your quota allows at most "
-                f"{quota.max_per_request} per request. Ask for fewer GPUs.")
-        if not spec.preemptible and req.gpus > quota.max_gpus:
-            raise AdmissionRefused(
-                f"This job asks for {req.gpus} GPUs and your quota is {quota.max_gpus}: "
-                "it could never start. Ask for fewer GPUs, or mark it preemptible to "
-                "borrow idle GPUs.")
+        quota, source = self.ledger.effective(req.user, req.groups)
+        never = never_fits(quota, req.gpus, borrows=spec.preemptible,
+                           can_borrow=not spec.preemptible)
+        if never is not None:
+            raise AdmissionRefused(never.message(source))
         return None
 
     async def _create_objects(self, user, groups, spec: JobSpec, ns, user_dir, job_dir) -> None:
@@ -281,7 +275,7 @@ class KueueJobBackend(KubeJobBackend):
                  else self.preemptible_queue if spec.preemptible else self.local_queue)
         # preemptible work has a priority below in-quota work's: what in-quota work may preempt
         jobset = make_training_jobset(
-            **self._object_args(user, spec, ns, user_dir, job_dir), queue_name=queue,
+            spec, self._placement(user, spec, ns, user_dir, job_dir), queue_name=queue,
             priority_class=PREEMPTIBLE_PRIORITY_CLASS if queue and spec.preemptible else None)
         # the person's groups (their quota may be a group's): a restarted service mirrors
         # the quota of the people whose jobs it finds without waiting for their next submit
@@ -338,10 +332,6 @@ class KueueJobBackend(KubeJobBackend):
                 raise
 
     # -- following Kueue and JobSet ----------------------------------------------------------
-
-    def _active_to_supervise(self) -> list[str]:
-        """Queued jobs too: Kueue, not a gpulab pass, admits them."""
-        return [j for j in self.store.active_ids() if j not in self._launching]
 
     def _index_workloads(self) -> None:
         """Once per pass: the Workloads by (namespace, the uid of the object they are for:

@@ -21,7 +21,7 @@ the person, a name never more than one plain component: see `gpulab.hub.jobs.spe
 writes as it ends), and what the program writes through the runtime's helpers (TensorBoard
 summaries under ``tensorboard/``, checkpoints under ``checkpoints/``).
 
-The sandbox (as root; `gpulab.spawner.sandbox`, `gpulab.spawner.cgroups`), set up in each
+The sandbox (as root; `gpulab.hub.machine.sandbox`, `gpulab.hub.machine.cgroups`), set up in each
 replica between ``fork`` and ``exec`` while it is still root, then it drops to the account:
 
 - **one network namespace per job** holding only loopback, made when the job starts
@@ -100,13 +100,13 @@ import psutil
 
 from gpulab.extensions import contract
 from gpulab.extensions.contract import lead_replica
-from gpulab.spawner import sandbox
-from gpulab.spawner.accounts import AccountError
-from gpulab.spawner.userdisk import DiskError
-from gpulab.spawner.cgroups import (limit_user_processes, local_cgroups, memory_bytes,
+from gpulab.hub.machine import sandbox
+from gpulab.hub.machine.accounts import AccountError
+from gpulab.hub.machine.userdisk import DiskError
+from gpulab.hub.machine.cgroups import (limit_user_processes, local_cgroups, memory_bytes,
                                     person_unit, set_oom_score_adj)
 
-from gpulab.spawner import safefs
+from gpulab.hub.machine import safefs
 from gpulab.extensions.joblog import restart_marker, restart_record
 from gpulab.hub.jobs.base import (JobBackend, JobError, add_restart, job_view,
                                   restart_history)
@@ -280,7 +280,7 @@ class LocalJobBackend(JobBackend):
                  queue: Queue | None = None):
         self._setup_workflow(ledger, queue)
         self.accounts = accounts  # callable: user name -> UserAccount
-        #: people's disks on the shared storage (`gpulab.spawner.userdisk.PersonDisks`), made
+        #: people's disks on the shared storage (`gpulab.hub.machine.userdisk.PersonDisks`), made
         #: and mounted before their replicas start; None: no disk limits here
         self.disks = None
         self.python = python
@@ -578,7 +578,7 @@ class LocalJobBackend(JobBackend):
         """A fresh control group for one replica, limits or not: the role's ``cpu`` /
         ``memory`` or the operator's defaults, and only its own GPUs' device nodes, inside
         `user`'s person-level group (where the hub named it: `JobLimits.person_tag`). None
-        where groups cannot be made here (`gpulab.spawner.cgroups.local_cgroups` logs why)."""
+        where groups cannot be made here (`gpulab.hub.machine.cgroups.local_cgroups` logs why)."""
         cgroups, _ = local_cgroups()
         if cgroups is None:
             return None

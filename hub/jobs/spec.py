@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import PurePosixPath
 from typing import Literal
 
@@ -39,7 +39,7 @@ from traitlets.config import Configurable
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gpulab.extensions.contract import NAME_RE, ROLES, STRATEGIES
-from gpulab.spawner.cgroups import default_pids, default_user_processes, memory_bytes
+from gpulab.hub.machine.cgroups import default_pids, default_user_processes, memory_bytes
 
 from gpulab.hub.quota.policy import MAX_GPUS
 
@@ -80,7 +80,7 @@ class JobLimits:
     pids_per_replica: int = field(default_factory=lambda: default_pids(512, 4))
     max_user_processes: int = 0  # RLIMIT_NPROC of the person's account; 0: left as it is
     # the person-level group all of one person's servers and replicas nest in (as root): the
-    # hub's tag in its name (`gpulab.spawner.cgroups.person_unit`; '': replicas get none) and
+    # hub's tag in its name (`gpulab.hub.machine.cgroups.person_unit`; '': replicas get none) and
     # its limits, in bytes and CPUs (0: none). Their one owner is the hub's
     # ``c.LocalGPUSpawner.person_mem_limit`` / ``person_cpu_limit``, handed over by the hub
     person_tag: str = ""
@@ -355,6 +355,11 @@ def _check_limits(spec: JobSpec, lim: JobLimits) -> None:
         raise SpecError("image", f"image: {spec.image!r} is not allowed (allowed: {allowed})")
 
 
+def limit_settings() -> list[str]:
+    """The fields of `JobLimits` an admin sets as ``c.GPUJobs.<name>``."""
+    return [f.name for f in fields(JobLimits) if f.name in GPUJobs.class_traits(config=True)]
+
+
 class GPUJobs(Configurable):
     """Limits on the training jobs people submit (checked before anything is admitted)."""
 
@@ -451,16 +456,13 @@ class GPUJobs(Configurable):
         return value
 
     def limits(self) -> JobLimits:
-        return JobLimits(max_replicas=self.max_replicas,
-                         max_gpus_per_replica=self.max_gpus_per_replica,
-                         max_source_bytes=self.max_source_bytes, max_runtime=self.max_runtime,
-                         default_max_runtime=max(0, min(self.default_max_runtime,
-                                                        self.max_runtime)),
-                         max_retries=self.max_retries, allowed_images=tuple(self.allowed_images),
-                         default_cpu=self.default_cpu, default_memory=self.default_memory,
-                         max_replicas_per_user=self.max_replicas_per_user,
-                         pids_per_replica=self.pids_per_replica,
-                         max_user_processes=self.max_user_processes)
+        """The `JobLimits` these settings give: each of its fields that is a setting here
+        (`JobLimits` holds the defaults, the traits here the help; nothing is listed twice)."""
+        values = {name: getattr(self, name) for name in limit_settings()}
+        values["allowed_images"] = tuple(values["allowed_images"])
+        # a default time limit is never longer than the longest one may ask for
+        values["default_max_runtime"] = max(0, min(self.default_max_runtime, self.max_runtime))
+        return JobLimits(**values)
 
     def limits_json(self) -> str:
         return json.dumps(asdict(self.limits()))

@@ -4,7 +4,7 @@ from alembic import context
 from sqlalchemy import create_engine
 
 from gpulab.hub.db import Base
-import gpulab.hub.quota.ledger  # noqa: F401  the tables
+import gpulab.hub.quota.rows  # noqa: F401  the tables
 import gpulab.hub.quota.waiting  # noqa: F401
 import gpulab.hub.jobs.store  # noqa: F401
 

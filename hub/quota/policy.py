@@ -205,6 +205,60 @@ class Holding:
         return f"{self.kind} '{self.name}' ({self.gpus})"
 
 
+def source_note(source: str) -> str:
+    """Where a quota comes from, as the messages say it after "your quota"."""
+    return {"user": "", "none": "", "default": " (the default quota)"}.get(source, f" (from {source})")
+
+
+@dataclass(frozen=True)
+class NeverFits:
+    """A request that can never run under its quota, whatever its person stops: more GPUs
+    than one request may ask (``per_request``), or than the quota allows at once. Refused at
+    once everywhere (admission, the queues, Kueue's jobs and notebooks, the spawn form), in
+    these words."""
+
+    gpus: int
+    limit: int
+    per_request: bool
+    #: preemptible work could borrow idle GPUs past the quota (said as a way out)
+    can_borrow: bool = False
+
+    def message(self, source: str = "none") -> str:
+        """The refusal, as the person reads it (``source``: `effective_quota`'s)."""
+        where = source_note(source)
+        if self.per_request:
+            return (f"Quota exceeded: this request asks for {self.gpus} GPUs; your quota{where} "
+                    f"allows at most {self.limit} in one request. Ask for fewer, or ask an admin.")
+        borrow = ", mark it preemptible to borrow idle GPUs," if self.can_borrow else ""
+        return (f"Quota exceeded: this request asks for {self.gpus} GPU{_s(self.gpus)}; your "
+                f"quota{where} is {self.limit} GPU{_s(self.limit)} at once. Ask for "
+                f"fewer{borrow} or ask an admin for a larger quota.")
+
+    def short(self) -> str:
+        """The same, as the spawn form gives the reason a profile cannot start."""
+        return (f"more than your quota allows ({self.limit} "
+                f"{'in one request' if self.per_request else 'at once'})")
+
+
+def never_fits(quota: Quota | None, gpus: int, *, borrows: bool = False,
+               can_borrow: bool = False) -> NeverFits | None:
+    """Why `gpus` GPUs can never run under `quota` (None: they may, once enough is free).
+    ``borrows``: preemptible work where borrowing is on, which may go past the quota's GPUs
+    at once (not past its bound per request); ``can_borrow``: such work could, so the
+    message says so."""
+    if quota is None or gpus <= 0:
+        return None
+    if quota.max_per_request is not None and gpus > quota.max_per_request:
+        return NeverFits(gpus, quota.max_per_request, per_request=True)
+    if gpus > quota.max_gpus and not borrows:
+        return NeverFits(gpus, quota.max_gpus, per_request=False, can_borrow=can_borrow)
+    return None
+
+
+def _s(n: int) -> str:
+    return "" if n == 1 else "s"
+
+
 def refusal(
     quota: Quota | None,
     source: str,
@@ -215,26 +269,19 @@ def refusal(
     """Why `requested` more GPUs are refused under `quota`, in words; None when allowed."""
     if quota is None or requested <= 0:
         return None
-    where = {"user": "", "none": "", "default": " (the default quota)"}.get(source, f" (from {source})")
-    if quota.max_per_request is not None and requested > quota.max_per_request:
-        return (
-            f"This request asks for {requested} GPUs; your quota{where} allows at most "
-            f"{quota.max_per_request} in one request. Ask for fewer, or ask an admin."
-        )
+    where = source_note(source)
+    never = never_fits(quota, requested)
+    if never is not None:
+        return never.message(source)
     held = sum(h.gpus for h in holdings)
     if held + requested > quota.max_gpus:
         plural = "s" if quota.max_gpus != 1 else ""
-        if holdings:
-            what = ", ".join(h.describe() for h in holdings)
-            return (
-                f"Quota exceeded: this request needs {requested} GPU{'s' if requested != 1 else ''} "
-                f"and {held} of your {quota.max_gpus} GPU{plural}{where} "
-                f"{'is' if held == 1 else 'are'} in use: {what}. "
-                "Stop one of them, ask for fewer GPUs, or ask an admin for a larger quota."
-            )
+        what = ", ".join(h.describe() for h in holdings)
         return (
-            f"Quota exceeded: this request needs {requested} GPUs, and your quota{where} is "
-            f"{quota.max_gpus} GPU{plural} at once. Ask for fewer GPUs, or ask an admin."
+            f"Quota exceeded: this request needs {requested} GPU{'s' if requested != 1 else ''} "
+            f"and {held} of your {quota.max_gpus} GPU{plural}{where} "
+            f"{'is' if held == 1 else 'are'} in use: {what}. "
+            "Stop one of them, ask for fewer GPUs, or ask an admin for a larger quota."
         )
     if quota.gpu_hours is not None and used_gpu_hours >= quota.gpu_hours:
         return (

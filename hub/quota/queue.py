@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
-from gpulab.hub.quota.policy import Quota
+from gpulab.hub.quota.policy import Quota, never_fits
 
 INF = math.inf
 LN2 = math.log(2.0)
@@ -216,24 +216,19 @@ def exact_model(wanted: str | None, model: str) -> bool:
 
 def refusal_now(gpus: int, model: str | None, quota: Quota | None,
                 devices: Iterable[Device], matches: Callable = exact_model,
-                borrows: bool = False) -> str | None:
-    """Why a request can never run (refused at once, not queued), in words; None if it can.
+                borrows: bool = False, can_borrow: bool = False,
+                source: str = "none") -> str | None:
+    """Why a request can never run (refused at once, not queued), in words; None if it can:
+    more GPUs than the machine has, or than the quota ever allows (`never_fits`).
     `borrows`: a preemptible job where borrowing is on, which may go beyond the quota's GPUs
-    (not beyond its per-request bound)."""
+    (not beyond its per-request bound); `can_borrow`: a job that could, marked preemptible."""
     matching = sum(1 for d in devices if matches(model, d.model))
     of = f" of model '{model}'" if model else ""
     if gpus > matching:
         return (f"This request asks for {gpus} GPU{_s(gpus)}{of}; this machine has "
                 f"{matching}. Ask for fewer.")
-    if quota is not None:
-        if quota.max_per_request is not None and gpus > quota.max_per_request:
-            return (f"This request asks for {gpus} GPUs; your quota allows at most "
-                    f"{quota.max_per_request} in one request. Ask for fewer, or ask an admin.")
-        if gpus > quota.max_gpus and not borrows:
-            return (f"This request asks for {gpus} GPU{_s(gpus)}; your quota is "
-                    f"{quota.max_gpus} GPU{_s(quota.max_gpus)} at once. Ask for fewer, or ask "
-                    "an admin for a larger quota.")
-    return None
+    never = never_fits(quota, gpus, borrows=borrows, can_borrow=can_borrow)
+    return never.message(source) if never is not None else None
 
 
 def _s(n: int) -> str:

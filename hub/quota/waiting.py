@@ -34,9 +34,9 @@ from traitlets.config import Configurable
 
 from gpulab.hub.db import Base
 from gpulab.hub.quota import queue as policy
-from gpulab.hub.quota.ledger import (KINDS, Allocation, AllocationRow, AuditRow, BadRequest,
-                                     Device, Ledger, Pool, Request, _person_key,
-                                     _sum_gpu_hours)
+from gpulab.hub.quota.fastpath import person_key
+from gpulab.hub.quota.ledger import Allocation, BadRequest, Ledger, Request, _sum_gpu_hours
+from gpulab.hub.quota.rows import KINDS, AllocationRow, AuditRow, Device, Pool
 
 log = logging.getLogger("gpulab.queue")
 
@@ -160,9 +160,11 @@ class Queue:
         with self.ledger.Session.begin() as s:
             self._lock(s)
             devices = self._devices(s)
-            quota, _source = self.ledger.effective(req.user, req.groups, s)
-            borrows = bool(preemptible) and req.kind == "job" and self.settings.borrowing
-            why = policy.refusal_now(req.gpus, req.model, quota, devices, self.matches, borrows)
+            quota, source = self.ledger.effective(req.user, req.groups, s)
+            can_borrow = req.kind == "job" and self.settings.borrowing
+            why = policy.refusal_now(req.gpus, req.model, quota, devices, self.matches,
+                                     borrows=bool(preemptible) and can_borrow,
+                                     can_borrow=can_borrow and not preemptible, source=source)
             if why:
                 raise QueueRefused(why)
             busy = s.scalar(select(QueueEntryRow.id).where(
@@ -403,7 +405,7 @@ class Queue:
             users = sorted(s.scalars(select(QueueEntryRow.user).where(
                 QueueEntryRow.pool == self.pool, QueueEntryRow.state == "waiting").distinct()))
             for user in users:
-                s.execute(select(func.pg_advisory_xact_lock(_person_key(self.pool, user))))
+                s.execute(select(func.pg_advisory_xact_lock(person_key(self.pool, user))))
             locked = set(users)
         if s.execute(select(Pool.name).where(Pool.name == self.pool).with_for_update()).first() \
                 is None:

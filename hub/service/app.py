@@ -152,7 +152,7 @@ def usage_from_env(ledger: Ledger, env=None, interval: float | None = None):
     (`GpulabService.usage_seconds`; without it ``GPULAB_USAGE_SECONDS``, default 5; 0: not
     measured). A counting pool (Kubernetes: no device numbers, the GPUs are on the nodes) has
     nothing this process can read."""
-    from gpulab.spawner.gpuusage import PoolUsage
+    from gpulab.hub.machine.gpuusage import PoolUsage
 
     if interval is None:
         env = os.environ if env is None else env
@@ -172,7 +172,7 @@ def local_backend_from_env(ledger: Ledger, shared: str | None = None, isolate: b
     shared = os.environ.get("GPULAB_SHARED_DIR") if shared is None else shared
     if not shared:
         return None
-    from gpulab.spawner.accounts import ensure_account, prepare_user_folder, safe_name, system_username
+    from gpulab.hub.machine.accounts import ensure_account, prepare_user_folder, safe_name, system_username
 
     from gpulab.hub.jobs.local import LocalJobBackend, UserAccount, runtime_problem
 
@@ -180,7 +180,7 @@ def local_backend_from_env(ledger: Ledger, shared: str | None = None, isolate: b
     prefix = os.environ.get("GPULAB_USER_PREFIX", "jupyter-") if prefix is None else prefix
 
     def account(user: str) -> UserAccount:
-        # the spawner's mapping and checks (gpulab.spawner.accounts): an account or folder
+        # the spawner's mapping and checks (gpulab.hub.machine.accounts): an account or folder
         # made for another hub user is never used (AccountConflict)
         folder = Path(shared) / "users" / safe_name(user)
         if not isolate:
@@ -197,7 +197,7 @@ def local_backend_from_env(ledger: Ledger, shared: str | None = None, isolate: b
     backend = LocalJobBackend(ledger, account, python=python,
                               queue=queue_from_json(ledger, queue))
     if isolate and os.geteuid() == 0:  # people's disks (loop mounts need root)
-        from gpulab.spawner.userdisk import PersonDisks
+        from gpulab.hub.machine.userdisk import PersonDisks
 
         def existing(user: str):
             try:

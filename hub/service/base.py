@@ -12,7 +12,7 @@ import math
 from jupyterhub.services.auth import HubOAuthenticated
 from tornado import web
 
-from gpulab.hub.quota.ledger import Ledger
+from gpulab.hub.quota.ledger import AdmissionRefused, Ledger
 from gpulab.hub.service import ACCESS_SCOPE, ADMIN_SCOPE
 from gpulab.hub.service.hubapi import HubDirectory
 
@@ -110,6 +110,31 @@ class APIHandler(Base):
     def set_default_headers(self):
         self.set_header("Content-Type", "application/json; charset=utf-8")
         self.set_header("Cache-Control", "no-store")
+
+    def _handle_request_exception(self, e: BaseException) -> None:
+        """The one mapping of the job workflow's and the ledger's refusals to answers (as
+        jupyter_server's managers raise ``HTTPError`` once): `JobError` (`JobNotFound`: 404)
+        and `AdmissionRefused` become a `FieldError` of their status and words; the rest is
+        tornado's (an ``HTTPError`` its status, anything else a 500)."""
+        from gpulab.hub.jobs.base import JobError
+
+        if isinstance(e, JobError):
+            answer = FieldError(e.status, e.field or self.job_error_field, e.message)
+        elif isinstance(e, AdmissionRefused):
+            words = (f"Job '{self.submitting}' was not started: {e.message}"
+                     if self.submitting else e.message)
+            answer = FieldError(e.status, "resources", words)
+        else:
+            return super()._handle_request_exception(e)
+        try:
+            raise answer from e
+        except FieldError:
+            super()._handle_request_exception(answer)
+
+    #: the field a `JobError` that names none is about
+    job_error_field = "body"
+    #: the name of the job a POST submits (its refusal says so)
+    submitting: str | None = None
 
     def write_error(self, status_code, **kwargs):
         exc = kwargs.get("exc_info", (None, None, None))[1]

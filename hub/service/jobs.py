@@ -8,7 +8,6 @@ import time
 
 from tornado import web
 
-from gpulab.hub.quota.ledger import AdmissionRefused
 from gpulab.hub.service.base import MAX_BODY, APIHandler, FieldError
 from gpulab.hub.service.quotas import _usage
 
@@ -33,13 +32,6 @@ class JobsBase(APIHandler):
             raise web.HTTPError(403, "You may only see and act on your own jobs.")
         return who
 
-    async def job_or_404(self, name: str) -> dict:
-        # the backend reads the ledger's database: in a worker thread
-        job = await asyncio.to_thread(self.backend.get, self.owner(), name)
-        if job is None:
-            raise web.HTTPError(404, f"You have no job named '{name}'.")
-        return job
-
 
 class JobsHandler(JobsBase):
     async def get(self):
@@ -50,7 +42,6 @@ class JobsHandler(JobsBase):
         self.send({"jobs": await asyncio.to_thread(self.backend.list, self.owner())})
 
     async def post(self):
-        from gpulab.hub.jobs.base import JobError
         from gpulab.hub.jobs.spec import SpecError, parse_spec
 
         if self.backend.unavailable:
@@ -63,21 +54,15 @@ class JobsHandler(JobsBase):
             raise FieldError(400, e.field, e.message) from None
         me = self.current_user["name"]
         groups = tuple(await self.directory.groups_of(me))
-        try:
-            job = await self.backend.submit(me, groups, spec)
-        except AdmissionRefused as e:
-            raise FieldError(e.status, "resources", f"Job '{spec.name}' was not started: {e.message}") from None
-        except JobError as e:
-            raise FieldError(e.status, e.field or "body", e.message) from None
+        self.submitting = spec.name  # a refusal names it (`APIHandler`'s one error mapping)
+        job = await self.backend.submit(me, groups, spec)
         # 202: accepted, waiting in the GPU queue (its view says where it stands)
         self.send(job, 202 if job["state"] == "Queued" else 201)
 
 
 class JobHandler(JobsBase):
     async def get(self, name):
-        job = await self.backend.detail(self.owner(), name)
-        if job is None:
-            raise web.HTTPError(404, f"You have no job named '{name}'.")
+        job = await self.backend.view(self.owner(), name)
         from gpulab.extensions.contract import FINAL
 
         usage = _usage(self)
@@ -90,7 +75,6 @@ class JobHandler(JobsBase):
 
 class JobStopHandler(JobsBase):
     async def post(self, name):
-        await self.job_or_404(name)
         self.send(await self.backend.stop(self.owner(), name, actor=self.current_user["name"]))
 
 
@@ -102,20 +86,17 @@ class JobLogsHandler(JobsBase):
     ``follow=1`` waits up to 20 s for more while the job runs. ``offset`` in the answer is
     where to ask next."""
 
-    async def get(self, name, replica):
-        from gpulab.hub.jobs.base import JobError
+    job_error_field = "name"
 
+    async def get(self, name, replica):
         offset = self.int_arg("offset", 0, 0, 2**62)
         follow = self.get_query_argument("follow", "") in ("1", "true")
         raw = self.get_query_argument("raw", "") in ("1", "true")
         owner = self.owner()
         deadline = time.monotonic() + 20
         while True:
-            try:
-                # the workflow finds the replica, the driver reads its log off the loop
-                piece = await self.backend.read_log_text(owner, name, replica, offset, raw=raw)
-            except JobError as e:
-                raise FieldError(e.status, e.field or "name", e.message) from None
+            # the workflow finds the replica, the driver reads its log off the loop
+            piece = await self.backend.read_log_text(owner, name, replica, offset, raw=raw)
             if (piece["offset"] > offset or not follow or piece["done"]
                     or time.monotonic() > deadline):
                 break

@@ -18,7 +18,7 @@ import requests
 import requests.adapters
 import websocket
 
-from gpulab.spawner.mixin import pid_alive as pid_exists  # noqa: F401 (used by tests)
+from gpulab.hub.machine.processes import pid_alive as pid_exists  # noqa: F401 (used by tests)
 
 GPULAB = str(Path(sys.executable).with_name("gpulab"))
 

@@ -21,7 +21,7 @@ from jupyterhub.objects import Hub, Server
 from jupyterhub.user import User
 from traitlets.config import Config
 
-from gpulab.spawner.inventory import GPUInventory
+from gpulab.hub.machine.inventory import GPUInventory
 from gpulab.spawner.local import LocalGPUSpawner
 from gpulab.spawner.mixin import GPULedger
 

@@ -23,8 +23,8 @@ from gpulab.hub.deploy.serviceconfig import SERVICE_CONFIG_NAME
 from gpulab.hub.jobs.local import TMP_ROOT
 from gpulab.hub.quota.ledger import Ledger
 from gpulab.hub.service import ENV_FALLBACKS
-from gpulab.spawner.cgroups import Cgroups
-from gpulab.spawner.sandbox import NETNS_DIR
+from gpulab.hub.machine.cgroups import Cgroups
+from gpulab.hub.machine.sandbox import NETNS_DIR
 
 #: as root every job runs in a sandbox of its own (network namespace, private /tmp)
 SANDBOXED = os.geteuid() == 0
@@ -690,7 +690,7 @@ def test_a_replica_over_its_memory_limit_is_killed_and_the_job_says_so(hub, user
     assert worker["exit_code"] == -9, worker
     # the role's limit, and the person's for all their work (half this machine's memory)
     from gpulab.hub.jobs.local import _size
-    from gpulab.spawner.cgroups import share_of_memory
+    from gpulab.hub.machine.cgroups import share_of_memory
 
     why = ("killed: out of memory (the worker role's memory limit is 2Gi, and all your servers "
            f"and replicas together may use {_size(share_of_memory(0.5))})")

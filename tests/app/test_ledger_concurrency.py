@@ -51,7 +51,8 @@ def run_contention(url: str, devices: bool = True):
 def check_history(ledger: Ledger):
     from sqlalchemy import select
 
-    from gpulab.hub.quota.ledger import Allocation, AllocationRow
+    from gpulab.hub.quota.ledger import Allocation
+    from gpulab.hub.quota.rows import AllocationRow
 
     with ledger.Session() as s:
         rows = [Allocation.of(r) for r in s.scalars(select(AllocationRow))]
@@ -170,7 +171,7 @@ def test_first_admissions_into_a_new_pool_on_postgresql(postgres):
 
     import psycopg
 
-    from gpulab.hub.quota.ledger import _person_key
+    from gpulab.hub.quota.fastpath import person_key
 
     url = postgres.create_database("newpool")
     ledger = Ledger(url, pool="fresh")
@@ -180,7 +181,7 @@ def test_first_admissions_into_a_new_pool_on_postgresql(postgres):
     out: dict = {}
     with psycopg.connect(f"dbname=newpool user=gpulab host={postgres.sock}",
                          autocommit=True) as x:
-        keys = [_person_key("fresh", u) for u in ("ann", "bob")]
+        keys = [person_key("fresh", u) for u in ("ann", "bob")]
         for k in keys:  # both people's admissions wait on their lock, then go at once
             x.execute("SELECT pg_advisory_lock(%s)", (k,))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpulab.spawner.cgroups import Cgroups
+from gpulab.hub.machine.cgroups import Cgroups
 from tests.app.hubctl import Hub
 
 pytestmark = pytest.mark.app
@@ -99,7 +99,7 @@ def test_a_server_without_limits_in_its_profile_gets_the_defaults(hub, users):
     """Every server has a group of its own (its GPU devices, a clean stop); one whose profile
     sets no limits gets the defaults: a quarter of the machine's memory, half its CPUs (at
     least one), within its person's group (half the memory, three quarters of the CPUs)."""
-    from gpulab.spawner.cgroups import CPU_PERIOD_US, share_of_cpus, share_of_memory
+    from gpulab.hub.machine.cgroups import CPU_PERIOD_US, share_of_cpus, share_of_memory
 
     bob = users["bob"]
     assert bob.start_server("", {"profile": "cpu"}).status_code in (201, 202)

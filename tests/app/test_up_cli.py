@@ -40,7 +40,7 @@ def test_real_gpus_that_cannot_be_restricted_are_named(tmp_path, monkeypatch):
     """`gpulab up` warns loudly where NVIDIA GPUs exist and their device nodes cannot be
     restricted (cgroup v2 without a device program, or no control groups at all)."""
     from gpulab.hub.cli import up as cli
-    from gpulab.spawner import cgroups
+    from gpulab.hub.machine import cgroups
 
     assert cli._gpus_not_enforced(str(tmp_path)) is None  # no GPU: nothing to say
     (tmp_path / "nvidiactl").touch()

@@ -26,7 +26,7 @@ from gpulab.hub.jobs.spec import JobLimits, SpecError, parse_spec
 from gpulab.hub.jobs.kube import KubeJobBackend
 from gpulab.hub.quota.ledger import Ledger, QuotaExceeded, Request
 from gpulab.hub.quota.policy import Quota
-from gpulab.spawner.kube import GPUQuotaMirror
+from gpulab.hub.cluster.namespaces import GPUQuotaMirror
 from tests.app.hubctl import Hub
 
 from . import hubrbac
@@ -459,8 +459,10 @@ async def test_an_image_that_cannot_be_pulled_is_said_in_words(cp, backend, ledg
     spec = parse_spec({"name": "img", "strategy": "multi-worker-mirrored", "script": "t.py",
                        "image": MISSING_IMAGE}, JobLimits(allowed_images=(MISSING_IMAGE,)))
     await backend.submit(u, (), spec)
-    view = await eventually(lambda: (lambda v: v if v["state"] == "Starting" else None)(
-        backend.get(u, "img")), what="the job Starting")
+    # the job is Starting once its pod exists; the kubelet's pull fails a moment later
+    view = await eventually(lambda: (lambda v: v if v["state"] == "Starting"
+                                     and v["replicas"][0]["reason"] != "starting" else None)(
+        backend.get(u, "img")), what="the job Starting, its pull failed")
     assert view["replicas"][0]["reason"] == (
         f"the image {MISSING_IMAGE} cannot be pulled (ErrImagePull)")
     assert view["reason"] == f"worker-0: the image {MISSING_IMAGE} cannot be pulled (ErrImagePull)"

@@ -20,8 +20,9 @@ from traitlets.config import Config
 from gpulab.hub.quota.ledger import Ledger, Request
 from gpulab.hub.quota.policy import Quota
 from gpulab.spawner.kube import GPUQuotaMirror, KubeGPUSpawner
-from gpulab.spawner.kubeobjects import make_user_network_policies
-from gpulab.spawner.mixin import GPULedger, SpawnRefused, hub_ledger
+from gpulab.hub.cluster.kubeobjects import make_user_network_policies
+from gpulab.hub.quota.settings import GPULedger
+from gpulab.spawner.mixin import SpawnRefused, hub_ledger
 
 from . import hubrbac
 from .controlplane import GPU_TOLERATION

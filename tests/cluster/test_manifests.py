@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from gpulab.hub.jobs.kubeobjects import make_job_network_policy
-from gpulab.spawner.kubeobjects import make_user_network_policies
+from gpulab.hub.cluster.kubeobjects import make_user_network_policies
 
 from .controlplane import KubectlError, wait_until
 

@@ -6,7 +6,7 @@ Each test has a ClusterQueue of its own (4 H100 GPUs, one ResourceFlavor for
 pods and keeps them Running (no Stage ends them), so quota frees only when a test deletes.
 
 The last tests (issue 18's first step) use gpulab's own builders instead: the Kueue objects of
-two people's quotas (`gpulab.spawner.kueueobjects`, 2 GPUs each, borrowed from the root
+two people's quotas (`gpulab.hub.cluster.kueueobjects`, 2 GPUs each, borrowed from the root
 cohort's pool of 4) and
 training jobs as JobSets (`gpulab.hub.jobs.kubeobjects.make_training_jobset`): the webhooks
 accept them, a job is admitted whole and its pods answer to the host names in TF_CONFIG, one
@@ -27,7 +27,7 @@ import uuid
 import pytest
 import yaml
 
-from gpulab.spawner.kueueobjects import QUOTA_RESOURCE
+from gpulab.hub.cluster.kueueobjects import QUOTA_RESOURCE
 
 from .conftest import _build
 from .controlplane import (
@@ -410,10 +410,10 @@ def test_manager_rbac_binds_the_controllers_own_roles_to_its_service_account(tmp
 # -- gpulab's own objects: its JobSets in the Kueue queues of its quota mirror (issue 18) ----
 
 def gpulab_queues(cp, ns, user, max_gpus, pool):
-    """``user``'s Kueue objects as `gpulab.spawner.kueueobjects` builds them, for namespace
+    """``user``'s Kueue objects as `gpulab.hub.cluster.kueueobjects` builds them, for namespace
     ``ns`` (quota ``max_gpus``), in the root cohort holding a pool of ``pool`` GPUs, applied
     and Active."""
-    from gpulab.spawner.kueueobjects import (
+    from gpulab.hub.cluster.kueueobjects import (
         make_cluster_queues, make_cohorts, make_default_flavor, make_gpu_flavor,
         make_local_queues, make_priority_class, make_quota_flavor)
 
@@ -446,18 +446,18 @@ def people(cp):
 
 
 def gpulab_jobset(name, ns, *, workers, gpus, queue="gpulab", strategy="parameter-server"):
-    from gpulab.hub.jobs.kubeobjects import make_training_jobset
+    from gpulab.hub.jobs.kubeobjects import Placement, make_training_jobset
     from gpulab.hub.jobs.spec import parse_spec
-    from gpulab.spawner.kueueobjects import PREEMPTIBLE_PRIORITY_CLASS, PREEMPTIBLE_QUEUE
+    from gpulab.hub.cluster.kueueobjects import PREEMPTIBLE_PRIORITY_CLASS, PREEMPTIBLE_QUEUE
 
     replicas = ({"chief": 1, "ps": 1, "worker": workers} if strategy == "parameter-server"
                 else {"worker": workers})
     spec = parse_spec({"name": name, "strategy": strategy, "replicas": replicas,
                        "resources": {"worker": {"gpus": gpus}}, "script": "train.py"})
-    return make_training_jobset(spec=spec, namespace=ns, user_label="ann", image=IMAGE,
+    return make_training_jobset(spec, Placement(namespace=ns, user_label="ann", image=IMAGE,
                                 program="/gpulab/shared/users/ann/train.py",
                                 job_dir="/gpulab/shared/users/ann/jobs/" + name,
-                                user_dir="/gpulab/shared/users/ann", gpu_model="NVIDIA-H100",
+                                user_dir="/gpulab/shared/users/ann", gpu_model="NVIDIA-H100"),
                                 queue_name=queue, priority_class=PREEMPTIBLE_PRIORITY_CLASS
                                 if queue == PREEMPTIBLE_QUEUE else None)
 
@@ -567,8 +567,8 @@ async def kueue_backend(cp, hub_kubeconfig, kueue_backend_settings, tmp_path, mo
 
     from gpulab.hub.jobs.kueue import backend_from_settings
     from gpulab.hub.quota.ledger import Ledger
-    from gpulab.spawner.kube import GPUQuotaMirror
-    from gpulab.spawner.kueuemirror import KueueMirror
+    from gpulab.hub.cluster.namespaces import GPUQuotaMirror
+    from gpulab.hub.cluster.kueuemirror import KueueMirror
 
     monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", hub_kubeconfig)
     load_config.cache_clear()
@@ -733,7 +733,7 @@ async def test_a_used_up_budget_holds_admissions_and_a_restarted_service_loses_n
     from gpulab.hub.jobs.kueue import backend_from_settings
     from gpulab.hub.quota.ledger import Request
     from gpulab.hub.quota.policy import Quota
-    from gpulab.spawner.kueuemirror import KueueMirror
+    from gpulab.hub.cluster.kueuemirror import KueueMirror
 
     b = kueue_backend
     user = f"h{uuid.uuid4().hex[:6]}"
@@ -868,7 +868,7 @@ async def test_a_person_who_left_loses_their_queues_and_a_returning_one_gets_new
 
     from gpulab.hub.quota.policy import Quota
     from gpulab.spawner.kube import KubeGPUSpawner
-    from gpulab.spawner.mixin import GPULedger
+    from gpulab.hub.quota.settings import GPULedger
 
     b = kueue_backend
     user = f"d{uuid.uuid4().hex[:6]}"
@@ -958,7 +958,7 @@ async def test_a_preemptible_job_borrows_is_preempted_and_waits_again(cp, kueue_
     tag = uuid.uuid4().hex[:6]
     ann, bob, carl = f"pa{tag}", f"pb{tag}", f"pc{tag}"
     from gpulab.hub.quota.policy import Quota
-    from gpulab.spawner.kueueobjects import cohort_name
+    from gpulab.hub.cluster.kueueobjects import cohort_name
 
     groups = {ann: (f"ga{tag}",), bob: (f"gb{tag}",), carl: (f"gb{tag}",)}
     for g in (f"ga{tag}", f"gb{tag}"):
@@ -1026,9 +1026,11 @@ async def test_a_gpu_notebook_waits_in_the_persons_queue_and_the_progress_says_w
     from gpulab.hub.jobs.kueue import backend_from_settings
     from gpulab.hub.quota.ledger import Ledger
     from gpulab.hub.quota.policy import Quota
-    from gpulab.spawner.kube import GPUQuotaMirror, KubeGPUSpawner
-    from gpulab.spawner.kueuemirror import KueueMirror
-    from gpulab.spawner.mixin import GPULedger, SpawnRefused
+    from gpulab.hub.cluster.namespaces import GPUQuotaMirror
+    from gpulab.spawner.kube import KubeGPUSpawner
+    from gpulab.hub.cluster.kueuemirror import KueueMirror
+    from gpulab.hub.quota.settings import GPULedger
+    from gpulab.spawner.mixin import SpawnRefused
 
     monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", hub_kubeconfig)
     load_config.cache_clear()
@@ -1065,7 +1067,7 @@ async def test_a_gpu_notebook_waits_in_the_persons_queue_and_the_progress_says_w
         s.user_options = {"profile": "h100-3"}
         with pytest.raises(SpawnRefused) as e:
             await s.start()
-        assert e.value.status_code == 409 and "your quota (user) is 2" in e.value.jupyterhub_message
+        assert e.value.status_code == 409 and "your quota is 2 GPUs at once" in e.value.jupyterhub_message
 
         await backend.submit(user, (), mw("train", 2))
         await until(lambda: backend.get(user, "train")["state"] == "Running", "the job Running")

@@ -1,6 +1,6 @@
 """Kueue's pool split by GPU model (``c.KubeGPUSpawner.kueue_gpu_models``, issue 18), on a
 control plane of its own whose Kueue has the resource transformation the deploy guide names
-(`gpulab.spawner.kueueobjects.GPU_QUOTA_TRANSFORMATION`: every GPU a pod asks for also counts as
+(`gpulab.hub.cluster.kueueobjects.GPU_QUOTA_TRANSFORMATION`: every GPU a pod asks for also counts as
 one ``gpulab.io/gpus``). The job backend runs as the hub's ServiceAccount, as in
 ``test_queueing.py`` (whose fixtures this module reuses with its own control plane).
 
@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from gpulab.spawner.kueueobjects import GPU_QUOTA_TRANSFORMATION, QUOTA_RESOURCE, gpu_flavor_name
+from gpulab.hub.cluster.kueueobjects import GPU_QUOTA_TRANSFORMATION, QUOTA_RESOURCE, gpu_flavor_name
 
 from .controlplane import GPU_PRODUCT_LABEL, GPU_RESOURCE
 from .test_queueing import hub_kubeconfig, jobset_pods, kueue_backend, mw, pool_gpus, queueing_plane, until

@@ -33,7 +33,7 @@ import psutil
 import pytest
 import requests
 
-from gpulab.spawner.kubeobjects import make_user_namespace
+from gpulab.hub.cluster.kubeobjects import make_user_namespace
 from tests.app.hubctl import Browser, free_port
 from tests.app.test_jobs_api import wait_state
 from tests.tf.test_jobs_training import accuracy

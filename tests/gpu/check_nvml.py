@@ -3,8 +3,8 @@
 Run it where a GPU and its driver are (the development workplace's GPU machine, or any
 NVIDIA host): ``python3 tests/gpu/check_nvml.py [--out result.json]``. It needs ``pynvml``
 (nvidia-ml-py), ``traitlets`` and, for the load it puts on the GPU, PyTorch; not JupyterHub
-nor the rest of gpulab: it loads ``spawner/inventory.py`` and ``spawner/gpuusage.py`` from
-this checkout without the spawner package's other modules.
+nor the rest of gpulab: it loads ``hub/machine/inventory.py`` and ``hub/machine/gpuusage.py`` from
+this checkout without the machine package's other modules.
 
 What it checks, against the real driver:
 1. `discover_gpus` finds every GPU `nvidia-smi -L` lists, with its UUID, model (as a
@@ -31,10 +31,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def load_spawner_modules():
-    """``inventory`` and ``gpuusage`` as modules of a bare package (no spawner/__init__)."""
+def load_machine_modules():
+    """``inventory`` and ``gpuusage`` as modules of a bare package (no hub/machine/__init__)."""
     pkg = types.ModuleType("gpulab_gpucheck")
-    pkg.__path__ = [str(ROOT / "spawner")]
+    pkg.__path__ = [str(ROOT / "hub" / "machine")]
     sys.modules["gpulab_gpucheck"] = pkg
     return (importlib.import_module("gpulab_gpucheck.inventory"),
             importlib.import_module("gpulab_gpucheck.gpuusage"))
@@ -61,7 +61,7 @@ def main() -> int:
         return 3
     import pynvml
 
-    inventory, gpuusage = load_spawner_modules()
+    inventory, gpuusage = load_machine_modules()
     ok = True
     gpus = inventory.discover_gpus(pynvml)
     result["gpus"] = [g.to_dict() for g in gpus]

@@ -3,7 +3,7 @@
 The whole hub of this module (its data folder, databases and shared storage) lives on a
 400 MiB tmpfs of its own, as in the issue's reproduction. eve and vic each have a 64 MiB disk
 (`disk` in their quotas, set by the admin before their first start): an ext4 image
-loop-mounted at their folder (`gpulab.spawner.userdisk`). eve writes until the kernel says
+loop-mounted at their folder (`gpulab.hub.machine.userdisk`). eve writes until the kernel says
 ENOSPC at her limit; vic then logs in, reads the hub's API, saves a file in his server and
 submits a job. Then the tmpfs itself is filled (by root, as a person without a limit could):
 tokens are still accepted (JupyterHub's activity write used to fail the token check, 403 for
@@ -45,7 +45,7 @@ def workdir(prefix):
     try:
         yield d
     finally:
-        from gpulab.spawner.userdisk import mounts, unmount_all
+        from gpulab.hub.machine.userdisk import mounts, unmount_all
 
         shared = d / "data" / "shared"
         unmount_all(shared)  # the hub's stop did it already, unless it was killed

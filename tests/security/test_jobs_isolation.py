@@ -31,8 +31,8 @@ import pytest
 from gpulab.hub.deploy.serviceconfig import SERVICE_CONFIG_NAME
 from gpulab.hub.jobs.local import ENV_ALLOW, ENV_ALLOW_PREFIXES, TMP_ROOT
 from gpulab.hub.service import ENV_FALLBACKS
-from gpulab.spawner import sandbox
-from gpulab.spawner.cgroups import Cgroups
+from gpulab.hub.machine import sandbox
+from gpulab.hub.machine.cgroups import Cgroups
 
 from tests.app.hubctl import Hub
 from tests.conftest import end_jobs_of
@@ -381,7 +381,7 @@ def test_gpu_less_replicas_are_bounded(hub, vic, eve, vic_job, eve_job):
     assert pid in group.pids()
     mem, cpu = group.dirs["memory"], group.dirs["cpu"]
     # 2 CPUs, or her person's bound where that is less (three quarters of a 2-CPU machine)
-    from gpulab.spawner.cgroups import share_of_cpus
+    from gpulab.hub.machine.cgroups import share_of_cpus
 
     quota = int(min(2.0, share_of_cpus(0.75)) * 100_000)
     if cgroups.version == 1:

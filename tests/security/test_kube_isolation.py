@@ -37,8 +37,9 @@ from gpulab.hub.jobs.spec import parse_spec
 from gpulab.hub.jobs.kube import KubeJobBackend
 from gpulab.hub.quota.policy import Quota
 from gpulab.spawner.kube import GPUQuotaMirror, KubeGPUSpawner
-from gpulab.spawner.kubeobjects import make_user_namespace
-from gpulab.spawner.mixin import GPULedger, hub_ledger
+from gpulab.hub.cluster.kubeobjects import make_user_namespace
+from gpulab.hub.quota.settings import GPULedger
+from gpulab.spawner.mixin import hub_ledger
 from tests.cluster import hubrbac
 from tests.cluster.conftest import _build
 from tests.cluster.controlplane import ControlPlane

@@ -27,7 +27,7 @@ import psutil
 import pytest
 import requests
 
-from gpulab.spawner.cgroups import Cgroups
+from gpulab.hub.machine.cgroups import Cgroups
 from tests.conftest import hub_with_config
 
 pytestmark = pytest.mark.security

@@ -16,7 +16,7 @@ import pwd
 
 import pytest
 
-from gpulab.spawner.accounts import account_comment, system_username
+from gpulab.hub.machine.accounts import account_comment, system_username
 
 from tests.app.hubctl import Browser
 from tests.conftest import PASSWORD

@@ -20,7 +20,7 @@ import psutil
 import pytest
 import requests
 
-from gpulab.spawner.cgroups import Cgroups
+from gpulab.hub.machine.cgroups import Cgroups
 
 pytestmark = pytest.mark.security
 

@@ -44,8 +44,8 @@ import uuid
 import pytest
 import requests
 
-from gpulab.spawner.accounts import delete_account, system_username
-from gpulab.spawner.cgroups import Cgroups
+from gpulab.hub.machine.accounts import delete_account, system_username
+from gpulab.hub.machine.cgroups import Cgroups
 from tests.app.hubctl import Browser, pid_exists
 from tests.conftest import PASSWORD
 

@@ -1,4 +1,4 @@
-"""gpulab.spawner.accounts: the hub user -> account / folder / group name mapping is injective,
+"""gpulab.hub.machine.accounts: the hub user -> account / folder / group name mapping is injective,
 and an account or folder made for somebody else is never handed out."""
 
 import os
@@ -6,7 +6,7 @@ import pwd
 
 import pytest
 
-from gpulab.spawner.accounts import (
+from gpulab.hub.machine.accounts import (
     AccountConflict,
     account_comment,
     check_account,

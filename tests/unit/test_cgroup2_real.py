@@ -1,4 +1,4 @@
-"""gpulab.spawner.cgroups and .bpfdevices on a real cgroup v2 hierarchy (root only).
+"""gpulab.hub.machine.cgroups and .bpfdevices on a real cgroup v2 hierarchy (root only).
 
 This machine's /sys/fs/cgroup is the v1 (hybrid) layout, but a private ``mount -t cgroup2``
 works beside it (each test module mounts its own under a temporary folder and unmounts it
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from gpulab.spawner import bpfdevices
-from gpulab.spawner.cgroups import Cgroups, limit_user_processes
+from gpulab.hub.machine import bpfdevices
+from gpulab.hub.machine.cgroups import Cgroups, limit_user_processes
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting cgroup2 needs root")
 

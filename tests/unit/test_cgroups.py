@@ -1,4 +1,4 @@
-"""gpulab.spawner.cgroups: what it writes where.
+"""gpulab.hub.machine.cgroups: what it writes where.
 
 The kernel's enforcement is tested for real in tests/app/test_limits.py and
 tests/app/test_jobs_api.py on this machine's hierarchy (cgroup v1 here). A private cgroup v2
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpulab.spawner.cgroups import CPU_PERIOD_US, Cgroups, device_denials, memory_bytes
+from gpulab.hub.machine.cgroups import CPU_PERIOD_US, Cgroups, device_denials, memory_bytes
 
 
 @pytest.mark.parametrize("text,value", [
@@ -226,7 +226,7 @@ def test_device_allow_list_is_enforced_by_this_kernel(tmp_path):
 def test_the_v2_device_allow_list():
     """What `bpfdevices.allowed_devices` lets a unit open (its program is tested on a real
     cgroup2 mount in tests/unit/test_cgroup2_real.py)."""
-    from gpulab.spawner.bpfdevices import DEV_CHAR, RW, Rule, allowed_devices, program
+    from gpulab.hub.machine.bpfdevices import DEV_CHAR, RW, Rule, allowed_devices, program
 
     rules = allowed_devices([3, 1], uvm_major=509)
     allowed = {(r.major, r.minor) for r in rules}

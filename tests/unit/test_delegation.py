@@ -1,4 +1,4 @@
-"""gpulab.spawner.delegation: under systemd with ``Delegate=yes`` (cgroup v2), gpulab's groups
+"""gpulab.hub.machine.delegation: under systemd with ``Delegate=yes`` (cgroup v2), gpulab's groups
 sit inside the service's own group, and the hub's processes move to a leaf beside them.
 
 The marks systemd sets are real extended attributes (``trusted.delegate``, which needs root),
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gpulab.spawner.cgroups import Cgroups
-from gpulab.spawner.delegation import HUB_LEAF, delegated_top, is_delegated
+from gpulab.hub.machine.cgroups import Cgroups
+from gpulab.hub.machine.delegation import HUB_LEAF, delegated_top, is_delegated
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="trusted.* attributes need root")
 
@@ -84,8 +84,8 @@ def test_detect_puts_gpulabs_groups_inside_the_service(tmp_path):
 MOVE = textwrap.dedent("""
     import os, subprocess, sys
     from pathlib import Path
-    from gpulab.spawner.cgroups import Group
-    from gpulab.spawner.delegation import delegated_top, own_v2_group
+    from gpulab.hub.machine.cgroups import Group
+    from gpulab.hub.machine.delegation import delegated_top, own_v2_group
     mount, top = Path(sys.argv[1]), Path(sys.argv[2])
     before = own_v2_group()
     os.setxattr(top, "trusted.delegate", b"1")  # as systemd marks a Delegate=yes unit

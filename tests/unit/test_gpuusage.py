@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpulab.spawner.gpuusage import PoolUsage, UsageSampler, device_usage, read_usage, usage_text
-from gpulab.spawner.inventory import GPUInventory
+from gpulab.hub.machine.gpuusage import PoolUsage, UsageSampler, device_usage, read_usage, usage_text
+from gpulab.hub.machine.inventory import GPUInventory
 
 MIB = 1024 * 1024
 

@@ -20,7 +20,7 @@ from gpulab.hub.deploy.local import ADMIN_GROUP
 from gpulab.hub.deploy.kubernetes import SERVICE_PORT
 from gpulab.hub.service import ADMIN_SCOPE, SERVICE_NAME
 from gpulab.spawner.kube import KubeGPUSpawner
-from gpulab.spawner.mixin import GPULedger
+from gpulab.hub.quota.settings import GPULedger
 from gpulab.spawner.profiles import parse_profiles
 
 HELM = Path(__file__).resolve().parents[2] / "helm-values"
@@ -229,7 +229,7 @@ def test_extra_config_makes_the_kube_spawner_and_the_ledger(hub_config, values):
     assert issubclass(KubeGPUSpawner, KubeSpawner)  # c.KubeSpawner (singleuser.*) applies too
     assert dict(c.KubeGPUSpawner) == values["hub"]["config"]["KubeGPUSpawner"]
     # the values' egress rules make valid policies (a rule that is not one fails here)
-    from gpulab.spawner.kubeobjects import make_user_network_policies
+    from gpulab.hub.cluster.kubeobjects import make_user_network_policies
 
     rules = values["hub"]["config"]["KubeGPUSpawner"]["allowed_egress"]
     user_pods = make_user_network_policies(namespace="gpulab-ann", user_label="ann",

@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from gpulab.spawner.inventory import GPUInventory, discover_gpus
+from gpulab.hub.machine.inventory import GPUInventory, discover_gpus
 
 
 class FakeNVML:
@@ -69,7 +69,7 @@ class NoMinorNumber(FakeNVML):
 
 
 def test_minor_numbers_from_the_drivers_record(tmp_path, monkeypatch):
-    from gpulab.spawner import inventory
+    from gpulab.hub.machine import inventory
 
     for bus, uuid, minor in (("0000:17:00.0", "GPU-0-uuid", 4), ("0000:65:00.0", "GPU-1-uuid", 7)):
         (tmp_path / bus).mkdir()

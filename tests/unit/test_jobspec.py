@@ -153,7 +153,7 @@ def test_process_bounds_reach_the_service():
     from traitlets.config import Config
 
     from gpulab.hub.jobs.spec import GPUJobs, limits_from_json
-    from gpulab.spawner.cgroups import default_user_processes
+    from gpulab.hub.machine.cgroups import default_user_processes
 
     plain = limits_from_json(GPUJobs().limits_json())
     assert plain.pids_per_replica == max(512, 4 * os.cpu_count())
@@ -186,3 +186,34 @@ def test_default_time_limit(name, own, settings, limit):
     lim = limits_from_json(GPUJobs(**settings).limits_json())  # as the service gets them
     spec = lim.with_time_limit(parse_spec(body, lim))
     assert spec.max_runtime == limit
+
+
+def test_job_limits_are_declared_once():
+    """Every ``c.GPUJobs`` setting but ``python`` is a `JobLimits` field whose default it
+    takes from there, and `GPUJobs.limits` hands each over (set to something else, it
+    arrives as set); nothing lists them a third time."""
+    import dataclasses
+
+    from traitlets.config import Config
+
+    from gpulab.hub.jobs.spec import GPUJobs, limit_settings, limits_from_json
+
+    names = limit_settings()
+    assert set(GPUJobs.class_traits(config=True)) - set(names) == {"python"}
+    for name in names:
+        trait = GPUJobs.class_traits()[name]
+        if name not in ("pids_per_replica", "max_user_processes", "allowed_images"):  # computed
+            assert trait.default_value == getattr(DEFAULT_LIMITS, name), name
+    c = Config()
+    other = {}
+    for name in names:
+        value = getattr(DEFAULT_LIMITS, name)
+        other[name] = (("gpulab/x:1",) if name == "allowed_images"
+                       else "4Gi" if name == "default_memory"
+                       else 3 * 3600 if name == "default_max_runtime"
+                       else 4 * 3600 if name == "max_runtime" else type(value)(7))
+        setattr(c.GPUJobs, name, list(other[name]) if name == "allowed_images" else other[name])
+    got = limits_from_json(GPUJobs(config=c).limits_json())
+    assert {name: getattr(got, name) for name in names} == other
+    assert all(getattr(got, f.name) == getattr(DEFAULT_LIMITS, f.name)
+               for f in dataclasses.fields(got) if f.name not in names)

@@ -14,7 +14,8 @@ from kubespawner.clients import load_config
 from traitlets.config import Config
 
 from gpulab.spawner.kube import KubeGPUSpawner
-from gpulab.spawner.mixin import GPULedger, SpawnRefused
+from gpulab.hub.quota.settings import GPULedger
+from gpulab.spawner.mixin import SpawnRefused
 
 #: upstream KubeSpawner's own test profiles (tests/test_spawner.py), with GPUs in some choices
 PROFILES = [

@@ -170,6 +170,6 @@ def test_network_settings_are_the_spawners_and_the_hub_namespace_reaches_the_ser
     b = KubeJobBackend.from_settings(Ledger(f"sqlite:///{tmp_path / 'l.sqlite'}"), raw)
     assert b.allowed_egress == nfs and b.hub_namespace == "jhub"
     monkeypatch.delenv("POD_NAMESPACE")
-    monkeypatch.setattr("gpulab.spawner.kube.SA_NAMESPACE_FILE", str(tmp_path / "no-such-file"))
+    monkeypatch.setattr("gpulab.hub.cluster.settings.SA_NAMESPACE_FILE", str(tmp_path / "no-such-file"))
     assert KubeJobBackend.from_settings(Ledger(f"sqlite:///{tmp_path / 'm.sqlite'}"),
                                         raw).hub_namespace == "default"

@@ -6,6 +6,7 @@ import re
 from gpulab.hub.jobs.spec import parse_spec
 from gpulab.hub.jobs.kubeobjects import (
     REPLICA_COMMAND,
+    Placement,
     make_job_network_policy,
     make_tfjob,
     make_training_job_objects,
@@ -32,15 +33,19 @@ HOSTS = {
 }
 
 
-def build(spec=PS_SPEC, **kw):
-    args = dict(spec=parse_spec(spec), namespace=NS, user_label="ann", image="gpulab/singleuser:1",
+def placement(**kw) -> Placement:
+    """Ann's job's `Placement`, with `kw` changed."""
+    args = dict(namespace=NS, user_label="ann", image="gpulab/singleuser:1",
                 program="/gpulab/shared/users/ann/train.py",
                 job_dir="/gpulab/shared/users/ann/jobs/digits",
                 user_dir="/gpulab/shared/users/ann", gpu_model="NVIDIA-H100",
-                shared_volume=SHARED, user_subpath="users/ann", datasets_subpath="datasets",
-                parent_uid="uid-1")
+                shared_volume=SHARED, user_subpath="users/ann", datasets_subpath="datasets")
     args.update(kw)
-    return make_training_job_objects(**args)
+    return Placement(**args)
+
+
+def build(spec=PS_SPEC, parent_uid="uid-1", **kw):
+    return make_training_job_objects(parse_spec(spec), placement(**kw), parent_uid=parent_uid)
 
 
 def env_of(role, tf_config):
@@ -193,9 +198,9 @@ def test_tfjob_literal():
     spec = {"name": "digits", "strategy": "parameter-server",
             "replicas": {"chief": 1, "ps": 1, "worker": 2},
             "resources": {"worker": {"gpus": 1}}, "script": "train.py", "retries": 2}
-    tfjob = make_tfjob(spec=parse_spec(spec), namespace=NS, user_label="ann", image="img:1",
-                       program="/p/train.py", job_dir="/p/jobs/digits", user_dir="/p",
-                       gpu_model="NVIDIA-H100")
+    tfjob = make_tfjob(parse_spec(spec), Placement(
+        namespace=NS, user_label="ann", image="img:1", program="/p/train.py",
+        job_dir="/p/jobs/digits", user_dir="/p", gpu_model="NVIDIA-H100"))
 
     def pod(role, gpus):
         p = {
@@ -279,8 +284,8 @@ def test_user_text_reaches_the_replica_unexpanded():
     spec = {**PS_SPEC, "args": args, "env": {"MODE": "$$(HOME)"}}
     program = "/u/my$(GPULAB_TASK_INDEX).py"  # a script path the person chose
     job = build(spec, program=program)[3]
-    tfjob = make_tfjob(spec=parse_spec(spec), namespace=NS, user_label="ann", image="i",
-                       program=program, job_dir="/j", user_dir="/u")
+    tfjob = make_tfjob(parse_spec(spec), Placement(namespace=NS, user_label="ann", image="i",
+                                                   program=program, job_dir="/j", user_dir="/u"))
     for pod in (job["spec"]["template"]["spec"],
                 tfjob["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]):
         (c,) = pod["containers"]
@@ -303,15 +308,9 @@ JOBSET_HOSTS = {
 }
 
 
-def build_jobset(spec=PS_SPEC, **kw):
-    args = dict(spec=parse_spec(spec), namespace=NS, user_label="ann", image="gpulab/singleuser:1",
-                program="/gpulab/shared/users/ann/train.py",
-                job_dir="/gpulab/shared/users/ann/jobs/digits",
-                user_dir="/gpulab/shared/users/ann", gpu_model="NVIDIA-H100",
-                shared_volume=SHARED, user_subpath="users/ann", datasets_subpath="datasets",
-                queue_name="gpulab")
-    args.update(kw)
-    return make_training_jobset(**args)
+def build_jobset(spec=PS_SPEC, queue_name="gpulab", priority_class=None, **kw):
+    return make_training_jobset(parse_spec(spec), placement(**kw), queue_name=queue_name,
+                                priority_class=priority_class)
 
 
 def test_a_preemptible_jobset_carries_kueues_priority_class():

@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-from gpulab.spawner.kube import effective_max_gpus
+from gpulab.hub.cluster.namespaces import effective_max_gpus
 from gpulab.hub.jobs.kubeobjects import make_job_network_policy
-from gpulab.spawner.kubeobjects import (
+from gpulab.hub.cluster.kubeobjects import (
     escape_expansion,
     explain_unschedulable,
     free_gpus_by_node,
@@ -382,7 +382,7 @@ def test_escape_expansion_literal():
 def test_make_limit_range():
     """Issue 36: every container of a user namespace that names none gets the operator's
     default CPU, memory and ephemeral storage (replicas and notebooks alike)."""
-    from gpulab.spawner.kubeobjects import make_limit_range
+    from gpulab.hub.cluster.kubeobjects import make_limit_range
 
     assert make_limit_range(namespace="gpulab-ann", user_label="ann",
                             limits={"cpu": 2, "memory": "8Gi", "ephemeral-storage": "20Gi"},
@@ -406,14 +406,14 @@ def test_make_limit_range():
     ({"cpu": "500m"}, {"cpu": "1"}, "cpu 1 is above"),
 ], ids=["resource", "unit", "bool", "request-above-limit", "millicores"])
 def test_make_limit_range_refuses_bad_defaults(limits, requests, message):
-    from gpulab.spawner.kubeobjects import make_limit_range
+    from gpulab.hub.cluster.kubeobjects import make_limit_range
 
     with pytest.raises(ValueError, match=re.escape(message)):
         make_limit_range(namespace="n", user_label="u", limits=limits, requests=requests)
 
 
 def test_quantities_compare_across_units():
-    from gpulab.spawner.kubeobjects import quantity
+    from gpulab.hub.cluster.kubeobjects import quantity
 
     assert quantity("1Gi") > quantity("1G") > quantity("950Mi")
     assert quantity("500m") == quantity("0.5") < quantity("1")

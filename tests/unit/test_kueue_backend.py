@@ -20,8 +20,8 @@ from gpulab.hub.jobs.kueue import (
 from gpulab.hub.jobs.spec import parse_spec
 from gpulab.hub.quota.ledger import AdmissionRefused, Ledger, Request
 from gpulab.hub.quota.policy import Quota
-from gpulab.spawner.kueuemirror import KueueMirror, Wanted, node_gpus, wanted
-from gpulab.spawner.kueueobjects import ordinal, pending_position
+from gpulab.hub.cluster.kueuemirror import KueueMirror, Wanted, node_gpus, wanted
+from gpulab.hub.cluster.kueueobjects import ordinal, pending_position
 
 
 def cond(type_, status, **kw):
@@ -102,11 +102,12 @@ def test_a_job_over_the_persons_quota_is_refused_at_once(tmp_path):
                            "script": "t.py", **kw})
 
     req = Request(user="ann", kind="job", holder="j", gpus=3)
-    with pytest.raises(AdmissionRefused, match="asks for 3 GPUs and your quota is 2"):
-        b._admit_or_queue(req, spec(3))
-    assert b._admit_or_queue(req, spec(3, preemptible=True)) is None  # may borrow
-    assert b._admit_or_queue(Request(user="ann", kind="job", holder="j", gpus=2), spec(2)) is None
-    assert b._admit_or_queue(Request(user="bob", kind="job", holder="j", gpus=9), spec(9)) is None
+    with pytest.raises(AdmissionRefused, match="asks for 3 GPUs; your quota is 2 GPUs at once. "
+                       "Ask for fewer, mark it preemptible to borrow idle GPUs, or ask an admin"):
+        b._admission(req, spec(3))
+    assert b._admission(req, spec(3, preemptible=True)) is None  # may borrow
+    assert b._admission(Request(user="ann", kind="job", holder="j", gpus=2), spec(2)) is None
+    assert b._admission(Request(user="bob", kind="job", holder="j", gpus=9), spec(9)) is None
     assert ledger.open_allocations() == []  # Kueue admits; nothing is held at submit
 
 
@@ -169,8 +170,8 @@ def test_a_request_over_the_per_request_cap_is_refused_at_once(tmp_path):
     b = KueueJobBackend(ledger)
     spec = parse_spec({"name": "j", "strategy": "multi-worker-mirrored", "replicas": {"worker": 4},
                        "resources": {"worker": {"gpus": 1}}, "script": "t.py", "preemptible": True})
-    with pytest.raises(AdmissionRefused, match="at most 2 per request"):
-        b._admit_or_queue(Request(user="ann", kind="job", holder="j", gpus=4), spec)
+    with pytest.raises(AdmissionRefused, match="at most 2 in one request"):
+        b._admission(Request(user="ann", kind="job", holder="j", gpus=4), spec)
 
 
 def test_one_switch_for_the_spawner_and_the_backend():
@@ -235,7 +236,7 @@ async def test_the_mirror_applies_the_pool_when_it_changes_and_an_operators_pool
     pool is one count of any model, and no node is listed for it."""
     import logging
 
-    from gpulab.spawner.kueueobjects import QUOTA_RESOURCE, gpu_flavor_name
+    from gpulab.hub.cluster.kueueobjects import QUOTA_RESOURCE, gpu_flavor_name
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'l.sqlite'}", pool="kubernetes")
     ledger.migrate()

@@ -1,11 +1,11 @@
-"""gpulab's quotas as Kueue objects (gpulab.spawner.kueueobjects), as literal dicts."""
+"""gpulab's quotas as Kueue objects (gpulab.hub.cluster.kueueobjects), as literal dicts."""
 
 import hashlib
 import re
 
 import pytest
 
-from gpulab.spawner.kueueobjects import (
+from gpulab.hub.cluster.kueueobjects import (
     GPU_QUOTA_TRANSFORMATION,
     POOL_CPU,
     POOL_EPHEMERAL_STORAGE,

@@ -10,13 +10,21 @@ import is a dependency all the same, only a later one):
    library alone.
 2. ``gpulab.hub.db`` (``gpulab.hub``'s own ``__init__`` sits here)
 3. ``gpulab.hub.quota``
-4. ``gpulab.spawner``
-5. ``gpulab.hub.jobs``, then ``gpulab.hub.migrations`` (Alembic's scripts need every table)
-6. ``gpulab.hub.service``
-7. ``gpulab.hub.deploy`` (with ``gpulab.hub.kubeconfig`` and ``gpulab.hub.oidc``, the names
+4. the substrate, two siblings: ``gpulab.hub.machine`` (one machine's accounts, cgroups,
+   sandboxes, safe files, GPU inventory and usage) and ``gpulab.hub.cluster`` (user
+   namespaces, Kubernetes and Kueue objects, the Kueue mirror)
+5. the two things that stand on it, siblings: ``gpulab.spawner`` (notebook servers) and
+   ``gpulab.hub.jobs`` (training jobs)
+6. ``gpulab.hub.migrations`` (Alembic's scripts need every table)
+7. ``gpulab.hub.service``
+8. ``gpulab.hub.deploy`` (with ``gpulab.hub.kubeconfig`` and ``gpulab.hub.oidc``, the names
    configurations use, public re-exports of deploy's); deploy may also import the package
    ``gpulab.hub.service`` itself, whose ``__init__`` holds constants only
-8. ``gpulab.hub.cli``
+9. ``gpulab.hub.cli``
+
+Siblings do not import each other, either way: nothing under ``gpulab.hub.jobs`` imports
+``gpulab.spawner`` and nothing under ``gpulab.spawner`` imports ``gpulab.hub.jobs`` (what
+both need lives below them), and likewise ``machine`` and ``cluster``.
 
 And no two modules import each other, directly or round a longer circle.
 
@@ -40,6 +48,8 @@ LAYERS = [
     ("extensions", ("gpulab.extensions",)),
     ("db", ("gpulab.hub.db",)),
     ("quota", ("gpulab.hub.quota",)),
+    ("machine", ("gpulab.hub.machine",)),
+    ("cluster", ("gpulab.hub.cluster",)),
     ("spawner", ("gpulab.spawner",)),
     ("jobs", ("gpulab.hub.jobs",)),
     # Alembic's scripts, loaded by path (`gpulab.hub.db.alembic_config`), read every table
@@ -48,6 +58,8 @@ LAYERS = [
     ("deploy", ("gpulab.hub.deploy", "gpulab.hub.kubeconfig", "gpulab.hub.oidc")),
     ("cli", ("gpulab.hub.cli",)),
 ]
+#: layers side by side: neither imports the other (the list's order between them means nothing)
+SIBLINGS = [("machine", "cluster"), ("spawner", "jobs")]
 #: packages in a layer by themselves, not with their sub-packages
 EXACT = {"gpulab": "extensions", "gpulab.hub": "db"}
 #: (importing layer, imported module) allowed across the rule
@@ -146,9 +158,31 @@ def test_imports_go_only_to_lower_layers(layer):
             if not (target == "gpulab" or target.startswith("gpulab.")):
                 continue
             theirs = _layer(target)
-            if theirs is not None and theirs > mine and (layer, target) not in EXCEPTIONS:
+            if theirs is None or _siblings(mine, theirs):  # test_siblings_stay_apart
+                continue
+            if theirs > mine and (layer, target) not in EXCEPTIONS:
                 wrong.append(f"{_where(name, line)}: {name} ({layer}) imports {target} "
                              f"({LAYERS[theirs][0]}, a layer above)")
+    assert wrong == [], "\n".join(wrong)
+
+
+def _siblings(a: int, b: int) -> bool:
+    names = {LAYERS[a][0], LAYERS[b][0]}
+    return any(names == set(pair) for pair in SIBLINGS)
+
+
+@pytest.mark.parametrize("pair", SIBLINGS, ids="-".join)
+def test_siblings_stay_apart(pair):
+    """Neither sibling imports the other: ``gpulab.hub.jobs`` never imports
+    ``gpulab.spawner``, nor the reverse; ``machine`` and ``cluster`` likewise."""
+    index = [name for name, _ in LAYERS]
+    wrong = []
+    for mine, theirs in (pair, pair[::-1]):
+        for name, imports in IMPORTS.items():
+            if _layer(name) != index.index(mine):
+                continue
+            wrong += [f"{_where(name, line)}: {name} ({mine}) imports {target} ({theirs})"
+                      for line, target in imports if _layer(target) == index.index(theirs)]
     assert wrong == [], "\n".join(wrong)
 
 
@@ -219,4 +253,8 @@ def test_the_rules_catch_what_they_should():
     assert names[_layer("gpulab.extensions.contract")] == "extensions"
     assert names[_layer("gpulab")] == "extensions"
     assert names[_layer("gpulab.spawner.mixin")] == "spawner"
+    assert names[_layer("gpulab.hub.machine.cgroups")] == "machine"
+    assert names[_layer("gpulab.hub.cluster.kueuemirror")] == "cluster"
+    assert _siblings(names.index("jobs"), names.index("spawner"))
+    assert not _siblings(names.index("jobs"), names.index("cluster"))
     assert _layer("gpulab.hub.elsewhere") is None  # a new hub module must be given a layer

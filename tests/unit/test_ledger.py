@@ -4,8 +4,8 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
+from gpulab.hub.db import Base
 from gpulab.hub.quota.ledger import (
-    Base,
     BadRequest,
     DeviceInfo,
     Ledger,

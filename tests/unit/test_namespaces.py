@@ -1,4 +1,4 @@
-"""A user's namespace, prepared one way (`gpulab.spawner.namespaces.prepare_user_namespace`)
+"""A user's namespace, prepared one way (`gpulab.hub.cluster.namespaces.prepare_user_namespace`)
 by KubeGPUSpawner and KubeJobBackend, and the settings the two share.
 
 The Kubernetes API is `tests.doubles.FakeKubeAPI` here (no API server in this tier); the
@@ -24,9 +24,10 @@ from gpulab.hub.jobs.base import JobError
 from gpulab.hub.quota.ledger import Ledger, Request
 from gpulab.hub.quota.policy import Quota
 from gpulab.spawner.kube import KubeGPUSpawner
-from gpulab.spawner.kubeobjects import make_user_network_policies
-from gpulab.spawner.mixin import GPULedger, SpawnRefused, hub_ledger
-from gpulab.spawner.namespaces import (
+from gpulab.hub.cluster.kubeobjects import make_user_network_policies
+from gpulab.hub.quota.settings import GPULedger
+from gpulab.spawner.mixin import SpawnRefused, hub_ledger
+from gpulab.hub.cluster.namespaces import (
     GPUQuotaMirror,
     NamespaceSettingsError,
     prepare_user_namespace,
@@ -256,7 +257,7 @@ async def test_both_callers_read_the_quota_off_the_loop_and_prepare_the_same_nam
     reads = reads_of("quotas")
     made = FakeKubeAPI()
     s.api = made
-    monkeypatch.setattr("gpulab.spawner.namespaces.shared_client", lambda name: made)
+    monkeypatch.setattr("gpulab.hub.cluster.namespaces.shared_client", lambda name: made)
     await s._ensure_namespace()
     assert [n for n, _ in reads] == ["quotas"] and reads[0][1] is not loop_thread
 
@@ -290,7 +291,7 @@ async def test_the_backend_writes_the_servers_policy_the_spawner_writes(config, 
     await asyncio.to_thread(hub_ledger, s.config, False)
     made = FakeKubeAPI()
     s.api = made
-    monkeypatch.setattr("gpulab.spawner.namespaces.shared_client", lambda name: made)
+    monkeypatch.setattr("gpulab.hub.cluster.namespaces.shared_client", lambda name: made)
     await s._ensure_namespace()
 
     b = KubeJobBackend.from_settings(Ledger(f"sqlite:///{tmp_path / 'jobs.sqlite'}"), backend_settings(s.config))
@@ -412,6 +413,54 @@ def test_the_spawners_shared_settings_reach_the_backend(tmp_path):
     b = KubeJobBackend.from_settings(Ledger(f"sqlite:///{tmp_path / 'm.sqlite'}"),
                                      backend_settings(c))
     assert b.gpu_quota_sync_interval == 30.0
+
+
+#: a value other than the default for each of `KubeSettings`' traits
+NOT_DEFAULT = {
+    "pod_security_level": "restricted",
+    "default_container_limits": {"cpu": "4", "memory": "16Gi"},
+    "default_container_requests": {"cpu": "1"},
+    "shared_volume": {"nfs": {"server": "nfs.example.org", "path": "/gpulab"}},
+    "shared_mount_path": "/team",
+    "user_subpath_template": "people/{username}",
+    "datasets_subpath": "data",
+    "hub_namespace": "gpulab-hub",
+    "allowed_egress": [{"to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}]}],
+    "allowed_server_ingress": [{"from": [{"ipBlock": {"cidr": "10.0.0.7/32"}}]}],
+    "gpu_quota_sync_interval": 10.0,
+    "kueue": True,
+    "kueue_gpus": 16,
+    "kueue_gpu_models": True,
+}
+
+
+async def test_one_settings_class_holds_what_spawner_and_backend_share(config, tmp_path):
+    """`KubeSettings` is both classes' own (declared and documented once), and each of its
+    settings set on c.KubeGPUSpawner alone reaches the spawner and, through the hub's
+    `backend_settings`, the job backend; c.KubeSettings reaches both the same way."""
+    from gpulab.hub.cluster.settings import KubeSettings
+    from gpulab.hub.jobs.kube import backend_settings
+    from gpulab.hub.jobs.kueue import backend_from_settings
+
+    assert issubclass(KubeGPUSpawner, KubeSettings) and issubclass(KubeJobBackend, KubeSettings)
+    names = set(KubeSettings.class_own_traits(config=True))
+    assert names == set(NOT_DEFAULT)
+    for name in names:  # one declaration: neither class redefines the trait
+        assert name not in vars(KubeGPUSpawner) and name not in vars(KubeJobBackend), name
+        assert KubeGPUSpawner.class_traits()[name] is KubeJobBackend.class_traits()[name]
+    plain_s, plain_b = spawner(config), backend(config, tmp_path)
+    for section in ("KubeGPUSpawner", "KubeSettings"):
+        c = Config(config)
+        for name, value in NOT_DEFAULT.items():
+            setattr(c[section], name, value)
+        s = KubeGPUSpawner(config=c, user=SimpleNamespace(name="ann", id=1, url="/user/ann/",
+                                                          groups=[]), _mock=True)
+        b = backend_from_settings(Ledger(f"sqlite:///{tmp_path / f'{section}.sqlite'}"),
+                                  backend_settings(c))
+        for name, value in NOT_DEFAULT.items():
+            assert getattr(plain_s, name) != value and getattr(plain_b, name) != value, name
+            assert getattr(s, name) == value, (section, name, getattr(s, name))
+            assert getattr(b, name) == value, (section, name, getattr(b, name))
 
 
 async def test_a_waiting_notebooks_place_is_kueues_and_worked_out_where_kueue_cannot_say(

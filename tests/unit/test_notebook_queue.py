@@ -11,9 +11,10 @@ from traitlets.config import Config
 
 from gpulab.hub.quota.ledger import Request
 from gpulab.hub.quota.waiting import LEFT_REASON, Entry, GPUQueue, Queue
-from gpulab.spawner.inventory import GPUInventory
+from gpulab.hub.machine.inventory import GPUInventory
 from gpulab.spawner.local import LocalGPUSpawner
-from gpulab.spawner.mixin import GPULedger, OptionRefused, SpawnRefused, hub_ledger
+from gpulab.hub.quota.settings import GPULedger
+from gpulab.spawner.mixin import OptionRefused, SpawnRefused, hub_ledger
 from gpulab.spawner.profiles import OptionError, options_from_formdata
 from gpulab.spawner.queuewait import (WAIT_KEY, allowed_waits, decide, parse_wait_minutes,
                                       progress_message)

@@ -23,11 +23,11 @@ from traitlets.config import Config
 
 from gpulab.hub.deploy.localhub import person_bounds
 from gpulab.hub.jobs.spec import GPUJobs, limits_from_json
-from gpulab.spawner.cgroups import (CPU_PERIOD_US, Cgroups, machine_memory, person_unit,
+from gpulab.hub.machine.cgroups import (CPU_PERIOD_US, Cgroups, machine_memory, person_unit,
                                     share_of_cpus, share_of_memory)
-from gpulab.spawner.inventory import GPUInventory
+from gpulab.hub.machine.inventory import GPUInventory
 from gpulab.spawner.local import LocalGPUSpawner
-from gpulab.spawner.mixin import GPULedger
+from gpulab.hub.quota.settings import GPULedger
 from tests.unit.test_cgroups import fake_v1, fake_v2
 
 GiB, MiB = 2**30, 2**20

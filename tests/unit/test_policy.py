@@ -146,3 +146,26 @@ def test_a_disk_limit_round_trips_and_is_described():
         "own-without-disk"])
 def test_effective_disk(default, groups, user, expected):
     assert effective_disk(default, groups, user) == expected
+
+
+@pytest.mark.parametrize("quota,gpus,words", [
+    (Quota(2), 3, "Quota exceeded: this request asks for 3 GPUs; your quota (the default quota) "
+                  "is 2 GPUs at once. Ask for fewer or ask an admin for a larger quota."),
+    (Quota(8, max_per_request=2), 3,
+     "Quota exceeded: this request asks for 3 GPUs; your quota (the default quota) allows at "
+     "most 2 in one request. Ask for fewer, or ask an admin."),
+], ids=["at-once", "per-request"])
+def test_a_request_that_can_never_fit_is_refused_in_one_wording(quota, gpus, words):
+    """"Can never fit the quota" is one rule (`never_fits`) in one wording: the ledger's
+    admission (`refusal`) and the queue's (`refusal_now`) say the same, holdings or not;
+    the spawn form says it short."""
+    from gpulab.hub.quota.policy import never_fits
+    from gpulab.hub.quota.queue import Device, refusal_now
+
+    assert never_fits(quota, gpus).message("default") == words
+    assert refusal(quota, "default", gpus, []) == words
+    assert refusal(quota, "default", gpus, [NB]) == words  # stopping the notebook won't help
+    assert refusal_now(gpus, None, quota, [Device(i, "H100") for i in range(8)],
+                       source="default") == words
+    assert never_fits(quota, gpus).short().startswith("more than your quota allows (")
+    assert never_fits(quota, gpus - 1) is None and never_fits(None, 64) is None

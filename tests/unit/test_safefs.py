@@ -1,4 +1,4 @@
-"""spawner/safefs.py: files in a user's folder, as the privileged service opens them.
+"""hub/machine/safefs.py: files in a user's folder, as the privileged service opens them.
 
 A user owns their folder and may plant anything there in place of a log: a link, a FIFO, a
 socket, a huge sparse file. Each must cost only a refusal (or a bounded read), at once.
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from gpulab.spawner import safefs
+from gpulab.hub.machine import safefs
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""spawner/sandbox.py and the replica environment: namespaces, private /tmp, the working
+"""hub/machine/sandbox.py and the replica environment: namespaces, private /tmp, the working
 directory entered as the person, and what a replica's environment may hold.
 
 The namespace tests need root (they make real namespaces, in forked children); without root
@@ -20,7 +20,7 @@ import pytest
 
 from gpulab.hub.jobs.local import replica_env
 from gpulab.hub.jobs.spec import JobSpec
-from gpulab.spawner import sandbox
+from gpulab.hub.machine import sandbox
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces need root")
 NOBODY = (65534, 65534)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from traitlets.config import Config
 
-from gpulab.spawner.inventory import GPUInventory
+from gpulab.hub.machine.inventory import GPUInventory
 from gpulab.spawner.local import LocalGPUSpawner
 from gpulab.spawner.mixin import GPULedger, OptionRefused
 

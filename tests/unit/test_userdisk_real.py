@@ -1,4 +1,4 @@
-"""gpulab.spawner.userdisk on the real kernel (root only): each person's disk is an ext4 image
+"""gpulab.hub.machine.userdisk on the real kernel (root only): each person's disk is an ext4 image
 loop-mounted at their folder; the shared storage is a small tmpfs of the test's own.
 
 What is real: the tmpfs, ``posix_fallocate``, ``mkfs.ext4``, the loop devices, the mounts, the
@@ -20,7 +20,7 @@ import pytest
 
 from gpulab.hub.quota.ledger import Ledger
 from gpulab.hub.quota.policy import Quota
-from gpulab.spawner.userdisk import (Disk, DiskError, PersonDisks, ensure_disk, mount_all,
+from gpulab.hub.machine.userdisk import (Disk, DiskError, PersonDisks, ensure_disk, mount_all,
                                      mounts, unmount_all)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not Path("/dev/loop-control").exists(),
@@ -168,7 +168,7 @@ def test_person_disks_follow_the_ledger_and_refuse_a_lower_limit_than_use(shared
 
 def test_a_server_started_after_the_mount_does_not_hold_the_disk(shared):
     """A server's or replica's mount namespace is a slave of the hub's
-    (`gpulab.spawner.sandbox`): the disk mounted before it started is unmounted there too
+    (`gpulab.hub.machine.sandbox`): the disk mounted before it started is unmounted there too
     when the hub unmounts it, so the disk can be resized and its loop device detaches."""
     ann = Disk.of(shared, "ann")
     _folder(shared, "ann")

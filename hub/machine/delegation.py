@@ -10,7 +10,7 @@ stop``) would not reach them.
 The kernel lets a v2 group hand controllers down to child groups only while it holds no
 process itself ("no internal processes"), so the hub first moves the unit's processes
 (itself and whatever it started already) into a leaf of its own, `HUB_LEAF`; gpulab's groups
-go beside it, where `gpulab.spawner.cgroups.Cgroups.detect` puts them under its top folder:
+go beside it, where `gpulab.hub.machine.cgroups.Cgroups.detect` puts them under its top folder:
 
     system.slice/gpulab.service/    delegated by systemd (trusted.delegate = 1)
       hub/                          the hub, the proxy, the gpulab service

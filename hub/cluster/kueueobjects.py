@@ -1,11 +1,11 @@
 """gpulab's quota ledger in Kueue's terms (``kueue.x-k8s.io/v1beta2``), built by pure functions.
 
-`gpulab.spawner.kueuemirror.KueueMirror` applies them (``c.KubeJobBackend.kueue``).
+`gpulab.hub.cluster.kueuemirror.KueueMirror` applies them (``c.KubeJobBackend.kueue``).
 
 On a cluster gpulab keeps its ledger (notebooks and jobs, GPU-hour budgets, the admin page) and
 lets Kueue decide who runs when. The objects below say a person's quota as Kueue objects, to
 be kept current from the ledger by server-side apply (as the ResourceQuota mirror of
-`gpulab.spawner.namespaces` is):
+`gpulab.hub.cluster.namespaces` is):
 
 - `make_gpu_flavor`: the ResourceFlavor of GPUs, ``gpulab-gpu`` (any model: gpulab's quota
   counts GPUs of every model together; each pod's own node selector picks its model).
@@ -55,8 +55,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .kubeobjects import MANAGED_BY, USER_LABEL
-from .profiles import GPU_MODEL_LABEL, GPU_RESOURCE
+from .kubeobjects import GPU_MODEL_LABEL, GPU_RESOURCE, MANAGED_BY, USER_LABEL
 
 KUEUE_API = "kueue.x-k8s.io/v1beta2"
 ROOT_COHORT = "gpulab"

@@ -29,7 +29,10 @@ from collections.abc import Iterable, Mapping
 from fractions import Fraction
 from typing import Any
 
-from .profiles import GPU_MODEL_LABEL, GPU_RESOURCE
+#: the extended resource of NVIDIA's device plugin, and the label GPU feature discovery gives
+#: a node (the model, as `gpulab.hub.quota.queue.normalize_model` reads it)
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_MODEL_LABEL = "nvidia.com/gpu.product"
 
 #: the taint GPU node pools carry (and the toleration GPU pods get)
 GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}

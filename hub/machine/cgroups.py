@@ -14,10 +14,10 @@ everything the process started, ``setsid`` grandchildren too.
   is unlimited). ``gpulab`` sits at the top of the hierarchy because a group that holds
   processes (the hub's own) may not hand controllers down to child groups; run by systemd
   with ``Delegate=yes`` (``gpulab service install``), ``gpulab`` sits inside the service's own
-  group instead, beside the hub's leaf (`gpulab.spawner.delegation`). It hands down ``cpu``,
+  group instead, beside the hub's leaf (`gpulab.hub.machine.delegation`). It hands down ``cpu``,
   ``memory`` and ``pids`` where the hierarchy offers them. The v2 hierarchy has no
   device files: gpulab attaches a ``BPF_PROG_TYPE_CGROUP_DEVICE`` program to every group given
-  a GPU list (`gpulab.spawner.bpfdevices`: the usual character devices, NVIDIA's shared nodes
+  a GPU list (`gpulab.hub.machine.bpfdevices`: the usual character devices, NVIDIA's shared nodes
   and the unit's own GPUs; everything else refused). Stop writes ``cgroup.kill``; on kernels
   before 5.14, which lack it, it freezes the group (``cgroup.freeze``), kills every process in
   it and thaws it, as on v1.
@@ -178,7 +178,7 @@ def share_of_cpus(fraction: float, cpus: int | None = None) -> float:
 
 def person_unit(hub_tag: str, user: str) -> str:
     """The person-level group of hub user `user` on the hub tagged `hub_tag`:
-    ``person-<hub_tag>-<name>``, the name as `gpulab.spawner.accounts.safe_slug` keeps or
+    ``person-<hub_tag>-<name>``, the name as `gpulab.hub.machine.accounts.safe_slug` keeps or
     escapes it (one-to-one, at most 48 characters), so that the hub's servers (which know the
     user's name) and the service's replicas (which know it too, not the hub's user id) name
     the same group, and hubs sharing the machine never share one."""

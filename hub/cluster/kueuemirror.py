@@ -9,7 +9,7 @@ people whose figures changed (no API request otherwise, but one list of gpulab's
 ClusterQueues before such a change and every ``capacity_seconds``: a person whose queue is
 gone, because their account was deleted (`KueueMirror.remove`, from
 ``KubeGPUSpawner.delete_forever``), is forgotten rather than given their queues again, until
-their next server or job). The objects are `gpulab.spawner.kueueobjects`'s:
+their next server or job). The objects are `gpulab.hub.cluster.kueueobjects`'s:
 
 - the ResourceFlavors of GPUs (any model; with ``by_model``, one per model, by the nodes'
   ``nvidia.com/gpu.product``, and the quota's), of CPU and memory, and preemptible work's
@@ -44,7 +44,7 @@ from kubernetes_asyncio.client.rest import ApiException
 from gpulab.hub.quota.ledger import Ledger
 from gpulab.hub.quota.policy import Quota
 
-from .kubeobjects import MANAGED_BY
+from .kubeobjects import GPU_MODEL_LABEL, GPU_RESOURCE, MANAGED_BY
 from .kueueobjects import (
     QUOTA_FLAVOR,
     gpu_models,
@@ -58,7 +58,6 @@ from .kueueobjects import (
     split_by_model,
 )
 from .namespaces import APPLY, FIELD_MANAGER, LedgerMirror, api_message, effective_quota_of
-from .profiles import GPU_MODEL_LABEL, GPU_RESOURCE
 
 KUEUE = ("kueue.x-k8s.io", "v1beta2")
 _PLURALS = {"ResourceFlavor": "resourceflavors", "WorkloadPriorityClass": "workloadpriorityclasses",

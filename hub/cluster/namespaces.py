@@ -15,9 +15,9 @@
 The ledger's quotas are read in a worker thread (`asyncio.to_thread`), here and in the
 mirror's periodic sync: the event loop never waits for the ledger's lock.
 
-The defaults of the settings the two classes share (``SHARED_WITH_SPAWNER`` in
-`gpulab.hub.jobs.kube`, which fills the backend's from ``c.KubeGPUSpawner``) are defined
-here once, so that they cannot drift apart.
+The defaults of the settings the two classes share (`gpulab.hub.cluster.settings.KubeSettings`,
+which both inherit; the hub fills the service's backend's from ``c.KubeGPUSpawner``) are
+defined here once, so that they cannot drift apart.
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ async def prepare_user_namespace(
     for them. Each request may take ``request_timeout`` seconds
     (``asyncio.TimeoutError`` otherwise); ``sync_interval`` is the mirror's period when
     this call starts it. ``gpu_resource_quota`` False (Kueue admits the namespace's work,
-    `gpulab.spawner.kueuemirror`): no GPU ResourceQuota, and one left from before is removed
+    `gpulab.hub.cluster.kueuemirror`): no GPU ResourceQuota, and one left from before is removed
     (it would refuse the pods of preemptible work that borrows beyond the person's quota).
     ``container_limits`` / ``container_requests``: the LimitRange's defaults (None: gpulab's
     `DEFAULT_CONTAINER_LIMITS` / `DEFAULT_CONTAINER_REQUESTS`; ``{}``: none). Raises

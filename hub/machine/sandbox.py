@@ -33,7 +33,7 @@ person's account):
   loopback services either (the hub, the gpulab service): that is intended.
 - **the working directory entered as the person** (`enter_dir`): after dropping privileges,
   through a descriptor opened one component at a time without following links
-  (`gpulab.spawner.safefs`), never with ``Popen(cwd=...)``, which runs ``chdir`` as root before
+  (`gpulab.hub.machine.safefs`), never with ``Popen(cwd=...)``, which runs ``chdir`` as root before
   ``preexec_fn``.
 
 Python 3.11 has no ``os.unshare`` / ``os.setns``: they are called through ctypes on the C
@@ -347,7 +347,7 @@ def enter_dir(root: str | os.PathLike, rel: str | Sequence[str] = ()) -> None:
     Call it after dropping privileges (in ``preexec_fn``, last): the walk runs with the
     person's own rights, one ``openat(O_NOFOLLOW)`` per component, and ends in ``fchdir``.
     """
-    from gpulab.spawner import safefs  # the one O_NOFOLLOW walker
+    from gpulab.hub.machine import safefs  # the one O_NOFOLLOW walker
 
     fd = safefs.open_dir(Path(root), rel)
     try:

@@ -78,7 +78,7 @@ class Disk:
 
     @classmethod
     def of(cls, shared: str | Path, name: str) -> "Disk":
-        """`name`: the person's folder name (`gpulab.spawner.accounts.safe_name`)."""
+        """`name`: the person's folder name (`gpulab.hub.machine.accounts.safe_name`)."""
         shared = Path(shared)
         return cls(shared / IMAGES / f"{name}.img", shared / "users" / name)
 
@@ -133,7 +133,7 @@ class Disk:
 def share_users_folder(shared: str | Path) -> None:
     """Make ``<shared>/users`` a shared mount (a bind mount of itself, as systemd's ``/``
     is), so that a person's disk mounted or unmounted under it reaches the mount namespaces
-    of servers and replicas too (`gpulab.spawner.sandbox` makes theirs slaves of this one):
+    of servers and replicas too (`gpulab.hub.machine.sandbox` makes theirs slaves of this one):
     otherwise every server started after a disk was mounted would keep a private copy of
     it, and the disk could not be resized or detached until that server ended."""
     users = Path(shared) / "users"
@@ -488,7 +488,7 @@ class PersonDisks:
         self.ledger, self.shared, self.accounts = ledger, Path(shared), accounts
 
     def disk(self, user: str) -> Disk:
-        from gpulab.spawner.accounts import safe_name
+        from gpulab.hub.machine.accounts import safe_name
 
         return Disk.of(self.shared, safe_name(user))
 
