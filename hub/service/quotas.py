@@ -128,9 +128,27 @@ def _overview(ledger: Ledger, users: list, usage, now: float) -> dict:
 def audit_view(ledger: Ledger, limit: int) -> list[dict]:
     """The newest `limit` quota changes, each with every field of the change (GPU-hours too)
     in the words of the quota column (``old_text``, ``new_text``)."""
-    return [{**a, "old_text": Quota(**a["old"]).describe() if a["old"] else "—",
-             "new_text": Quota(**a["new"]).describe() if a["new"] else "unset"}
+    return [{**a, "old_text": _change_text(a["scope"], a["old"], "—"),
+             "new_text": _change_text(a["scope"], a["new"], "unset")}
             for a in ledger.audit(limit)]
+
+
+#: an admin's action on a waiting entry (`gpulab.hub.quota.waiting`), in words
+QUEUE_ACTIONS = {"hold": "held", "release": "released", "top": "moved to the top of the line",
+                 "cancel": "cancelled"}
+
+
+def _change_text(scope: str, value: dict | None, none: str) -> str:
+    """One side of an audited change in words: a quota, or a waiting entry's state (scope
+    ``queue``: an admin's hold, release, top or cancel)."""
+    if not value:
+        return none
+    if scope != "queue":
+        return Quota(**value).describe()
+    if "action" in value:
+        return QUEUE_ACTIONS.get(value["action"], value["action"])
+    return ("held" if value.get("held") else "waiting") + (
+        f" ({value['state']})" if value.get("state") not in (None, "waiting") else "")
 
 
 def effective_view(ledger: Ledger, users: list) -> list[dict]:

@@ -85,3 +85,19 @@ def test_the_admin_page_has_the_hubs_orange_save_and_an_unset_ready(tmp_path):
     # the navigation: GPUs, and GPU admin (current), not repeated under Services
     assert 'active" aria-current="page" id="gpulab-admin-nav"' in page
     assert ">Services</a>" not in page
+
+
+def test_an_admins_queue_actions_are_in_the_audit_trail_in_words():
+    """The audit trail also records an admin's hold, release, top and cancel of someone's
+    waiting work (scope ``queue``): in words, never read as a quota (that was a 500)."""
+    from gpulab.hub.service.quotas import _change_text
+
+    before = {"held": False, "top_at": None, "state": "waiting"}
+    assert _change_text("queue", before, "—") == "waiting"
+    assert _change_text("queue", {"held": True, "top_at": None, "state": "waiting"}, "—") == "held"
+    for action, words in [("hold", "held"), ("release", "released"), ("cancel", "cancelled"),
+                          ("top", "moved to the top of the line")]:
+        assert _change_text("queue", {"action": action, "held": False, "top_at": None,
+                                      "state": "waiting"}, "unset") == words
+    assert _change_text("user", {"max_gpus": 2}, "—") == "2 GPUs at once"
+    assert _change_text("user", None, "unset") == "unset"
