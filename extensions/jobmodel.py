@@ -396,6 +396,16 @@ def _unknown_why(reason) -> str:
     return ""
 
 
+def queue_reason(view: Mapping) -> str:
+    """Why a queued job waits, in the queue's words (shown under its state line: it is long);
+    "" when it does not wait or the queue does not say."""
+    if view.get("state") != "Queued":
+        return ""
+    q = view.get("queue")
+    reason = (q.get("reason") if isinstance(q, Mapping) else None) or view.get("reason")
+    return reason if isinstance(reason, str) else ""
+
+
 def state_line(view: Mapping, now: float | None = None) -> str:
     """``Running · 4 GPUs · 1:02``, ``Failed · chief-0 exited 1 · 3:10`` or
     ``Queued · 2nd in line · starts in about 12 min (14:05) · 4 GPUs``."""

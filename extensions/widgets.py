@@ -294,6 +294,9 @@ class JobView(W.VBox):
         self.state.value = (f"<span class='gpulab-state gpulab-state-{html.escape(state.lower())}'"
                             f" data-state='{html.escape(state)}'>"
                             f"{html.escape(jm.state_line(view))}</span>")
+        why = jm.queue_reason(view)  # a queued job: why it waits, in words
+        if why:
+            self.state.value += f"<div class='gpulab-queue-reason'>{html.escape(why)}</div>"
         self.replicas.value = _replica_table(view)
         self.restarts.value = _restarts_html(view)
         known = jm.progress_of(view)

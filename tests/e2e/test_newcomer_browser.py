@@ -10,7 +10,9 @@ and the launcher's card "Train a model" opens the ready notebook among them, who
 the README's magic example runs too, both to Succeeded with real TensorFlow; TensorBoard shows their runs; a program that
 raises shows its traceback in the JobView; a job is stopped from its JobView; Keras' progress
 bar (`Model.fit`, default verbose) is one clean line per epoch in the JobView, and a worker
-killed mid-epoch shows its restart (which, when, why) and a line in its log; the jobs list
+killed mid-epoch shows its restart (which, when, why) and a line in its log; a job that
+waits for the newcomer's quota shows its place, its estimated start (from the time limit of
+the job holding the quota) and why, and starts when that job is stopped; the jobs list
 renders in Notebook 7; the admin page shows the newcomer's holdings with device numbers and
 how busy they are. Another person cannot open the newcomer's TensorBoard.
 
@@ -291,6 +293,35 @@ def test_the_readme_path_from_sign_up_to_trained_jobs(page, hub):
     assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f]|\[0m|\x1b", log), repr(log)
     kv.scroll_into_view_if_needed()
     shot(page, "job-keras.png", kv)
+
+    # -- a job that waits says its place, when it starts and why (issue 37): the notebook and
+    # a job with a time limit use the newcomer's 2 GPUs; the next job queues, then starts
+    # when that job is stopped ---------------------------------------------------------------
+    holder = run_cell(page, "%%gpulab_train --name holder --strategy multi-worker-mirrored "
+                            "--workers 1 --gpus 1 --max-runtime 900\nimport time\n"
+                            "time.sleep(600)", 5)
+    hv = holder.locator(".gpulab-jobview").first
+    hv.wait_for(timeout=60_000)
+    wait_state(page, hv, "Running", 240_000)
+    waiting = run_cell(page, "%%gpulab_train --name next-in-line --strategy "
+                             "multi-worker-mirrored --workers 1 --gpus 1\nprint('my turn')", 6)
+    qv = waiting.locator(".gpulab-jobview").first
+    qv.wait_for(timeout=60_000)
+    wait_state(page, qv, "Queued", 60_000)
+    # from the holder's time limit: it ends by its start plus 900 s
+    state_of(qv).filter(has_text=re.compile(
+        r"Queued · next in line · starts in about 1[45] min \(\d\d:\d\d\)")).wait_for(
+        timeout=30_000)
+    qv.locator(".gpulab-queue-reason").filter(has_text=re.compile(
+        r"^Waits for your quota: .*your job 'holder' \(1 GPU, its time limit ends in about "
+        r"1[45] min\)")).wait_for(timeout=30_000)
+    qv.scroll_into_view_if_needed()
+    shot(page, "job-queued.png", qv)
+    hv.locator("button.gpulab-stop").click()
+    hv.locator("button.gpulab-stop-confirm").click()
+    wait_state(page, hv, "Stopped", 60_000)
+    wait_state(page, qv, "Succeeded", 240_000)
+    assert qv.locator(".gpulab-queue-reason").count() == 0  # it no longer waits
 
     # -- TensorBoard of the server shows both trained jobs' runs -----------------------------
     page.keyboard.press("Control+s")

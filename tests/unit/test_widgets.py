@@ -6,6 +6,7 @@ The widgets talk to `tests.doubles.FakeClient`; the real client against a real g
 tested in tests/app/test_client.py.
 """
 
+import re
 import sys
 import time
 
@@ -670,6 +671,27 @@ def test_jobview_watches_live_at_most_once_a_second_and_ends_with_the_job():
     assert all(b - a >= 0.95 for a, b in zip(times, times[1:])), times
     assert "data-state='Succeeded'" in view.state.value and "done" in view.log_plain
     assert updates[-1] == "Succeeded"
+
+
+def test_jobview_says_where_a_queued_job_stands_and_why():
+    from gpulab.extensions.widgets import JobView
+
+    why = ("Waits for your quota: 2 of your 2 GPUs are in use by your job 'sleeper' (1 GPU, "
+           "its time limit ends in about 5 min) & your notebook 'default'.")
+    queued = {**job_view(state="Queued", started_at=None, gpus=1), "replicas": [],
+              "queue": {"position": 1, "estimated_start": time.time() + 300, "reason": why}}
+    ran = job_view(state="Running", gpus=1)
+    client = FakeClient(jobs={"digits": ([queued, ran], {})})
+    view = JobView("digits", client, start=False)
+    assert view.refresh()["state"] == "Queued"
+    assert "data-state='Queued'" in view.state.value
+    assert re.search(r"Queued · next in line · starts in about [45] min \(\d\d:\d\d\)",
+                     view.state.value), view.state.value
+    assert ("<div class='gpulab-queue-reason'>Waits for your quota: 2 of your 2 GPUs are in use "
+            "by your job &#x27;sleeper&#x27; (1 GPU, its time limit ends in about 5 min) &amp; "
+            "your notebook &#x27;default&#x27;.</div>") in view.state.value
+    assert view.refresh()["state"] == "Running"
+    assert "gpulab-queue-reason" not in view.state.value  # it no longer waits
 
 
 def test_jobview_stops_watching_a_job_it_may_not_see():
