@@ -30,7 +30,10 @@ person's account):
   graph they are sent: they have no authentication). The namespace is kept alive by a bind
   mount of its ``nsfs`` file under ``/run/gpulab/netns/`` (as ``ip netns`` does under
   ``/run/netns/``) and goes with `remove_netns`. Replicas cannot reach the machine's own
-  loopback services either (the hub, the gpulab service): that is intended.
+  loopback services either (the hub, the gpulab service): that is intended. A person's
+  notebook servers share one such namespace, made and joined the same way
+  (`gpulab.spawner.personnet` adds the hub's relays in and out; `socket_in_netns` makes their
+  sockets inside it).
 - **the working directory entered as the person** (`enter_dir`): after dropping privileges,
   through a descriptor opened one component at a time without following links
   (`gpulab.spawner.safefs`), never with ``Popen(cwd=...)``, which runs ``chdir`` as root before
