@@ -929,11 +929,19 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         nets = PersonNetworks.for_loop()
         if nets.has(self._netns_name, self.name):
             return
+        # where the proxy sends its requests: the hub's record (``port`` is not in the
+        # spawner's state)
+        server = self.server
+        ip = (server.ip if server is not None and server.ip else self.ip) or "127.0.0.1"
+        port = server.port if server is not None and server.port else self.port
+        if not port:
+            self.log.error("%s runs in network namespace %s on no known port", self._log_name,
+                           self._netns_name)
+            return
         try:
             await nets.join(self._netns_name, self.name, self.person_network_reach(),
                             adopt=True)
-            await nets.open_server(self._netns_name, self.name, self.ip or "127.0.0.1",
-                                   self.port)
+            self.port = await nets.open_server(self._netns_name, self.name, ip, port)
             self.log.info("Relays of %s in network namespace %s set up again",
                           self._log_name, self._netns_name)
         except (OSError, NetworkUnusable) as e:

@@ -154,3 +154,59 @@ def test_a_persons_namespace_is_made_once_and_goes_with_their_last_server(hub, a
 
 
 NETNS = "/run/gpulab/netns"
+
+
+#: a TensorFlow client: runs one op on the worker at argv[1] (grpc://host:port); prints RAN and
+#: the result, or what failed (a subprocess, bounded in time: gRPC may retry for long)
+TF_CLIENT = r"""
+import os, subprocess, sys
+code = '''
+import os, sys
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import tensorflow as tf
+tf.config.experimental_connect_to_host(sys.argv[1], job_name="worker")
+with tf.device("/job:worker/replica:0/task:0/device:CPU:0"):
+    x = tf.reduce_sum(tf.range(10))
+print("RAN", int(x.numpy()), flush=True)
+'''
+for target in sys.argv[1:]:
+    try:
+        r = subprocess.run([sys.executable, "-c", code, target], capture_output=True, text=True,
+                           timeout=45, env={**os.environ, "GRPC_FAIL_FAST": "use_caller"})
+        print(target, (r.stdout.strip() or r.stderr.strip().splitlines()[-1:] or ["failed"])[-1]
+              if "RAN" not in r.stdout else r.stdout.strip(), flush=True)
+    except subprocess.TimeoutExpired:
+        print(target, "TIMEOUT", flush=True)
+"""
+
+
+@pytest.mark.tf
+def test_a_tensorflow_server_in_a_notebook_runs_only_its_persons_graphs(hub, vic, eve):
+    """The issue's own attack with TensorFlow itself: vic's notebook starts
+    ``tf.distribute.Server`` (it listens on every address); vic's other kernel runs an op on
+    it, eve's kernel cannot reach it at any address (on 4f6998b she ran graphs on it as vic)."""
+    from tests.security.test_tensorboard_isolation import kernel_of
+
+    with kernel_of(vic) as run:
+        port = int(run(
+            "import os, socket\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\n"
+            "import tensorflow as tf\n"
+            "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+            "server = tf.distribute.Server(tf.train.ClusterSpec({'worker': [f'localhost:{port}']}),\n"
+            "                              job_name='worker', task_index=0, protocol='grpc',"
+            " start=True)\n"
+            "print(port)\n", timeout=180).strip().splitlines()[-1])
+        others = [a for a in machine_addresses() if a not in ("127.0.0.1", "::1")]
+        targets = [f"grpc://127.0.0.1:{port}"] + [
+            f"grpc://{'[' + a + ']' if ':' in a else a}:{port}" for a in others[:2]]
+
+        def attempt(who) -> dict:
+            out = who.run_in_kernel(f"import sys\nsys.argv = ['x', *{targets!r}]\n" + TF_CLIENT,
+                                    timeout=240)
+            return dict(line.split(" ", 1) for line in out.strip().splitlines())
+
+        mine = attempt(vic)
+        assert mine[targets[0]] == "RAN 45", mine
+        theirs = attempt(eve)
+        assert set(theirs) == set(targets), theirs
+        assert not any("RAN" in v for v in theirs.values()), theirs
