@@ -145,8 +145,10 @@ def test_a_persons_namespace_is_made_once_and_goes_with_their_last_server(hub, a
         starts = [pool.submit(gil.start_server, n, {"profile": "cpu"}) for n in ("a", "b")]
         codes = [f.result().status_code for f in starts]
     assert all(c in (201, 202) for c in codes), codes
-    made = set(os.listdir(NETNS)) - before
-    assert len(made) == 1 and next(iter(made)).endswith("-gil"), made
+    # (other hubs on the machine, and their jobs, keep namespaces there too)
+    made = {n for n in set(os.listdir(NETNS)) - before
+            if n.startswith("person-") and n.endswith("-gil")}
+    assert len(made) == 1, made
     gil.stop_server("a")
     assert made <= set(os.listdir(NETNS))  # b still runs in it
     gil.stop_server("b")
