@@ -163,7 +163,7 @@ class _Accepted(_Pipe):
     def connection_made(self, transport):
         super().connection_made(transport)
         transport.pause_reading()
-        asyncio.ensure_future(self._link())
+        self._linking = asyncio.ensure_future(self._link())  # (the loop holds tasks weakly)
 
     async def _link(self):
         loop = asyncio.get_running_loop()

@@ -131,11 +131,14 @@ def test_a_port_a_notebook_serves_is_its_persons_alone(hub, admin, vic, eve):
             vic.stop_server("second")
         assert "SERVED" in serving.result(timeout=120)
 
-    # vic's server still reaches the hub's API and the gpulab service (relayed into it)
+    # vic's server still reaches the hub's API and the gpulab service (relayed into it):
+    # the notebook client in a kernel, the gpulab CLI in a terminal
     out = vic.run_in_kernel(
         "import json\nfrom gpulab.extensions.client import Client\n"
         "print(json.dumps(Client().me()['user']))\n")
     assert json.loads(out) == "vic"
+    out = run_in_terminal(vic, "gpulab jobs list >/dev/null; echo RC=$?", timeout=60)
+    assert out.strip().splitlines()[-1] == "RC=0", out
 
 
 def test_a_persons_namespace_is_made_once_and_goes_with_their_last_server(hub, admin):
