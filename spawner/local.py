@@ -1194,15 +1194,16 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             finally:
                 if log_file is not None:
                     log_file.close()
-                if self._netns_fd is not None:
-                    os.close(self._netns_fd)
-                    self._netns_fd = None
         except BaseException:
             await asyncio.to_thread(self._remove_server_group)
             await self._leave_person_network()
             await self.release_gpus_async("server did not start")
             await self._gpu_forget_queue_entry("server did not start")
             raise
+        finally:
+            if self._netns_fd is not None:  # (the server's process has joined it)
+                os.close(self._netns_fd)
+                self._netns_fd = None
         if self.gpu_claim_id:
             self.set_gpu_probe()
         self.log.info(

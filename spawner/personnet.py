@@ -317,8 +317,9 @@ class PersonNetworks:
             net = self.nets.get(name)
             if net is None:
                 path = self.base / name
-                if not (adopt and path.exists()):
-                    # one left by a hub that died is nobody's: made anew
+                # one left by a hub that died is nobody's, and made anew, unless a process
+                # still runs in it (a server this hub has not polled yet)
+                if not (path.exists() and (adopt or await asyncio.to_thread(in_use, path))):
                     await asyncio.to_thread(sandbox.make_netns, name, self.base)
                 net = self.nets[name] = PersonNet(name, path)
             try:
@@ -359,8 +360,9 @@ class PersonNetworks:
         (and one left by a dead hub, which nobody holds). True when it was removed."""
         async with self.lock(name):
             net = self.nets.get(name)
-            if net is None:
-                if (self.base / name).exists():
+            if net is None:  # (after a hub restart) unless another server still runs in it
+                path = self.base / name
+                if path.exists() and not await asyncio.to_thread(in_use, path):
                     await asyncio.to_thread(sandbox.remove_netns, name, self.base)
                     return True
                 return False
@@ -378,6 +380,25 @@ class PersonNetworks:
         net.inside.clear()
         self.nets.pop(net.name, None)
         await asyncio.to_thread(sandbox.remove_netns, net.name, self.base)
+
+
+def in_use(path: Path) -> bool:
+    """Whether a process of the machine runs in the namespace kept at ``path`` (a look at
+    every process's ``/proc/<pid>/ns/net``, as root)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    want = (st.st_dev, st.st_ino)
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                ns = os.stat(f"/proc/{pid}/ns/net")
+            except OSError:
+                continue
+            if (ns.st_dev, ns.st_ino) == want:
+                return True
+    return False
 
 
 def _free_inside(path: Path, ip: str, port: int) -> bool:

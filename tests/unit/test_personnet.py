@@ -157,3 +157,27 @@ async def test_a_namespace_left_by_a_dead_hub_is_made_anew_or_adopted(tmp_path):
     sandbox.make_netns("person-z", base)
     assert await PersonNetworks(base).leave("person-z", "")
     assert sandbox.netns_names(base) == []
+
+
+@root_only
+async def test_a_namespace_a_server_still_runs_in_is_kept_and_joined(tmp_path):
+    """After a hub restart, before every server is polled: a stop (or a new start) of one
+    server of the person neither removes nor replaces the namespace another one runs in."""
+    import subprocess
+    base = tmp_path / "netns"
+    path = sandbox.make_netns("person-w", base)
+    fd = sandbox.open_netns("person-w", base)
+    sleeper = subprocess.Popen(["sleep", "60"], preexec_fn=lambda: sandbox.join_netns(fd))
+    os.close(fd)
+    try:
+        ino = os.stat(path).st_ino
+        assert not await PersonNetworks(base).leave("person-w", "gone")
+        assert os.stat(path).st_ino == ino
+        nets = PersonNetworks(base)
+        assert await nets.join("person-w", "new", []) == path
+        assert os.stat(path).st_ino == ino  # the running server's, not a new one
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert await nets.leave("person-w", "new")
+    assert sandbox.netns_names(base) == []
