@@ -45,6 +45,9 @@ else
     "$venv/bin/python" -m pip install -q --no-deps --force-reinstall \
       -c "$repo/images/requirements-tf.txt" tensorflow
   fi
+  # setuptools builds in the clone's build/ and never removes what left the sources: a module
+  # that moved or went away would still be installed from there (and hide a broken import)
+  rm -rf "$repo/build"
   # gpulab's direct dependencies at the versions the images install (images/pin.py writes them)
   "$venv/bin/python" -m pip install -q "$repo[$extras]" \
     -c "$repo/images/requirements.txt" -c "$repo/images/requirements-tf.txt"

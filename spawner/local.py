@@ -34,6 +34,7 @@ from gpulab.hub.machine.accounts import (
     system_username,
 )
 from gpulab.hub.machine import sandbox
+from gpulab.hub.machine.personnet import NetworkUnusable, PersonNetworks, loopback_address
 from gpulab.hub.machine.userdisk import Disk, DiskError, ensure_disk
 from gpulab.hub.machine.cgroups import (Group, default_pids, default_user_processes, limit_user_processes,
                       local_cgroups, memory_bytes, person_unit, set_oom_score_adj,
@@ -428,6 +429,26 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
     def _kernels_ipc_default(self):
         return self.isolate_users
 
+    private_network = Bool(
+        help="""Run all servers of one person in a network namespace of that person's own
+        (`gpulab.hub.machine.personnet`): it holds only loopback, so what a notebook serves on
+        any port (a ``tf.distribute.Server`` listens on every address) is reached by that
+        person's other kernels and servers on ``127.0.0.1`` and by nobody else. The proxy
+        and the hub reach each server through a relay on the server's own address and port;
+        the server reaches the hub's API and the gpulab service (their loopback addresses and
+        ports, relayed into the namespace) and nothing else: no other port of the machine,
+        and no network beyond it (``pip install`` or a data set download from a notebook
+        fail; put packages and data sets where servers read them). The namespace is made
+        with the person's first server and removed with their last. Needs the hub's API and
+        `service_url` on loopback addresses. Default: True when users are isolated
+        (`isolate_users`, as root). Example: ``c.LocalGPUSpawner.private_network = False``
+        """,
+    ).tag(config=True)
+
+    @default("private_network")
+    def _private_network_default(self):
+        return self.isolate_users and os.geteuid() == 0
+
     @default("cmd")
     def _cmd_default(self):
         # The hub's own interpreter: the same installation serves every account.
@@ -664,6 +685,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         tmp, keep = self._tmp_folder, self._tmp_keep()
         ipc, hide = self.private_ipc, self.hide_processes
         shm = self.shm_bytes()
+        netns = self._netns_fd
         if self.isolate_users:
             then = set_user_setuid(self.system_user)
         else:
@@ -677,6 +699,8 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
                 group.join()  # as root still, before the server becomes its user
             limit_user_processes(nproc)  # RLIMIT_NPROC, as root still (issue 36)
             set_oom_score_adj(oom)  # as root still: the person cannot lower it (issue 36)
+            if netns is not None:  # as root: the person's own network (issue 33)
+                sandbox.join_netns(netns)
             if tmp is not None or ipc or hide:  # as root: a mount namespace of its own
                 sandbox.private_tmp(tmp, keep=keep, ipc=ipc, shm_size=shm, hide_pids=hide)
             os.umask(0o022)  # a login's umask, not the hub's private 077
@@ -798,6 +822,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             await super().stop(now=now)
         finally:
             await asyncio.to_thread(self._remove_server_group)
+            await self._leave_person_network()
         # its processes are gone: its GPUs go back (off the event loop; clear_state, which
         # JupyterHub calls next, then has nothing left to release)
         await self.release_gpus_async()
@@ -821,12 +846,18 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             # the server ended by itself: JupyterHub will not call stop, but what it left
             # running (a daemon holding its GPUs) must end before the GPUs are handed out again
             await asyncio.to_thread(self._remove_server_group)
+        if status is not None and had_process:
+            await self._leave_person_network()
+        elif status is None and self._netns_name:
+            await self._adopt_person_network()
         return status
 
     def get_state(self):
         state = super().get_state()
         if self._cgroup_unit:
             state["gpulab_cgroup"] = self._cgroup_unit
+        if self._netns_name:
+            state["gpulab_netns"] = self._netns_name
         return state
 
     def load_state(self, state):
@@ -834,6 +865,9 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         unit = state.get("gpulab_cgroup") if state else None
         if unit:
             self._cgroup_unit = unit
+        netns = state.get("gpulab_netns") if state else None
+        if netns:
+            self._netns_name = netns
         # JupyterHub calls this right after making the spawner (at hub start too), long
         # before create_certs reads the address for the certificate
         self._assign_server_ip()
@@ -842,6 +876,86 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         """With `ip_per_server`: `ip` becomes this server's own address (`server_ip`)."""
         if self.ip_per_server and self.orm_spawner is not None and self.orm_spawner.id:
             self.ip = server_ip(self.orm_spawner.id)
+
+    # -- the person's network namespace (issue 33 item 2) --------------------------------
+
+    #: the person's namespace this server runs in (kept in the spawner's state)
+    _netns_name: str | None = None
+    #: an fd of it while the server's process is being started (joined in preexec)
+    _netns_fd: int | None = None
+
+    def person_network_reach(self) -> list[tuple[str, int]]:
+        """The addresses the server reaches from inside its person's namespace: the hub's API
+        (as the server is told it, ``JUPYTERHUB_API_URL``) and the gpulab service
+        (`service_url`). `NetworkUnusable` when one is not on loopback."""
+        hub_url = self.hub_connect_url or (self.hub.api_url if self.hub else "")
+        reach = [loopback_address(hub_url, "The hub's API")] if hub_url else []
+        if self.service_url:
+            reach.append(loopback_address(self.service_url, "The gpulab service"))
+        return reach
+
+    async def _join_person_network(self) -> None:
+        """Join (or make) the person's namespace, open this server's relay and choose its port
+        (one free on both sides, unless the operator chose a port); ``_netns_fd`` is then
+        open for preexec."""
+        try:
+            reach = self.person_network_reach()
+        except NetworkUnusable as e:
+            raise SpawnRefused(500, f"Your server cannot start: {e}. Tell the hub's "
+                               "admin.") from e
+        nets = PersonNetworks.for_loop()
+        name = self.person_unit
+        self._netns_name = name
+        configured = any("port" in self.config.get(c, {}) for c in
+                         ("Spawner", "LocalProcessSpawner", "LocalGPUSpawner"))
+        try:
+            path = await nets.join(name, self.name, reach)
+            self.port = await nets.open_server(name, self.name, self.ip or "127.0.0.1",
+                                               self.port if configured else 0)
+            self._netns_fd = await asyncio.to_thread(sandbox.open_netns, path.name, path.parent)
+        except OSError as e:
+            raise SpawnRefused(500, "The network of your server could not be set up: "
+                               f"{e.strerror or e}. Tell the hub's admin.") from e
+        self.log.info("%s runs in network namespace %s on %s:%s", self._log_name, name,
+                      self.ip or "127.0.0.1", self.port)
+
+    async def _leave_person_network(self) -> None:
+        """This server is gone: its relay closes; with the person's last server, the
+        namespace goes."""
+        name, self._netns_name = self._netns_name, None
+        if not name:
+            return
+        try:
+            if await PersonNetworks.for_loop().leave(name, self.name):
+                self.log.info("Removed network namespace %s (%s's last server stopped)",
+                              name, self.user.name)
+        except OSError:
+            self.log.exception("Could not remove the network namespace %s", name)
+
+    async def _adopt_person_network(self) -> None:
+        """A server found running (a new hub, its state from the one before): its relays
+        again, in the namespace it still runs in."""
+        nets = PersonNetworks.for_loop()
+        if nets.has(self._netns_name, self.name):
+            return
+        # where the proxy sends its requests: the hub's record (``port`` is not in the
+        # spawner's state)
+        server = self.server
+        ip = (server.ip if server is not None and server.ip else self.ip) or "127.0.0.1"
+        port = server.port if server is not None and server.port else self.port
+        if not port:
+            self.log.error("%s runs in network namespace %s on no known port", self._log_name,
+                           self._netns_name)
+            return
+        try:
+            await nets.join(self._netns_name, self.name, self.person_network_reach(),
+                            adopt=True)
+            self.port = await nets.open_server(self._netns_name, self.name, ip, port)
+            self.log.info("Relays of %s in network namespace %s set up again",
+                          self._log_name, self._netns_name)
+        except (OSError, NetworkUnusable) as e:
+            self.log.error("%s runs in network namespace %s, which cannot be reached: %s",
+                           self._log_name, self._netns_name, e)
 
     #: the folder `create_certs` made for this start's key and certificate (`move_certs`
     #: removes it once it has handed them to the server's account)
@@ -1096,6 +1210,8 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             except OSError as e:
                 raise SpawnRefused(500, "The private /tmp of your server could not be made: "
                                    f"{e.strerror or e}. Tell the hub's admin.") from e
+            if self.private_network:
+                await self._join_person_network()
             log_file = None
             if self.server_log_dir:
                 path = Path(self.server_log_dir) / f"{server_stem(self.user.name, self.name)}.log"
@@ -1108,9 +1224,14 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
                     log_file.close()
         except BaseException:
             await asyncio.to_thread(self._remove_server_group)
+            await self._leave_person_network()
             await self.release_gpus_async("server did not start")
             await self._gpu_forget_queue_entry("server did not start")
             raise
+        finally:
+            if self._netns_fd is not None:  # (the server's process has joined it)
+                os.close(self._netns_fd)
+                self._netns_fd = None
         if self.gpu_claim_id:
             self.set_gpu_probe()
         self.log.info(

@@ -30,7 +30,10 @@ person's account):
   graph they are sent: they have no authentication). The namespace is kept alive by a bind
   mount of its ``nsfs`` file under ``/run/gpulab/netns/`` (as ``ip netns`` does under
   ``/run/netns/``) and goes with `remove_netns`. Replicas cannot reach the machine's own
-  loopback services either (the hub, the gpulab service): that is intended.
+  loopback services either (the hub, the gpulab service): that is intended. A person's
+  notebook servers share one such namespace, made and joined the same way
+  (`gpulab.hub.machine.personnet` adds the hub's relays in and out; `socket_in_netns` makes their
+  sockets inside it).
 - **the working directory entered as the person** (`enter_dir`): after dropping privileges,
   through a descriptor opened one component at a time without following links
   (`gpulab.hub.machine.safefs`), never with ``Popen(cwd=...)``, which runs ``chdir`` as root before
@@ -329,6 +332,39 @@ def remove_netns(name: str, base: str | os.PathLike = NETNS_DIR) -> None:
         path.unlink()
     except FileNotFoundError:
         pass
+
+
+def socket_in_netns(path: str | os.PathLike, family: int = socket.AF_INET,
+                    type: int = socket.SOCK_STREAM) -> socket.socket:
+    """A new socket of the network namespace kept at ``path`` (a `make_netns` file).
+
+    A socket belongs for good to the namespace of the thread that made it: it is made in a
+    short-lived thread that joins the namespace (as `make_netns` makes one), so this process
+    stays where it is and may then bind, listen, accept or connect with it from any thread.
+    Needs root (``setns``). Raises `SandboxError` with the reason.
+    """
+    made: list[socket.socket] = []
+    errors: list[BaseException] = []
+
+    def make():
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                setns(fd, CLONE_NEWNET)
+            finally:
+                os.close(fd)
+            made.append(socket.socket(family, type))
+        except BaseException as e:  # reported by the caller
+            errors.append(e)
+
+    t = threading.Thread(target=make, name="netns-socket", daemon=True)
+    t.start()
+    t.join()
+    if errors:
+        e = errors[0]
+        raise SandboxError(getattr(e, "errno", None) or errno.EPERM,
+                           f"cannot make a socket in the network namespace {path}: {e}") from e
+    return made[0]
 
 
 def netns_names(base: str | os.PathLike = NETNS_DIR) -> list[str]:

@@ -9,8 +9,10 @@ certificate during the handshake and never sends vic's token.
 
 import ipaddress
 import json
+import shlex
 import socket
 import ssl
+import sys
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -56,18 +58,28 @@ def test_notebook_client_sends_no_token_to_a_fake_service(hub, vic, eve):
                f"cat {eve.account.pw_dir}/port")
     port = int(r.stdout.split()[0])
 
-    # vic's kernel, told that the service is at eve's port, refuses it and sends nothing
+    # vic's notebook client, with her server's TLS files, told that the service is at eve's
+    # port, refuses it and sends nothing. (It runs as vic's account in the machine's network:
+    # her server itself runs in her own network namespace, issue 33 item 2, where no port of
+    # eve's exists at all; the relay from it to the service's port would reach eve's listener
+    # if she had bound that port, which is what this stands for.)
+    tls_env = json.loads(vic.run_in_kernel(
+        "import json, os\n"
+        "print(json.dumps({k: os.environ[k] for k in ('JUPYTERHUB_SSL_CLIENT_CA',"
+        " 'JUPYTERHUB_SSL_CERTFILE', 'JUPYTERHUB_SSL_KEYFILE', 'GPULAB_SERVICE_URL')}))\n"))
     code = (
         "import json\n"
         "from gpulab.extensions.client import Client, GpulabError\n"
         f"gl = Client(url='https://127.0.0.1:{port}/services/gpulab/')\n"
         "try:\n    gl.me(); print(json.dumps('ANSWERED'))\n"
-        "except GpulabError as e:\n    print(json.dumps(e.message))\n"
-        "print(json.dumps(Client().me()['user']))\n")
-    lines = vic.run_in_kernel(code, timeout=90).strip().splitlines()
-    refused, me = json.loads(lines[-2]), json.loads(lines[-1])
+        "except GpulabError as e:\n    print(json.dumps(e.message))\n")
+    r = vic.sh(f"{sys.executable} -c {shlex.quote(code)}", env=tls_env, timeout=90, check=True)
+    refused = json.loads(r.stdout.strip().splitlines()[-1])
     assert "CERTIFICATE_VERIFY_FAILED" in refused, refused
-    assert me == "vic"  # the real service still answers vic
+    # the real service still answers vic's server
+    me = vic.run_in_kernel("import json\nfrom gpulab.extensions.client import Client\n"
+                           "print(json.dumps(Client().me()['user']))\n", timeout=90)
+    assert json.loads(me) == "vic"
 
     deadline = time.time() + 30
     captured = ""

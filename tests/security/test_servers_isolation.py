@@ -325,17 +325,22 @@ def test_a_revoked_token_stops_opening_the_server_within_seconds(hub, vic):
 
 #: eve's listener: every loopback TCP port vic's account listens on (found in /proc/net/tcp,
 #: rescanned as vic's kernels come and go) gets a ZeroMQ SUB socket subscribed to everything;
-#: prints the ports found and whether `secret` came through (what read vic's cells on 4f6998b)
+#: prints the ports found, how many listening sockets it saw in all, and whether `secret` came
+#: through (what read vic's cells on 4f6998b)
 LISTEN = r"""
 import socket, sys, time, zmq
 uid, secret, seconds = int(sys.argv[1]), sys.argv[2].encode(), float(sys.argv[3])
 ctx, poller, ports, got = zmq.Context(), zmq.Poller(), set(), False
 
+listening = 0
+
 def scan():
+    global listening
     found = set()
     for line in open("/proc/net/tcp").readlines()[1:]:
         f = line.split()
         addr, port = f[1].split(":")
+        listening += f[3] == "0A"
         if f[3] == "0A" and int(f[7]) == uid:
             ip = socket.inet_ntoa(bytes.fromhex(addr)[::-1])
             found.add(("127.0.0.1" if ip == "0.0.0.0" else ip, int(port, 16)))
@@ -354,6 +359,7 @@ while time.time() < deadline and not got:
     for s, _ in poller.poll(200):
         got = got or any(secret in frame for frame in s.recv_multipart())
 print("PORTS", len(ports), flush=True)
+print("LISTENING", listening, flush=True)
 print("SECRET", got, flush=True)
 """
 
@@ -402,8 +408,10 @@ def test_nobody_reads_another_persons_kernel(hub, vic, eve):
             listener.kill()
             listener.wait()
     lines = dict(line.split(" ", 1) for line in stdout.splitlines())
-    # the scan worked (vic's server itself listens on a port) and read nothing
-    assert int(lines["PORTS"]) >= 1, (stdout, stderr)
+    # the scan worked (it saw the machine's listeners: the hub's, the relays to the servers;
+    # vic's server itself listens in her own network namespace, issue 33 item 2, so none of
+    # hers is in the machine's table) and read nothing
+    assert int(lines["LISTENING"]) >= 1, (stdout, stderr)
     assert lines["SECRET"] == "False", "eve read vic's kernel: " + stdout
     assert out.count(secret) == 15, out  # vic's own cell ran as before
     seen = json.loads(out.strip().splitlines()[-1])

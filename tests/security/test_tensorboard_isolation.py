@@ -36,14 +36,41 @@ def tensorboard_of(person, module="gpulab.extensions.serverext"):
     return None
 
 
+def _socket_inodes(pid: int) -> set[str]:
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                out.add(link[len("socket:["):-1])
+    return out
+
+
 def tcp_listeners(proc):
-    """TCP sockets listened on by `proc` or any process under it."""
+    """TCP sockets listened on by `proc` or any process under it, read from the ``/proc/net``
+    of its own network namespace (psutil reads the machine's, where a server in its person's
+    own namespace has none)."""
     found = []
     for p in [proc, *proc.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            found += [(p.pid, p.name(), c.laddr) for c in p.net_connections(kind="inet")
-                      if c.status == psutil.CONN_LISTEN]
+        with contextlib.suppress(psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
+            inodes = _socket_inodes(p.pid)
+            for table in ("tcp", "tcp6"):
+                for line in open(f"/proc/{p.pid}/net/{table}").readlines()[1:]:
+                    f = line.split()
+                    if f[3] == "0A" and f[9] in inodes:
+                        found.append((p.pid, p.name(), f[1]))
     return found
+
+
+def unix_sockets(proc) -> list[str]:
+    """The paths of the Unix sockets `proc` holds (from its own namespace's ``/proc/net``)."""
+    inodes = _socket_inodes(proc.pid)
+    out = []
+    for line in open(f"/proc/{proc.pid}/net/unix").readlines()[1:]:
+        f = line.split()
+        if len(f) > 7 and f[6] in inodes:
+            out.append(f[7])
+    return out
 
 
 def test_tensorboard_has_no_port_and_only_its_owner_reaches_it(hub, vic, eve):
@@ -180,9 +207,8 @@ def test_tensorboard_magic_has_no_port_and_only_its_owner_reaches_it(hub, vic, e
         # nothing of it listens on TCP (no data server either); it serves a Unix socket in a
         # folder of vic's account that no one else may enter
         assert tcp_listeners(tb) == []
-        socks = [c.laddr for c in tb.net_connections(kind="unix")
-                 if c.laddr.endswith(f"/{key}.sock")]
-        assert len(socks) == 1, tb.net_connections(kind="unix")
+        socks = [path for path in unix_sockets(tb) if path.endswith(f"/{key}.sock")]
+        assert len(socks) == 1, unix_sockets(tb)
         sock = socks[0]
         assert os.path.dirname(sock) == os.path.dirname(shown["binary"])
         folder = os.stat(f"/proc/{tb.pid}/root{os.path.dirname(sock)}")

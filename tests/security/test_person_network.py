@@ -1,0 +1,217 @@
+"""Issue 33 item 2: what a notebook serves on a port is its person's alone.
+
+vic's kernel listens on a TCP port on every address (a plain socket server stands in for
+``tf.distribute.Server``, which binds ``*:port`` and runs whatever graph it is sent; on
+`4f6998b` eve reached it from her server and ran graphs as vic). eve tries it from her own
+server's kernel, from a terminal of her server, and from a shell of her account: by
+127.0.0.1, by vic's server's own address and by every address of the machine; nothing
+connects. vic's own second kernel, and a named server of hers, reach it on 127.0.0.1 (one
+network namespace per person), and her server still reaches the hub and the gpulab service.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shlex
+import socket
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+
+from tests.security.test_internal_tls import _routes
+from tests.security.test_servers_isolation import person, run_in_terminal
+
+pytestmark = pytest.mark.security
+
+#: vic's "TensorFlow server": accepts on every address ([::] and 0.0.0.0) for `seconds`,
+#: answering each connection with the secret; its port goes to `port_file` (in her server's /tmp)
+SERVE = r"""
+import socket, time
+secret, seconds, port_file = {secret!r}, {seconds}, {port_file!r}
+s = socket.socket(socket.AF_INET6)
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("::", 0)); s.listen(16); s.settimeout(0.2)
+open(port_file + ".new", "w").write(str(s.getsockname()[1]))
+import os; os.rename(port_file + ".new", port_file)
+end = time.time() + seconds
+while time.time() < end:
+    try:
+        c, _ = s.accept()
+    except socket.timeout:
+        continue
+    c.sendall(secret.encode()); c.close()
+s.close()
+print("SERVED")
+"""
+
+#: connects to each address:port given; prints a JSON map address -> what came back or the error
+CONNECT = r"""
+import json, socket, sys
+port, out = int(sys.argv[1]), {}
+for ip in json.loads(sys.argv[2]):
+    try:
+        with socket.create_connection((ip, port), timeout=3) as c:
+            c.settimeout(3)
+            out[ip] = c.recv(200).decode() or "connected"
+    except OSError as e:
+        out[ip] = type(e).__name__
+print(json.dumps(out))
+"""
+
+
+def machine_addresses() -> list[str]:
+    """Every address of the machine's own interfaces (loopback, the network's, IPv6)."""
+    out = ["127.0.0.1", "::1"]
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family in (socket.AF_INET, socket.AF_INET6) and "%" not in a.address:
+                out.append(a.address)
+    return list(dict.fromkeys(out))
+
+
+def connect_code(port: int, ips: list[str]) -> str:
+    return f"import sys\nsys.argv = ['x', '{port}', {json.dumps(ips)!r}]\n" + CONNECT
+
+
+def connect_cmd(port: int, ips: list[str]) -> str:
+    return f"{sys.executable} -c {shlex.quote(CONNECT)} {port} {shlex.quote(json.dumps(ips))}"
+
+
+REFUSED = ("ConnectionRefusedError", "OSError", "TimeoutError")
+
+
+def test_a_port_a_notebook_serves_is_its_persons_alone(hub, admin, vic, eve):
+    secret = "vic-tf-" + uuid.uuid4().hex
+    port_file = f"/tmp/vic-port-{uuid.uuid4().hex[:6]}"
+    vic_ip, _ = _routes(admin)["/user/vic/"]
+    targets = list(dict.fromkeys(machine_addresses() + [vic_ip]))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        # vic's kernel serves for a while (run_in_kernel returns when the cell ends)
+        serving = pool.submit(vic.run_in_kernel,
+                              SERVE.format(secret=secret, seconds=45, port_file=port_file), "", 120)
+        port, deadline = None, time.time() + 30
+        while port is None and time.time() < deadline:
+            out = vic.run_in_kernel(  # her second kernel (same server, same /tmp)
+                f"import os\nprint(open({port_file!r}).read() if os.path.exists({port_file!r}) "
+                "else '')\n").strip()
+            port = int(out) if out else None
+            if port is None:
+                time.sleep(0.5)
+        assert port, "vic's kernel did not start listening"
+
+        # vic's own second kernel reaches it
+        mine = json.loads(vic.run_in_kernel(connect_code(port, ["127.0.0.1", "::1"])))
+        assert mine == {"127.0.0.1": secret, "::1": secret}, mine
+
+        # eve: from her server's kernel, a terminal of her server, a shell of her account
+        from_kernel = json.loads(eve.run_in_kernel(connect_code(port, targets)))
+        from_terminal = json.loads(
+            run_in_terminal(eve, connect_cmd(port, targets), timeout=60).strip().splitlines()[-1])
+        from_shell = json.loads(eve.sh(connect_cmd(port, targets), check=True).stdout)
+        for seen in (from_kernel, from_terminal, from_shell):
+            assert set(seen) == set(targets), seen
+            assert secret not in seen.values(), seen
+        # (eve's own network namespace holds nothing at that port: each attempt fails)
+        for seen in (from_kernel, from_terminal):
+            assert all(v in REFUSED for v in seen.values()), seen
+
+        # a named server of vic's joins her namespace: reaches it on 127.0.0.1 too
+        r = vic.start_server("second", {"profile": "cpu"})
+        assert r.status_code in (201, 202), r.text
+        try:
+            theirs = json.loads(vic.run_in_kernel(connect_code(port, ["127.0.0.1"]), "second"))
+            assert theirs == {"127.0.0.1": secret}, theirs
+        finally:
+            vic.stop_server("second")
+        assert "SERVED" in serving.result(timeout=120)
+
+    # vic's server still reaches the hub's API and the gpulab service (relayed into it):
+    # the notebook client in a kernel, the gpulab CLI in a terminal
+    out = vic.run_in_kernel(
+        "import json\nfrom gpulab.extensions.client import Client\n"
+        "print(json.dumps(Client().me()['user']))\n")
+    assert json.loads(out) == "vic"
+    out = run_in_terminal(vic, "gpulab jobs list >/dev/null; echo RC=$?", timeout=60)
+    assert out.strip().splitlines()[-1] == "RC=0", out
+
+
+def test_a_persons_namespace_is_made_once_and_goes_with_their_last_server(hub, admin):
+    gil = person(hub, admin, "gil")
+    before = set(os.listdir(NETNS))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two named servers at once
+        starts = [pool.submit(gil.start_server, n, {"profile": "cpu"}) for n in ("a", "b")]
+        codes = [f.result().status_code for f in starts]
+    assert all(c in (201, 202) for c in codes), codes
+    # (other hubs on the machine, and their jobs, keep namespaces there too)
+    made = {n for n in set(os.listdir(NETNS)) - before
+            if n.startswith("person-") and n.endswith("-gil")}
+    assert len(made) == 1, made
+    gil.stop_server("a")
+    assert made <= set(os.listdir(NETNS))  # b still runs in it
+    gil.stop_server("b")
+    assert not made & set(os.listdir(NETNS)), "the namespace outlived gil's servers"
+
+
+NETNS = "/run/gpulab/netns"
+
+
+#: a TensorFlow client: runs one op on the worker at argv[1] (grpc://host:port); prints RAN and
+#: the result, or what failed (a subprocess, bounded in time: gRPC may retry for long)
+TF_CLIENT = r"""
+import os, subprocess, sys
+code = '''
+import os, sys
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import tensorflow as tf
+tf.config.experimental_connect_to_host(sys.argv[1], job_name="worker")
+with tf.device("/job:worker/replica:0/task:0/device:CPU:0"):
+    x = tf.reduce_sum(tf.range(10))
+print("RAN", int(x.numpy()), flush=True)
+'''
+for target in sys.argv[1:]:
+    try:
+        r = subprocess.run([sys.executable, "-c", code, target], capture_output=True, text=True,
+                           timeout=45, env={**os.environ, "GRPC_FAIL_FAST": "use_caller"})
+        print(target, (r.stdout.strip() or r.stderr.strip().splitlines()[-1:] or ["failed"])[-1]
+              if "RAN" not in r.stdout else r.stdout.strip(), flush=True)
+    except subprocess.TimeoutExpired:
+        print(target, "TIMEOUT", flush=True)
+"""
+
+
+@pytest.mark.tf
+def test_a_tensorflow_server_in_a_notebook_runs_only_its_persons_graphs(hub, vic, eve):
+    """The issue's own attack with TensorFlow itself: vic's notebook starts
+    ``tf.distribute.Server`` (it listens on every address); vic's other kernel runs an op on
+    it, eve's kernel cannot reach it at any address (on 4f6998b she ran graphs on it as vic)."""
+    from tests.security.test_tensorboard_isolation import kernel_of
+
+    with kernel_of(vic) as run:
+        port = int(run(
+            "import os, socket\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\n"
+            "import tensorflow as tf\n"
+            "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+            "server = tf.distribute.Server(tf.train.ClusterSpec({'worker': [f'localhost:{port}']}),\n"
+            "                              job_name='worker', task_index=0, protocol='grpc',"
+            " start=True)\n"
+            "print(port)\n", timeout=180).strip().splitlines()[-1])
+        others = [a for a in machine_addresses() if a not in ("127.0.0.1", "::1")]
+        targets = [f"grpc://127.0.0.1:{port}"] + [
+            f"grpc://{'[' + a + ']' if ':' in a else a}:{port}" for a in others[:2]]
+
+        def attempt(who) -> dict:
+            out = who.run_in_kernel(f"import sys\nsys.argv = ['x', *{targets!r}]\n" + TF_CLIENT,
+                                    timeout=240)
+            return dict(line.split(" ", 1) for line in out.strip().splitlines())
+
+        mine = attempt(vic)
+        assert mine[targets[0]] == "RAN 45", mine
+        theirs = attempt(eve)
+        assert set(theirs) == set(targets), theirs
+        assert not any("RAN" in v for v in theirs.values()), theirs
