@@ -74,6 +74,8 @@ def hub_with_config(workdir: Path, prefix: str, config: str, gpus: int = 4,
     `config`, with `gpus` simulated GPUs (with `subdomains`: ``--subdomain-host
     http://localhost:<port>``, see `Hub`); a generator for a module fixture (yields the hub,
     then stops it and ends the jobs it left)."""
+    # GPULAB_TEST_SUBDOMAINS=1: every hub of the tests with --subdomain-host
+    subdomains = subdomains or os.environ.get("GPULAB_TEST_SUBDOMAINS") == "1"
     data = workdir / "data"
     data.mkdir(mode=0o700)
     (data / "gpulab_config.py").write_text(config)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.app
 
 def page(who: Browser, path: str) -> requests.Response:
     """A page of the service with the person's hub login (the OAuth dance is followed)."""
-    return who.s.get(who.hub.url + "/services/gpulab/" + path, timeout=60)
+    return who.s.get(who.hub.service_url + path, timeout=60)
 
 
 def assert_hub_look(r: requests.Response, hub, name: str):
@@ -72,7 +72,7 @@ def test_an_unknown_page_is_a_404_page_and_an_unknown_endpoint_json(hub, users):
     r = page(users["ann"], "api/v1/quotas")
     assert r.status_code == 403 and "custom:gpulab:admin" in r.json()["message"]
     # the service's address without its slash leads to it
-    r = users["ann"].s.get(hub.url + "/services/gpulab", allow_redirects=False, timeout=30)
+    r = users["ann"].s.get(hub.service_url.rstrip("/"), allow_redirects=False, timeout=30)
     assert r.status_code in (301, 302) and r.headers["Location"].endswith("/services/gpulab/")
 
 
@@ -80,7 +80,7 @@ def test_an_unknown_page_is_a_404_page_and_an_unknown_endpoint_json(hub, users):
                                           ("code=x&state=forged", 403)],
                          ids=["refused", "forged-state"])
 def test_a_broken_login_is_a_page_that_says_to_log_in_again(hub, query, status):
-    r = requests.get(hub.url + "/services/gpulab/oauth_callback?" + query, timeout=30)
+    r = requests.get(hub.service_url + "oauth_callback?" + query, timeout=30)
     assert r.status_code == status and f'data-status="{status}"' in r.text
     assert 'class="navbar' in r.text and "/hub/static/css/style.min.css" in r.text
     assert 'id="login"' in r.text  # nobody logged in: the hub's Login button

@@ -111,7 +111,7 @@ def test_the_readme_path_from_sign_up_to_trained_jobs(page, hub):
     admin_password = (hub.data_dir / "admin_password").read_text().strip()
     login(page, hub, "admin", admin_password)
     page.wait_for_url(re.compile(r".*/hub/.*"))
-    page.goto(hub.url + "/services/gpulab/admin")
+    page.goto(hub.service_url + "admin")
     default = page.locator("form.quota[data-kind='default']")
     default.locator("input[name=max_gpus]").fill("2")
     default.locator("button[name=save]").click()
@@ -263,13 +263,13 @@ def test_the_readme_path_from_sign_up_to_trained_jobs(page, hub):
     page.wait_for_timeout(1000)
     tb = page.context.new_page()
     try:
-        tb.goto(hub.url + f"/user/{NEWCOMER}/tensorboard/#timeseries")
+        tb.goto(hub.user_url(NEWCOMER) + f"tensorboard/#timeseries")
         for job in (first_job, magic_job):
             tb.get_by_text(re.compile(re.escape(job))).first.wait_for(timeout=120_000)
         # another person cannot open it
         bob = Browser(hub, "bob")
         assert bob.signup(PASSWORD).status_code == 200
-        r = tb.request.get(hub.url + f"/user/{NEWCOMER}/tensorboard/", headers={
+        r = tb.request.get(hub.user_url(NEWCOMER) + f"tensorboard/", headers={
             "Authorization": "token " + _approved_token(hub, admin_password, bob)},
             max_redirects=0)
         assert r.status == 403
@@ -277,7 +277,7 @@ def test_the_readme_path_from_sign_up_to_trained_jobs(page, hub):
         tb.close()
 
     # -- Notebook 7 renders the widgets too: the jobs list with the jobs -------------------
-    page.goto(hub.url + f"/user/{NEWCOMER}/notebooks/Untitled.ipynb")
+    page.goto(hub.user_url(NEWCOMER) + f"notebooks/Untitled.ipynb")
     page.locator(".jp-Notebook").first.wait_for(timeout=120_000)
     cells = page.locator(".jp-Notebook .jp-Cell")
     cells.last.locator(".cm-content").click()
@@ -293,7 +293,7 @@ def test_the_readme_path_from_sign_up_to_trained_jobs(page, hub):
     logout(page, hub)
     login(page, hub, "admin", admin_password)
     page.wait_for_url(re.compile(r".*/hub/.*"))
-    page.goto(hub.url + "/services/gpulab/admin")
+    page.goto(hub.service_url + "admin")
     held = page.locator(f"tr[data-user='{NEWCOMER}'] td.held").inner_text()
     assert re.search(r"notebook 'default' \(1\): GPU \d", held), held
     assert "simulated (nothing to measure)" in held
