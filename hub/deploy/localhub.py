@@ -178,6 +178,11 @@ class GpulabHub(JupyterHub):
     ).tag(config=True)
 
     def init_tornado_application(self):
+        if self.subdomain_host:
+            from gpulab.hub.deploy.userpages import static_files_for_every_host
+
+            self.tornado_settings["static_handler_class"] = static_files_for_every_host(
+                self.tornado_settings["static_handler_class"])
         if self.subdomain_host or not self.refuse_user_pages:
             return super().init_tornado_application()
         from jupyterhub.utils import url_path_join

@@ -87,6 +87,20 @@ class RefusedHandler(web.RequestHandler):
             "up --subdomain-host.)")})
 
 
+def static_files_for_every_host(base: type) -> type:
+    """The hub's static-file handler `base`, its files readable from every origin: with
+    subdomain_host the gpulab service's pages (on a host of their own) use the hub's CSS,
+    scripts and fonts, and browsers fetch fonts with CORS. They are the same public files for
+    everyone (no cookies are needed or read)."""
+
+    class SharedStaticFiles(base):
+        def set_extra_headers(self, path):
+            super().set_extra_headers(path)
+            self.set_header("Access-Control-Allow-Origin", "*")
+
+    return SharedStaticFiles
+
+
 class UserPagesGuard(web.Application):
     """The hub's tornado application, refusing requests from pages of people's servers
     (`from_user_pages`) before any handler of the hub's sees them."""
