@@ -23,19 +23,25 @@ def page(who: Browser, path: str) -> requests.Response:
     return who.s.get(who.hub.service_url + path, timeout=60)
 
 
+def hub_pages(hub) -> str:
+    """How the service's pages link the hub's: a path, or with subdomains (the service on a
+    host of its own) the hub's public address."""
+    return hub.url + "/hub/" if hub.subdomains else "/hub/"
+
+
 def assert_hub_look(r: requests.Response, hub, name: str):
-    html = r.text
+    html, h = r.text, hub_pages(hub)
     assert r.headers["Content-Type"].startswith("text/html"), r.headers
     assert 'class="navbar' in html and 'id="gpulab-nav"' in html  # the hub's navigation
     assert re.search(r'<span class="me-1">\s*' + re.escape(name) + r"\s*</span>", html)
-    assert 'id="logout"' in html and 'href="/hub/logout"' in html
+    assert 'id="logout"' in html and f'href="{h}logout"' in html
     assert 'id="dark-theme-toggle"' in html
     # CSS and scripts are the hub's, and resolve through the proxy
-    assets = re.findall(r'(?:href|src)="(/hub/static/[^"]+)"', html)
+    assets = re.findall(r'(?:href|src)="' + re.escape(h) + r'(static/[^"]+)"', html)
     assert any("css/style.min.css" in a for a in assets), assets
     assert any("js/darkmode.js" in a for a in assets), assets
     for asset in assets:
-        got = requests.get(hub.url + asset, timeout=30)
+        got = requests.get(hub.url + "/hub/" + asset, timeout=30)
         assert got.status_code == 200, (asset, got.status_code)
 
 
@@ -47,7 +53,7 @@ def test_pages_look_like_the_hubs(hub, users, admin):
     r = page(admin, "admin")
     assert r.status_code == 200 and "<h1>GPU admin</h1>" in r.text
     assert_hub_look(r, hub, "admin")
-    assert 'id="gpulab-admin-nav"' in r.text and 'href="/hub/admin"' in r.text
+    assert 'id="gpulab-admin-nav"' in r.text and f'href="{hub_pages(hub)}admin"' in r.text
 
 
 def test_a_non_admin_on_the_admin_page_gets_a_page_saying_where_to_go(hub, users):
