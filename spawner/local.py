@@ -645,6 +645,17 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         page cannot send)."""
         hub = (getattr(self.hub, "base_url", "") or "/hub/") if self.hub else "/hub/"
         base = hub[:-len("hub/")] if hub.endswith("hub/") else "/"
+        settings = getattr(getattr(self, "user", None), "settings", None) or {}
+        if settings.get("subdomain_host"):
+            # the service on a host of its own (JupyterHub's <name>--service.<host>)
+            from urllib.parse import urlsplit
+
+            from jupyterhub.utils import subdomain_hook_idna
+
+            url = urlsplit(settings["subdomain_host"])
+            hook = settings.get("subdomain_hook") or subdomain_hook_idna
+            host = hook("gpulab", settings.get("domain") or url.hostname, "service")
+            base = f"{url.scheme}://{host}{f':{url.port}' if url.port else ''}{base}"
         return base + "services/gpulab/"
 
     async def _gpu_progress_message(self, entry_id: str) -> str:

@@ -68,15 +68,20 @@ def end_jobs_of(data_dir: Path) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
-def hub_with_config(workdir: Path, prefix: str, config: str, gpus: int = 4):
+def hub_with_config(workdir: Path, prefix: str, config: str, gpus: int = 4,
+                    subdomains: bool = False):
     """A `gpulab up` whose operator's settings file (``<data>/gpulab_config.py``) holds
-    `config`, with `gpus` simulated GPUs; a generator for a module fixture (yields the hub,
+    `config`, with `gpus` simulated GPUs (with `subdomains`: ``--subdomain-host
+    http://localhost:<port>``, see `Hub`); a generator for a module fixture (yields the hub,
     then stops it and ends the jobs it left)."""
+    # GPULAB_TEST_SUBDOMAINS=1: every hub of the tests with --subdomain-host
+    subdomains = subdomains or os.environ.get("GPULAB_TEST_SUBDOMAINS") == "1"
     data = workdir / "data"
     data.mkdir(mode=0o700)
     (data / "gpulab_config.py").write_text(config)
     (data / "gpulab_config.py").chmod(0o600)
-    h = Hub(data, "--simulated-gpus", str(gpus), "--user-prefix", prefix).start()
+    h = Hub(data, "--simulated-gpus", str(gpus), "--user-prefix", prefix,
+            subdomains=subdomains).start()
     yield h
     h.stop()
     end_jobs_of(h.data_dir)

@@ -70,6 +70,14 @@ def add_up_arguments(p) -> None:
     """`gpulab up`'s flags, on `p` (``gpulab up``, ``gpulab service install``)."""
     p.add_argument("--ip", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to serve on (default 8000)")
+    p.add_argument("--subdomain-host", default="", metavar="URL",
+                   help="serve the hub at URL and each person's server on a host of its own, "
+                   "<name>.<host> (JupyterHub's subdomain_host), so that pages a server serves "
+                   "cannot act in the hub as whoever opens them: http://localhost:8000 on this "
+                   "machine (browsers resolve *.localhost to it), or a name with a wildcard DNS "
+                   "record (*.lab.example.org) for people on the network; a bare host name "
+                   "means http://<name>:<port> (default: none, one origin for all; see the "
+                   "README, Users and isolation)")
     p.add_argument("--hub-port", type=int, default=8081,
                    help="loopback port of the hub's internal API (default 8081)")
     p.add_argument("--proxy-api-port", type=int, default=8001,
@@ -105,6 +113,40 @@ def _check_port(name: str, value: int) -> str | None:
     return None
 
 
+def subdomain_host_url(value: str, port: int) -> str:
+    """``--subdomain-host``'s value as a URL: a bare host name gets ``http://`` and `port`."""
+    value = value.strip().rstrip("/")
+    if value and "://" not in value:
+        value = f"http://{value}" + ("" if ":" in value or port == 80 else f":{port}")
+    return value
+
+
+def subdomain_host_problem(url: str) -> str | None:
+    """What is wrong with `url` as ``--subdomain-host`` (None: nothing)."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    if not url:
+        return None
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises on a bad port)
+    except ValueError as e:
+        return f"--subdomain-host {url!r} is not a URL: {e}."
+    host = parts.hostname or ""
+    if parts.scheme not in ("http", "https") or not host:
+        return f"--subdomain-host {url!r} must be http(s)://<host name>[:port]."
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        return f"--subdomain-host {url!r} must have no path: people's servers get <name>.{host}."
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return (f"--subdomain-host {url!r} is an address, and an address has no subdomains: give "
+            "a host name (http://localhost:<port> on this machine, or a name with a wildcard "
+            "DNS record).")
+
+
 def check_up_args(args) -> str | None:
     """What is wrong with `gpulab up`'s flags in `args`, in words (None: nothing)."""
     for name, value in (("--port", args.port), ("--hub-port", args.hub_port),
@@ -124,7 +166,7 @@ def check_up_args(args) -> str | None:
         return f"--simulated-gpus must be 0 or more, got {args.simulated_gpus}."
     if args.admin_user.strip() != args.admin_user or not args.admin_user or "/" in args.admin_user:
         return f"--admin-user {args.admin_user!r} is not a usable user name."
-    return None
+    return subdomain_host_problem(subdomain_host_url(args.subdomain_host, args.port))
 
 
 def cmd_up(args) -> int:
@@ -190,6 +232,7 @@ def cmd_up(args) -> int:
         simulated_gpus=args.simulated_gpus,
         isolate_users=isolate,
         user_prefix=args.user_prefix,
+        subdomain_host=subdomain_host_url(args.subdomain_host, args.port),
     )
 
     if isolate:
@@ -202,6 +245,8 @@ def cmd_up(args) -> int:
             )
 
     url = f"http://{'[' + args.ip + ']' if ':' in args.ip else args.ip}:{args.port}/"
+    if settings.subdomain_host:
+        url = settings.subdomain_host + "/"
     banner = [f"gpulab: data folder {data.path}", f"gpulab: shared storage {data.shared}"]
     if created and sys.stdout.isatty():
         # shown once, and only to a person at a terminal: output that goes to a file or a
@@ -234,6 +279,19 @@ def cmd_up(args) -> int:
             "gpulab: WARNING users are NOT isolated from each other: every server runs as",
             f"gpulab: WARNING this account ({_account()}) and can read every user's files.",
             "gpulab: WARNING Run gpulab up as root to give each user a system account.",
+            "gpulab: WARNING " + "*" * 60,
+        ]
+    if not settings.subdomain_host:
+        banner += [
+            "",
+            "gpulab: WARNING " + "*" * 60,
+            "gpulab: WARNING people's servers share the hub's web origin (no --subdomain-host):",
+            "gpulab: WARNING a page served by one person's server, opened by another, runs as",
+            "gpulab: WARNING the hub's own. The hub refuses requests it can tell came from",
+            "gpulab: WARNING such pages, but a determined page gets past that (README, Users",
+            "gpulab: WARNING and isolation). Give --subdomain-host http://localhost:"
+            f"{args.port} on this",
+            "gpulab: WARNING machine, or a host name with a wildcard DNS record.",
             "gpulab: WARNING " + "*" * 60,
         ]
     gpu_gap = _gpus_not_enforced() if isolate else None

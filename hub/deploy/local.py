@@ -45,6 +45,12 @@ class LocalSettings:
     #: their own address, so that no server's certificate (which its user can read) is valid
     #: for those, nor for another user's server
     server_ip: str = "127.0.0.2"
+    #: ``JupyterHub.subdomain_host`` (``http://localhost:8000``): the hub on that host, each
+    #: person's server on ``<name>.<host>``, each service on ``<service>--service.<host>``, so
+    #: that a page a person's server serves runs on an origin of its own, not the hub's
+    #: (issue 33.3). '' (default): one origin for all, with `gpulab.hub.deploy.userpages`'s
+    #: refusals as the only (partial) guard
+    subdomain_host: str = ""
 
 
 #: the folder below the data folder where the hub keeps its internal CAs and certificates;
@@ -70,7 +76,13 @@ def server_alt_names(spawner) -> list[str]:
     server's own (set before JupyterHub makes the certificate), so a user's certificate is
     not valid for anybody else's server either.
     """
-    return [f"IP:{spawner.ip}"]
+    names = [f"IP:{spawner.ip}"]
+    # with subdomain_host (gpulab up --subdomain-host) the proxy reaches the server under the
+    # person's own host name (<name>.<host>) and checks the certificate against it
+    user = getattr(spawner, "user", None)
+    if user is not None and getattr(user, "settings", {}).get("subdomain_host"):
+        names.append(f"DNS:{user.domain}")
+    return names
 
 
 def culler_interval(idle_timeout: int) -> int:
@@ -108,6 +120,13 @@ def local_essentials(s: LocalSettings) -> Config:
     d = s.data
     c = Config()
     c.JupyterHub.bind_url = f"http://{s.ip}:{s.port}"
+    if s.subdomain_host:
+        # people's servers and services on hosts of their own: see LocalSettings.subdomain_host
+        c.JupyterHub.subdomain_host = s.subdomain_host
+        if s.subdomain_host.startswith("https://"):
+            # cookies a server's page sets for the parent domain (cookie tossing) cannot
+            # stand in for the hub's: __Host- cookies take no Domain (needs HTTPS)
+            c.JupyterHub.cookie_host_prefix_enabled = True
     # Internal traffic is mutual TLS (JupyterHub's internal_ssl): the hub, the proxy, the
     # services and every server present certificates of the hub's own CAs and verify each
     # other's, so whoever binds one of their loopback ports after it died gets no token.

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from jupyterhub.app import JupyterHub
-from traitlets import Int
+from traitlets import Bool, Int
 from traitlets.config import Config
 
 from gpulab.hub.deploy.local import (LocalSettings, gpulab_service_settings, local_defaults,
@@ -47,7 +47,22 @@ SERVICE_CERT_NAME = "gpulab-service"
 SERVICE_SSL_SETTINGS = ("ssl_keyfile", "ssl_certfile", "ssl_client_ca", "ssl_hub_ca")
 
 
-def service_certificate(store_dir: str, trust_bundles: dict, log=None) -> dict:
+def _alt_names_of(cert_file: str) -> set[str]:
+    """The subject alternative names of a certificate, as certipy writes them (``DNS:x``)."""
+    from cryptography import x509
+
+    with open(cert_file, "rb") as f:
+        cert = x509.load_pem_x509_certificate(f.read())
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return set()
+    return ({f"DNS:{n}" for n in san.get_values_for_type(x509.DNSName)}
+            | {f"IP:{n}" for n in san.get_values_for_type(x509.IPAddress)})
+
+
+def service_certificate(store_dir: str, trust_bundles: dict, log=None,
+                        domain: str = "") -> dict:
     """The gpulab service's key and certificate, made once and signed by the hub's CA.
 
     JupyterHub gives a managed service a certificate of the *notebooks* CA, the CA that also
@@ -65,13 +80,18 @@ def service_certificate(store_dir: str, trust_bundles: dict, log=None) -> dict:
     from certipy import Certipy, CertNotFoundError
 
     certipy = Certipy(store_dir=store_dir)
+    # with subdomain_host the proxy reaches the service under its own host name (`domain`,
+    # ``gpulab--service.<host>``) and checks the certificate against it
+    names = ["IP:127.0.0.1", "DNS:localhost"] + ([f"DNS:{domain}"] if domain else [])
     try:
         record = certipy.store.get_record(SERVICE_CERT_NAME)
+        if not set(names) <= _alt_names_of(record["files"]["cert"]):
+            raise CertNotFoundError(SERVICE_CERT_NAME)  # a new name (--subdomain-host): anew
     except CertNotFoundError:
-        names = ["IP:127.0.0.1", "DNS:localhost"]
         if log:
             log.info("Creating the gpulab service's certificate (hub CA): %s", ";".join(names))
-        record = certipy.create_signed_pair(SERVICE_CERT_NAME, "hub-ca", alt_names=names)
+        record = certipy.create_signed_pair(SERVICE_CERT_NAME, "hub-ca", alt_names=names,
+                                            overwrite=True)
     hub_ca = certipy.store.get_record("hub-ca")["files"]["cert"]
     return dict(zip(SERVICE_SSL_SETTINGS, (record["files"]["key"], record["files"]["cert"],
                                       trust_bundles["hub-ca"], hub_ca)))
@@ -190,6 +210,49 @@ class GpulabHub(JupyterHub):
         problem). Example: ``c.GpulabHub.oom_score_adj = -500``
         """,
     ).tag(config=True)
+
+    refuse_user_pages = Bool(
+        True,
+        help="""Where people's servers share the hub's web origin (no
+        ``c.JupyterHub.subdomain_host``, i.e. ``gpulab up`` without ``--subdomain-host``),
+        refuse requests that the hub can tell a page of a person's server sent (a ``Referer``
+        below ``/user/``; a change sent without one) with 403, and send the hub's pages with
+        ``frame-ancestors 'none'`` and ``Cross-Origin-Opener-Policy: same-origin``
+        (`gpulab.hub.deploy.userpages`). A speed bump, not a wall: only subdomains give each
+        server an origin of its own. Ignored with ``subdomain_host``. Default True. Example:
+        ``c.GpulabHub.refuse_user_pages = False``
+        """,
+    ).tag(config=True)
+
+    def init_tornado_application(self):
+        if self.subdomain_host:
+            from gpulab.hub.deploy.userpages import static_files_for_every_host
+
+            self.tornado_settings["static_handler_class"] = static_files_for_every_host(
+                self.tornado_settings["static_handler_class"])
+            # the hub's "GPUs" link (templates/jupyterhub/page.html): the service's own host,
+            # port included (the service is not in the "Services" menu, whose list has it)
+            from gpulab.hub.service import SERVICE_NAME
+
+            service = self._service_map.get(SERVICE_NAME)
+            if service is not None and service.host:
+                template_vars = dict(self.tornado_settings.get("template_vars") or {})
+                template_vars.setdefault("gpulab_service_url", service.host + service.prefix)
+                self.tornado_settings["template_vars"] = template_vars
+        if self.subdomain_host or not self.refuse_user_pages:
+            return super().init_tornado_application()
+        from jupyterhub.utils import url_path_join
+
+        from gpulab.hub.deploy.userpages import SINGLE_ORIGIN_HEADERS, UserPagesGuard
+
+        headers = self.tornado_settings.setdefault("headers", {})
+        for name, value in SINGLE_ORIGIN_HEADERS.items():
+            headers.setdefault(name, value)
+        self.tornado_application = UserPagesGuard(self.handlers, **self.tornado_settings)
+        self.tornado_application.user_prefix = url_path_join(self.base_url, "user/")
+        self.log.warning("People's servers share the hub's web origin (no subdomain_host): "
+                         "the hub refuses requests it can tell their pages sent, which a "
+                         "determined page gets past (README, Users and isolation)")
 
     def _disks_shared(self) -> str | None:
         """The shared storage whose people's disks this hub mounts (`gpulab.hub.machine.userdisk`):
@@ -341,8 +404,12 @@ class GpulabHub(JupyterHub):
         super().init_internal_ssl()
         if not self.internal_ssl:
             return
+        from gpulab.hub.service import SERVICE_NAME
+
+        domain = (self.subdomain_hook(SERVICE_NAME, self.domain, kind="service")
+                  if self.subdomain_host else "")
         self._service_settings = {**self._service_settings, **service_certificate(
-            self.internal_certs_location, self.internal_trust_bundles, self.log)}
+            self.internal_certs_location, self.internal_trust_bundles, self.log, domain)}
 
     def load_config_file(self, *args, **kwargs):
         super().load_config_file(*args, **kwargs)

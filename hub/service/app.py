@@ -408,7 +408,11 @@ class GpulabService(Application):
 
         url = urlparse(os.environ["JUPYTERHUB_SERVICE_URL"])
         prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", f"/services/{SERVICE_NAME}/")
-        hub_prefix = os.environ.get("JUPYTERHUB_BASE_URL", "/") + "hub/"
+        # the hub's pages and static files: a path of this host, or with subdomain_host (the
+        # service on a host of its own) the hub's public address, which JupyterHub gives
+        hub_prefix = (os.environ.get("JUPYTERHUB_PUBLIC_HUB_URL", "").rstrip("/") + "/"
+                      if os.environ.get("JUPYTERHUB_PUBLIC_HUB_URL")
+                      else os.environ.get("JUPYTERHUB_BASE_URL", "/") + "hub/")
         ledger = Ledger(self.ledger_url, pool=self.ledger_pool)
         ledger.migrate()
         tls = ServiceTLS.from_settings(self.ssl_keyfile, self.ssl_certfile, self.ssl_client_ca,

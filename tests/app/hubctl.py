@@ -3,6 +3,7 @@ browser would: sign up, get approved, log in, start and stop servers, run code i
 
 from __future__ import annotations
 
+import http.cookiejar
 import json
 import os
 import signal
@@ -22,6 +23,24 @@ from gpulab.hub.machine.processes import pid_alive as pid_exists  # noqa: F401 (
 
 GPULAB = str(Path(sys.executable).with_name("gpulab"))
 
+_getaddrinfo = socket.getaddrinfo
+
+
+def _loopback_names(host, *args, **kwargs):
+    """``localhost`` and every ``*.localhost`` name are 127.0.0.1, as browsers (and curl)
+    resolve them without DNS (RFC 6761); this machine's resolver does not know the
+    subdomains, so a hub with ``--subdomain-host http://localhost:<port>`` (its servers on
+    ``<name>.localhost``) is reached by this process's requests and websockets too."""
+    name = host.decode() if isinstance(host, bytes) else host
+    if isinstance(name, str):
+        name = name.rstrip(".").lower()
+        if name == "localhost" or name.endswith(".localhost"):
+            host = "127.0.0.1"
+    return _getaddrinfo(host, *args, **kwargs)
+
+
+socket.getaddrinfo = _loopback_names
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -30,13 +49,37 @@ def free_port() -> int:
 
 
 class Hub:
-    def __init__(self, data_dir: Path, *extra: str):
+    """A `gpulab up` on free ports. With `subdomains`, the hub is at ``http://localhost:<port>``
+    (``--subdomain-host``), each person's server at ``http://<name>.localhost:<port>`` and the
+    gpulab service at ``http://gpulab--service.localhost:<port>`` (JupyterHub's names)."""
+
+    def __init__(self, data_dir: Path, *extra: str, subdomains: bool = False):
         self.data_dir = data_dir
         self.port, self.hub_port, self.api_port = free_port(), free_port(), free_port()
         self.service_port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.extra = list(extra)
+        self.subdomains = subdomains
+        self.url = f"http://{'localhost' if subdomains else '127.0.0.1'}:{self.port}"
+        self.extra = list(extra) + (["--subdomain-host", self.url] if subdomains else [])
         self.proc = None
+
+    def host_of(self, label: str) -> str:
+        """``http://<label>.localhost:<port>`` with subdomains, else the hub's own address."""
+        return f"http://{label}.localhost:{self.port}" if self.subdomains else self.url
+
+    def user_url(self, name: str, server: str = "") -> str:
+        """The base URL of `name`'s server (``…/user/<name>/[<server>/]``)."""
+        from jupyterhub.utils import subdomain_hook_idna
+
+        # the hub's own escaping of names in URLs (jupyterhub.utils.url_escape_path)
+        path, srv = (urllib.parse.quote(n, safe="@~") for n in (name, server))
+        host = (f"http://{subdomain_hook_idna(name, 'localhost', 'user')}:{self.port}"
+                if self.subdomains else self.url)
+        return f"{host}/user/{path}/{srv + '/' if srv else ''}"
+
+    @property
+    def service_url(self) -> str:
+        """The gpulab service's base URL (``…/services/gpulab/``)."""
+        return self.host_of("gpulab--service") + "/services/gpulab/"
 
     def start(self, timeout: float = 60):
         self.log = open(self.data_dir.parent / f"up-{self.port}.log", "ab")
@@ -66,7 +109,7 @@ class Hub:
 
     @property
     def service_api(self) -> str:
-        return self.url + "/services/gpulab/api/v1/"
+        return self.service_url + "api/v1/"
 
     def output(self) -> str:
         return (self.data_dir.parent / f"up-{self.port}.log").read_text(errors="replace")
@@ -99,6 +142,23 @@ class SourceAddress(requests.adapters.HTTPAdapter):
     def init_poolmanager(self, *args, **kwargs):
         kwargs["source_address"] = (self.ip, 0)
         super().init_poolmanager(*args, **kwargs)
+
+
+_return_ok_domain = http.cookiejar.DefaultCookiePolicy.return_ok_domain
+
+
+def _localhost_cookies(policy, cookie, request):
+    """Cookies as a browser keeps them: one set for ``Domain=localhost`` (JupyterHub's session
+    cookie with subdomains) goes back to ``localhost`` and to ``*.localhost``, which Python's
+    policy (it files hosts without a dot under ``<host>.local``) never sends back. Patched
+    on the class: requests copies a session's cookies into a jar of the default policy."""
+    host = urllib.parse.urlsplit(request.get_full_url()).hostname or ""
+    if cookie.domain == ".localhost" and ("." + host).endswith(".localhost"):
+        return True
+    return _return_ok_domain(policy, cookie, request)
+
+
+http.cookiejar.DefaultCookiePolicy.return_ok_domain = _localhost_cookies
 
 
 class Browser:
@@ -179,9 +239,7 @@ class Browser:
 
     def run_in_kernel(self, code: str, server="", timeout=60) -> str:
         """Run `code` in a new kernel of the server; return what it printed."""
-        # the hub's own escaping of names in URLs (jupyterhub.utils.url_escape_path)
-        name, server = (urllib.parse.quote(n, safe="@~") for n in (self.name, server))
-        base = f"{self.hub.url}/user/{name}/{server + '/' if server else ''}"
+        base = self.hub.user_url(self.name, server)
         h = {"Authorization": f"token {self.token()}"}
         k = requests.post(base + "api/kernels", headers=h, json={"name": "python3"})
         assert k.status_code == 201, (k.status_code, k.text)

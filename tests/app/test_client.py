@@ -295,7 +295,7 @@ def test_cli_quota_set_checks_the_name_and_says_every_field(hub, admin, users):
     r = quota("set", "--user", "anne", "--max-gpus", "2")
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == ""
     assert "the hub has no user 'anne'" in r.stderr
-    assert f"{hub.url}/services/gpulab/admin" in r.stderr and "--force" in r.stderr
+    assert f"{hub.service_url}admin" in r.stderr and "--force" in r.stderr
     assert admin.service("GET", "quotas/users/anne").status_code == 404
     r = quota("set", "--user", "anne", "--max-gpus", "2", "--force")
     assert r.returncode == 0 and "set user quota anne: 2 GPUs at once" in r.stdout, r.stderr

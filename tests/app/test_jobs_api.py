@@ -190,7 +190,7 @@ def test_stop_ends_every_replica_and_releases_its_gpus(hub, users, admin):
     workers = [x for x in view["replicas"] if x["role"] == "worker"]
     assert [u["text"] for x in workers for u in x["usage"]] == \
         [f"GPU {d}: simulated (nothing to measure)" for x in workers for d in x["devices"]]
-    page = requests.get(hub.url + "/services/gpulab/admin",
+    page = requests.get(hub.service_url + "admin",
                         headers={"Authorization": f"token {admin.token()}"})
     assert page.status_code == 200, page.text
     assert 'class="gpu-usage"' in page.text and "simulated (nothing to measure)" in page.text
@@ -417,7 +417,7 @@ def test_a_job_that_does_not_fit_waits_in_the_queue_and_starts_when_gpus_come_ba
             ("later", 1), ("after", 2)], line
         entry = line["entries"][1]["id"]
         # the admin page lists the line, each entry with its actions
-        html = admin.s.get(hub.url + "/services/gpulab/admin", timeout=60).text
+        html = admin.s.get(hub.service_url + "admin", timeout=60).text
         rows = re.findall(r'<tr data-entry="([0-9a-f]{32})" data-user="bob">\s*'
                           r'<td class="position">(\w+)</td>', html)
         assert [(e, p) for e, p in rows] == [(line["entries"][0]["id"], "1"), (entry, "2")], \

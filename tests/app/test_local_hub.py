@@ -42,6 +42,18 @@ def test_unapproved_and_unknown_people_cannot_log_in(hub):
     assert stranger.api("GET", "/users/mallory").status_code in (401, 403)
 
 
+def test_the_banner_says_what_one_origin_leaves_open(hub):
+    """Without --subdomain-host `gpulab up` warns that people's servers share the hub's web
+    origin and names the flag that ends it (README, Users and isolation); with it, not."""
+    out = hub.output()
+    if hub.subdomains:
+        assert "share the hub's web origin" not in out
+        assert f"gpulab: open {hub.url}/ in a browser" in out
+    else:
+        assert "gpulab: WARNING people's servers share the hub's web origin" in out
+        assert f"Give --subdomain-host http://localhost:{hub.port} on this" in out
+
+
 def test_spawn_form_lists_profiles_with_free_gpus(users, hub):
     r = users["ann"].s.get(hub.url + "/hub/spawn")
     assert r.status_code == 200

@@ -120,11 +120,11 @@ def test_a_notebook_waits_for_its_gpus_and_starts_when_they_come_back(hub, users
     assert bob.service("POST", f"queue/{entry['id']}/cancel").status_code == 404
     assert bob.service("POST", f"queue/{entry['id']}/hold").status_code == 403
     # as the My GPUs page does it: ann's service cookie and the page's XSRF token
-    page = ann.s.get(hub.url + "/services/gpulab/", timeout=60).text
+    page = ann.s.get(hub.service_url, timeout=60).text
     assert f'<form class="queue-leave" data-entry="{entry["id"]}"' in page, page[-3000:]
     assert "Leave the queue</button>" in page
     xsrf = json.loads(page.split("XSRF = ", 1)[1].split(",", 1)[0])
-    left = ann.s.post(f"{hub.url}/services/gpulab/api/v1/queue/{entry['id']}/cancel",
+    left = ann.s.post(f"{hub.service_url}api/v1/queue/{entry['id']}/cancel",
                       headers={"X-XSRFToken": xsrf}, timeout=60)
     assert left.status_code == 200 and left.json()["state"] == "cancelled", left.text
     assert ann.service("POST", f"queue/{entry['id']}/cancel").status_code == 404  # gone
@@ -197,7 +197,7 @@ def test_a_wait_behind_work_with_a_time_limit_has_an_estimated_start(hub, users,
         [entry] = my_entries(bob)
         assert entry["estimated_start"] == start, entry
         assert "starts in about 5 min" in queue_text(job), queue_text(job)
-        page = bob.s.get(hub.url + "/services/gpulab/", timeout=60).text  # My GPUs
+        page = bob.s.get(hub.service_url, timeout=60).text  # My GPUs
         assert f'<span class="eta" data-at="{start}">' in page, page[-3000:]
         env = {**os.environ, "GPULAB_URL": hub.url, "GPULAB_TOKEN": bob.token()}
         shown = subprocess.run([GPULAB, "jobs", "show", "next"], env=env, capture_output=True,

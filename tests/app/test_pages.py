@@ -20,22 +20,28 @@ pytestmark = pytest.mark.app
 
 def page(who: Browser, path: str) -> requests.Response:
     """A page of the service with the person's hub login (the OAuth dance is followed)."""
-    return who.s.get(who.hub.url + "/services/gpulab/" + path, timeout=60)
+    return who.s.get(who.hub.service_url + path, timeout=60)
+
+
+def hub_pages(hub) -> str:
+    """How the service's pages link the hub's: a path, or with subdomains (the service on a
+    host of its own) the hub's public address."""
+    return hub.url + "/hub/" if hub.subdomains else "/hub/"
 
 
 def assert_hub_look(r: requests.Response, hub, name: str):
-    html = r.text
+    html, h = r.text, hub_pages(hub)
     assert r.headers["Content-Type"].startswith("text/html"), r.headers
     assert 'class="navbar' in html and 'id="gpulab-nav"' in html  # the hub's navigation
     assert re.search(r'<span class="me-1">\s*' + re.escape(name) + r"\s*</span>", html)
-    assert 'id="logout"' in html and 'href="/hub/logout"' in html
+    assert 'id="logout"' in html and f'href="{h}logout"' in html
     assert 'id="dark-theme-toggle"' in html
     # CSS and scripts are the hub's, and resolve through the proxy
-    assets = re.findall(r'(?:href|src)="(/hub/static/[^"]+)"', html)
+    assets = re.findall(r'(?:href|src)="' + re.escape(h) + r'(static/[^"]+)"', html)
     assert any("css/style.min.css" in a for a in assets), assets
     assert any("js/darkmode.js" in a for a in assets), assets
     for asset in assets:
-        got = requests.get(hub.url + asset, timeout=30)
+        got = requests.get(hub.url + "/hub/" + asset, timeout=30)
         assert got.status_code == 200, (asset, got.status_code)
 
 
@@ -47,7 +53,7 @@ def test_pages_look_like_the_hubs(hub, users, admin):
     r = page(admin, "admin")
     assert r.status_code == 200 and "<h1>GPU admin</h1>" in r.text
     assert_hub_look(r, hub, "admin")
-    assert 'id="gpulab-admin-nav"' in r.text and 'href="/hub/admin"' in r.text
+    assert 'id="gpulab-admin-nav"' in r.text and f'href="{hub_pages(hub)}admin"' in r.text
 
 
 def test_the_hubs_own_pages_lead_to_gpulab(hub, users, admin):
@@ -86,7 +92,7 @@ def test_an_unknown_page_is_a_404_page_and_an_unknown_endpoint_json(hub, users):
     r = page(users["ann"], "api/v1/quotas")
     assert r.status_code == 403 and "custom:gpulab:admin" in r.json()["message"]
     # the service's address without its slash leads to it
-    r = users["ann"].s.get(hub.url + "/services/gpulab", allow_redirects=False, timeout=30)
+    r = users["ann"].s.get(hub.service_url.rstrip("/"), allow_redirects=False, timeout=30)
     assert r.status_code in (301, 302) and r.headers["Location"].endswith("/services/gpulab/")
 
 
@@ -94,7 +100,7 @@ def test_an_unknown_page_is_a_404_page_and_an_unknown_endpoint_json(hub, users):
                                           ("code=x&state=forged", 403)],
                          ids=["refused", "forged-state"])
 def test_a_broken_login_is_a_page_that_says_to_log_in_again(hub, query, status):
-    r = requests.get(hub.url + "/services/gpulab/oauth_callback?" + query, timeout=30)
+    r = requests.get(hub.service_url + "oauth_callback?" + query, timeout=30)
     assert r.status_code == status and f'data-status="{status}"' in r.text
     assert 'class="navbar' in r.text and "/hub/static/css/style.min.css" in r.text
     assert 'id="login"' in r.text  # nobody logged in: the hub's Login button

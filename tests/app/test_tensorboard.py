@@ -43,7 +43,7 @@ def test_tensorboard_serves_my_runs_to_me_only(hub, users):
         out = ann.run_in_kernel("import os; print(os.environ.get('TENSORBOARD_PROXY_URL'))")
         assert out.strip() == "/user/ann/gpulab-tensorboard/%PORT%/"
 
-        base = f"{hub.url}/user/ann/tensorboard/"
+        base = f"{hub.user_url('ann')}tensorboard/"
         headers = {"Authorization": f"token {ann.token()}"}
         r = requests.get(base, headers=headers, timeout=120)  # starts it on first use
         assert r.status_code == 200 and "TensorBoard" in r.text, r.text[:300]

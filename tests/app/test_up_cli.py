@@ -27,8 +27,11 @@ def test_data_folder_that_cannot_be_made(tmp_path):
         (["--port", "9000", "--hub-port", "9000"], "four different ports"),
         (["--idle-timeout", "-5"], "--idle-timeout"),
         (["--simulated-gpus", "-1"], "--simulated-gpus"),
+        (["--subdomain-host", "http://192.168.1.5:8000"], "an address has no subdomains"),
+        (["--subdomain-host", "http://localhost:8000/jh"], "must have no path"),
     ],
-    ids=["port-zero", "same-ports", "negative-timeout", "negative-gpus"],
+    ids=["port-zero", "same-ports", "negative-timeout", "negative-gpus", "subdomains-of-an-ip",
+         "subdomain-host-with-path"],
 )
 def test_bad_flags(tmp_path, args, message):
     r = up("--data-dir", str(tmp_path / "d"), *args)

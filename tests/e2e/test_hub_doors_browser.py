@@ -81,7 +81,7 @@ def test_a_page_on_another_site_changes_no_approval(page, hub, attacker_site):
     assert Browser(hub, "pendy").signup(PASSWORD).status_code == 200
     login(page, hub, "admin", hub.admin_password)
     page.wait_for_url(re.compile(r".*/hub/.*"))
-    page.goto(hub.url + "/services/gpulab/admin")  # logged in to the service too
+    page.goto(hub.service_url + "admin")  # logged in to the service too
     page.locator("#users").wait_for()
     assert approval_of(page, hub, "pendy") == "No"
 

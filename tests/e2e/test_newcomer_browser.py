@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
 
 from tests.app.hubctl import Browser
 from tests.conftest import PASSWORD
@@ -328,21 +329,22 @@ def test_the_readme_path_from_sign_up_to_trained_jobs(page, hub):
     page.wait_for_timeout(1000)
     tb = page.context.new_page()
     try:
-        tb.goto(hub.url + f"/user/{NEWCOMER}/tensorboard/#timeseries")
+        tb.goto(hub.user_url(NEWCOMER) + "tensorboard/#timeseries")
         for job in (first_job, magic_job):
             tb.get_by_text(re.compile(re.escape(job))).first.wait_for(timeout=120_000)
         # another person cannot open it
         bob = Browser(hub, "bob")
         assert bob.signup(PASSWORD).status_code == 200
-        r = tb.request.get(hub.url + f"/user/{NEWCOMER}/tensorboard/", headers={
+        # (from Python, whose requests know *.localhost: tests/app/hubctl.py)
+        r = requests.get(hub.user_url(NEWCOMER) + "tensorboard/", headers={
             "Authorization": "token " + _approved_token(hub, admin_password, bob)},
-            max_redirects=0)
-        assert r.status == 403
+            allow_redirects=False, timeout=30)
+        assert r.status_code == 403
     finally:
         tb.close()
 
     # -- Notebook 7 renders the widgets too: the jobs list with the jobs -------------------
-    page.goto(hub.url + f"/user/{NEWCOMER}/notebooks/Untitled.ipynb")
+    page.goto(hub.user_url(NEWCOMER) + "notebooks/Untitled.ipynb")
     page.locator(".jp-Notebook").first.wait_for(timeout=120_000)
     cells = page.locator(".jp-Notebook .jp-Cell")
     cells.last.locator(".cm-content").click()
@@ -358,7 +360,7 @@ def test_the_readme_path_from_sign_up_to_trained_jobs(page, hub):
     logout(page, hub)
     login(page, hub, "admin", admin_password)
     page.wait_for_url(re.compile(r".*/hub/.*"))
-    page.goto(hub.url + "/services/gpulab/admin")
+    page.goto(hub.service_url + "admin")
     held = page.locator(f"tr[data-user='{NEWCOMER}'] td.held").inner_text()
     assert re.search(r"notebook 'default' \(1\): GPU \d", held), held
     assert "simulated (nothing to measure)" in held

@@ -59,7 +59,9 @@ def test_a_notebook_waits_in_line_on_its_page_and_starts_by_itself(page, hub, gi
     assert "GPU" in message.inner_text()
     leave = message.locator("a.gpulab-leave-queue")
     assert leave.inner_text() == "Leave the queue"
-    assert leave.get_attribute("href") == "/services/gpulab/#queue"
+    # the service's pages: with subdomains on the service's own host
+    assert leave.get_attribute("href") == (
+        hub.service_url if hub.subdomains else "/services/gpulab/") + "#queue"
     [entry] = gil.service("GET", "queue").json()["entries"]
     assert (entry["kind"], entry["holder"], entry["position"]) == ("notebook", "default", 1)
 

@@ -113,8 +113,8 @@ def test_oidc_login_brings_the_group_and_its_quota(page, oidc_hub, provider):
     r = admin_call(hub, "PUT", hub.service_api + "quotas/groups/vision", json={"max_gpus": 3})
     assert r.status_code == 200, r.text
     # the service's own page logs the browser in to the service (OAuth with the hub) ...
-    page.goto(hub.url + "/services/gpulab/")
-    page.wait_for_url(re.compile(re.escape(hub.url) + r"/services/gpulab/.*"))
+    page.goto(hub.service_url)
+    page.wait_for_url(re.compile(re.escape(hub.service_url) + r".*"))
     assert "dana" in page.locator("body").inner_text()
     # ... and then its API answers the browser, as the person
     page.goto(hub.service_api + "me")

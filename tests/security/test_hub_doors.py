@@ -186,7 +186,7 @@ def test_a_copied_cookie_dies_at_logout(hub, admin):
 
 def test_the_gpulab_services_answers_cannot_be_framed_by_another_site(hub, admin):
     for path in ("", "admin", "no-such-page", "api/v1/openapi.json", "api/v1/me"):
-        r = admin.s.get(hub.url + "/services/gpulab/" + path)
+        r = admin.s.get(hub.service_url + path)
         policy = r.headers.get("Content-Security-Policy", "")
         assert "frame-ancestors 'self'" in policy, (path, r.status_code, policy)
     r = requests.get(hub.service_api + "me")  # an error, nobody logged in

@@ -308,7 +308,7 @@ def test_a_revoked_token_stops_opening_the_server_within_seconds(hub, vic):
     r = vic.api("POST", "/users/vic/tokens", json={"note": "leaked"})
     assert r.status_code == 201, r.text
     leaked, tid = r.json()["token"], r.json()["id"]
-    url = hub.url + "/user/vic/api/contents"
+    url = hub.user_url("vic") + "api/contents"
     h = {"Authorization": f"token {leaked}"}
     assert requests.get(url, headers=h).status_code == 200  # the server caches the answer
     assert vic.api("DELETE", f"/users/vic/tokens/{tid}").status_code == 204
@@ -584,7 +584,7 @@ def run_in_terminal(b: Browser, command: str, timeout: float = 30) -> str:
     API, as JupyterLab does); what it printed between two marks."""
     import websocket
 
-    base = f"{b.hub.url}/user/{b.name}/"
+    base = f"{b.hub.user_url(b.name)}"
     h = {"Authorization": f"token {b.token()}"}
     r = requests.post(base + "api/terminals", headers=h)
     assert r.status_code == 200, (r.status_code, r.text)

@@ -74,7 +74,7 @@ def unix_sockets(proc) -> list[str]:
 
 
 def test_tensorboard_has_no_port_and_only_its_owner_reaches_it(hub, vic, eve):
-    base = f"{hub.url}/user/vic/tensorboard/"
+    base = f"{hub.user_url('vic')}tensorboard/"
     r = requests.get(base, headers={"Authorization": f"token {vic.token()}"}, timeout=180)
     assert r.status_code == 200 and "TensorBoard" in r.text, (r.status_code, r.text[:300])
     tb = tensorboard_of(vic)
@@ -113,7 +113,7 @@ def test_tensorboard_has_no_port_and_only_its_owner_reaches_it(hub, vic, eve):
 def kernel_of(person):
     """A kernel in `person`'s default server, kept alive while the block runs (the magic's
     TensorBoard is the kernel's child); yields ``run(code) -> printed text``."""
-    base = f"{person.hub.url}/user/{person.name}/"
+    base = f"{person.hub.user_url(person.name)}"
     h = {"Authorization": f"token {person.token()}"}
     k = requests.post(base + "api/kernels", headers=h, json={"name": "python3"}, timeout=60)
     assert k.status_code == 201, (k.status_code, k.text)
@@ -215,7 +215,7 @@ def test_tensorboard_magic_has_no_port_and_only_its_owner_reaches_it(hub, vic, e
         assert (folder.st_uid, stat.S_IMODE(folder.st_mode)) == (vic.account.pw_uid, 0o700)
 
         # vic sees her TensorBoard, with her run, through her server
-        base = f"{hub.url}/user/vic/gpulab-tensorboard/{key}/"
+        base = f"{hub.user_url('vic')}gpulab-tensorboard/{key}/"
         vh = {"Authorization": f"token {vic.token()}"}
         r = requests.get(base, headers=vh, timeout=60)
         assert r.status_code == 200 and "TensorBoard" in r.text, (r.status_code, r.text[:300])
@@ -232,7 +232,7 @@ def test_tensorboard_magic_has_no_port_and_only_its_owner_reaches_it(hub, vic, e
         r = requests.get(base + "data/runs", allow_redirects=False, timeout=30)
         assert r.status_code in (302, 401, 403), r.status_code
         # the same key through eve's own server is not vic's TensorBoard
-        r = requests.get(f"{hub.url}/user/eve/gpulab-tensorboard/{key}/data/runs",
+        r = requests.get(f"{hub.user_url('eve')}gpulab-tensorboard/{key}/data/runs",
                          headers={"Authorization": f"token {eve.token()}"}, timeout=30)
         assert r.status_code == 404, (r.status_code, r.text[:200])
         # from eve's account: the socket is out of reach, and the "port" the magic reports

@@ -1,0 +1,76 @@
+"""What the hub refuses as sent by a page of a person's server where all share one origin
+(`gpulab.hub.deploy.userpages.from_user_pages`), and `gpulab up --subdomain-host`'s checks."""
+
+import argparse
+
+import pytest
+
+from gpulab.hub.cli.up import add_up_arguments, check_up_args, subdomain_host_url
+from gpulab.hub.deploy.userpages import from_user_pages
+
+HOST = "127.0.0.1:8000"
+PAGE = "http://127.0.0.1:8000/user/eve/proxy/9000/plot.html"
+NAV = {"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"}
+FETCH = {"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors", "Sec-Fetch-Dest": "empty"}
+
+
+@pytest.mark.parametrize("method,headers,refused", [
+    # from a page of a server: every change, every read that is not a top-level navigation
+    ("PATCH", {**FETCH, "Referer": PAGE}, True),
+    ("POST", {**NAV, "Referer": PAGE}, True),
+    ("GET", {**FETCH, "Referer": PAGE}, True),
+    ("GET", {**NAV, "Sec-Fetch-Dest": "iframe", "Referer": PAGE}, True),
+    ("GET", {**NAV, "Referer": PAGE}, False),  # the lab's "Hub Control Panel" link
+    ("GET", {"Referer": PAGE}, False),  # a browser without Sec-Fetch-*: a navigation
+    # a change from this origin that hides where it came from
+    ("POST", {**FETCH}, True),
+    ("DELETE", {"Origin": "null"}, True),
+    ("GET", {**FETCH}, False),
+    # the hub's own pages, other hosts' pages (JupyterHub's XSRF check's job), API clients
+    ("POST", {**FETCH, "Referer": "http://127.0.0.1:8000/hub/admin"}, False),
+    ("POST", {**FETCH, "Referer": "http://127.0.0.1:8000/services/gpulab/admin"}, False),
+    ("POST", {"Sec-Fetch-Site": "cross-site", "Referer": "http://other:1/user/x/"}, False),
+    ("POST", {"Sec-Fetch-Site": "cross-site"}, False),
+    ("PATCH", {"Authorization": "token x"}, False),
+], ids=["patch", "form-post", "fetch-get", "iframe", "navigation", "old-browser-navigation",
+        "post-no-referer", "origin-null", "get-no-referer", "hub-page", "service-page",
+        "other-site", "cross-site-no-referer", "api-client"])
+def test_refused_when_sent_by_a_server_page(method, headers, refused):
+    assert bool(from_user_pages(method, headers, HOST, "/user/")) is refused
+
+
+def test_a_prefixed_hub_checks_its_own_user_prefix():
+    page = "http://h:1/jh/user/eve/x.html"
+    assert from_user_pages("POST", {**FETCH, "Referer": page}, "h:1", "/jh/user/")
+    assert not from_user_pages("POST", {**FETCH, "Referer": "http://h:1/jh/hub/x"}, "h:1", "/jh/user/")
+
+
+def _args(*words):
+    p = argparse.ArgumentParser()
+    add_up_arguments(p)
+    return p.parse_args(list(words))
+
+
+@pytest.mark.parametrize("value,port,url", [
+    ("localhost", 8000, "http://localhost:8000"),
+    ("lab.example.org", 80, "http://lab.example.org"),
+    ("https://lab.example.org/", 8000, "https://lab.example.org"),
+    ("http://localhost:8123", 8000, "http://localhost:8123"),
+    ("", 8000, ""),
+])
+def test_subdomain_host_url(value, port, url):
+    assert subdomain_host_url(value, port) == url
+
+
+@pytest.mark.parametrize("value,problem", [
+    ("http://localhost:8000", None),
+    ("lab.example.org", None),
+    ("http://127.0.0.1:8000", "an address has no subdomains"),
+    ("10.0.0.5", "an address has no subdomains"),
+    ("http://localhost:8000/jupyter", "must have no path"),
+    ("ftp://localhost", "must be http(s)"),
+    ("http://localhost:99999", "is not a URL"),
+])
+def test_subdomain_host_is_checked(value, problem):
+    found = check_up_args(_args("--subdomain-host", value))
+    assert (found is None) if problem is None else (problem in found), found
