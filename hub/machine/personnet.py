@@ -20,7 +20,8 @@ training jobs, one namespace per job), named as the person's control group
   socket inside the namespace listens on each of their loopback addresses and ports (the
   URLs the server is given stay as they are), and every connection to it is piped to the
   real one on the machine's side. TLS (``internal_ssl``) runs end to end through the pipes.
-  Nothing else leaves the namespace: no other machine port, no network.
+  Nothing else leaves the namespace: no other machine port; the network only through the
+  egress proxy the relays' loop runs inside it (`gpulab.hub.machine.egress`, ``egress``).
 - it is made by the person's first server start and removed when their last server stops
   (or is found dead); starts and stops of one person take one lock (`PersonNetworks`), so
   concurrent starts of named servers make one namespace, and a stop never removes one a
