@@ -458,8 +458,9 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         ``HTTP_PROXY``/``HTTPS_PROXY``/``http_proxy``/``https_proxy`` name it, ``NO_PROXY``
         keeps loopback direct). It tunnels ``CONNECT`` (HTTPS) and forwards plain ``http://``
         requests, resolves each name itself and refuses (403) every address of this machine
-        (loopback and its interfaces' addresses: other people's servers, the hub's ports),
-        link-local addresses (the cloud's metadata service), ``100.64.0.0/10``,
+        (loopback and its interfaces' addresses: other people's servers, the hub's ports) and
+        of the networks its interfaces are on (containers on a bridge, the LAN), link-local
+        addresses (the cloud's metadata service), ``100.64.0.0/10``,
         ``168.63.129.16``, ``100.100.100.200``, multicast and reserved addresses, and
         `egress_refused_networks`. Programs that ignore the proxy variables (raw sockets) reach
         nothing. False: no network beyond the hub at all (put packages and data sets where
@@ -470,8 +471,8 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
     egress_refused_networks = List(
         Unicode(),
         help="""Networks (CIDRs) the egress proxy (`notebook_egress`) refuses besides the
-        built-in ones, e.g. the machine's LAN, where other machines' services or credentials
-        are. Example: ``c.LocalGPUSpawner.egress_refused_networks = ["10.0.0.0/8",
+        built-in ones, e.g. private networks routed beyond the machine's own, where other
+        machines' services or credentials are. Example: ``c.LocalGPUSpawner.egress_refused_networks = ["10.0.0.0/8",
         "192.168.0.0/16"]``
         """,
     ).tag(config=True)

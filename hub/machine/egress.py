@@ -18,7 +18,8 @@ resolved by the hub (``getaddrinfo``, in a thread), every address it resolves to
 (`refusal`), and the proxy connects to an address it checked (a name that resolves to
 something else a moment later changes nothing: no DNS rebinding gap). Refused, with a 403 and
 the reason: the machine's own addresses (loopback, every address of its interfaces: other
-people's servers and the hub's ports are there), link-local ``169.254.0.0/16`` and
+people's servers and the hub's ports are there) and the networks they are on (containers
+and VMs on a bridge of the machine, its LAN's neighbours), link-local ``169.254.0.0/16`` and
 ``fe80::/10`` (the cloud's metadata service), the shared address space ``100.64.0.0/10``,
 Azure's wire server ``168.63.129.16``, Alibaba's metadata ``100.100.100.200``, unspecified,
 multicast and reserved addresses, and IPv6 forms that carry an IPv4 address (mapped,
@@ -97,21 +98,44 @@ def embedded_ipv4(ip: IP) -> ipaddress.IPv4Address | None:
 
 def machine_addresses() -> set[IP]:
     """Every address of the machine's own interfaces."""
-    out: set[IP] = set()
+    return {ipaddress.ip_address(a) for a, _ in _interface_addresses()}
+
+
+def machine_networks() -> list[Network]:
+    """The networks the machine's interfaces are on (each address with its netmask): the
+    machine's own addresses, and what is attached to it directly (containers and VMs on a
+    bridge of the machine, the neighbours on its LAN)."""
+    return list(dict.fromkeys(n for _, n in _interface_addresses()))
+
+
+def _interface_addresses() -> list[tuple[str, Network]]:
+    out = []
     for addrs in psutil.net_if_addrs().values():
         for a in addrs:
             if a.family in (socket.AF_INET, socket.AF_INET6):
+                addr = a.address.split("%", 1)[0]
+                mask = (a.netmask or "").split("%", 1)[0].split("/")[0]
+                if ":" in mask:  # (IPv6 takes a prefix length, not a mask)
+                    try:
+                        mask = str(bin(int(ipaddress.IPv6Address(mask))).count("1"))
+                    except ValueError:
+                        mask = ""
                 try:
-                    out.add(ipaddress.ip_address(a.address.split("%", 1)[0]))
+                    net = ipaddress.ip_network(f"{addr}/{mask}" if mask else addr, strict=False)
                 except ValueError:
-                    continue
+                    try:
+                        net = ipaddress.ip_network(addr)
+                    except ValueError:
+                        continue
+                out.append((addr, net))
     return out
 
 
 def refusal(ip: IP | str, refused: Iterable[Network] = (),
-            local: Iterable[IP] | None = None) -> str | None:
+            local: Iterable[IP | Network] | None = None) -> str | None:
     """Why a notebook may not connect to ``ip``, or None when it may. ``refused``: the
-    operator's networks; ``local``: the machine's addresses (`machine_addresses` if None)."""
+    operator's networks; ``local``: the machine's addresses or networks (`machine_networks`
+    if None)."""
     ip = ipaddress.ip_address(ip)
     if ip.version == 6 and ip.scope_id:
         return "a scoped address"
@@ -127,8 +151,11 @@ def refusal(ip: IP | str, refused: Iterable[Network] = (),
     for net, why in ALWAYS_REFUSED:
         if ip.version == net.version and ip in net:
             return why
-    if ip in (machine_addresses() if local is None else set(local)):
-        return "an address of this machine"
+    for net in (machine_networks() if local is None else local):
+        net = ipaddress.ip_network(net)
+        if ip.version == net.version and ip in net:
+            return ("an address of this machine" if net.num_addresses == 1 else
+                    f"on {net}, a network of this machine's interfaces")
     for net in refused:
         if ip.version == net.version and ip in net:
             return f"in {net}, which this hub refuses"
@@ -162,7 +189,7 @@ async def open_checked(host: str, port: int, refused: list[Network]):
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
         raise Refused(502, f"cannot resolve {host}: {e}") from e
-    local = await asyncio.to_thread(machine_addresses)
+    local = await asyncio.to_thread(machine_networks)
     reasons, last = [], None
     for family, type_, proto, _, sockaddr in infos:
         ip = sockaddr[0]
@@ -328,4 +355,5 @@ def proxy_env(proxy: tuple[str, int], direct: Iterable[str] = ()) -> dict[str, s
 
 
 __all__ = ["EgressProxy", "PROXY_HOST", "PROXY_PORT", "Refused", "machine_addresses",
+           "machine_networks",
            "open_checked", "parse_networks", "proxy_env", "refusal"]

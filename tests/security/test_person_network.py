@@ -169,7 +169,8 @@ def test_a_port_a_notebook_serves_is_its_persons_alone(hub, admin, vic, eve):
         # on every address of the machine, the hub's own ports (proxy, hub API, proxy API,
         # gpulab service) on 127.0.0.1 and the machine's first other address
         env = json.loads(eve.run_in_kernel(
-            f"import json, os\nprint(json.dumps({{k: os.environ.get(k) for k in {PROXY_VARS!r}}}))\n"))
+            "import json, os\n"
+            f"print(json.dumps({{k: os.environ.get(k) for k in {PROXY_VARS!r}}}))\n"))
         assert env["HTTPS_PROXY"] == env["http_proxy"] == "http://127.0.0.1:3128", env
         assert "127.0.0.1" in env["NO_PROXY"].split(","), env
         vic_server = _routes(admin)["/user/vic/"]

@@ -2,10 +2,10 @@
 
 The destination check is a table of addresses. The proxy runs as the hub runs it (a
 `PersonNetworks` namespace with ``egress``); the "internet" is a second network namespace
-joined to the machine by a veth pair, at 198.18.0.2 (a benchmarking address, on no
-interface of the machine; the machine's end, 198.18.0.1, is the machine's own address and
-refused), serving HTTP. Namespaces and links are removed after each test. Needs root for the
-namespaces (skipped without it).
+joined to the machine by a veth pair (198.18.0.1 the machine's end, 198.18.0.2 the other,
+both on a network of the machine's interfaces, so refused) serving HTTP at 198.18.1.2 (a
+benchmarking address, routed through 198.18.0.2: beyond the machine). Namespaces and links
+are removed after each test. Needs root for the namespaces (skipped without it).
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from gpulab.hub.machine.personnet import PersonNetworks
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces need root")
 
-LOCAL = [ipaddress.ip_address(a) for a in ("127.0.0.1", "::1", "10.1.2.3", "2001:db8::7")]
+#: the machine's interfaces' networks, as `egress.machine_networks` gives them
+LOCAL = [ipaddress.ip_network(a, strict=False) for a in (
+    "127.0.0.0/8", "::1", "10.1.2.3/24", "2001:db8::7", "172.17.0.1/16")]
 
 
 @pytest.mark.parametrize("ip", [
@@ -40,6 +42,8 @@ def test_public_addresses_are_allowed(ip):
 @pytest.mark.parametrize("ip, why", [
     ("127.0.0.1", "loopback"), ("127.1.0.7", "loopback"), ("::1", "loopback"),
     ("10.1.2.3", "this machine"), ("2001:db8::7", "this machine"),
+    ("10.1.2.77", "network of this machine's interfaces"),
+    ("172.17.0.2", "network of this machine's interfaces"),  # (a container on a bridge)
     ("169.254.169.254", "link-local"), ("169.254.170.2", "link-local"),
     ("fe80::1", "link-local"), ("fd00:ec2::254", "AWS"),
     ("100.64.0.1", "shared address"), ("100.127.255.254", "shared address"),
@@ -69,8 +73,11 @@ def test_the_operators_networks_are_refused():
 def test_the_machines_own_addresses_are_found():
     mine = egress.machine_addresses()
     assert ipaddress.ip_address("127.0.0.1") in mine
+    assert ipaddress.ip_network("127.0.0.0/8") in egress.machine_networks()
     for a in mine:  # (every one refused, whatever else it is)
         assert refusal(a, []), a
+    for net in egress.machine_networks():
+        assert refusal(net[-2] if net.num_addresses > 2 else net[0], []), net
 
 
 def test_the_environment_names_the_proxy_and_keeps_the_hub_direct():
@@ -88,8 +95,8 @@ def _sh(*cmd: str) -> None:
 
 @pytest.fixture
 def internet(tmp_path):
-    """A namespace at 198.18.0.2 serving HTTP on port 8080 (each request's head echoed
-    back), joined to the machine (198.18.0.1) by a veth pair."""
+    """A namespace serving HTTP on 198.18.1.2:8080 (each request's head echoed back), routed
+    through 198.18.0.2 at the end of a veth pair from the machine (198.18.0.1)."""
     tag = uuid.uuid4().hex[:6]
     outside, inside = f"gteA{tag}", f"gteB{tag}"
     path = sandbox.make_netns(f"inet-{tag}", tmp_path / "inet")
@@ -100,11 +107,13 @@ def internet(tmp_path):
         _sh("ip", "addr", "add", "198.18.0.1/30", "dev", outside)
         _sh("ip", "link", "set", outside, "up")
         for cmd in (["ip", "addr", "add", "198.18.0.2/30", "dev", inside],
-                    ["ip", "link", "set", inside, "up"], ["ip", "link", "set", "lo", "up"]):
+                    ["ip", "link", "set", inside, "up"], ["ip", "link", "set", "lo", "up"],
+                    ["ip", "addr", "add", "198.18.1.2/32", "dev", "lo"]):
             _sh("nsenter", f"--net={path}", *cmd)
+        _sh("ip", "route", "add", "198.18.1.2/32", "via", "198.18.0.2", "dev", outside)
         server = sandbox.socket_in_netns(path)
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind(("198.18.0.2", 8080))
+        server.bind(("0.0.0.0", 8080))
         server.listen(16)
 
         def serve():
@@ -128,7 +137,7 @@ def internet(tmp_path):
                     pass
 
         threading.Thread(target=serve, daemon=True).start()
-        yield ("198.18.0.2", 8080)
+        yield ("198.18.1.2", 8080)
     finally:
         if server is not None:
             server.shutdown(socket.SHUT_RDWR)
@@ -190,6 +199,7 @@ async def test_the_proxy_reaches_the_network_and_refuses_the_machine(tmp_path, i
         # the machine: by loopback (the hub's port, by name and by address), its own
         # addresses, mapped IPv6, the metadata service
         for target in (f"127.0.0.1:{hub_port}", f"localhost:{hub_port}", "198.18.0.1:22",
+                       "198.18.0.2:8080",  # (on the network of an interface of the machine)
                        f"[::ffff:127.0.0.1]:{hub_port}", f"[::1]:{hub_port}",
                        "169.254.169.254:80", "100.100.100.200:80", "0.0.0.0:22"):
             got = await asyncio.to_thread(
@@ -223,12 +233,12 @@ async def test_the_operators_networks_limits_and_no_proxy(tmp_path, internet, mo
     monkeypatch.setattr(egress, "MAX_CONNECTIONS", 2)
     monkeypatch.setattr(egress, "IDLE_TIMEOUT", 1.0)
     nets = PersonNetworks(tmp_path / "netns")
-    path = await nets.join("person-f", "", [], egress=parse_networks(["198.18.0.0/30"]))
+    path = await nets.join("person-f", "", [], egress=parse_networks(["198.18.1.0/24"]))
     plain = await nets.join("person-g", "", [])  # notebook_egress off: nothing listens
     try:
         got = await asyncio.to_thread(_ask, path, f"CONNECT {host}:{port} HTTP/1.1\r\n\r\n"
                                       .encode())
-        assert got.startswith(b"HTTP/1.1 403 ") and b"198.18.0.0/30" in got, got
+        assert got.startswith(b"HTTP/1.1 403 ") and b"198.18.1.0/24" in got, got
         with pytest.raises(ConnectionRefusedError):
             await asyncio.to_thread(_ask, plain, b"CONNECT 8.8.8.8:443 HTTP/1.1\r\n\r\n")
         assert nets.proxy_address("person-g") is None
