@@ -34,6 +34,7 @@ from gpulab.hub.machine.accounts import (
     system_username,
 )
 from gpulab.hub.machine import sandbox
+from gpulab.hub.machine import egress
 from gpulab.hub.machine.personnet import NetworkUnusable, PersonNetworks, loopback_address
 from gpulab.hub.machine.userdisk import Disk, DiskError, ensure_disk
 from gpulab.hub.machine.cgroups import (Group, default_pids, default_user_processes, limit_user_processes,
@@ -436,9 +437,9 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         person's other kernels and servers on ``127.0.0.1`` and by nobody else. The proxy
         and the hub reach each server through a relay on the server's own address and port;
         the server reaches the hub's API and the gpulab service (their loopback addresses and
-        ports, relayed into the namespace) and nothing else: no other port of the machine,
-        and no network beyond it (``pip install`` or a data set download from a notebook
-        fail; put packages and data sets where servers read them). The namespace is made
+        ports, relayed into the namespace) and no other port of the machine; the network
+        beyond it only through the hub's egress proxy inside the namespace
+        (`notebook_egress`). The namespace is made
         with the person's first server and removed with their last. Needs the hub's API and
         `service_url` on loopback addresses. Default: True when users are isolated
         (`isolate_users`, as root). Example: ``c.LocalGPUSpawner.private_network = False``
@@ -448,6 +449,41 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
     @default("private_network")
     def _private_network_default(self):
         return self.isolate_users and os.geteuid() == 0
+
+    notebook_egress = Bool(
+        True,
+        help="""With `private_network`: notebooks reach the network (``pip install``, data set
+        downloads, ``git clone``, ``wget``) through an HTTP proxy the hub runs inside each
+        person's namespace on ``127.0.0.1:3128`` (`gpulab.hub.machine.egress`; the server's
+        ``HTTP_PROXY``/``HTTPS_PROXY``/``http_proxy``/``https_proxy`` name it, ``NO_PROXY``
+        keeps loopback direct). It tunnels ``CONNECT`` (HTTPS) and forwards plain ``http://``
+        requests, resolves each name itself and refuses (403) every address of this machine
+        (loopback and its interfaces' addresses: other people's servers, the hub's ports) and
+        of the networks its interfaces are on (containers on a bridge, the LAN), link-local
+        addresses (the cloud's metadata service), ``100.64.0.0/10``,
+        ``168.63.129.16``, ``100.100.100.200``, multicast and reserved addresses, and
+        `egress_refused_networks`. Programs that ignore the proxy variables (raw sockets) reach
+        nothing. False: no network beyond the hub at all (put packages and data sets where
+        servers read them). Example: ``c.LocalGPUSpawner.notebook_egress = False``
+        """,
+    ).tag(config=True)
+
+    egress_refused_networks = List(
+        Unicode(),
+        help="""Networks (CIDRs) the egress proxy (`notebook_egress`) refuses besides the
+        built-in ones, e.g. private networks routed beyond the machine's own, where other
+        machines' services or credentials are. Example: ``c.LocalGPUSpawner.egress_refused_networks = ["10.0.0.0/8",
+        "192.168.0.0/16"]``
+        """,
+    ).tag(config=True)
+
+    @validate("egress_refused_networks")
+    def _valid_refused_networks(self, proposal):
+        try:
+            egress.parse_networks(proposal["value"])
+        except ValueError as e:
+            raise TraitError(str(e)) from e
+        return proposal["value"]
 
     @default("cmd")
     def _cmd_default(self):
@@ -920,7 +956,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         configured = any("port" in self.config.get(c, {}) for c in
                          ("Spawner", "LocalProcessSpawner", "LocalGPUSpawner"))
         try:
-            path = await nets.join(name, self.name, reach)
+            path = await nets.join(name, self.name, reach, egress=self._egress())
             self.port = await nets.open_server(name, self.name, self.ip or "127.0.0.1",
                                                self.port if configured else 0)
             self._netns_fd = await asyncio.to_thread(sandbox.open_netns, path.name, path.parent)
@@ -929,6 +965,30 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
                                f"{e.strerror or e}. Tell the hub's admin.") from e
         self.log.info("%s runs in network namespace %s on %s:%s", self._log_name, name,
                       self.ip or "127.0.0.1", self.port)
+
+    def _egress(self):
+        """The networks the person's egress proxy refuses besides the built-in ones; None: no
+        proxy (`notebook_egress` off)."""
+        return egress.parse_networks(self.egress_refused_networks) if self.notebook_egress \
+            else None
+
+    def egress_env(self) -> dict[str, str]:
+        """The proxy variables of a server whose person's namespace has an egress proxy."""
+        if not (self.private_network and self.notebook_egress and self._netns_name):
+            return {}
+        try:
+            proxy = PersonNetworks.for_loop().proxy_address(self._netns_name)
+        except RuntimeError:  # (no running loop: not a start)
+            return {}
+        if proxy is None:
+            return {}
+        try:
+            direct = [h for h, _ in self.person_network_reach()]
+        except NetworkUnusable:
+            direct = []
+        # (an operator's own `environment` wins, e.g. a proxy of their site)
+        return {k: v for k, v in egress.proxy_env(proxy, direct).items()
+                if k not in self.environment}
 
     async def _leave_person_network(self) -> None:
         """This server is gone: its relay closes; with the person's last server, the
@@ -960,7 +1020,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             return
         try:
             await nets.join(self._netns_name, self.name, self.person_network_reach(),
-                            adopt=True)
+                            adopt=True, egress=self._egress())
             self.port = await nets.open_server(self._netns_name, self.name, ip, port)
             self.log.info("Relays of %s in network namespace %s set up again",
                           self._log_name, self._netns_name)
@@ -1063,6 +1123,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         if self.service_url:
             env["GPULAB_SERVICE_URL"] = self.service_url
         env.update(self.kernel_env())
+        env.update(self.egress_env())
         return env
 
     def kernel_env(self) -> dict[str, str]:

@@ -20,7 +20,8 @@ training jobs, one namespace per job), named as the person's control group
   socket inside the namespace listens on each of their loopback addresses and ports (the
   URLs the server is given stay as they are), and every connection to it is piped to the
   real one on the machine's side. TLS (``internal_ssl``) runs end to end through the pipes.
-  Nothing else leaves the namespace: no other machine port, no network.
+  Nothing else leaves the namespace: no other machine port; the network only through the
+  egress proxy the relays' loop runs inside it (`gpulab.hub.machine.egress`, ``egress``).
 - it is made by the person's first server start and removed when their last server stops
   (or is found dead); starts and stops of one person take one lock (`PersonNetworks`), so
   concurrent starts of named servers make one namespace, and a stop never removes one a
@@ -283,6 +284,9 @@ class PersonNet:
     servers: dict[str, Relay | None] = field(default_factory=dict)
     #: the relays of the hub's and the service's addresses inside the namespace
     inside: dict[Address, Relay] = field(default_factory=dict)
+    #: the egress proxy inside it (`gpulab.hub.machine.egress`), and where it listens
+    proxy: Any = None
+    proxy_address: Address | None = None
 
 
 class PersonNetworks:
@@ -307,11 +311,13 @@ class PersonNetworks:
         return self.locks.setdefault(name, asyncio.Lock())
 
     async def join(self, name: str, server: str, reach: Iterable[Address], *,
-                   adopt: bool = False) -> Path:
+                   adopt: bool = False, egress: Iterable[Any] | None = None) -> Path:
         """Register ``server`` in the namespace ``name`` (made, with relays to each of
         ``reach``, if the person has none yet) and return its path, for `sandbox.open_netns`.
         ``adopt``: a server found running (after a hub restart): a namespace kept under
-        ``base`` is its own, never made anew. Raises `sandbox.SandboxError` / ``OSError``."""
+        ``base`` is its own, never made anew. ``egress``: the networks refused besides the
+        built-in ones, for an egress proxy inside the namespace (`proxy_address`); None: no
+        proxy. Raises `sandbox.SandboxError` / ``OSError``."""
         bridge = Bridge.instance()
         async with self.lock(name):
             net = self.nets.get(name)
@@ -326,6 +332,13 @@ class PersonNetworks:
                 for addr in dict.fromkeys(reach):
                     if addr not in net.inside:
                         net.inside[addr] = await bridge.relay(addr, addr, listen_in=net.path)
+                if egress is not None and net.proxy is None:
+                    try:
+                        await self._open_proxy(bridge, net, list(egress), set(net.inside))
+                    except OSError:
+                        if not adopt:
+                            raise
+                        log.exception("No egress proxy in %s", name)
             except BaseException:
                 if not net.servers:
                     await self._remove(net)
@@ -350,6 +363,27 @@ class PersonNetworks:
                     return relay.address[1]
                 await relay.close()  # the person uses that port: another one
             raise OSError(errno.EADDRINUSE, f"no port free for {ip} in {name}")
+
+    async def _open_proxy(self, bridge: Bridge, net: PersonNet, refused: list,
+                          taken: set[Address]) -> None:
+        from . import egress
+
+        port = egress.PROXY_PORT
+        while (egress.PROXY_HOST, port) in taken:  # (a hub or service on 3128)
+            port += 1
+        proxy = egress.EgressProxy(refused)
+
+        async def start():
+            sock = await asyncio.to_thread(_listening, (egress.PROXY_HOST, port), net.path)
+            await proxy.start(sock)
+
+        await bridge.run(start())
+        net.proxy, net.proxy_address = proxy, (egress.PROXY_HOST, port)
+
+    def proxy_address(self, name: str) -> Address | None:
+        """Where the egress proxy of ``name``'s namespace listens inside it (None: none)."""
+        net = self.nets.get(name)
+        return net.proxy_address if net is not None else None
 
     def has(self, name: str, server: str) -> bool:
         net = self.nets.get(name)
@@ -378,6 +412,9 @@ class PersonNetworks:
         for relay in net.inside.values():
             await relay.close()
         net.inside.clear()
+        if net.proxy is not None:
+            await Bridge.instance().run(net.proxy.close())
+            net.proxy = net.proxy_address = None
         self.nets.pop(net.name, None)
         await asyncio.to_thread(sandbox.remove_netns, net.name, self.base)
 

@@ -7,6 +7,11 @@ server's kernel, from a terminal of her server, and from a shell of her account:
 127.0.0.1, by vic's server's own address and by every address of the machine; nothing
 connects. vic's own second kernel, and a named server of hers, reach it on 127.0.0.1 (one
 network namespace per person), and her server still reaches the hub and the gpulab service.
+
+The egress proxy inside each person's namespace (``HTTPS_PROXY`` in the server's environment)
+opens no way back: through it eve's kernel reaches none of vic's server, vic's kernel's port,
+the hub's ports, 127.0.0.1 or any address of the machine (403 each); and it does reach the
+network beyond the machine (a namespace at 198.18.0.2 stands in for the internet).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import pytest
 
 from tests.security.test_internal_tls import _routes
 from tests.security.test_servers_isolation import person, run_in_terminal
+from tests.unit.test_egress import internet  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.security
 
@@ -85,6 +91,44 @@ def connect_cmd(port: int, ips: list[str]) -> str:
 
 REFUSED = ("ConnectionRefusedError", "OSError", "TimeoutError")
 
+PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "NO_PROXY", "no_proxy")
+
+#: asks the proxy the server's environment names to CONNECT to each host:port in argv[1] (JSON)
+#: and to GET http://<each>/; prints a JSON map target -> the status lines (and any secret)
+THROUGH_PROXY = r"""
+import json, os, socket, sys, urllib.parse, urllib.request, urllib.error
+proxy = urllib.parse.urlsplit(os.environ["HTTPS_PROXY"])
+os.environ.pop("NO_PROXY", None), os.environ.pop("no_proxy", None)  # everything through it
+out = {}
+for target in json.loads(sys.argv[1]):
+    seen = []
+    try:
+        with socket.create_connection((proxy.hostname, proxy.port), timeout=10) as c:
+            c.settimeout(10)
+            c.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+            data = b""
+            while b"\r\n\r\n" not in data and (chunk := c.recv(4096)):
+                data += chunk
+            seen.append(data.split(b"\r\n")[0].decode())
+            if b" 200 " in data.split(b"\r\n")[0]:
+                c.settimeout(3)
+                seen.append(c.recv(200).decode(errors="replace"))
+    except OSError as e:
+        seen.append(type(e).__name__)
+    try:  # a plain http:// request, as urllib sends it through the proxy variables
+        seen.append(str(urllib.request.urlopen(f"http://{target}/", timeout=10).status))
+    except urllib.error.HTTPError as e:
+        seen.append(f"HTTP {e.code}")
+    except OSError as e:
+        seen.append(f"{type(e).__name__}: {e}")
+    out[target] = seen
+print(json.dumps(out))
+"""
+
+
+def host_port(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
 
 def test_a_port_a_notebook_serves_is_its_persons_alone(hub, admin, vic, eve):
     secret = "vic-tf-" + uuid.uuid4().hex
@@ -121,6 +165,28 @@ def test_a_port_a_notebook_serves_is_its_persons_alone(hub, admin, vic, eve):
         for seen in (from_kernel, from_terminal):
             assert all(v in REFUSED for v in seen.values()), seen
 
+        # eve through the egress proxy of her namespace: vic's kernel's port and vic's server
+        # on every address of the machine, the hub's own ports (proxy, hub API, proxy API,
+        # gpulab service) on 127.0.0.1 and the machine's first other address
+        env = json.loads(eve.run_in_kernel(
+            "import json, os\n"
+            f"print(json.dumps({{k: os.environ.get(k) for k in {PROXY_VARS!r}}}))\n"))
+        assert env["HTTPS_PROXY"] == env["http_proxy"] == "http://127.0.0.1:3128", env
+        assert "127.0.0.1" in env["NO_PROXY"].split(","), env
+        vic_server = _routes(admin)["/user/vic/"]
+        hub_ports = [hub.port, hub.hub_port, hub.api_port, hub.service_port]
+        via = [host_port(ip, port) for ip in targets] + [host_port(*vic_server)] + [
+            host_port(ip, p) for ip in targets[:1] + [a for a in targets if a not in
+                                                      ("127.0.0.1", "::1")][:1]
+            for p in hub_ports]
+        through = json.loads(eve.run_in_kernel(
+            f"import sys\nsys.argv = ['x', {json.dumps(via)!r}]\n" + THROUGH_PROXY, timeout=120))
+        assert set(through) == set(via), through
+        for target, seen in through.items():
+            assert seen[0].startswith("HTTP/1.1 403 "), (target, seen)
+            assert seen[-1] == "HTTP 403", (target, seen)
+            assert secret not in json.dumps(seen)
+
         # a named server of vic's joins her namespace: reaches it on 127.0.0.1 too
         r = vic.start_server("second", {"profile": "cpu"})
         assert r.status_code in (201, 202), r.text
@@ -139,6 +205,21 @@ def test_a_port_a_notebook_serves_is_its_persons_alone(hub, admin, vic, eve):
     assert json.loads(out) == "vic"
     out = run_in_terminal(vic, "gpulab jobs list >/dev/null; echo RC=$?", timeout=60)
     assert out.strip().splitlines()[-1] == "RC=0", out
+
+
+def test_notebooks_reach_the_network_through_the_proxy(hub, eve, internet):
+    """pip, urllib, requests and curl follow the proxy variables: eve's kernel fetches from
+    an address beyond the machine (plain http:// and through a CONNECT tunnel)."""
+    host, port = internet
+    out = eve.run_in_kernel(
+        "import http.client, urllib.request\n"
+        f"print(urllib.request.urlopen('http://{host}:{port}/plain', timeout=10).read()[:40])\n"
+        "c = http.client.HTTPConnection('127.0.0.1', 3128, timeout=10)\n"
+        f"c.set_tunnel('{host}', {port})\n"
+        "c.request('GET', '/tunnelled')\n"
+        "print(c.getresponse().read()[:40])\n", timeout=60)
+    assert "ECHO GET /plain HTTP/1.1" in out, out
+    assert "ECHO GET /tunnelled HTTP/1.1" in out, out
 
 
 def test_a_persons_namespace_is_made_once_and_goes_with_their_last_server(hub, admin):
