@@ -34,7 +34,7 @@ import pytest
 import requests
 
 from gpulab.hub.cluster.kubeobjects import make_user_namespace
-from tests.app.hubctl import Browser, free_port
+from tests.app.hubctl import Browser, Hub, free_port
 from tests.app.test_jobs_api import wait_state
 from tests.tf.test_jobs_training import accuracy
 
@@ -156,6 +156,10 @@ kubernetes_config(c, first_admin="admin", service_ip={host_ip!r}, config_dir="{d
 
 class KubeHub:
     """``jupyterhub`` with the configuration above, its proxy and the gpulab service."""
+
+    # URLs of servers and the service as `Browser` builds them (no subdomains here)
+    subdomains = False
+    host_of, user_url, service_url = Hub.host_of, Hub.user_url, Hub.service_url
 
     def __init__(self, folder: Path, kubeconfig: str, image: str):
         self.dir = folder

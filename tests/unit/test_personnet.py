@@ -81,13 +81,14 @@ async def test_the_server_is_reached_through_its_relay_and_reaches_only_the_hub(
     other = _listener()  # another service of the machine, not relayed
     hub_addr, other_addr = hub.getsockname(), other.getsockname()
     path = await nets.join("person-x", "", [hub_addr])
-    port = await nets.open_server("person-x", "", "127.1.0.7", 0)
-    server = sandbox.socket_in_netns(path)  # the server, inside, on the relay's port
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    server.bind(("127.1.0.7", port))
-    server.listen(8)
-    big = os.urandom(3 << 20)  # more than a pipe buffers: flow control both ways
+    server = None
     try:
+        port = await nets.open_server("person-x", "", "127.1.0.7", 0)
+        server = sandbox.socket_in_netns(path)  # the server, inside, on the relay's port
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.1.0.7", port))
+        server.listen(8)
+        big = os.urandom(3 << 20)  # more than a pipe buffers: flow control both ways
         # the "hub" answers a call the server makes from inside, through the relay
         _serve(hub, lambda d: b"hub:" + d[-4:] + len(d).to_bytes(4, "big"))
         got = await asyncio.to_thread(_ask, hub_addr, big, path)
@@ -110,7 +111,8 @@ async def test_the_server_is_reached_through_its_relay_and_reaches_only_the_hub(
             await asyncio.to_thread(_ask, ("127.1.0.7", port), b"x")
     finally:
         for s in (hub, other, server):
-            s.close()
+            if s is not None:
+                s.close()
         await nets.leave("person-x", "")
 
 
