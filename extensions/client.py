@@ -385,6 +385,16 @@ class Client(Configurable):
         self._found(base, base)
         return answer
 
+    def service_url(self) -> str:
+        """The service's base URL, found first where only the hub's address was given (a GET
+        of its ``openapi.json``); for links to its pages (``…/services/gpulab/admin``)."""
+        if self._discover:
+            try:
+                self.request("GET", "openapi.json")
+            except GpulabError:
+                pass
+        return self.url
+
     def _found(self, base: str, found: str) -> None:
         with _FOUND_LOCK:
             _FOUND[base] = found

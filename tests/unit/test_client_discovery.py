@@ -204,3 +204,7 @@ def test_the_gpulab_command_with_only_the_hubs_url(hub, hub_host):
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["quota_text"] == "2 GPUs"
+
+
+def test_service_url_finds_the_service_for_links(hub):
+    assert Client(hub_url=hub.url, token="tok").service_url() == hub.service
