@@ -306,7 +306,7 @@ def test_cli_quota_set_checks_the_name_and_says_every_field(hub, admin, users):
               "--gpu-hours", "50", "--window-hours", "48")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == ("set user quota carl: 2 GPUs at once, at most 1 per request, "
-                                "50 GPU-hours per 48-hour window (2 days)")
+                                "50 GPU-hours per 48-hour window (2 days), no disk limit")
     assert admin.service("GET", "quotas/users/carl").json()["window_hours"] == 48
     assert quota("unset", "--user", "carl").returncode == 0
 
@@ -320,7 +320,7 @@ def test_cli_quota_set_checks_the_name_and_says_every_field(hub, admin, users):
                   "--window-hours", "24")
         assert r.returncode == 0 and r.stdout.strip() == (
             "set group quota cl-team: 1 GPU at once, no per-request limit, "
-            "10 GPU-hours per 24-hour window (1 day)"), r.stderr
+            "10 GPU-hours per 24-hour window (1 day), no disk limit"), r.stderr
         assert quota("unset", "--group", "cl-team").returncode == 0
     finally:
         admin.api("DELETE", "/groups/cl-team")
