@@ -250,7 +250,9 @@ class Client(Configurable):
 
         Default: from the environment (see `service_url_from_env`): ``$GPULAB_SERVICE_URL``,
         else ``$GPULAB_URL`` (the hub's address) + ``/services/gpulab/``, else
-        ``$JUPYTERHUB_PUBLIC_HUB_URL`` without ``hub/``, else ``http://127.0.0.1:8000``.
+        ``$JUPYTERHUB_PUBLIC_HUB_URL`` without ``hub/``, else ``http://127.0.0.1:8000``; from
+        the hub's address (not ``$GPULAB_SERVICE_URL``, nor a URL given), the service is looked
+        for on its own host where the hub keeps it there (`find_service`).
         Example: ``c.Client.url = "https://lab.example.org/services/gpulab/"``.""",
     ).tag(config=True)
 
