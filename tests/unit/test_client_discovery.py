@@ -30,7 +30,7 @@ class SubdomainHub:
     False, the service is at ``/services/gpulab/`` on every host (the default layout).
     Every request is recorded as (method, host, path, token)."""
 
-    def __init__(self, subdomains: bool = True):
+    def __init__(self, subdomains: bool = True, hub_host: str = "localhost"):
         self.requests: list[tuple] = []
         self.jobs: list[str] = []
         hub = self
@@ -57,7 +57,7 @@ class SubdomainHub:
                 service = host.startswith("gpulab--service.") or not subdomains
                 if self.path.startswith("/services/gpulab/") and not service:
                     if self.command == "GET":
-                        return self._send(302, location=f"http://localhost:{hub.port}/hub"
+                        return self._send(302, location=f"http://{hub_host}:{hub.port}/hub"
                                           + self.path)
                     return self._send(403, HTML)  # the hub's XSRF check of a POST, as a page
                 if not self.path.startswith("/services/gpulab/api/v1/"):
@@ -208,3 +208,48 @@ def test_the_gpulab_command_with_only_the_hubs_url(hub, hub_host):
 
 def test_service_url_finds_the_service_for_links(hub):
     assert Client(hub_url=hub.url, token="tok").service_url() == hub.service
+
+
+class Redirector:
+    """A front that sends every request elsewhere (a hub that moved, e.g. to ``https``)."""
+
+    def __init__(self, to: str):
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                self.send_response(301)
+                self.send_header("Location", to + self.path)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://localhost:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+
+
+def test_a_redirect_elsewhere_than_the_hubs_pages_is_followed(real_resolver):
+    h = SubdomainHub(subdomains=False)
+    front = Redirector(h.url)
+    try:
+        gl = Client(hub_url=front.url, token="tok")
+        assert gl.me()["user"] == "ann" and gl.url == h.url + "/services/gpulab/"
+    finally:
+        front.server.shutdown()
+        h.server.shutdown()
+
+
+def test_a_service_host_that_cannot_be_reached_is_said_with_what_to_do(real_resolver):
+    """A hub on a name without a wildcard DNS record for its services' hosts: the error
+    names the host tried and GPULAB_SERVICE_URL."""
+    h = SubdomainHub(hub_host="lab.invalid")
+    try:
+        with pytest.raises(GpulabError) as e:
+            Client(hub_url=f"http://127.0.0.1:{h.port}", token="tok").me()
+        assert e.value.kind == "unreachable"
+        assert f"http://gpulab--service.lab.invalid:{h.port}/services/gpulab/" in str(e.value)
+        assert "GPULAB_SERVICE_URL" in str(e.value)
+        assert not h.jobs and all(host == "127.0.0.1" for _, host, _ in h.seen())
+    finally:
+        h.server.shutdown()
