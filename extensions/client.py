@@ -88,7 +88,9 @@ class GpulabError(Exception):
     For callers that word errors their own way (the ``gpulab`` command), ``kind`` says what
     went wrong: ``"refused"`` (an error answer with the service's own message), ``"status"``
     (an error answer without one: ``reason`` is the HTTP reason phrase), ``"unreachable"``
-    (``reason`` is the network's), ``"not-json"``, ``"no-token"``; ``address`` is where the
+    (``reason`` is the network's), ``"not-json"``, ``"no-token"``, ``"elsewhere"`` (the hub
+    keeps the service on a host of its own that could not be found or reached: the message says
+    what to do, `Client.find_service`); ``address`` is where the
     request went (the service's base URL, or the URL given to `Client.call`).
     """
 
@@ -367,21 +369,22 @@ class Client(Configurable):
             except _NotHere:
                 raise GpulabError(
                     f"Neither {base} nor {found} is the gpulab service; set GPULAB_SERVICE_URL "
-                    "to its address.", kind="unreachable", reason="not the gpulab service",
+                    "to its address.", kind="elsewhere", reason="not the gpulab service",
                     address=base) from None
             except GpulabError as e2:
-                if e2.kind != "unreachable":
+                if e2.kind in ("refused", "status"):
                     self._found(base, found)
+                if e2.kind != "unreachable":
                     raise
                 raise GpulabError(
                     f"The hub at {base[: -len(SERVICE_PATH)]} keeps its services on hosts of "
                     f"their own, and the gpulab service's, {found}, cannot be reached: "
                     f"{e2.reason}. Set GPULAB_SERVICE_URL to the service's address.",
-                    kind="unreachable", reason=e2.reason, address=found) from None
+                    kind="elsewhere", reason=e2.reason, address=found) from None
             self._found(base, found)
             return answer
         except GpulabError as e:
-            if e.kind != "unreachable":  # the service answered, with its own error
+            if e.kind in ("refused", "status"):  # the service answered, with an error
                 self._found(base, base)
             raise
         self._found(base, base)
@@ -431,7 +434,7 @@ class Client(Configurable):
                 f"The hub at {base[: -len(SERVICE_PATH)]} has no gpulab service at {base} (it "
                 "keeps its services on hosts of their own) and its address has no host name to "
                 "find the service's under; use the hub's host name, or set GPULAB_SERVICE_URL "
-                "to the service's address.", kind="unreachable", reason="not the gpulab service",
+                "to the service's address.", kind="elsewhere", reason="not the gpulab service",
                 address=base)
         port = f":{there.port}" if there.port else ""
         return f"{there.scheme}://{service_host(host)}{port}{prefix.rstrip('/')}/{SERVICE_PATH}"

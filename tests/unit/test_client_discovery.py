@@ -247,9 +247,18 @@ def test_a_service_host_that_cannot_be_reached_is_said_with_what_to_do(real_reso
     try:
         with pytest.raises(GpulabError) as e:
             Client(hub_url=f"http://127.0.0.1:{h.port}", token="tok").me()
-        assert e.value.kind == "unreachable"
+        assert e.value.kind == "elsewhere"
         assert f"http://gpulab--service.lab.invalid:{h.port}/services/gpulab/" in str(e.value)
         assert "GPULAB_SERVICE_URL" in str(e.value)
         assert not h.jobs and all(host == "127.0.0.1" for _, host, _ in h.seen())
+        # the command says the same
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("GPULAB_", "JUPYTERHUB_"))}
+        out = subprocess.run([GPULAB, "quota", "show", "--url", f"http://127.0.0.1:{h.port}",
+                              "--token", "tok"], env=env, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 1 and "Traceback" not in out.stderr
+        assert "gpulab--service.lab.invalid" in out.stderr
+        assert "GPULAB_SERVICE_URL" in out.stderr
     finally:
         h.server.shutdown()
