@@ -262,3 +262,36 @@ def test_a_service_host_that_cannot_be_reached_is_said_with_what_to_do(real_reso
         assert "GPULAB_SERVICE_URL" in out.stderr
     finally:
         h.server.shutdown()
+
+
+def test_over_https_the_certificate_is_checked_for_the_name_asked(real_resolver, tmp_path):
+    """``https://gpulab--service.localhost``: connected on loopback, the certificate still
+    checked against that name (not the address), before the token is sent."""
+    import ssl
+    import shutil
+
+    if not shutil.which("openssl"):
+        pytest.skip("no openssl to make a certificate")
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=gpulab--service.localhost", "-keyout", str(key),
+                    "-out", str(cert), "-addext", "subjectAltName=DNS:gpulab--service.localhost"],
+                   check=True, capture_output=True)
+    h = SubdomainHub()
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    h.server.socket = ctx.wrap_socket(h.server.socket, server_side=True)
+    try:
+        url = f"https://gpulab--service.localhost:{h.port}/services/gpulab/"
+        gl = Client(url, token="tok", ca_file=str(cert))
+        assert gl.me()["user"] == "ann"
+        assert h.requests[-1][3] == "tok"
+        n = len(h.requests)
+        other = Client(f"https://ann.localhost:{h.port}/services/gpulab/", token="tok",
+                       ca_file=str(cert))
+        with pytest.raises(GpulabError) as e:
+            other.me()
+        assert e.value.kind == "unreachable" and "certificate" in str(e.value).lower()
+        assert len(h.requests) == n  # the token was never sent
+    finally:
+        h.server.shutdown()
