@@ -19,7 +19,19 @@ Where the service is (`service_url_from_env`), first match wins:
 4. ``http://127.0.0.1:8000``, the address `gpulab up` listens on by default.
 
 The hub's internal API address (``JUPYTERHUB_API_URL``) is not used: the hub does not route
-``/services/``, only the proxy does. The token is ``GPULAB_TOKEN``, else the server's own
+``/services/``, only the proxy does.
+
+A hub with services on hosts of their own (``gpulab up --subdomain-host``, JupyterHub's
+``subdomain_host``) has no ``/services/gpulab/`` on its own host: asked there, it redirects to
+``/hub/services/…`` (or refuses a POST with a page). Given only the hub's address (2.-4., or
+``hub_url=``), the client then finds the service where JupyterHub puts it,
+``<scheme>://gpulab--service.<hub host>[:port]/services/gpulab/`` (`find_service`; the host
+taken from the hub's redirect, so ``http://127.0.0.1:8000`` works too), and remembers it for
+the rest of the process. ``localhost`` and every ``*.localhost`` name are the loopback
+addresses for this client's own connections (RFC 6761; browsers and curl resolve them so,
+Python's resolver does not know the subdomains): ``http://gpulab--service.localhost:8000``
+works from Python too. Other names resolve as always, and nothing outside this client's
+requests is changed. The token is ``GPULAB_TOKEN``, else the server's own
 ``JUPYTERHUB_API_TOKEN`` (its ``server`` role may call the gpulab service).
 
 Over ``https`` the service's certificate is verified before the token is sent (`ssl_context`):
@@ -35,14 +47,18 @@ ipywidgets): this module also runs where a job's code runs.
 
 from __future__ import annotations
 
+import http.client
+import ipaddress
 import json
 import os
+import socket
 import ssl
+import threading
 import time
 import urllib.error
 import urllib.request
 from typing import Iterator, Mapping
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, urlencode, urljoin, urlsplit
 
 from traitlets import Float, Unicode, default, validate
 from traitlets.config import Configurable
@@ -52,7 +68,9 @@ from .contract import ACTIVE, FINAL
 from .contract import lead_replica as _lead_of_strategy
 
 DEFAULT_HUB_URL = "http://127.0.0.1:8000"
-SERVICE_PATH = "services/gpulab/"
+#: the gpulab service's name in the hub (gpulab.hub.service.SERVICE_NAME) and its URL path
+SERVICE_NAME = "gpulab"
+SERVICE_PATH = f"services/{SERVICE_NAME}/"
 API_PATH = "api/v1/"
 #: a job's states (the job contract's names, kept here for the client's users)
 ACTIVE_STATES, FINAL_STATES = ACTIVE, FINAL
@@ -70,7 +88,9 @@ class GpulabError(Exception):
     For callers that word errors their own way (the ``gpulab`` command), ``kind`` says what
     went wrong: ``"refused"`` (an error answer with the service's own message), ``"status"``
     (an error answer without one: ``reason`` is the HTTP reason phrase), ``"unreachable"``
-    (``reason`` is the network's), ``"not-json"``, ``"no-token"``; ``address`` is where the
+    (``reason`` is the network's), ``"not-json"``, ``"no-token"``, ``"elsewhere"`` (the hub
+    keeps the service on a host of its own that could not be found or reached: the message says
+    what to do, `Client.find_service`); ``address`` is where the
     request went (the service's base URL, or the URL given to `Client.call`).
     """
 
@@ -98,6 +118,84 @@ def service_url_from_env(env: Mapping[str, str] | None = None) -> str:
         public = env.get("JUPYTERHUB_PUBLIC_HUB_URL", "").rstrip("/")
         hub = public[: -len("/hub")] if public.endswith("/hub") else public
     return (hub or DEFAULT_HUB_URL).rstrip("/") + "/" + SERVICE_PATH
+
+
+def service_host(hub_host: str) -> str:
+    """The gpulab service's host name on a hub with services on hosts of their own
+    (``subdomain_host`` on `hub_host`): JupyterHub's default ``subdomain_hook`` ("idna"),
+    ``<name>--service.<domain>``; the name ``gpulab`` is a DNS label as it is."""
+    return f"{SERVICE_NAME}--service.{hub_host.rstrip('.').lower()}"
+
+
+def is_loopback_name(host: str) -> bool:
+    """``localhost`` and its subdomains: loopback (RFC 6761), whatever DNS says."""
+    name = (host or "").rstrip(".").lower()
+    return name == "localhost" or name.endswith(".localhost")
+
+
+def _connect(address, *args, **kwargs):
+    """`socket.create_connection` for this client's connections: a ``*.localhost`` name (and
+    ``localhost``) to 127.0.0.1, else ::1; any other name as the system resolves it."""
+    host, port = address[0], address[1]
+    if not is_loopback_name(host):
+        return socket.create_connection(address, *args, **kwargs)
+    first = None
+    for ip in ("127.0.0.1", "::1"):
+        try:
+            return socket.create_connection((ip, port), *args, **kwargs)
+        except OSError as e:
+            first = first or e
+    raise first
+
+
+class _HTTPConnection(http.client.HTTPConnection):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._create_connection = _connect
+
+
+class _HTTPSConnection(http.client.HTTPSConnection):
+    # the certificate is still checked against the name asked (``self.host``), not the address
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._create_connection = _connect
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def http_open(self, req):
+        return self.do_open(_HTTPConnection, req)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def https_open(self, req):
+        return self.do_open(_HTTPSConnection, req, context=self._context)
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect becomes the `HTTPError` it is (how the hub says "not here")."""
+
+    def redirect_request(self, *args, **kwargs):
+        return None
+
+
+def opener(context: ssl.SSLContext | None = None, follow: bool = True):
+    """urllib's opener for this client's requests: loopback names (`is_loopback_name`) to
+    loopback, `context` for ``https``, redirects followed unless not `follow`."""
+    handlers = [_HTTPHandler, _HTTPSHandler(context=context)]
+    return urllib.request.build_opener(*handlers, *(() if follow else (_NoRedirect,)))
+
+
+#: where the service was found, by the base URL first tried (`Client.request`): per process
+_FOUND: dict[str, str] = {}
+_FOUND_LOCK = threading.Lock()
+
+
+class _NotHere(Exception):
+    """The hub answered for the service's path itself: it is not there (`find_service`)."""
+
+    def __init__(self, status: int, location: str | None):
+        super().__init__(status)
+        self.status, self.location = status, location
 
 
 def ssl_context(ca_file: str = "", client_cert: str = "", client_key: str = "") -> ssl.SSLContext:
@@ -154,7 +252,9 @@ class Client(Configurable):
 
         Default: from the environment (see `service_url_from_env`): ``$GPULAB_SERVICE_URL``,
         else ``$GPULAB_URL`` (the hub's address) + ``/services/gpulab/``, else
-        ``$JUPYTERHUB_PUBLIC_HUB_URL`` without ``hub/``, else ``http://127.0.0.1:8000``.
+        ``$JUPYTERHUB_PUBLIC_HUB_URL`` without ``hub/``, else ``http://127.0.0.1:8000``; from
+        the hub's address (not ``$GPULAB_SERVICE_URL``, nor a URL given), the service is looked
+        for on its own host where the hub keeps it there (`find_service`).
         Example: ``c.Client.url = "https://lab.example.org/services/gpulab/"``.""",
     ).tag(config=True)
 
@@ -195,6 +295,7 @@ class Client(Configurable):
 
     @default("url")
     def _url_default(self) -> str:
+        self._discover = not os.environ.get("GPULAB_SERVICE_URL")
         return service_url_from_env()
 
     @default("ca_file")
@@ -217,10 +318,15 @@ class Client(Configurable):
     def _url_slash(self, proposal) -> str:
         return proposal["value"].rstrip("/") + "/"
 
+    #: whether `url` is the hub's address + ``/services/gpulab/`` (not one given as the
+    #: service's own), so that the service may be looked for elsewhere (`find_service`)
+    _discover = False
+
     def __init__(self, url: str | None = None, token: str | None = None, *,
                  hub_url: str | None = None, timeout: float | None = None, **kwargs):
         if url is None and hub_url is not None:
             url = hub_url.rstrip("/") + "/" + SERVICE_PATH
+            self._discover = True
         for key, value in (("url", url), ("token", token), ("timeout", timeout)):
             if value is not None:
                 kwargs[key] = value
@@ -237,10 +343,101 @@ class Client(Configurable):
 
     def request(self, method: str, path: str, body=None, params: Mapping | None = None,
                 timeout: float | None = None):
-        """One API call (``path`` below ``api/v1/``); the decoded JSON answer."""
-        return self._send(method, self.url + API_PATH + path, body, params, timeout,
-                          what=f"The gpulab service at {self.url}", address=self.url,
-                          who="The gpulab service")
+        """One API call (``path`` below ``api/v1/``); the decoded JSON answer. The first call
+        of a process to a hub whose service is on a host of its own finds it there
+        (`find_service`)."""
+        base = self.url
+        if self._discover:
+            with _FOUND_LOCK:
+                found = _FOUND.get(base)
+            if found is not None:
+                self.url, self._discover = found, False
+        if not self._discover:
+            return self._send(method, self.url + API_PATH + path, body, params, timeout,
+                              what=f"The gpulab service at {self.url}", address=self.url,
+                              who="The gpulab service")
+        try:
+            answer = self._send(method, base + API_PATH + path, body, params, timeout,
+                                what=f"The gpulab service at {base}", address=base,
+                                who="The gpulab service", probe=True)
+        except _NotHere as e:
+            found = self.find_service(base, e.location)
+            try:
+                answer = self._send(method, found + API_PATH + path, body, params, timeout,
+                                    what=f"The gpulab service at {found}", address=found,
+                                    who="The gpulab service", probe=True)
+            except _NotHere:
+                raise GpulabError(
+                    f"Neither {base} nor {found} is the gpulab service; set GPULAB_SERVICE_URL "
+                    "to its address.", kind="elsewhere", reason="not the gpulab service",
+                    address=base) from None
+            except GpulabError as e2:
+                if e2.kind in ("refused", "status"):
+                    self._found(base, found)
+                if e2.kind != "unreachable":
+                    raise
+                raise GpulabError(
+                    f"The hub at {base[: -len(SERVICE_PATH)]} keeps its services on hosts of "
+                    f"their own, and the gpulab service's, {found}, cannot be reached: "
+                    f"{e2.reason}. Set GPULAB_SERVICE_URL to the service's address.",
+                    kind="elsewhere", reason=e2.reason, address=found) from None
+            self._found(base, found)
+            return answer
+        except GpulabError as e:
+            if e.kind in ("refused", "status"):  # the service answered, with an error
+                self._found(base, base)
+            raise
+        self._found(base, base)
+        return answer
+
+    def service_url(self) -> str:
+        """The service's base URL, found first where only the hub's address was given (a GET
+        of its ``openapi.json``); for links to its pages (``…/services/gpulab/admin``)."""
+        if self._discover:
+            try:
+                self.request("GET", "openapi.json")
+            except GpulabError:
+                pass
+        return self.url
+
+    def _found(self, base: str, found: str) -> None:
+        with _FOUND_LOCK:
+            _FOUND[base] = found
+        self.url, self._discover = found, False
+
+    def find_service(self, base: str, location: str | None = None) -> str:
+        """Where the service is when the hub at `base` (``<hub>/services/gpulab/``) answered
+        that it is not there: JupyterHub's host for it (`service_host`) under the hub's host,
+        which its redirect (`location`) names; without one, the hub is asked again (a GET of
+        the service's path, which it redirects to ``/hub/services/…``). A redirect elsewhere
+        than the hub's own pages (the hub moved, e.g. to ``https``) is followed instead."""
+        hub = urlsplit(base)
+        prefix = hub.path[: -len(SERVICE_PATH)] if hub.path.endswith(SERVICE_PATH) else "/"
+        if location is None:
+            try:
+                self._send("GET", base, None, None, None, what=base, address=base, who=base,
+                           probe=True, token=False)
+            except _NotHere as e:
+                location = e.location
+            except GpulabError:
+                pass
+        there = urlsplit(urljoin(base, location)) if location else hub
+        if location and not there.path.startswith(prefix.rstrip("/") + "/hub/"):
+            return f"{there.scheme}://{there.netloc}{prefix.rstrip('/')}/{SERVICE_PATH}"
+        host = there.hostname or ""
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            pass
+        else:
+            raise GpulabError(
+                f"The hub at {base[: -len(SERVICE_PATH)]} has no gpulab service at {base} (it "
+                "keeps its services on hosts of their own) and its address has no host name to "
+                "find the service's under; use the hub's host name, or set GPULAB_SERVICE_URL "
+                "to the service's address.", kind="elsewhere", reason="not the gpulab service",
+                address=base)
+        port = f":{there.port}" if there.port else ""
+        return f"{there.scheme}://{service_host(host)}{port}{prefix.rstrip('/')}/{SERVICE_PATH}"
 
     def call(self, method: str, url: str, body=None, params: Mapping | None = None,
              timeout: float | None = None):
@@ -250,8 +447,11 @@ class Client(Configurable):
         return self._send(method, url, body, params, timeout, what=url, address=url, who=url)
 
     def _send(self, method: str, url: str, body, params: Mapping | None,
-              timeout: float | None, *, what: str, address: str, who: str):
-        if not self.token:
+              timeout: float | None, *, what: str, address: str, who: str,
+              probe: bool = False, token: bool = True):
+        """One request; with `probe`, redirects are not followed and the hub's own answer
+        for the service's path (a redirect, a page) raises `_NotHere`."""
+        if token and not self.token:
             raise GpulabError("No hub API token: set GPULAB_TOKEN (make one on the hub's Token "
                               "page, /hub/token), or run this inside a hub server.",
                               kind="no-token", address=address)
@@ -259,17 +459,23 @@ class Client(Configurable):
         if query:
             url += ("&" if "?" in url else "?") + urlencode(query)
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(url, data=data, method=method, headers={
-            "Authorization": f"token {self.token}", "Content-Type": "application/json",
-            "Accept": "application/json"})
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if token:
+            headers["Authorization"] = f"token {self.token}"
+        req = urllib.request.Request(url, data=data, method=method, headers=headers)
         try:
             # over https the certificate is checked in the handshake, before the token is sent
             context = self.tls_context() if url.startswith("https:") else None
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout,
-                                        context=context) as resp:
+            with opener(context, follow=not probe).open(
+                    req, timeout=timeout or self.timeout) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
-            raise _api_error(e, address, who) from None
+            if probe and 300 <= e.code < 400:
+                raise _NotHere(e.code, e.headers.get("Location")) from None
+            error = _api_error(e, address, who)
+            if probe and e.code in (403, 404) and error.kind == "status":  # a page, not JSON
+                raise _NotHere(e.code, None) from None
+            raise error from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", None) or e
             raise GpulabError(f"{what} cannot be reached: {reason}.", kind="unreachable",

@@ -10,8 +10,10 @@ following. The token is ``--token``, else ``$GPULAB_TOKEN``, else ``$JUPYTERHUB_
 the hub's address; without it the service is found as the notebook client finds it
 (`gpulab.extensions.client.service_url_from_env`: inside a notebook server
 ``$GPULAB_SERVICE_URL``, the service itself; else ``$GPULAB_URL``, else
-``http://127.0.0.1:8000``). Over ``https`` the service's certificate is verified as the notebook
-client does (`gpulab.extensions.client.ssl_context`) before the token is sent.
+``http://127.0.0.1:8000``). A hub with ``--subdomain-host`` keeps the service on a host of its
+own; the client finds it there from the hub's address alone (`Client.find_service`). Over
+``https`` the service's certificate is verified as the notebook client does
+(`gpulab.extensions.client.ssl_context`) before the token is sent.
 
 ``--url``, ``--token`` and ``--json`` go before the command or after it
 (``gpulab --url X jobs list`` and ``gpulab jobs list --url X``); given in both places, the

@@ -136,7 +136,9 @@ def _check_target(args, kind: str, name: str) -> int | None:
     exists, why = check_exists(args, kind, name)
     if exists:
         return None
-    page = hub_url(args) + ("services/gpulab/admin" if kind == "user" else "hub/admin")
+    # the service's own page: on a host of its own where the hub has --subdomain-host
+    page = (hub_client(args).service_url() + "admin" if kind == "user"
+            else hub_url(args) + "hub/admin")
     if exists is False:
         return fail(f"the hub has no {kind} '{name}'. Check the name ({kind}s are listed at "
                     f"{page}), or add --force to set it anyway.")
