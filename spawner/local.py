@@ -36,7 +36,7 @@ from gpulab.hub.machine.accounts import (
 from gpulab.hub.machine import sandbox
 from gpulab.hub.machine import egress
 from gpulab.hub.machine.personnet import NetworkUnusable, PersonNetworks, loopback_address
-from gpulab.hub.machine.userdisk import Disk, DiskError, ensure_disk
+from gpulab.hub.machine.userdisk import DiskError, PersonDisks
 from gpulab.hub.machine.cgroups import (Group, default_pids, default_user_processes, limit_user_processes,
                       local_cgroups, memory_bytes, person_unit, set_oom_score_adj,
                       share_of_cpus, share_of_memory)
@@ -1229,13 +1229,10 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
     def _prepare_disk(self, owner, groups: tuple[str, ...]) -> None:
         """Their folder on their own disk of the size their quota's ``disk`` says
         (`gpulab.hub.machine.userdisk`), mounted before the server starts; none without a limit."""
-        size, source = self.gpu_ledger.disk_limit(self.user.name, groups)
-        if size is None:
-            return
-        done = ensure_disk(Disk.of(self.shared_dir, safe_name(self.user.name)), size,
-                           owner.pw_uid, owner.pw_gid)
+        disks = PersonDisks(self.gpu_ledger, self.shared_dir, lambda _user: owner)
+        done = disks.prepare(self.user.name, groups)
         if done:
-            self.log.info("Disk of %s (%s quota): %s", self._log_name, source, done)
+            self.log.info("Disk of %s: %s", self._log_name, done)
 
     async def _prepare_account_or_refuse(self) -> None:
         """`_prepare_account` in a thread; a refused spawn (`SpawnRefused`) if it fails,
