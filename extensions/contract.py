@@ -21,6 +21,11 @@ import re
 PARAMETER_SERVER = "parameter-server"
 MULTI_WORKER = "multi-worker-mirrored"
 STRATEGIES = (PARAMETER_SERVER, MULTI_WORKER)
+#: what a spec asks for: a job runs the person's program on every replica; a cluster holds
+#: parameter servers and workers for the notebook kernel that coordinates them (no chief)
+JOB = "job"
+CLUSTER = "cluster"
+KINDS = (JOB, CLUSTER)
 #: the roles in the order replicas are listed (and numbered within a role from 0)
 ROLES = ("chief", "ps", "worker", "evaluator")
 

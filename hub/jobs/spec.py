@@ -14,6 +14,9 @@ names the field:
   plain ASCII names (`FILE_NAME_RE`: no folders, no ``..``, no leading dot, nothing that
   could leave the job's code folder), at most ``max_files``, the whole code at most
   ``max_source_bytes``;
+- ``kind`` ``cluster`` (issue 38): parameter servers and workers held for the notebook kernel
+  that asked, which is the coordinator: strategy ``parameter-server``, no chief, no evaluator,
+  ``ps`` >= 1, ``worker`` >= 1, and no code (``script``, ``source``, ``files``, ``args``);
 - ``env`` cannot set what gpulab sets (``TF_CONFIG``, ``CUDA_VISIBLE_DEVICES``, ``GPULAB_*``…).
 
 `GPUJobs` holds the operator's limits (``c.GPUJobs.*``), carried to the gpulab service as JSON
@@ -38,7 +41,7 @@ from traitlets import Float, Int, List, TraitError, Unicode, default, validate
 from traitlets.config import Configurable
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gpulab.extensions.contract import NAME_RE, ROLES, STRATEGIES
+from gpulab.extensions.contract import CLUSTER, JOB, KINDS, NAME_RE, ROLES, STRATEGIES
 from gpulab.hub.machine.cgroups import default_pids, default_user_processes, memory_bytes
 
 from gpulab.hub.quota.policy import MAX_GPUS
@@ -167,6 +170,11 @@ class Resources(Strict):
 
 class JobSpec(Strict):
     name: str = Field(..., description="DNS-1035 label: lower-case letters, digits and '-'")
+    kind: Literal[KINDS] = Field(
+        JOB, description="'job': gpulab runs your program on every replica (the default); "
+        "'cluster': parameter servers and workers held for your notebook kernel, which "
+        "coordinates them itself (TensorFlow's ClusterCoordinator): strategy "
+        "parameter-server, no chief, no code")
     strategy: Literal[STRATEGIES]
     replicas: Replicas = Field(default_factory=Replicas)
     resources: dict[Literal["chief", "ps", "worker", "evaluator"], Resources] = Field(
@@ -249,6 +257,8 @@ class JobSpec(Strict):
     @model_validator(mode="after")
     def _shape(self):
         r = self.replicas
+        if self.kind == CLUSTER:
+            return self._cluster_shape()
         if self.strategy == "parameter-server":
             if r.chief != 1:
                 raise ValueError("replicas.chief: a parameter-server job has exactly 1 chief")
@@ -274,6 +284,37 @@ class JobSpec(Strict):
             raise ValueError("files: more files go with 'source' (the entry point's text), not "
                              "with 'script' (a script's own folder is on its import path)")
         return self
+
+    def _cluster_shape(self):
+        r = self.replicas
+        if self.strategy != "parameter-server":
+            raise ValueError("strategy: a cluster is parameter servers and workers that your "
+                             "kernel coordinates: use strategy 'parameter-server'")
+        if r.chief:
+            raise ValueError("replicas.chief: a cluster has no chief: the notebook kernel that "
+                             "holds it is the coordinator; set chief to 0")
+        if r.ps < 1:
+            raise ValueError("replicas.ps: a cluster needs at least 1 ps")
+        if r.worker < 1:
+            raise ValueError("replicas.worker: a cluster needs at least 1 worker")
+        if r.evaluator:
+            raise ValueError("replicas.evaluator: a cluster has no evaluator; evaluate in "
+                             "your notebook")
+        for role in self.resources:
+            if getattr(r, role) == 0:
+                raise ValueError(f"resources.{role}: this cluster has no {role} replicas")
+        for field_name in ("script", "source"):
+            if getattr(self, field_name) is not None:
+                raise ValueError(f"{field_name}: a cluster runs no program of its own: your "
+                                 "kernel sends it the steps (use kind 'job' to run a program)")
+        if self.files or self.args:
+            which = "files" if self.files else "args"
+            raise ValueError(f"{which}: a cluster runs no program of its own")
+        return self
+
+    @property
+    def is_cluster(self) -> bool:
+        return self.kind == CLUSTER
 
     @property
     def code_bytes(self) -> int:

@@ -217,3 +217,35 @@ def test_job_limits_are_declared_once():
     assert {name: getattr(got, name) for name in names} == other
     assert all(getattr(got, f.name) == getattr(DEFAULT_LIMITS, f.name)
                for f in dataclasses.fields(got) if f.name not in names)
+
+
+CLUSTER = {"name": "held", "kind": "cluster", "strategy": "parameter-server",
+           "replicas": {"ps": 2, "worker": 4}, "resources": {"worker": {"gpus": 1}}}
+
+
+def test_a_cluster_is_parameter_servers_and_workers_without_code():
+    spec = parse_spec(CLUSTER)
+    assert spec.is_cluster and spec.kind == "cluster"
+    assert spec.replica_names() == [("ps", 0), ("ps", 1)] + [("worker", i) for i in range(4)]
+    assert spec.total_gpus == 4
+    job = parse_spec({"name": "j", "strategy": "multi-worker-mirrored", "script": "t.py"})
+    assert job.kind == "job" and not job.is_cluster
+
+
+@pytest.mark.parametrize("change, field, words", [
+    ({"strategy": "multi-worker-mirrored"}, "strategy", "parameter-server"),
+    ({"replicas": {"chief": 1, "ps": 1, "worker": 1}}, "replicas.chief", "no chief"),
+    ({"replicas": {"ps": 0, "worker": 1}}, "replicas.ps", "at least 1 ps"),
+    ({"replicas": {"ps": 1, "worker": 0}}, "replicas.worker", "at least 1 worker"),
+    ({"replicas": {"ps": 1, "worker": 1, "evaluator": 1}}, "replicas.evaluator", "no evaluator"),
+    ({"resources": {"chief": {"gpus": 1}}}, "resources.chief", "no chief replicas"),
+    ({"script": "train.py"}, "script", "no program"),
+    ({"source": "print(1)"}, "source", "no program"),
+    ({"args": ["--x"]}, "args", "no program"),
+    ({"kind": "pool"}, "kind", "'job' or 'cluster'"),
+])
+def test_a_cluster_spec_that_cannot_be_held_names_its_field(change, field, words):
+    with pytest.raises(SpecError) as e:
+        parse_spec({**CLUSTER, **change})
+    assert e.value.field == field, str(e.value)
+    assert words in str(e.value)
