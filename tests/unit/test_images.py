@@ -59,6 +59,24 @@ def test_dockerfile_parses_and_every_copied_path_exists(image):
                 assert (ROOT / src).exists(), f"{name}: COPY {src}: no such path"
 
 
+def test_images_copy_every_folder_pyproject_installs_from(image):
+    """pip installs gpulab from the copied source: each package folder and data-file folder of
+    pyproject.toml must be there (a missing one fails the image's build; ``gpulab-top``, the
+    top-level ``gpulab`` package, once was)."""
+    name, steps = image
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    needed = {d.split("/")[0] for d in setup["package-dir"].values()}
+    needed |= {f.split("/")[0] for files in setup["data-files"].values() for f in files}
+    copied = set()
+    for word, args in steps:
+        if word == "COPY":
+            *sources, dest = shlex.split(args)
+            if dest.rstrip("/").endswith("/src") or "/src/" in dest:
+                copied |= {s.split("/")[0] for s in sources}
+    assert needed <= copied, f"{name}: pyproject installs from {sorted(needed - copied)}, " \
+                             "which the Dockerfile does not copy"
+
+
 def base_image(steps) -> str:
     [base] = [args.split()[0] for word, args in steps if word == "FROM"]
     return base
