@@ -42,11 +42,11 @@ from kubespawner.reflector import MultiNamespaceResourceReflector
 from traitlets import Unicode
 
 from gpulab.hub.jobs.base import JobError
-from gpulab.hub.jobs.kube import (JOB_LABELS, KubeJobBackend, PodReflector, k8s_time,
-                                  pod_restarts, pod_words)
+from gpulab.hub.jobs.kube import (JOB_LABELS, KubeJobBackend, PodReflector, cluster_failure_words,
+                                  k8s_time, pod_restarts, pod_words)
 from gpulab.hub.jobs.kubeobjects import (
     JOBSET_API,
-    make_job_network_policy,
+    jobset_replica_host,
     make_source_configmap,
     make_training_jobset,
     mount_source,
@@ -149,6 +149,7 @@ class KueueJobBackend(KubeJobBackend):
     admissions (see the module's words)."""
 
     launches_queued = True
+    replica_host = staticmethod(jobset_replica_host)
 
     local_queue = Unicode(LOCAL_QUEUE, help=f"""
         The LocalQueue in each person's namespace that their jobs go to (default
@@ -299,10 +300,8 @@ class KueueJobBackend(KubeJobBackend):
         Returns how many were created."""
         parent = (JOBSET_API, "JobSet")
         creating = [self.networking.create_namespaced_network_policy(
-            ns, make_job_network_policy(job=spec.name, namespace=ns,
-                                        user_label=self.user_label(user), parent_uid=uid,
-                                        parent=parent),
-            _request_timeout=self.request_timeout)]
+            ns, policy, _request_timeout=self.request_timeout)
+            for policy in self.network_policies(user, spec, ns, uid, parent)]
         if spec.source is not None:
             creating.append(self.core.create_namespaced_config_map(
                 ns, make_source_configmap(spec=spec, namespace=ns,
@@ -381,6 +380,8 @@ class KueueJobBackend(KubeJobBackend):
                 failed = [f"{r}-{i}: {v[1]}" for (r, i), v in sorted(states.items())
                           if v[0] == "Failed"]
                 words = f"{words}" + (f" ({'; '.join(failed[:3])})" if failed else "")
+                if spec.is_cluster:
+                    words = cluster_failure_words(states, words)
             # the GPUs were free when JobSet said so, not when this pass saw it (the
             # service may have been down meanwhile)
             at = await asyncio.to_thread(self._seen_late, job, jobset_ended_at(jobset), now)
