@@ -16,8 +16,17 @@ Submit
     `gpulab.hub.jobs.kubeobjects.make_training_job_objects`: the parent headless Service, the
     job's NetworkPolicy (its replicas reach each other and nothing else reaches them), a
     ConfigMap with the code when the spec gave ``source``, and one Indexed Job per role, each
-    owned by the Service. API requests per submit: roles + 2 (+1 with ``source``, +4 for a
-    namespace this process has not prepared yet).
+    owned by the Service. API requests per submit: roles + 2 (+1 with ``source``, +1 for a
+    cluster, +4 for a namespace this process has not prepared yet).
+
+Clusters
+    A spec of ``kind: cluster`` (parameter servers and workers held for the person's notebook
+    kernel, issue 38) is made the same way, without a chief or code
+    (`gpulab.hub.jobs.kubeobjects`: ``GPULAB_KIND=cluster``, restartable workers, a ps that
+    is lost fails it, `cluster_failure_words` saying what to do). Its view adds
+    ``cluster``: the servers' addresses (`KubeJobBackend.cluster_addresses`), and its
+    NetworkPolicies (`KubeJobBackend.network_policies`) open its TF port to the namespace's
+    notebook pods, the owner's, and to nobody else.
 
 Watching
     One shared watch over the Jobs and one over the Pods labelled as gpulab training jobs in

@@ -11,9 +11,10 @@ Submit
     is not). The job is recorded Queued, without an allocation, and created as one JobSet
     (`gpulab.hub.jobs.kubeobjects.make_training_jobset`), suspended, labelled with the
     person's LocalQueue (``gpulab``, or ``gpulab-preemptible`` for ``preemptible`` jobs),
-    then its NetworkPolicy and (for ``source``) its code ConfigMap, both owned by the JobSet.
-    API requests per submit: 2 (+1 with ``source``, +4 for a namespace this process has not
-    prepared yet).
+    then its NetworkPolicy (a cluster's two) and (for ``source``) its code ConfigMap, all owned
+    by the JobSet. API requests per submit: 2 (+1 with ``source``, +1 for a cluster, +4 for a
+    namespace this process has not prepared yet). A cluster (``kind: cluster``) is admitted
+    whole the same way; a failed one whose ps was lost says so in words.
 
 Kueue decides; the ledger follows
     Shared watches over the JobSets (gpulab's label), their pods and Kueue's Workloads; a
