@@ -167,3 +167,47 @@ def test_a_lost_parameter_server_is_said_with_what_to_do():
     assert "last checkpoint" in words and "new cluster" in words
     states[("ps", 1)] = ("Running", "", None, 0)
     assert cluster_failure_words(states, "jobset failed") == "jobset failed"
+
+
+def test_only_the_owners_notebook_pods_reach_the_clusters_servers():
+    """What the policies let through (`tests.cluster.netpol`, the NetworkPolicy semantics):
+    Ann's notebook pods reach her cluster's servers on the TF port only; her cluster's
+    servers reach each other; nobody else gets in (Bob's notebook, Bob's job, Ann's own
+    training job, a pod of a namespace gpulab does not manage even labelled as a notebook),
+    and the servers open nothing to her notebook."""
+    from gpulab.hub.cluster.kubeobjects import make_user_network_policies
+    from tests.cluster.netpol import Endpoint, allowed
+
+    def person(who, *, clusters=(), jobs=()):
+        ns = f"gpulab-{who}"
+        out = make_user_network_policies(namespace=ns, user_label=who, hub_namespace="gpulab")
+        for name in clusters:
+            out.append(make_job_network_policy(job=name, namespace=ns, user_label=who,
+                                               coordinator="singleuser-server"))
+            out.append(make_cluster_coordinator_policy(job=name, namespace=ns, user_label=who,
+                                                       coordinator="singleuser-server"))
+        for name in jobs:
+            out.append(make_job_network_policy(job=name, namespace=ns, user_label=who))
+        return out
+
+    policies = [*person("ann", clusters=["held"], jobs=["digits"]), *person("bob", jobs=["x"])]
+
+    def replica(who, job):
+        return Endpoint.pod(f"gpulab-{who}", **{"gpulab.io/user": who, "gpulab.io/job": job})
+
+    ps, worker = replica("ann", "held"), replica("ann", "held")
+    notebook = Endpoint.pod("gpulab-ann", component="singleuser-server")
+    assert allowed(policies, notebook, ps, 2222) and allowed(policies, notebook, worker, 2222)
+    assert not allowed(policies, notebook, ps, 8888)  # the TF port only
+    assert allowed(policies, worker, ps, 2222)
+    assert not allowed(policies, ps, notebook, 8888)
+    assert not allowed(policies, notebook, replica("ann", "digits"), 2222)  # her jobs stay shut
+    intruders = {
+        "bob's notebook": Endpoint.pod("gpulab-bob", component="singleuser-server"),
+        "bob's job": replica("bob", "x"),
+        "ann's own job": replica("ann", "digits"),
+        "another team's pod": Endpoint.pod("team-eve", component="singleuser-server",
+                                           **{"gpulab.io/user": "ann", "gpulab.io/job": "held"}),
+    }
+    for name, who in intruders.items():
+        assert not allowed(policies, who, ps, 2222), name
