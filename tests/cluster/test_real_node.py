@@ -148,6 +148,9 @@ c.KubeGPUSpawner.mem_guarantee = "512M"
 c.GPUJobs.allowed_images = [{image!r}]
 c.KubeJobBackend.image = {image!r}
 c.GPULedger.pool = "kubernetes"
+# the cluster test's kernel drives its cluster with TensorFlow's own API, without the lease
+# thread of gpulab.cluster(): its cluster must not end for want of renewals meanwhile
+c.GPUJobs.cluster_lease_timeout = 600
 # the service finds the API server as the hub does (in a pod: the in-cluster configuration)
 c.JupyterHub.services = [{{"name": "gpulab", "environment": {{"KUBECONFIG": os.environ["KUBECONFIG"]}}}}]
 kubernetes_config(c, first_admin="admin", service_ip={host_ip!r}, config_dir="{dir}/service")
@@ -487,7 +490,10 @@ def test_a_notebook_kernel_coordinates_its_held_cluster_that_no_one_else_reaches
             for part in ("capacity", "allocatable")]
     plane.api("PATCH", status, gpus, content_type="application/json-patch+json", expect=(200,))
     try:
+        # the server first: the kernel holding a cluster is its person's (and the server's
+        # start is not slowed down by the cluster's TensorFlow servers starting beside it)
         assert ann.start_server(wait=False).status_code in (201, 202)
+        ann.wait_ready(timeout=240)
         r = ann.service("POST", "jobs", json={
             "name": "held", "kind": "cluster", "strategy": "parameter-server",
             "replicas": {"ps": 1, "worker": 1}, "resources": {"worker": {"gpus": 1}}})
@@ -503,7 +509,6 @@ def test_a_notebook_kernel_coordinates_its_held_cluster_that_no_one_else_reaches
         assert any(c["type"] == "Admitted" and c["status"] == "True"
                    for c in workload["status"]["conditions"]), workload["status"]
 
-        ann.wait_ready(timeout=240)
         out = ann.run_in_kernel(COORDINATE.format(cluster=json.dumps(job["cluster"])), timeout=300)
         assert "variable on /job:ps/replica:0/task:0/device:CPU:0" in out, out
         assert "value 3.0" in out, out
