@@ -16,8 +16,17 @@ Submit
     `gpulab.hub.jobs.kubeobjects.make_training_job_objects`: the parent headless Service, the
     job's NetworkPolicy (its replicas reach each other and nothing else reaches them), a
     ConfigMap with the code when the spec gave ``source``, and one Indexed Job per role, each
-    owned by the Service. API requests per submit: roles + 2 (+1 with ``source``, +4 for a
-    namespace this process has not prepared yet).
+    owned by the Service. API requests per submit: roles + 2 (+1 with ``source``, +1 for a
+    cluster, +4 for a namespace this process has not prepared yet).
+
+Clusters
+    A spec of ``kind: cluster`` (parameter servers and workers held for the person's notebook
+    kernel, issue 38) is made the same way, without a chief or code
+    (`gpulab.hub.jobs.kubeobjects`: ``GPULAB_KIND=cluster``, restartable workers, a ps that
+    is lost fails it, `cluster_failure_words` saying what to do). Its view adds
+    ``cluster``: the servers' addresses (`KubeJobBackend.cluster_addresses`), and its
+    NetworkPolicies (`KubeJobBackend.network_policies`) open its TF port to the namespace's
+    notebook pods, the owner's, and to nobody else.
 
 Watching
     One shared watch over the Jobs and one over the Pods labelled as gpulab training jobs in
@@ -90,18 +99,23 @@ from gpulab.hub.jobs.base import JobBackend, JobError, job_view, lead_of, restar
 from gpulab.hub.jobs.rules import RoleJob, decide_kube
 from gpulab.hub.jobs.spec import ROLES, JobSpec
 from gpulab.hub.jobs.kubeobjects import (
+    CLUSTER_PROGRAM,
     CONTAINER,
     INDEX_LABEL,
     JOB_LABEL,
     ROLE_LABEL,
     SELECTOR,
     SOURCE_PROGRAM,
+    TF_PORT,
     Placement,
+    make_cluster_coordinator_policy,
     make_job_network_policy,
     make_source_configmap,
     make_training_job_objects,
     mount_source,
+    replica_host,
     role_job_name,
+    tf_cluster,
 )
 from gpulab.hub.jobs.store import JobRow
 from gpulab.hub.quota.ledger import Allocation, Ledger
@@ -228,6 +242,19 @@ def merge_restarts(known: list[dict], seen: list[dict]) -> list[dict]:
         if r.get("pod") not in pods:
             merged.append({**r, "restart": len(merged) + 1, "attempt": len(merged) + 2})
     return merged
+
+
+def cluster_failure_words(states: dict, words: str) -> str:
+    """Why a cluster failed, in words the person can act on: a lost parameter server took the
+    variables it held with it (``states``: each replica's (state, reason, …) by (role,
+    index)); otherwise ``words`` as they are."""
+    lost = [f"ps-{i}" for (role, i), v in sorted(states.items()) if role == "ps" and v[0] == "Failed"]
+    if not lost:
+        return words
+    why = next(v[1] for (role, i), v in sorted(states.items()) if role == "ps" and v[0] == "Failed")
+    return (f"parameter server {', '.join(lost)} was lost ({why}) and the variables it held "
+            "with it: the cluster ended. Restore your model from its last checkpoint and hold "
+            "a new cluster.")
 
 
 def unschedulable_words(message: str, *, gpus: int, model: str | None) -> str:
@@ -442,11 +469,25 @@ class KubeJobBackend(JobBackend, KubeSettings, LoggingConfigurable):
 
     # -- queries -------------------------------------------------------------------------
 
+    #: the stable host name of a replica in ``TF_CONFIG`` and a cluster's addresses
+    replica_host = staticmethod(replica_host)
+
     def _view(self, job, reps, detail: bool = False) -> dict:
         view = job_view(job, reps)  # progress: only in `detail` (it costs a log request)
         view["progress"] = None
         view["namespace"] = self.namespace_of(job.user)
+        kind = view["spec"].get("kind", "job")
+        view.setdefault("kind", kind)
+        if kind == "cluster":
+            view["cluster"] = self.cluster_addresses(job.user, JobSpec.model_validate(view["spec"]))
         return view
+
+    def cluster_addresses(self, user: str, spec: JobSpec) -> dict[str, list[str]]:
+        """``{"ps": ["host:port", ...], "worker": [...]}``: where the owner's notebook kernel
+        reaches a cluster's servers (their stable DNS names in the person's namespace, which
+        the cluster's NetworkPolicies open to the namespace's notebook pods only)."""
+        return tf_cluster(spec=spec, namespace=self.namespace_of(user), port=TF_PORT,
+                          host=self.replica_host)
 
     async def _detail(self, view: dict) -> dict:
         """The job's progress, from its lead replica's log (cached)."""
@@ -643,7 +684,9 @@ class KubeJobBackend(JobBackend, KubeSettings, LoggingConfigurable):
                    job_dir: str) -> Placement:
         """Where the job's replicas run (`gpulab.hub.jobs.kubeobjects.Placement`), for its
         object builders."""
-        if spec.source is not None:
+        if spec.is_cluster:
+            program = CLUSTER_PROGRAM
+        elif spec.source is not None:
             program = SOURCE_PROGRAM
         elif self.shared_volume:
             program = f"{user_dir}/{spec.script}"
@@ -667,10 +710,9 @@ class KubeJobBackend(JobBackend, KubeSettings, LoggingConfigurable):
             ns, service, _request_timeout=self.request_timeout)
         uid = created.metadata.uid
         objects = make_training_job_objects(spec, where, parent_uid=uid)[1:]
-        policy = make_job_network_policy(job=spec.name, namespace=ns,
-                                         user_label=self.user_label(user), parent_uid=uid)
         creating = [self.networking.create_namespaced_network_policy(
-            ns, policy, _request_timeout=self.request_timeout)]
+            ns, policy, _request_timeout=self.request_timeout)
+            for policy in self.network_policies(user, spec, ns, uid, ("v1", "Service"))]
         if spec.source is not None:
             cm = make_source_configmap(spec=spec, namespace=ns, user_label=self.user_label(user),
                                        parent_uid=uid)
@@ -689,6 +731,22 @@ class KubeJobBackend(JobBackend, KubeSettings, LoggingConfigurable):
         for r in results:
             if isinstance(r, BaseException):
                 raise r
+
+    def network_policies(self, user: str, spec: JobSpec, ns: str, uid: str | None,
+                         parent: tuple[str, str]) -> list[dict]:
+        """The job's NetworkPolicies: its replicas reach each other only; a cluster's also
+        accept its owner's notebook pods on the TF port, which another policy lets those
+        pods reach (`gpulab.hub.jobs.kubeobjects.make_cluster_coordinator_policy`)."""
+        label = self.user_label(user)
+        coordinator = self.server_component if spec.is_cluster else None
+        policies = [make_job_network_policy(job=spec.name, namespace=ns, user_label=label,
+                                            parent_uid=uid, parent=parent,
+                                            coordinator=coordinator)]
+        if coordinator:
+            policies.append(make_cluster_coordinator_policy(
+                job=spec.name, namespace=ns, user_label=label, coordinator=coordinator,
+                parent_uid=uid, parent=parent))
+        return policies
 
     # -- stop and deletion ---------------------------------------------------------------
 
@@ -774,6 +832,10 @@ class KubeJobBackend(JobBackend, KubeSettings, LoggingConfigurable):
             outcome = decide_kube(spec.strategy, name, roles,
                                   {k: (v[0], v[1]) for k, v in states.items()},
                                   retries=spec.retries, max_runtime=spec.max_runtime)
+            if outcome is not None and spec.is_cluster and outcome[0] == "Failed":
+                outcome = (outcome[0], cluster_failure_words(
+                    {k: (v[0], v[1].removeprefix("restarting after: ")) for k, v in states.items()},
+                    outcome[1]))
         if outcome is not None:
             if delete_all:
                 await self._delete_parent(ns, name)

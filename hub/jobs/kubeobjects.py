@@ -36,6 +36,18 @@ limit, toleration and model node selector on roles with GPUs, the user's shared 
 notebooks (`gpulab.hub.cluster.kubeobjects.server_pod_settings`), no service-account token, no
 privilege escalation, no host paths.
 
+A **cluster** (``kind: cluster``, issue 38: parameter servers and workers held for the
+person's notebook kernel, which coordinates them) is built by the same functions: no chief
+and no code, every replica the runtime with ``GPULAB_KIND=cluster`` serving its
+``TF_CONFIG`` task (`CLUSTER_PROGRAM` stands where a job's program is). Its workers are
+restartable: a lost worker pod is replaced by the Job controller under the same host name
+(``backoffLimit`` = ``retries``), and the coordinator carries on; its parameter servers are
+not (``backoffLimit`` 0): a lost ps fails the cluster, whose variables died with it.
+`tf_cluster` gives the addresses the notebook kernel connects to. Beside the replicas' own
+policy, which then also lets the namespace's notebook pods in on the TF port,
+`make_cluster_coordinator_policy` lets those notebook pods (the owner's: the namespace is
+the person's) open connections to the cluster's replicas on that port.
+
 `make_tfjob` renders the same job as a Kubeflow ``TFJob`` (``kubeflow.org/v1``) for clusters
 that run the legacy training operator (which writes ``TF_CONFIG`` itself).
 """
@@ -47,8 +59,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpulab.hub.cluster.kubeobjects import (MANAGED_BY, USER_LABEL, escape_expansion, server_pod_settings,
-                                       with_runtime_default_seccomp)
+from gpulab.hub.cluster.kubeobjects import (COMPONENT_LABEL, MANAGED_BY, USER_LABEL, escape_expansion,
+                                       server_pod_settings, with_runtime_default_seccomp)
 from gpulab.hub.cluster.kueueobjects import PRIORITY_CLASS_LABEL, QUEUE_NAME_LABEL
 from gpulab.hub.cluster.kubeobjects import GPU_MODEL_LABEL, GPU_RESOURCE
 from gpulab.hub.cluster.namespaces import SHARED_MOUNT_PATH
@@ -67,6 +79,12 @@ CONTAINER = "tensorflow"  # the name the Kubeflow training operator expects, too
 SOURCE_MOUNT = "/gpulab/job-source"
 SOURCE_PROGRAM = f"{SOURCE_MOUNT}/source.py"
 TF_PORT = 2222
+#: what a cluster's replicas get where a job's get the program: the runtime serves the
+#: replica's ``TF_CONFIG`` task and runs no program (ps and workers of a parameter-server
+#: cluster never do), so this is never opened
+CLUSTER_PROGRAM = "gpulab-cluster"
+#: the environment variable that tells the runtime a replica belongs to a cluster
+KIND_ENV = "GPULAB_KIND"
 INDEX_ENV = "GPULAB_TASK_INDEX"
 #: a replica's command (then the program and its arguments): the job folder and its logs/ are
 #: made by the container's own user (not by the container runtime as root, which a shared
@@ -263,6 +281,12 @@ def _role_job_spec(*, spec: JobSpec, role: str, pod: dict, labels: dict) -> dict
         "podFailurePolicy": pod_failure_policy(strategy=spec.strategy, role=role),
         "template": {"metadata": {"labels": labels}, "spec": pod},
     }
+    if spec.is_cluster and role == "ps":
+        # a parameter server holds the variables the coordinator trains: a new one would
+        # serve none of them, so a lost ps fails the cluster (the kernel restores from its
+        # checkpoint into a new cluster) instead of coming back empty under the same name
+        job_spec["backoffLimit"] = 0
+        del job_spec["podFailurePolicy"]
     if spec.max_runtime:
         job_spec["activeDeadlineSeconds"] = spec.max_runtime
     return job_spec
@@ -270,6 +294,7 @@ def _role_job_spec(*, spec: JobSpec, role: str, pod: dict, labels: dict) -> dict
 
 def _role_env(*, spec: JobSpec, cluster: Mapping[str, list[str]], role: str, job_dir: str,
               user_dir: str) -> list[dict]:
+    kind = [{"name": KIND_ENV, "value": spec.kind}] if spec.is_cluster else []
     return [
         {"name": INDEX_ENV, "valueFrom": {"fieldRef": {"fieldPath": _INDEX_FIELD}}},
         {"name": "TF_CONFIG", "value": tf_config_template(cluster=cluster, role=role)},
@@ -278,6 +303,7 @@ def _role_env(*, spec: JobSpec, cluster: Mapping[str, list[str]], role: str, job
         {"name": "GPULAB_JOB_DIR", "value": job_dir},
         {"name": "GPULAB_USER_DIR", "value": user_dir},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        *kind,
     ]
 
 
@@ -297,7 +323,10 @@ def _role_pods(*, spec: JobSpec, where: Placement, host):
 def jobset_success_roles(spec: JobSpec) -> list[str]:
     """The replicated jobs whose completion is the job's success: the chief of a
     parameter-server job (its ps and workers serve it and never end by themselves); the
-    workers of a multi-worker job (an evaluator runs beside them)."""
+    workers of a multi-worker job (an evaluator runs beside them); all of a cluster (its
+    servers end only when it is stopped)."""
+    if spec.is_cluster:
+        return ["ps", "worker"]
     return ["chief"] if spec.strategy == "parameter-server" else ["worker"]
 
 
@@ -332,7 +361,11 @@ def make_training_jobset(spec: JobSpec, where: Placement, *, queue_name: str | N
                      "spec": _role_job_spec(spec=spec, role=role, pod=pod, labels=role_labels)},
     } for role, pod, role_labels in _role_pods(spec=spec, where=where, host=jobset_replica_host)]
     rules: list[dict[str, Any]] = []
-    if spec.count("ps"):
+    if spec.is_cluster:
+        # the coordinator is the notebook kernel: fresh servers would not hold its variables
+        rules.append({"name": "lostParameterServer", "action": "FailJobSet",
+                      "targetReplicatedJobs": ["ps"]})
+    elif spec.count("ps"):
         rules.append({"name": "lostParameterServer", "action": "RestartJobSet",
                       "targetReplicatedJobs": ["ps"],
                       "onJobFailureReasons": ["BackoffLimitExceeded"]})
@@ -347,7 +380,8 @@ def make_training_jobset(spec: JobSpec, where: Placement, *, queue_name: str | N
             "replicatedJobs": replicated,
             "successPolicy": {"operator": "All",
                               "targetReplicatedJobs": jobset_success_roles(spec)},
-            "failurePolicy": {"maxRestarts": spec.retries, "rules": rules},
+            "failurePolicy": {"maxRestarts": 0 if spec.is_cluster else spec.retries,
+                              "rules": rules},
         },
     }
 
@@ -359,30 +393,80 @@ def job_network_policy_name(job: str) -> str:
     return f"{job}-replicas"
 
 
-def make_job_network_policy(*, job: str, namespace: str, user_label: str,
-                            parent_uid: str | None = None, parent: tuple[str, str] = ("v1", "Service")) -> dict:
-    """The NetworkPolicy of one training job: its replicas (pods labelled with the user and
-    the job) accept connections only from replicas of the same job and open them only to
-    those (any port: gRPC, and NCCL's own ports between GPU workers). With ``parent_uid``
-    (the job's ``parent``: its Service, or its JobSet ``(JOBSET_API, "JobSet")``) it goes
-    with the job."""
-    def replicas() -> dict:
-        return {"matchLabels": {USER_LABEL: user_label, JOB_LABEL: job}}
-
-    meta: dict[str, Any] = {"name": job_network_policy_name(job), "namespace": namespace,
+def _policy_meta(*, name: str, job: str, namespace: str, user_label: str,
+                 parent_uid: str | None, parent: tuple[str, str]) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": namespace,
                             "labels": job_labels(user_label=user_label, job=job)}
     if parent_uid:
         meta["ownerReferences"] = [{"apiVersion": parent[0], "kind": parent[1], "name": job,
                                     "uid": parent_uid}]
+    return meta
+
+
+def _replica_selector(*, user_label: str, job: str) -> dict:
+    return {"matchLabels": {USER_LABEL: user_label, JOB_LABEL: job}}
+
+
+def make_job_network_policy(*, job: str, namespace: str, user_label: str,
+                            parent_uid: str | None = None, parent: tuple[str, str] = ("v1", "Service"),
+                            coordinator: str | None = None, port: int = TF_PORT) -> dict:
+    """The NetworkPolicy of one training job: its replicas (pods labelled with the user and
+    the job) accept connections only from replicas of the same job and open them only to
+    those (any port: gRPC, and NCCL's own ports between GPU workers). With ``parent_uid``
+    (the job's ``parent``: its Service, or its JobSet ``(JOBSET_API, "JobSet")``) it goes
+    with the job.
+
+    With ``coordinator`` (a cluster's: the ``component`` label of notebook server pods,
+    KubeSpawner's ``component_label``) the replicas also accept connections on ``port`` (their
+    TF servers') from the notebook pods of their namespace, which is the owner's: the kernel
+    that coordinates them. No other pod, namespace or port."""
+    def replicas() -> dict:
+        return _replica_selector(user_label=user_label, job=job)
+
+    ingress: list[dict[str, Any]] = [{"from": [{"podSelector": replicas()}]}]
+    if coordinator:
+        ingress.append({"from": [{"podSelector": {"matchLabels": {COMPONENT_LABEL: coordinator}}}],
+                        "ports": [{"protocol": "TCP", "port": port}]})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": meta,
+        "metadata": _policy_meta(name=job_network_policy_name(job), job=job, namespace=namespace,
+                                 user_label=user_label, parent_uid=parent_uid, parent=parent),
         "spec": {
             "podSelector": replicas(),
             "policyTypes": ["Ingress", "Egress"],
-            "ingress": [{"from": [{"podSelector": replicas()}]}],
+            "ingress": ingress,
             "egress": [{"to": [{"podSelector": replicas()}]}],
+        },
+    }
+
+
+def cluster_coordinator_policy_name(job: str) -> str:
+    """``<cluster>-coordinator``: no job's policy (those end in ``-replicas``) nor a
+    namespace policy is so named."""
+    return f"{job}-coordinator"
+
+
+def make_cluster_coordinator_policy(*, job: str, namespace: str, user_label: str,
+                                    coordinator: str, port: int = TF_PORT,
+                                    parent_uid: str | None = None,
+                                    parent: tuple[str, str] = (JOBSET_API, "JobSet")) -> dict:
+    """The NetworkPolicy that lets the owner's notebook pods (``component: <coordinator>``
+    in the person's namespace) open connections to their cluster's replicas on ``port``,
+    beyond what the namespace's policy lets every pod open (DNS, the hub). An egress-only
+    policy: it adds nothing to what reaches the notebook pods. Goes with the cluster
+    (``parent_uid``)."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _policy_meta(name=cluster_coordinator_policy_name(job), job=job,
+                                 namespace=namespace, user_label=user_label,
+                                 parent_uid=parent_uid, parent=parent),
+        "spec": {
+            "podSelector": {"matchLabels": {COMPONENT_LABEL: coordinator}},
+            "policyTypes": ["Egress"],
+            "egress": [{"to": [{"podSelector": _replica_selector(user_label=user_label, job=job)}],
+                        "ports": [{"protocol": "TCP", "port": port}]}],
         },
     }
 

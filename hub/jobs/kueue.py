@@ -11,9 +11,10 @@ Submit
     is not). The job is recorded Queued, without an allocation, and created as one JobSet
     (`gpulab.hub.jobs.kubeobjects.make_training_jobset`), suspended, labelled with the
     person's LocalQueue (``gpulab``, or ``gpulab-preemptible`` for ``preemptible`` jobs),
-    then its NetworkPolicy and (for ``source``) its code ConfigMap, both owned by the JobSet.
-    API requests per submit: 2 (+1 with ``source``, +4 for a namespace this process has not
-    prepared yet).
+    then its NetworkPolicy (a cluster's two) and (for ``source``) its code ConfigMap, all owned
+    by the JobSet. API requests per submit: 2 (+1 with ``source``, +1 for a cluster, +4 for a
+    namespace this process has not prepared yet). A cluster (``kind: cluster``) is admitted
+    whole the same way; a failed one whose ps was lost says so in words.
 
 Kueue decides; the ledger follows
     Shared watches over the JobSets (gpulab's label), their pods and Kueue's Workloads; a
@@ -42,11 +43,11 @@ from kubespawner.reflector import MultiNamespaceResourceReflector
 from traitlets import Unicode
 
 from gpulab.hub.jobs.base import JobError
-from gpulab.hub.jobs.kube import (JOB_LABELS, KubeJobBackend, PodReflector, k8s_time,
-                                  pod_restarts, pod_words)
+from gpulab.hub.jobs.kube import (JOB_LABELS, KubeJobBackend, PodReflector, cluster_failure_words,
+                                  k8s_time, pod_restarts, pod_words)
 from gpulab.hub.jobs.kubeobjects import (
     JOBSET_API,
-    make_job_network_policy,
+    jobset_replica_host,
     make_source_configmap,
     make_training_jobset,
     mount_source,
@@ -149,6 +150,7 @@ class KueueJobBackend(KubeJobBackend):
     admissions (see the module's words)."""
 
     launches_queued = True
+    replica_host = staticmethod(jobset_replica_host)
 
     local_queue = Unicode(LOCAL_QUEUE, help=f"""
         The LocalQueue in each person's namespace that their jobs go to (default
@@ -299,10 +301,8 @@ class KueueJobBackend(KubeJobBackend):
         Returns how many were created."""
         parent = (JOBSET_API, "JobSet")
         creating = [self.networking.create_namespaced_network_policy(
-            ns, make_job_network_policy(job=spec.name, namespace=ns,
-                                        user_label=self.user_label(user), parent_uid=uid,
-                                        parent=parent),
-            _request_timeout=self.request_timeout)]
+            ns, policy, _request_timeout=self.request_timeout)
+            for policy in self.network_policies(user, spec, ns, uid, parent)]
         if spec.source is not None:
             creating.append(self.core.create_namespaced_config_map(
                 ns, make_source_configmap(spec=spec, namespace=ns,
@@ -381,6 +381,8 @@ class KueueJobBackend(KubeJobBackend):
                 failed = [f"{r}-{i}: {v[1]}" for (r, i), v in sorted(states.items())
                           if v[0] == "Failed"]
                 words = f"{words}" + (f" ({'; '.join(failed[:3])})" if failed else "")
+                if spec.is_cluster:
+                    words = cluster_failure_words(states, words)
             # the GPUs were free when JobSet said so, not when this pass saw it (the
             # service may have been down meanwhile)
             at = await asyncio.to_thread(self._seen_late, job, jobset_ended_at(jobset), now)

@@ -309,6 +309,32 @@ async def test_a_failed_worker_is_retried_and_all_workers_finishing_succeeds(cp,
     assert ledger.open_allocations(user=u) == []
 
 
+async def test_a_held_cluster_without_kueue_serves_its_kernel_and_a_lost_ps_ends_it(
+        cp, backend, ledger):
+    """A cluster (issue 38) as Indexed Jobs under the headless Service (no Kueue): the ledger
+    admits its GPUs whole, its pods answer to the addresses of its view, its policies go
+    with its Service; a ps that fails is not replaced and ends the cluster in words."""
+    u = user()
+    ledger.set_quota("user", u, Quota(max_gpus=8), actor="admin")
+    spec = parse_spec({"name": "held", "kind": "cluster", "strategy": "parameter-server",
+                       "replicas": {"ps": 1, "worker": 2}, "resources": {"worker": {"gpus": 1}}})
+    job = await backend.submit(u, (), spec)
+    ns = job["namespace"]
+    assert [a.gpus for a in ledger.open_allocations(user=u)] == [2]
+    view = await eventually(lambda: (lambda v: v if v["state"] == "Running" else None)(
+        backend.get(u, "held")), what="the cluster Running")
+    pods = running_pods(cp, ns, "held")
+    assert {f"{p['spec']['hostname']}.{p['spec']['subdomain']}.{ns}.svc:2222" for p in pods} == {
+        *view["cluster"]["ps"], *view["cluster"]["worker"]}
+    assert names(items(cp, ns, "networkpolicies", "gpulab.io/job=held")) == [
+        "held-coordinator", "held-replicas"]
+    end_pod(cp, pod_of(cp, ns, "held", "ps", 0), 1)
+    view = await eventually(lambda: (lambda v: v if v["state"] == "Failed" else None)(
+        backend.get(u, "held")), what="the cluster Failed")
+    assert view["reason"].startswith("parameter server ps-0 was lost"), view["reason"]
+    assert ledger.open_allocations(user=u) == []
+
+
 async def test_out_of_retries_fails_the_job_with_the_reason(cp, backend, ledger):
     u = user()
     ledger.set_quota("user", u, Quota(max_gpus=8), actor="admin")

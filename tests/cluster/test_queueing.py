@@ -1171,3 +1171,86 @@ async def asyncio_sleep(seconds):
     import asyncio
 
     await asyncio.sleep(seconds)
+
+
+async def test_a_held_cluster_is_admitted_whole_and_stop_frees_its_gpus(cp, kueue_backend):
+    """A cluster (issue 38: ``kind: cluster``, 1 ps and 2 one-GPU workers, no chief, no
+    code) through the job backend: Kueue admits its JobSet whole, its view gives the kernel
+    the addresses of its servers (the host names its pods answer to), its NetworkPolicies go
+    with it; a second cluster over the quota waits whole without a pod; a worker pod that is
+    lost comes back under the same host name while the cluster goes on; stopping the first
+    frees its GPUs for the second; a ps that fails ends the second in words."""
+    from gpulab.hub.jobs.spec import parse_spec
+    from gpulab.hub.quota.policy import Quota
+
+    b = kueue_backend
+    user = f"c{uuid.uuid4().hex[:6]}"
+    b.ledger.set_quota("user", user, Quota(max_gpus=3), actor="admin")
+    ns = b.namespace_of(user)
+
+    def held(name):
+        return parse_spec({"name": name, "kind": "cluster", "strategy": "parameter-server",
+                           "replicas": {"ps": 1, "worker": 2}, "resources": {"worker": {"gpus": 1}}})
+    try:
+        first = await b.submit(user, (), held("held"))
+        assert first["state"] == "Queued" and first["kind"] == "cluster"
+        view = await until(lambda: (v := b.get(user, "held"))["state"] == "Running" and v,
+                           "the cluster Running")
+        assert [(a.holder, a.gpus) for a in b.ledger.open_allocations(user=user)] == [("held", 2)]
+        assert view["cluster"] == {
+            "ps": [f"held-ps-0-0.held.{ns}.svc:2222"],
+            "worker": [f"held-worker-0-{i}.held.{ns}.svc:2222" for i in range(2)]}
+        pods = jobset_pods(cp, ns, "held")
+        answers = {f"{p['spec']['hostname']}.{p['spec']['subdomain']}.{ns}.svc:2222" for p in pods}
+        assert answers == {*view["cluster"]["ps"], *view["cluster"]["worker"]}
+        for p in pods:
+            env = {e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]}
+            assert env["GPULAB_KIND"] == "cluster" and "chief" not in env["TF_CONFIG"]
+        policies = {p["metadata"]["name"]: {o["kind"] for o in p["metadata"]["ownerReferences"]}
+                    for p in cp.kubectl_json("get", "networkpolicy", "-n", ns, "-l",
+                                             "gpulab.io/job=held")["items"]}
+        assert policies == {"held-replicas": {"JobSet"}, "held-coordinator": {"JobSet"}}
+
+        second = await b.submit(user, (), held("next"))
+        await until(lambda: "insufficient" in b.get(user, "next")["reason"], "the second waiting")
+        assert jobset_pods(cp, ns, "next") == []
+
+        # a worker that crashes (kwok's pods never end by deletion: no kubelet makes them
+        # Failed) is replaced under the same host name, and the cluster is held again
+        lost = next(p for p in pods if p["metadata"]["labels"]["gpulab.io/role"] == "worker")
+        cp.api("PATCH", f"/api/v1/namespaces/{ns}/pods/{lost['metadata']['name']}",
+               {"metadata": {"annotations": {"gpulab.test/exit": "1"}}},
+               content_type="application/merge-patch+json", expect=(200,))
+        try:
+            back = await until(lambda: [p for p in jobset_pods(cp, ns, "held")
+                                        if p["spec"]["hostname"] == lost["spec"]["hostname"]
+                                        and p["metadata"]["name"] != lost["metadata"]["name"]
+                                        and p["status"].get("phase") == "Running"],
+                               "the lost worker back")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{what_holds_pods(cp, ns, 'held')}") from None
+        assert len(back) == 1
+        view = await until(lambda: (v := b.get(user, "held"))["state"] == "Running" and v,
+                           "the cluster Running again")
+        index = int(lost["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"])
+        assert view["replicas"][1 + index]["restarts"] >= 1, view["replicas"]
+
+        stopped = await b.stop(user, "held")
+        assert stopped["state"] == "Stopped"
+        assert [a.holder for a in b.ledger.open_allocations(user=user)] == []
+        await until(lambda: b.get(user, "next")["state"] == "Running", "the second Running")
+        assert [(a.holder, a.gpus) for a in b.ledger.open_allocations(user=user)] == [("next", 2)]
+
+        # its ps fails: no second ps is made (it would hold none of the variables)
+        (ps,) = [p for p in jobset_pods(cp, ns, "next") if p["metadata"]["labels"]["gpulab.io/role"] == "ps"]
+        cp.api("PATCH", f"/api/v1/namespaces/{ns}/pods/{ps['metadata']['name']}",
+               {"metadata": {"annotations": {"gpulab.test/exit": "1"}}},
+               content_type="application/merge-patch+json", expect=(200,))
+        ended = await until(lambda: (v := b.get(user, "next"))["state"] == "Failed" and v,
+                            "the second cluster Failed")
+        assert ended["reason"].startswith("parameter server ps-0 was lost"), ended["reason"]
+        assert "last checkpoint" in ended["reason"]
+        assert b.ledger.open_allocations(user=user) == []
+    finally:
+        cp.kubectl("delete", "jobsets", "--all", "-n", ns, "--wait=false", check=False)
+        cp.kubectl("delete", "clusterqueue", ns, f"{ns}.preemptible", "--wait=false", check=False)

@@ -148,6 +148,9 @@ c.KubeGPUSpawner.mem_guarantee = "512M"
 c.GPUJobs.allowed_images = [{image!r}]
 c.KubeJobBackend.image = {image!r}
 c.GPULedger.pool = "kubernetes"
+# the cluster test's kernel drives its cluster with TensorFlow's own API, without the lease
+# thread of gpulab.cluster(): its cluster must not end for want of renewals meanwhile
+c.GPUJobs.cluster_lease_timeout = 600
 # the service finds the API server as the hub does (in a pod: the in-cluster configuration)
 c.JupyterHub.services = [{{"name": "gpulab", "environment": {{"KUBECONFIG": os.environ["KUBECONFIG"]}}}}]
 kubernetes_config(c, first_admin="admin", service_ip={host_ip!r}, config_dir="{dir}/service")
@@ -410,6 +413,131 @@ def test_network_policies_keep_peoples_pods_apart(cluster, hub, people, shared):
     finally:
         ann.stop_server()
         plane.api("DELETE", "/api/v1/namespaces/other-team")
+
+
+COORDINATE = """\
+import json, os, socket, time
+os.environ["GRPC_FAIL_FAST"] = "use_caller"
+cluster = json.loads({cluster!r})
+for address in cluster["ps"] + cluster["worker"]:  # the servers listen once TF is imported
+    host, port = address.rsplit(":", 1)
+    deadline = time.time() + 150
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+            break
+        except OSError:
+            if time.time() > deadline:
+                raise
+            time.sleep(1)
+import tensorflow as tf
+resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+    tf.train.ClusterSpec(cluster), rpc_layer="grpc")
+strategy = tf.distribute.ParameterServerStrategy(resolver)
+coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+with strategy.scope():
+    v = tf.Variable(0.0)
+
+
+@tf.function
+def step():
+    v.assign_add(1.0)
+    return v.read_value()
+
+
+for _ in range(3):
+    coordinator.schedule(step)
+coordinator.join()
+print("variable on", v.device, flush=True)
+print("value", float(v.numpy()), flush=True)
+"""
+
+
+def probe_pod(plane, image: str, ns: str, targets: dict[str, tuple[str, int]]) -> None:
+    """A pod of the real node in ``ns`` that `probe_lines` ``targets``, labelled as a notebook
+    server (``component: singleuser-server``)."""
+    plane.apply({"apiVersion": "v1", "kind": "Pod",
+                 "metadata": {"name": "cluster-probe", "namespace": ns,
+                              "labels": {"component": "singleuser-server"}},
+                 "spec": {"nodeSelector": {REAL_NODE_LABEL[0]: REAL_NODE_LABEL[1]},
+                          "tolerations": [REAL_NODE_TOLERATION], "restartPolicy": "Never",
+                          "automountServiceAccountToken": False,
+                          "securityContext": {"runAsUser": NOTEBOOK_UID, "runAsNonRoot": True},
+                          "containers": [{"name": "probe", "image": image, "imagePullPolicy": "Never",
+                                          "resources": {"requests": {"cpu": "50m"}},
+                                          "command": ["python3", "-c", probe_lines(targets)]}]}})
+
+
+def probe_pod_results(plane, ns: str) -> dict[str, str]:
+    path = f"/api/v1/namespaces/{ns}/pods/cluster-probe"
+    wait_until(lambda: plane.api("GET", path)[1].get("status", {}).get("phase") in ("Succeeded", "Failed"),
+               timeout=120, what=f"the probe pod in {ns}")
+    return probed(plane.api("GET", path + "/log")[1])
+
+
+def test_a_notebook_kernel_coordinates_its_held_cluster_that_no_one_else_reaches(cluster, hub, people, shared):
+    """Issue 38 on the real node: Ann holds a cluster (a ps and a one-GPU worker, no chief, no
+    code), which Kueue admits whole (the node advertises 2 GPUs for this test); her notebook
+    pod's kernel coordinates it at the addresses its view gives, with TensorFlow's own
+    ParameterServerStrategy and ClusterCoordinator: steps run on the worker and the variable
+    lives on the ps. Pods labelled as notebook servers in Bob's namespace and in another
+    team's (no policy limits what it opens) reach neither server; the node itself reaches
+    both, so only the policies refuse. Stop ends it and Kueue forgets it."""
+    plane, node, image = cluster
+    ann = people["ann"]
+    status = f"/api/v1/nodes/{node.name}/status"
+    gpus = [{"op": "add", "path": f"/status/{part}/nvidia.com~1gpu", "value": "2"}
+            for part in ("capacity", "allocatable")]
+    plane.api("PATCH", status, gpus, content_type="application/json-patch+json", expect=(200,))
+    try:
+        # the server first: the kernel holding a cluster is its person's (and the server's
+        # start is not slowed down by the cluster's TensorFlow servers starting beside it)
+        assert ann.start_server(wait=False).status_code in (201, 202)
+        ann.wait_ready(timeout=240)
+        r = ann.service("POST", "jobs", json={
+            "name": "held", "kind": "cluster", "strategy": "parameter-server",
+            "replicas": {"ps": 1, "worker": 1}, "resources": {"worker": {"gpus": 1}}})
+        assert r.status_code in (201, 202), r.text
+        job = wait_state(ann, "held", {"Running", "Failed", "Stopped"}, timeout=300)
+        assert job["state"] == "Running", job
+        assert job["kind"] == "cluster" and job["gpus"] == 1
+        assert job["cluster"] == {"ps": ["held-ps-0-0.held.gpulab-ann.svc:2222"],
+                                  "worker": ["held-worker-0-0.held.gpulab-ann.svc:2222"]}, job
+        workloads = plane.api("GET", "/apis/kueue.x-k8s.io/v1beta2/namespaces/gpulab-ann/workloads")[1]
+        (workload,) = [w for w in workloads["items"]
+                       if any(o["name"] == "held" for o in w["metadata"].get("ownerReferences", []))]
+        assert any(c["type"] == "Admitted" and c["status"] == "True"
+                   for c in workload["status"]["conditions"]), workload["status"]
+
+        out = ann.run_in_kernel(COORDINATE.format(cluster=json.dumps(job["cluster"])), timeout=300)
+        assert "variable on /job:ps/replica:0/task:0/device:CPU:0" in out, out
+        assert "value 3.0" in out, out
+
+        pods = plane.api("GET", "/api/v1/namespaces/gpulab-ann/pods?labelSelector=gpulab.io/job=held")[1]
+        targets = {f"ann-{p['metadata']['labels']['gpulab.io/role']}": (p["status"]["podIP"], 2222)
+                   for p in pods["items"]}
+        assert set(targets) == {"ann-ps", "ann-worker"}
+        plane.create_namespace("another-team")
+        for ns in ("gpulab-bob", "another-team"):
+            probe_pod(plane, image, ns, targets)
+        for ns in ("gpulab-bob", "another-team"):
+            assert opened(probe_pod_results(plane, ns)) == {"ann-ps": False, "ann-worker": False}, ns
+        r = node.exec_in_node("python3", "-c", probe_lines(targets))
+        assert opened(probed(r.stdout)) == {"ann-ps": True, "ann-worker": True}, r
+
+        assert ann.service("POST", "jobs/held/stop").status_code == 200
+        assert wait_state(ann, "held", {"Stopped"}, timeout=120)["state"] == "Stopped"
+        wait_until(lambda: not [w for w in plane.api(
+            "GET", "/apis/kueue.x-k8s.io/v1beta2/namespaces/gpulab-ann/workloads")[1]["items"]
+            if w["metadata"]["uid"] == workload["metadata"]["uid"]], timeout=60,
+            what="Kueue's workload of the cluster gone")
+    finally:
+        ann.stop_server()
+        plane.api("DELETE", "/api/v1/namespaces/another-team")
+        plane.api("DELETE", "/api/v1/namespaces/gpulab-bob/pods/cluster-probe")
+        plane.api("PATCH", status, [{"op": "remove", "path": f"/status/{part}/nvidia.com~1gpu"}
+                                    for part in ("capacity", "allocatable")],
+                  content_type="application/json-patch+json")
 
 
 def replica_process(job: str, role: str, index: int, timeout: float = 180) -> psutil.Process:

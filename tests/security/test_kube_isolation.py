@@ -359,6 +359,61 @@ async def test_users_pods_reach_each_other_only_through_the_hub(cp, hub_side):
     assert again["status"]["phase"] == "Running"
 
 
+async def test_only_its_owners_notebook_reaches_a_held_cluster(cp, hub_side, other_team):
+    """Issue 38: vic holds a cluster (TF servers that run any graph they are sent) and his
+    notebook pod, made by KubeGPUSpawner, reaches them on the TF port by the policies the hub
+    stored. eve's notebook, eve's job and eve's own cluster, vic's own training job, and a
+    pod of another team's namespace labelled as vic's notebook and as his cluster's replica
+    cannot connect; nor does vic's notebook reach them on another port."""
+    vic, eve = f"vic{uuid.uuid4().hex[:4]}", f"eve{uuid.uuid4().hex[:4]}"
+    servers = {}
+    for name in (vic, eve):
+        hub_side.ledger.set_quota("user", name, Quota(max_gpus=4), actor="admin")
+        s = hub_side.spawner(name)
+        await asyncio.wait_for(s.start(), 60)
+        servers[name] = cp.api("GET", f"/api/v1/namespaces/{s.namespace}/pods/{s.pod_name}",
+                               expect=(200,))[1]
+        await hub_side.jobs.submit(name, (), parse_spec({
+            "name": "held", "kind": "cluster", "strategy": "parameter-server",
+            "replicas": {"ps": 1, "worker": 1}}))
+        await hub_side.jobs.submit(name, (), tf_job("train"))
+    policies = []
+    for name in (vic, eve):
+        _, body = cp.api("GET", f"/apis/networking.k8s.io/v1/namespaces/gpulab-{name}"
+                         "/networkpolicies", expect=(200,))
+        policies += body["items"]
+
+    def endpoint(pod_or_template_labels, ns):
+        return Endpoint(ns, pod_or_template_labels, labels_of(cp, ns))
+
+    def replica(user, job, role):
+        ns = f"gpulab-{user}"
+        _, body = cp.api("GET", f"/apis/batch/v1/namespaces/{ns}/jobs/{job}-{role}", expect=(200,))
+        return endpoint(body["spec"]["template"]["metadata"]["labels"], ns)
+
+    vic_notebook = endpoint(servers[vic]["metadata"]["labels"], f"gpulab-{vic}")
+    eve_notebook = endpoint(servers[eve]["metadata"]["labels"], f"gpulab-{eve}")
+    vic_ps, vic_worker = replica(vic, "held", "ps"), replica(vic, "held", "worker")
+    assert allowed(policies, vic_notebook, vic_ps, 2222)
+    assert allowed(policies, vic_notebook, vic_worker, 2222)
+    assert allowed(policies, vic_worker, vic_ps, 2222)
+    intruders = {
+        "eve's notebook": eve_notebook,
+        "eve's job": replica(eve, "train", "chief"),
+        "eve's cluster": replica(eve, "held", "worker"),
+        "vic's own job": replica(vic, "train", "chief"),
+        "another team's pod, labelled as vic's notebook": endpoint(
+            servers[vic]["metadata"]["labels"], OTHER_TEAM),
+        "another team's pod, labelled as vic's replica": endpoint(
+            {"gpulab.io/user": vic.lower(), "gpulab.io/job": "held"}, OTHER_TEAM),
+    }
+    for who, src in intruders.items():
+        for dst in (vic_ps, vic_worker):
+            assert not allowed(policies, src, dst, 2222), who
+    assert not allowed(policies, vic_notebook, vic_ps, 22)
+    assert not allowed(policies, vic_ps, vic_notebook, 8888)  # the servers reach not back
+
+
 async def test_job_args_reach_the_replica_as_written(cp, hub_side):
     """A person's args that look like the kubelet's $(VAR) references are passed on as
     written: the Job gpulab stored escapes them, so the replica gets neither TF_CONFIG nor
