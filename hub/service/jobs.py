@@ -70,6 +70,12 @@ class JobHandler(JobsBase):
             for r in job.get("replicas", ()):
                 if r.get("devices"):  # how busy the replica's GPUs are now
                     r["usage"] = usage.entries(r["devices"])
+            if not any(r.get("devices") for r in job.get("replicas", ())):
+                # a counting pool (Kubernetes): the GPUs DCGM sees in the job's pods
+                allocs = await asyncio.to_thread(self.ledger.open_allocations, job.get("user"), "job")
+                mine = [a for a in allocs if a.holder == name]
+                if mine:
+                    job["usage"] = usage.entries_for(mine[0])
         self.send(job)
 
 
