@@ -1,0 +1,116 @@
+"""GPU-idle culling end to end on a real `gpulab up` (issue 39): the stand-in usage source
+(``<data>/gpu-usage.json``, written here as the operator would) drives the two simulated GPUs.
+
+A server whose GPU sits idle is warned on My GPUs and in the audit trail, then stopped through
+the hub, its GPU given back, with the reason on My GPUs and in the audit trail; a server kept
+for an hour is left alone meanwhile; a keep past the operator's limit gets a 400 that says the
+limit. Short clocks (idle 6 s, warned 4 s before) keep it to seconds.
+"""
+
+import json
+import os
+import time
+
+import pytest
+
+from tests.conftest import hub_with_config
+
+pytestmark = pytest.mark.app
+
+CONFIG = """
+c.GPUInventory.usage_source = "stand-in"
+c.GPUInventory.usage_interval = 0.5
+c.GPUIdle.mode = "stop"
+c.GPUIdle.threshold_percent = 5
+c.GPUIdle.idle_seconds = 6
+c.GPUIdle.warn_seconds = 4
+c.GPUIdle.keep_max_hours = 2
+"""
+
+
+@pytest.fixture(scope="module")
+def hub(workdir, prefix):
+    yield from hub_with_config(workdir, prefix, CONFIG, gpus=2)
+
+
+def set_usage(hub, percents: dict[int, int]) -> None:
+    """Write the stand-in file as its owner (root, mode 0600), atomically."""
+    path = hub.data_dir / "gpu-usage.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({str(i): {"gpu_percent": p, "memory_used_mib": 256,
+                                        "memory_total_mib": 16384}
+                               for i, p in percents.items()}))
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def device_of(person) -> int:
+    [h] = person.service("GET", "me").json()["holdings"]
+    return h["devices"][0]
+
+
+def wait_for(what, check, timeout=40, every=0.25):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def test_an_idle_server_is_warned_then_stopped_and_a_kept_one_is_not(hub, users, admin):
+    ann, bob = users["ann"], users["bob"]
+    set_usage(hub, {0: 90, 1: 90})
+    for p in (ann, bob):
+        r = p.start_server("", {"profile": "gpu-1"})
+        assert r.status_code in (201, 202), r.text
+    a_dev, b_dev = device_of(ann), device_of(bob)
+    # the figures reach the holdings (My GPUs' "GPU use now" column, the API)
+    wait_for("the stand-in figures", lambda: "90% busy" in json.dumps(
+        bob.service("GET", "me").json()["holdings"][0]["usage"]))
+    page = bob.s.get(hub.service_url, timeout=30).text
+    assert "stand-in figures, simulated GPU" in page
+
+    # keep: bounded by the operator's limit, with words; then granted
+    r = ann.service("POST", "servers/default/keep", json={"hours": 3})
+    assert r.status_code == 400 and "at most 2 hours" in r.json()["message"], r.text
+    r = ann.service("POST", "servers/default/keep", json={"hours": "soon"})
+    assert r.status_code == 400 and r.json()["field"] == "hours", r.text
+    r = ann.service("POST", "servers/nosuch/keep", json={"hours": 1})
+    assert r.status_code == 404, r.text
+    r = ann.service("POST", "servers/default/keep", json={"hours": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["kept_until"] > time.time() + 3000
+
+    # both GPUs go idle: bob is warned, then stopped; ann (kept) is neither
+    set_usage(hub, {a_dev: 0, b_dev: 1})
+    notice = wait_for("bob's warning", lambda: bob.service("GET", "idle").json()["notices"])
+    assert "will be stopped" in notice[0]["text"] and notice[0]["can_keep"]
+    page = bob.s.get(hub.service_url, timeout=30).text
+    assert "idle-notice" in page and "will be stopped" in page
+    wait_for("bob's server to stop",
+             lambda: not bob.api("GET", "/users/bob").json()["servers"])
+    assert ann.service("GET", "idle").json()["notices"] == []
+    assert ann.api("GET", "/users/ann").json()["servers"]
+    assert bob.service("GET", "me").json()["holdings"] == []
+
+    # the reason: My GPUs and the audit trail
+    stopped = bob.service("GET", "idle").json()["stopped"]
+    assert stopped and "below 5% use" in stopped[0]["new"]["text"]
+    page = bob.s.get(hub.service_url, timeout=30).text
+    assert "Stopped for idle GPUs" in page and "GPU-idle culling" in page
+    audit = admin.service("GET", "audit?limit=20").json()["audit"]
+    rows = [(a["scope"], a["name"], a["new"]["action"]) for a in audit if a["scope"] == "idle"]
+    assert ("idle", "bob/notebook/default", "stopped") in rows
+    assert ("idle", "bob/notebook/default", "warned") in rows
+    assert ("idle", "ann/notebook/default", "kept") in rows
+    # the GPU came back: bob gets one again (the busy stand-in keeps it)
+    set_usage(hub, {0: 90, 1: 90})
+    r = bob.start_server("", {"profile": "gpu-1"})
+    assert r.status_code in (201, 202), r.text
+    # nobody sees another person's idle state; an admin may
+    assert ann.service("GET", "idle?user=bob").status_code == 403
+    assert admin.service("GET", "idle?user=bob").status_code == 200
+    for p in (ann, bob):
+        p.stop_server()
