@@ -495,12 +495,28 @@ class PoolUsage:
         for u in r.pods:
             owner = self.owner_of(u, others)
             if owner is not None and owner.id == alloc.id:
-                entry = {"device": u.gpu if u.gpu is not None else len(out), "measured": True,
-                         **u.to_dict(), "source": u.source, "pod": u.pod,
-                         "namespace": u.namespace}
-                entry["text"] = usage_text(entry)
-                out.append(entry)
+                out.append(self._pod_entry(u, len(out)))
         return out
+
+    def by_allocation(self, allocations, readings: Readings | None = None) -> dict[str, list[dict]]:
+        """`entries_for` of every allocation at once (the culler's round): each DCGM figure's
+        owner is looked up once, not once per allocation."""
+        r = self.readings() if readings is None else readings
+        out = {a.id: (self.entries(a.devices, r) if a.devices else []) for a in allocations}
+        counting = [a for a in allocations if not a.devices]
+        if counting and r.pods:
+            for u in r.pods:
+                owner = self.owner_of(u, counting)
+                if owner is not None:
+                    out[owner.id].append(self._pod_entry(u, len(out[owner.id])))
+        return out
+
+    @staticmethod
+    def _pod_entry(u: Usage, n: int) -> dict:
+        entry = {"device": u.gpu if u.gpu is not None else n, "measured": True, **u.to_dict(),
+                 "source": u.source, "pod": u.pod, "namespace": u.namespace}
+        entry["text"] = usage_text(entry)
+        return entry
 
     def close(self) -> None:
         if self.sampler is not None:

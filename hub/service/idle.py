@@ -90,10 +90,11 @@ class IdleCuller:
         profiles = await self._profiles()
         now = time.time() if now is None else now
         done = []
+        by_alloc = self.usage.by_allocation(allocs, readings)
         for a in allocs:
             rule = self.settings.rule_for(a.kind, groups.get(a.user, ()),
                                           profiles.get((a.user, a.holder)))
-            entries = self.usage.entries_for(a, allocs, readings)
+            entries = by_alloc.get(a.id, [])
             measured = [e for e in entries if e.get("measured")]
             if not measured or len(measured) < len(entries):
                 busy = None  # something not measured: never culled on a guess

@@ -78,6 +78,8 @@ def test_a_counting_pool_shows_each_holdings_gpus_from_dcgm():
                                             "GPU 2: 91% busy, 58.8 of 79.3 GiB"]
         assert {e["pod"] for e in job} == {"digits-worker-0-0-x7k2p", "digits-worker-0-1-q9m4z"}
         assert usage.entries_for(allocs[0], allocs)[0]["gpu_percent"] == 0
+        # the culler's round: every holding at once, the same figures
+        assert usage.by_allocation(allocs) == {a.id: usage.entries_for(a, allocs) for a in allocs}
     finally:
         usage.close()
 
