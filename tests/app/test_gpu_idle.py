@@ -15,6 +15,8 @@ import pytest
 
 from tests.conftest import hub_with_config
 
+from .test_service_api import gpulab_cli as cli
+
 pytestmark = pytest.mark.app
 
 CONFIG = """
@@ -79,9 +81,13 @@ def test_an_idle_server_is_warned_then_stopped_and_a_kept_one_is_not(hub, users,
     assert r.status_code == 400 and r.json()["field"] == "hours", r.text
     r = ann.service("POST", "servers/nosuch/keep", json={"hours": 1})
     assert r.status_code == 404, r.text
-    r = ann.service("POST", "servers/default/keep", json={"hours": 1})
-    assert r.status_code == 200, r.text
-    assert r.json()["kept_until"] > time.time() + 3000
+    # the CLI, as a person types it: over the limit said in words, then granted
+    r = cli("keep", "--hours", "5", token=ann.token(), hub=hub)
+    assert r.returncode == 1 and "at most 2 hours" in r.stderr and "Traceback" not in r.stderr
+    r = cli("keep", "--hours", "1", token=ann.token(), hub=hub)
+    assert r.returncode == 0 and "ann's server 'default' is kept until" in r.stdout, r.stderr
+    kept = ann.service("GET", "idle").json()["kept"]
+    assert kept and kept[0]["kept_until"] > time.time() + 3000
 
     # both GPUs go idle: bob is warned, then stopped; ann (kept) is neither
     set_usage(hub, {a_dev: 0, b_dev: 1})
