@@ -81,6 +81,9 @@ def test_an_idle_server_is_warned_then_stopped_and_a_kept_one_is_not(hub, users,
     assert r.status_code == 400 and r.json()["field"] == "hours", r.text
     r = ann.service("POST", "servers/nosuch/keep", json={"hours": 1})
     assert r.status_code == 404, r.text
+    # nobody keeps another person's server (that one would then hold its GPU idle for ever)
+    r = ann.service("POST", "servers/default/keep?user=bob", json={"hours": 1})
+    assert r.status_code == 403, r.text
     # the CLI, as a person types it: over the limit said in words, then granted
     r = cli("keep", "--hours", "5", token=ann.token(), hub=hub)
     assert r.returncode == 1 and "at most 2 hours" in r.stderr and "Traceback" not in r.stderr
