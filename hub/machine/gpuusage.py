@@ -318,9 +318,23 @@ def pod_owner(usage: Usage, allocations, *, namespace_template: str = "gpulab-{u
             server = user if a.holder in ("", "default") else f"{user}--{slug(a.holder)}"
             if usage.pod == pod_template.format(user_server=server, username=user):
                 return a
-        elif a.kind == "job" and usage.pod.startswith(f"{a.holder}-"):
+        elif a.kind == "job" and _replica_pod(a.holder, usage.pod):
             return a
     return None
+
+
+#: the roles of a training job's replicas (`gpulab.extensions.contract`), the word after the
+#: job's name in its pods' names
+REPLICA_ROLES = ("chief", "ps", "worker", "evaluator")
+
+
+def _replica_pod(job: str, pod: str) -> bool:
+    """Whether `pod` is a replica pod of `job` (``<job>-<role>-[<i>-]<index>-<suffix>``), so
+    that job ``digits`` does not take the pods of job ``digits-big``."""
+    if not pod.startswith(job + "-"):
+        return False
+    parts = pod[len(job) + 1:].split("-")
+    return len(parts) >= 3 and parts[0] in REPLICA_ROLES and parts[-2].isdigit()
 
 
 class UsageSampler:

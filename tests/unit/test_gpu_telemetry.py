@@ -53,6 +53,11 @@ def test_each_dcgm_gpu_is_labelled_by_its_pods_owner():
     assert owners == {("jupyter-ann", 0): "n1", ("digits-worker-0-0-x7k2p", 1): "j1",
                       ("digits-worker-0-1-q9m4z", 2): "j1", ("jupyter-carl--big", 0): "n2",
                       ("", 1): None}
+    # job "digits" does not take the pods of bob's job "digits-big"
+    from gpulab.hub.machine.gpuusage import Usage
+    big = Usage("GPU-x", 50, 1, 2, 0.0, "dcgm", 0, "digits-big-worker-0-0-abcde", "gpulab-bob")
+    assert pod_owner(big, allocs + [alloc("j2", "bob", "job", "digits-big")]).id == "j2"
+    assert pod_owner(big, allocs) is None
     # the namespace must be the person's: bob's pod name in ann's namespace is not bob's
     [u] = [u for u in parse_dcgm(PAGE) if u.pod == "jupyter-ann"]
     assert pod_owner(u, [alloc("x", "eve", "notebook", "default")]) is None
@@ -244,3 +249,24 @@ def test_culling_is_off_by_default():
     s = GPUIdle().settings()
     assert not s.active and s.keep_max_hours == 8
     assert IdleSettings.from_json("") == IdleSettings()
+
+
+@pytest.mark.parametrize("pod, expected", [
+    ("digits-worker-0-0-x7k2p", ("worker", 0)),   # a JobSet's pod: job index, then pod index
+    ("digits-worker-1-q9m4z", ("worker", 1)),     # an Indexed Job's pod
+    ("digits-chief-0-0-abcde", ("chief", 0)),
+    ("digits2-worker-0-1-zzzzz", None),           # another job whose name starts the same
+    ("jupyter-ann", None),
+])
+def test_a_replica_pod_names_its_role_and_index(pod, expected):
+    from gpulab.hub.service.jobs import replica_of_pod
+
+    assert replica_of_pod("digits", pod) == expected
+
+
+def test_the_replica_roles_are_the_contracts():
+    # gpuusage keeps its own copy (the GPU checks load it without gpulab installed)
+    from gpulab.extensions.contract import ROLES
+    from gpulab.hub.machine.gpuusage import REPLICA_ROLES
+
+    assert REPLICA_ROLES == ROLES
