@@ -270,3 +270,53 @@ def test_the_replica_roles_are_the_contracts():
     from gpulab.hub.machine.gpuusage import REPLICA_ROLES
 
     assert REPLICA_ROLES == ROLES
+
+
+
+# -- the service's rounds (a real ledger; the hub and the job backend are doubles)
+
+async def test_a_round_warns_then_stops_by_the_rule_of_each_holdings_group_and_profile(tmp_path):
+    from gpulab.hub.quota.ledger import Ledger, Request
+    from gpulab.hub.service.idle import IdleCuller
+    from tests.doubles import FakeHubDirectory, FakeJobs
+
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.sqlite'}")
+    ledger.migrate()
+    ledger.sync_inventory([DeviceInfo(i, f"sim-{i}", simulated=True) for i in range(4)])
+    nb_ann = ledger.admit(Request("ann", "notebook", "default", 1))
+    nb_bob = ledger.admit(Request("bob", "notebook", "big", 1))
+    nb_cy = ledger.admit(Request("cy", "notebook", "default", 1))
+    job = ledger.admit(Request("ann", "job", "digits", 1))
+    path = tmp_path / "gpu-usage.json"
+    path.write_text(json.dumps({str(i): {"gpu_percent": 0} for i in range(4)}))
+    os.chmod(path, 0o600)
+    usage = PoolUsage(ledger.devices(), 0.05, source=StandInSource(path))
+    usage.sampler._latest = usage.sampler.source.read()  # this round's figures, no thread
+    usage.sampler._started = True
+    base = IdleRule(mode="stop", idle_seconds=100, warn_seconds=50)
+    settings = IdleSettings(base, (make_rule(base, {"groups": ["lab"], "mode": "warn"}),
+                                   make_rule(base, {"profiles": ["gpu-big"], "mode": "off"})), 4)
+    hub = FakeHubDirectory({"ann": ((), {"default": "gpu-1"}), "bob": ((), {"big": "gpu-big"}),
+                            "cy": (("lab",), {"default": "gpu-1"})})
+    jobs = FakeJobs()
+    culler = IdleCuller(ledger, usage, hub, settings, jobs=jobs)
+    assert await culler.tick(now=1000) == []                      # idle from now
+    done = await culler.tick(now=1050)                            # ann's two: warned
+    assert sorted((w, h["user"], h["name"]) for w, h in done) == [
+        ("warn", "ann", "default"), ("warn", "ann", "digits")]
+    assert {n["name"] for n in culler.view("ann")["notices"]} == {"default", "digits"}
+    done = await culler.tick(now=1100)                            # stopped; cy (lab) warned
+    assert sorted((w, h["user"], h["name"]) for w, h in done) == [
+        ("stop", "ann", "default"), ("stop", "ann", "digits"), ("warn", "cy", "default")]
+    assert hub.stopped == [("ann", "default")]
+    assert [(u, n) for u, n, _ in jobs.stopped] == [("ann", "digits")]
+    assert "below 5% use for 100 s" in jobs.stopped[0][2]
+    open_ids = {a.id for a in ledger.open_allocations()}
+    assert open_ids == {nb_bob.id, nb_cy.id}                      # ann's GPUs are back
+    assert ledger.get(nb_ann.id).end_reason.startswith("stopped: its GPUs stayed below 5%")
+    assert job.id not in open_ids
+    # cy's rule only warns, bob's (profile gpu-big) does nothing, for ever
+    assert await culler.tick(now=5000) == []
+    stops = [e["name"] for e in ledger.events("idle") if e["new"]["action"] == "stopped"]
+    assert sorted(stops) == ["ann/job/digits", "ann/notebook/default"]
+    usage.close()
