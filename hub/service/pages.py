@@ -168,6 +168,9 @@ class AdminPage(PageHandler):
         now = time.time()
         o["queue"] = ([entry_view(e, now) for e in await asyncio.to_thread(queue.entries, None, now)]
                       if queue is not None else [])
+        # GPU-idle culling's warnings, by allocation id (the holdings they are about)
+        culler = self.settings.get("idle_culler")
+        o["idle"] = dict(culler.notices) if culler is not None else {}
         self.render_page("admin.html", o=o)
 
 

@@ -102,6 +102,8 @@ def test_an_idle_server_is_warned_then_stopped_and_a_kept_one_is_not(hub, users,
     assert "will be stopped" in notice[0]["text"] and notice[0]["can_keep"]
     page = bob.s.get(hub.service_url, timeout=30).text
     assert "idle-notice" in page and "will be stopped" in page
+    admin_page = admin.s.get(hub.service_url + "admin", timeout=30).text
+    assert "GPUs idle: to be stopped" in admin_page
     wait_for("bob's server to stop",
              lambda: not bob.api("GET", "/users/bob").json()["servers"])
     assert ann.service("GET", "idle").json()["notices"] == []
