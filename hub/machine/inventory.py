@@ -261,7 +261,8 @@ class GPUInventory(SingletonConfigurable):
         from .gpuusage import Readings, UsageSampler, usage_source
 
         real = [g.uuid for g in self.gpus if not g.simulated]
-        source = (usage_source(self.usage_settings()) if self.usage_source == "stand-in"
+        stand_in = self.usage_source == "stand-in" and self.usage_stand_in_file
+        source = (usage_source(self.usage_settings()) if stand_in
                   else None)  # DCGM's figures are the service's (pods, not this machine)
         if not self.usage_interval or (not real and source is None):
             return Readings()
