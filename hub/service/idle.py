@@ -48,6 +48,8 @@ class IdleCuller:
         self.tracker = IdleTracker()
         #: alloc id -> the notice its owner sees
         self.notices: dict[str, dict] = {}
+        #: alloc id -> (user, server) of the keeps asked
+        self._kept: dict[str, tuple[str, str]] = {}
         self._busy = False
         self._pc: PeriodicCallback | None = None
 
@@ -182,6 +184,7 @@ class IdleCuller:
         for a in mine:
             self.tracker.keep(a.id, until)
             self.notices.pop(a.id, None)
+            self._kept[a.id] = (user, server)
         text = f"server '{server}' kept for {hours:g} h (GPU-idle culling holds off)"
         await asyncio.to_thread(self.ledger.record, actor, SCOPE,
                                 event_name(user, "notebook", server),
@@ -197,9 +200,12 @@ class IdleCuller:
         """The notices and keeps of `user`'s holdings (the page and ``GET /idle``)."""
         notices = [n for n in self.notices.values() if n["user"] == user]
         kept = []
-        for a_id, st in self.tracker.states.items():
-            if st.keep_until and st.keep_until > time.time():
-                kept.append({"id": a_id, "kept_until": st.keep_until})
+        for a_id, (owner, server) in list(self._kept.items()):
+            st = self.tracker.state(a_id)
+            if st is None or not st.keep_until or st.keep_until <= time.time():
+                del self._kept[a_id]  # ended, or the holding is gone
+            elif owner == user:
+                kept.append({"id": a_id, "server": server, "kept_until": st.keep_until})
         return {"notices": notices, "kept": kept, "keep_max_hours": self.settings.keep_max_hours}
 
     def start(self, interval: float) -> None:

@@ -94,7 +94,8 @@ def test_an_idle_server_is_warned_then_stopped_and_a_kept_one_is_not(hub, users,
     r = cli("keep", "--hours", "1", token=ann.token(), hub=hub)
     assert r.returncode == 0 and "ann's server 'default' is kept until" in r.stdout, r.stderr
     kept = ann.service("GET", "idle").json()["kept"]
-    assert kept and kept[0]["kept_until"] > time.time() + 3000
+    assert kept and kept[0]["kept_until"] > time.time() + 3000 and kept[0]["server"] == "default"
+    assert bob.service("GET", "idle").json()["kept"] == []  # ann's keep is hers alone
 
     # both GPUs go idle: bob is warned, then stopped; ann (kept) is neither
     set_usage(hub, {a_dev: 0, b_dev: 1})
