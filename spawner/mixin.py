@@ -394,12 +394,13 @@ class GPUSpawnerMixin:
         """Each holding as the pages show it: what, how many GPUs, which devices, and how
         busy each device is now (NVML's latest figures; never waits for the driver)."""
         inventory = GPUInventory.instance(config=self.config)
-        figures = inventory.usage()
+        readings = inventory.usage_readings()
         by_index = {g.index: g for g in inventory.gpus}
 
         def text(i):
             g = by_index.get(i)
-            return device_usage(i, g.uuid if g else "", bool(g and g.simulated), figures)["text"]
+            return device_usage(i, g.uuid if g else "", bool(g and g.simulated),
+                                readings.by_uuid, readings.by_index)["text"]
 
         return [(_describe(a), a.gpus, list(a.devices), [text(i) for i in a.devices])
                 for a in mine]

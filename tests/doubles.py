@@ -18,6 +18,11 @@ Index:
   server would store, keeping the ``spec`` fields another field manager added to a policy
   (``foreign``), and records each call. The real API server (bound by the hub's RBAC) is in
   tests/cluster/test_kube_spawner.py and test_kube_jobs.py.
+- `FakeHubDirectory`: stands in for the gpulab service's `HubDirectory` in the unit tests of
+  GPU-idle culling's rounds (tests/unit/test_gpu_telemetry.py): the hub's users with their
+  groups and their servers' chosen profiles, and a record of the servers it was asked to
+  stop. The real hub stops a culled server in tests/app/test_gpu_idle.py.
+- `FakeJobs`: a job backend that records the jobs it was asked to stop, with the reason.
 """
 
 from __future__ import annotations
@@ -196,3 +201,35 @@ def offline_kubeconfig(tmp_path, monkeypatch) -> None:
         "users: [{name: none, user: {token: none}}]\n")
     monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
     load_config.cache_clear()
+
+
+class FakeHubDirectory:
+    """Users ``{name: (groups, {server: profile})}`` as the hub would list them."""
+
+    def __init__(self, users: dict):
+        self._users = users
+        self.stopped: list[tuple[str, str]] = []
+
+    async def users(self):
+        return [{"name": n, "groups": list(g), "admin": False} for n, (g, _) in self._users.items()]
+
+    async def _all_users(self):
+        return [{"name": n, "groups": list(g),
+                 "servers": {("" if s == "default" else s): {"user_options": {"profile": p}}
+                             for s, p in servers.items()}}
+                for n, (g, servers) in self._users.items()]
+
+    async def stop_server(self, user: str, server: str) -> int:
+        self.stopped.append((user, server))
+        return 204
+
+
+class FakeJobs:
+    """Records ``stop(user, name, reason=…, actor=…)``."""
+
+    def __init__(self):
+        self.stopped: list[tuple[str, str, str]] = []
+
+    async def stop(self, user, name, actor=None, reason=None):
+        self.stopped.append((user, name, reason))
+        return {}

@@ -34,7 +34,7 @@ EXIT_USAGE, EXIT_API = 2, 1
 #: the options of every client command, also accepted before the command
 CLIENT_OPTIONS = ("url", "token", "json")
 #: the commands that call the hub (``jobs export`` does not)
-CLIENT_COMMANDS = ("quota", "usage", "jobs")
+CLIENT_COMMANDS = ("quota", "usage", "jobs", "keep")
 
 
 def common(p) -> None:

@@ -93,6 +93,7 @@ def config_reference(parser) -> str:
     from gpulab.hub.quota.waiting import GPUQueue
     from gpulab.spawner.kube import KubeGPUSpawner
     from gpulab.hub.machine.inventory import GPUInventory
+    from gpulab.hub.quota.idle import GPUIdle
     from gpulab.hub.quota.settings import GPULedger
     from gpulab.spawner import LocalGPUSpawner
 
@@ -104,6 +105,7 @@ def config_reference(parser) -> str:
         _trait_section(LocalGPUSpawner),
         _trait_section(GpulabHub, only_own=True),
         _trait_section(GPUInventory),
+        _trait_section(GPUIdle),
         _trait_section(GPULedger),
         _trait_section(GpulabAuthenticator),
         _trait_section(GPUJobs),

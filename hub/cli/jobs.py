@@ -353,6 +353,8 @@ def print_job(job: dict, now: float | None = None) -> None:
     for r in job["replicas"]:  # while it runs: how busy its GPUs are (NVML)
         for u in r.get("usage") or ():
             print(f"{r['name']}: {u['text']}")
+    for u in job.get("usage") or ():  # Kubernetes: by pod, from the DCGM exporter
+        print(f"{u.get('pod') or job['name']}: {u['text']}")
     lines = restart_lines(job)
     if lines:
         print("restarts:")

@@ -16,7 +16,7 @@ import sys
 from gpulab.hub.cli.common import EXIT_USAGE, add_global_options, apply_global_options, fail
 from gpulab.hub.cli.docs import config_reference
 from gpulab.hub.cli.jobs import add_jobs_parser, cmd_jobs
-from gpulab.hub.cli.quota import add_quota_parsers, cmd_quota, cmd_usage
+from gpulab.hub.cli.quota import add_quota_parsers, cmd_keep, cmd_quota, cmd_usage
 from gpulab.hub.cli.service import add_service_parser, cmd_service
 from gpulab.hub.cli.up import add_up_parser, cmd_up
 
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"up": cmd_up, "config-reference": cmd_config_reference, "quota": cmd_quota,
-            "usage": cmd_usage, "jobs": cmd_jobs, "service": cmd_service}
+            "usage": cmd_usage, "jobs": cmd_jobs, "service": cmd_service, "keep": cmd_keep}
 
 
 def version() -> str:

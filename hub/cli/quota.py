@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from urllib.parse import quote
 
 from gpulab.extensions.client import DEFAULT_HUB_URL, GpulabError
@@ -50,6 +51,30 @@ def add_quota_parsers(sub) -> None:
     u = sub.add_parser("usage", help="GPU-hours per user and group")
     u.add_argument("--days", type=int, default=7, help="window in days (default 7)")
     common(u)
+    k = sub.add_parser("keep", help="keep a server whose GPUs sit idle from being stopped "
+                       "(GPU-idle culling) for some hours")
+    k.add_argument("server", nargs="?", default="default",
+                   help="the server's name (default: the default server)")
+    k.add_argument("--hours", type=float, required=True,
+                   help="how long, at most the hub's c.GPUIdle.keep_max_hours")
+    k.add_argument("--user", default=None, help="(admins) another person's server")
+    common(k)
+
+
+def cmd_keep(args) -> int:
+    params = {"user": args.user} if args.user else None
+    try:
+        kept = hub_client(args).request("POST", f"servers/{quote(args.server, safe='')}/keep",
+                                        body={"hours": args.hours}, params=params)
+    except GpulabError as e:
+        return fail_api(e)
+    if args.json:
+        print(json.dumps(kept, indent=2))
+        return 0
+    until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(kept["kept_until"]))
+    print(f"{kept['user']}'s server '{kept['server']}' is kept until {until} "
+          f"(at most {kept['max_hours']:g} h may be asked)")
+    return 0
 
 
 def hub_url(args) -> str:

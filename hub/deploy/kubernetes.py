@@ -19,6 +19,7 @@ service keys the operator set win, and role members and scopes are joined.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -43,11 +44,18 @@ POD_NAMESPACE_ENV = "POD_NAMESPACE"
 
 def gpulab_kube_settings(*, ledger_url: str, job_limits: str | None = None,
                          kube_jobs: str | None = None,
-                         reconcile_interval: float | None = None) -> dict:
+                         reconcile_interval: float | None = None,
+                         usage_seconds: float | None = None, usage_source: str | None = None,
+                         idle: str | None = None) -> dict:
     """The gpulab service's settings (`gpulab.hub.service.app.GpulabService` traits) in the hub
     pod, for its config file (`gpulab.hub.deploy.serviceconfig`); None: left unset."""
     settings = {"ledger_url": ledger_url, "ledger_pool": "kubernetes",
                 "job_limits": job_limits, "reconcile_seconds": reconcile_interval}
+    # GPU usage from the DCGM exporter (c.GPUInventory), GPU-idle culling (c.GPUIdle)
+    for key, value in (("usage_seconds", usage_seconds), ("usage_source", usage_source),
+                       ("idle", idle)):
+        if value is not None:
+            settings[key] = value
     if kube_jobs is not None:  # training jobs as Kubernetes Jobs (gpulab.hub.jobs.kube)
         settings.update(job_backend="kubernetes", kube_jobs=kube_jobs)
     return settings
@@ -161,10 +169,22 @@ def kubernetes_config(
 
     from gpulab.hub.quota.settings import GPULedger
 
+    from gpulab.hub.machine.inventory import GPUInventory
+
+    from gpulab.hub.quota.idle import GPUIdle
+
     limits = GPUJobs(config=c).limits_json()
+    inventory = GPUInventory(config=c)
+    idle = GPUIdle(config=c)
+    watched = inventory.usage_source != "nvml" or idle.settings().active
     settings = gpulab_kube_settings(ledger_url=ledger_url, job_limits=limits,
                                     kube_jobs=backend_settings(c),
-                                    reconcile_interval=GPULedger(config=c).reconcile_interval)
+                                    reconcile_interval=GPULedger(config=c).reconcile_interval,
+                                    usage_seconds=(float(inventory.usage_interval) if watched
+                                                   else None),
+                                    usage_source=(json.dumps(inventory.usage_settings())
+                                                  if watched else None),
+                                    idle=idle.settings_json() if watched else None)
     folder = (private_folder(config_dir) if config_dir is not None
               else Path(tempfile.mkdtemp(prefix="gpulab-service-")))
     existing = list(c.JupyterHub.get("services", []))

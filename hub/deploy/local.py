@@ -227,9 +227,11 @@ def gpulab_roles(admin_user: str) -> list[dict]:
          "scopes": [ADMIN_SCOPE, f"access:services!service={SERVICE_NAME}"],
          "users": [admin_user], "groups": [ADMIN_GROUP]},
         # the service reads users and their groups (effective quotas come from groups), and
-        # their servers (to close the GPU allocations of servers the hub no longer has)
+        # their servers (to close the GPU allocations of servers the hub no longer has), and
+        # stops servers whose GPUs sit idle (c.GPUIdle)
         {"name": "gpulab-service", "description": "The gpulab service's own token",
-         "scopes": ["list:users", "read:users", "list:groups", "read:groups", "read:servers"],
+         "scopes": ["list:users", "read:users", "list:groups", "read:groups", "read:servers",
+                    "delete:servers"],
          "services": [SERVICE_NAME]},
         # everyone may call the gpulab service for themselves (their own tokens included)
         {"name": "user", "description": "Standard user privileges, and the gpulab service",

@@ -437,6 +437,8 @@ class GpulabHub(JupyterHub):
 
         from gpulab.hub.quota.waiting import GPUQueue
 
+        from gpulab.hub.quota.idle import GPUIdle
+
         jobs = GPUJobs(config=self.config)
         limits = dataclasses.replace(jobs.limits(),
                                      **person_bounds(self.config, self.spawner_class))
@@ -444,10 +446,26 @@ class GpulabHub(JupyterHub):
                     "job_limits": json.dumps(dataclasses.asdict(limits)),
                     "queue": GPUQueue(config=self.config).settings_json(),
                     "reconcile_seconds": float(GPULedger(config=self.config).reconcile_interval),
-                    "usage_seconds": float(GPUInventory(config=self.config).usage_interval)}
+                    "usage_seconds": float(GPUInventory(config=self.config).usage_interval),
+                    "usage_source": json.dumps(self._usage_settings()),
+                    "idle": GPUIdle(config=self.config).settings_json()}
         if jobs.python:
             settings["job_python"] = jobs.python
         self._service_settings = settings
+
+    def _usage_settings(self) -> dict:
+        """``c.GPUInventory``'s usage source for the service; the stand-in file defaults to
+        ``<data-dir>/gpu-usage.json``."""
+        from gpulab.hub.machine.inventory import GPUInventory
+
+        inventory = GPUInventory(config=self.config)
+        if inventory.usage_source == "stand-in" and not inventory.usage_stand_in_file:
+            data = getattr(self, "gpulab_data_dir", None) or os.getcwd()
+            inventory.usage_stand_in_file = os.path.join(str(data), "gpu-usage.json")
+            # the hub's own sampler (the spawn form) reads the same file
+            GPUInventory.instance(config=self.config).usage_stand_in_file = \
+                inventory.usage_stand_in_file
+        return inventory.usage_settings()
 
     def init_services(self):
         from gpulab.hub.service import SERVICE_NAME

@@ -167,6 +167,53 @@ class GPUInventory(SingletonConfigurable):
         """,
     ).tag(config=True)
 
+    usage_source = CaselessStrEnum(
+        ["nvml", "stand-in", "dcgm"],
+        default_value="nvml",
+        help="""Where the GPU usage figures (utilisation, memory) come from, read every
+        `usage_interval` seconds by the gpulab service and by the hub.
+
+        - ``nvml`` (default): this machine's driver; simulated GPUs say "simulated".
+        - ``stand-in``: the JSON file `usage_stand_in_file`, by device number
+          (``{"0": {"gpu_percent": 0, "memory_used_mib": 300, "memory_total_mib": 16384}}``),
+          for simulated GPUs: tests and demonstrations of GPU-idle culling (``c.GPUIdle``).
+          Only a file owned by root or the hub's account and not writable by others is read.
+        - ``dcgm``: NVIDIA's DCGM exporter on Kubernetes (`dcgm_url`); each GPU is labelled
+          with the pod that holds it and so with its server or job.
+
+        Example: ``c.GPUInventory.usage_source = "dcgm"``
+        """,
+    ).tag(config=True)
+
+    usage_stand_in_file = Unicode(
+        "",
+        help="""The stand-in usage file (``usage_source = "stand-in"``); default: empty, which
+        means ``<data-dir>/gpu-usage.json`` in `gpulab up`.
+        Example: ``c.GPUInventory.usage_stand_in_file = "/srv/gpulab/gpu-usage.json"``
+        """,
+    ).tag(config=True)
+
+    dcgm_url = Unicode(
+        "",
+        help="""The DCGM exporter's metrics URL (``usage_source = "dcgm"``), Prometheus' text
+        format with ``DCGM_FI_DEV_GPU_UTIL``, ``DCGM_FI_DEV_FB_USED`` and
+        ``DCGM_FI_DEV_FB_FREE`` and the exporter's ``pod``/``namespace`` labels (its
+        Kubernetes mapping, on by default in the GPU operator). Example:
+        ``c.GPUInventory.dcgm_url = "http://nvidia-dcgm-exporter.gpu-operator.svc:9400/metrics"``
+        """,
+    ).tag(config=True)
+
+    def usage_settings(self) -> dict:
+        """The usage source's settings, for the gpulab service
+        (`gpulab.hub.machine.gpuusage.usage_source`)."""
+        if self.usage_source == "stand-in" and not self.usage_stand_in_file:
+            raise ValueError("c.GPUInventory.usage_source = 'stand-in' needs "
+                             "c.GPUInventory.usage_stand_in_file.")
+        if self.usage_source == "dcgm" and not self.dcgm_url:
+            raise ValueError("c.GPUInventory.usage_source = 'dcgm' needs c.GPUInventory.dcgm_url.")
+        return {"source": self.usage_source, "stand_in_file": self.usage_stand_in_file,
+                "dcgm_url": self.dcgm_url}
+
     @default("source")
     def _source_default(self):
         import os
@@ -206,14 +253,22 @@ class GPUInventory(SingletonConfigurable):
     def usage(self) -> dict:
         """The latest NVML figures of this machine's real GPUs, by UUID ({} where none are
         measured); the first call starts the sampling thread and never waits for NVML."""
-        real = [g.uuid for g in self.gpus if not g.simulated]
-        if not real or not self.usage_interval:
-            return {}
-        if self._sampler is None:
-            from .gpuusage import UsageSampler
+        return dict(self.usage_readings().by_uuid)
 
-            self._sampler = UsageSampler(real, self.usage_interval)
-        return self._sampler.snapshot()
+    def usage_readings(self):
+        """The latest `gpulab.hub.machine.gpuusage.Readings` of `usage_source` (the stand-in
+        file's figures by device number too); never waits for the source."""
+        from .gpuusage import Readings, UsageSampler, usage_source
+
+        real = [g.uuid for g in self.gpus if not g.simulated]
+        stand_in = self.usage_source == "stand-in" and self.usage_stand_in_file
+        source = (usage_source(self.usage_settings()) if stand_in
+                  else None)  # DCGM's figures are the service's (pods, not this machine)
+        if not self.usage_interval or (not real and source is None):
+            return Readings()
+        if self._sampler is None:
+            self._sampler = UsageSampler(real, self.usage_interval, source=source)
+        return self._sampler.readings()
 
     def by_index(self, index: int) -> GPU | None:
         for gpu in self.gpus:

@@ -235,6 +235,23 @@ class Ledger:
                 for r in rows
             ]
 
+    def record(self, actor: str, scope: str, name: str, new: dict, now: float | None = None) -> None:
+        """An event in the audit trail that is not a quota change (scope ``idle``: a server
+        or job warned, stopped or kept for its idle GPUs; `name` ``<user>/<kind>/<holder>``)."""
+        with self.Session.begin() as s:
+            s.add(AuditRow(at=time.time() if now is None else now, actor=actor[:255],
+                           scope=scope[:16], name=name[:255], old=None, new=json.dumps(new)))
+
+    def events(self, scope: str, name_prefix: str = "", limit: int = 20) -> list[dict]:
+        """The newest audit rows of `scope` whose name starts with `name_prefix`."""
+        with self.Reader() as s:
+            q = select(AuditRow).where(AuditRow.scope == scope)
+            if name_prefix:
+                q = q.where(AuditRow.name.startswith(name_prefix, autoescape=True))
+            rows = s.scalars(q.order_by(AuditRow.id.desc()).limit(limit))
+            return [{"at": r.at, "actor": r.actor, "scope": r.scope, "name": r.name,
+                     "new": json.loads(r.new) if r.new else None} for r in rows]
+
     def effective(self, user: str, groups: Iterable[str], s=None):
         """``(quota or None, source)`` for `user` in `groups` (`s`: a session or connection
         of the caller's transaction)."""

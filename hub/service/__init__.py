@@ -28,6 +28,8 @@ ENV_FALLBACKS = {
     "job_limits": "GPULAB_JOB_LIMITS",
     "reconcile_seconds": RECONCILE_ENV,
     "usage_seconds": USAGE_ENV,
+    "usage_source": "GPULAB_USAGE_SOURCE",
+    "idle": "GPULAB_IDLE",
     "job_backend": "GPULAB_JOB_BACKEND",
     "kube_jobs": "GPULAB_KUBE_JOBS",
     "shared_dir": "GPULAB_SHARED_DIR",

@@ -49,6 +49,7 @@ from gpulab.hub.service import (ACCESS_SCOPE, ADMIN_SCOPE, RECONCILE_ENV,  # noq
 from gpulab.hub.service.base import (DAY, MAX_BODY, MAX_BUFFERED_BODY, MAX_JSON_DEPTH,  # noqa: F401
                                      APIHandler, Base, FieldError, check_json_values, log)
 from gpulab.hub.service.hubapi import HubDirectory
+from gpulab.hub.service.idle import IdleCuller, IdleHandler, KeepHandler
 from gpulab.hub.service.queue import QueueActionHandler, QueueHandler
 from gpulab.hub.service.jobs import (JobHandler, JobLogsHandler, JobsBase, JobsHandler,  # noqa: F401
                                      JobStopHandler)
@@ -94,7 +95,8 @@ class FrameAncestors(web.OutputTransform):
 
 def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirectory,
              on_quota_change=None, jobs=None, job_limits=None,
-             tls: "ServiceTLS | None" = None, gpu_usage=None) -> web.Application:
+             tls: "ServiceTLS | None" = None, gpu_usage=None,
+             idle_culler=None) -> web.Application:
     """The service's tornado application; with `tls`, its calls to the hub (token checks)
     go over mutual TLS with the service's own certificate, verifying the hub's; with
     `gpu_usage` (a `PoolUsage`), holdings and replicas say how busy their GPUs are."""
@@ -117,6 +119,8 @@ def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirecto
             (url_path_join(api, "allocations"), AllocationsHandler),
             (url_path_join(api, "usage"), UsageHandler),
             (url_path_join(api, "audit"), AuditHandler),
+            (url_path_join(api, "idle"), IdleHandler),
+            (url_path_join(api, f"servers/{name}/keep"), KeepHandler),
             (url_path_join(api, "jobs"), JobsHandler),
             (url_path_join(api, f"jobs/{name}"), JobHandler),
             (url_path_join(api, f"jobs/{name}/stop"), JobStopHandler),
@@ -140,6 +144,7 @@ def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirecto
         disks=getattr(jobs, "disks", None),
         job_limits=job_limits or DEFAULT_LIMITS,
         gpu_usage=gpu_usage,
+        idle_culler=idle_culler,
     )
     app.add_transform(FrameAncestors)
     return app
@@ -147,20 +152,44 @@ def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirecto
 
 
 
-def usage_from_env(ledger: Ledger, env=None, interval: float | None = None):
-    """A `PoolUsage` over the pool's real GPUs, read every `interval` seconds
+def usage_from_env(ledger: Ledger, env=None, interval: float | None = None,
+                   source: str | None = None, kube_jobs: str | None = None):
+    """A `PoolUsage` over the pool's GPUs, read every `interval` seconds
     (`GpulabService.usage_seconds`; without it ``GPULAB_USAGE_SECONDS``, default 5; 0: not
-    measured). A counting pool (Kubernetes: no device numbers, the GPUs are on the nodes) has
-    nothing this process can read."""
-    from gpulab.hub.machine.gpuusage import PoolUsage
+    measured) from `source` (`GpulabService.usage_source`, JSON: NVML by default, the
+    stand-in file, DCGM). With NVML, a counting pool (Kubernetes: no device numbers, the GPUs
+    are on the nodes) has nothing this process can read; with DCGM, GPUs are labelled by the
+    pods that hold them, named as `kube_jobs`' namespace template says."""
+    from gpulab.hub.machine.gpuusage import PoolUsage, pod_owner, usage_source
 
     if interval is None:
         env = os.environ if env is None else env
         interval = float(env.get(USAGE_ENV) or 5)
+    settings = json.loads(source) if source else {}
     devices = ledger.devices()
-    if not interval or not devices:
+    src = usage_source(settings)
+    if not interval or (not devices and src is None):
         return None
-    return PoolUsage(devices, interval)
+    owner_of = None
+    if settings.get("source") == "dcgm":
+        template = "gpulab-{username}"
+        try:
+            template = json.loads(kube_jobs or "{}").get("namespace_template") or template
+        except ValueError:
+            pass
+        try:
+            from kubespawner.slugs import safe_slug
+        except ImportError:  # pragma: no cover - kubespawner is a dependency
+            def safe_slug(name):
+                return name.lower()
+
+        def slug(name):  # KubeSpawner leaves names it may use as they are
+            import re
+            return name if re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name) else safe_slug(name)
+
+        def owner_of(u, allocations):
+            return pod_owner(u, allocations, namespace_template=template, slug=slug)
+    return PoolUsage(devices, interval, source=src, owner_of=owner_of)
 
 
 def local_backend_from_env(ledger: Ledger, shared: str | None = None, isolate: bool | None = None,
@@ -304,6 +333,25 @@ class GpulabService(Application):
         Default: ``$GPULAB_JOB_BACKEND``. Example: ``c.GpulabService.job_backend = "kubernetes"``.
         """).tag(config=True)
 
+    usage_source = Unicode(help="""Where GPU usage comes from, as JSON (the hub's
+        ``c.GPUInventory.usage_settings()``: ``{"source": "nvml" | "stand-in" | "dcgm",
+        "stand_in_file": ..., "dcgm_url": ...}``); empty: NVML. Default:
+        ``$GPULAB_USAGE_SOURCE``. Example:
+        ``c.GpulabService.usage_source = '{"source": "dcgm", "dcgm_url": "http://dcgm:9400/metrics"}'``.
+        """).tag(config=True)
+
+    @default("usage_source")
+    def _usage_source_default(self):
+        return _env("GPULAB_USAGE_SOURCE")
+
+    idle = Unicode(help="""GPU-idle culling's settings as JSON (the hub's ``c.GPUIdle``,
+        `gpulab.hub.quota.idle.GPUIdle.settings_json`); empty: off. Default: ``$GPULAB_IDLE``.
+        Example: ``c.GpulabService.idle = '{"default": {"mode": "warn"}}'``.""").tag(config=True)
+
+    @default("idle")
+    def _idle_default(self):
+        return _env("GPULAB_IDLE")
+
     @default("job_backend")
     def _job_backend_default(self):
         return _env("GPULAB_JOB_BACKEND")
@@ -425,9 +473,21 @@ class GpulabService(Application):
                                           self.job_python, queue=self.queue))
         from gpulab.hub.jobs.spec import limits_from_json
 
+        from gpulab.hub.quota.idle import IdleSettings
+
+        usage = usage_from_env(ledger, interval=self.usage_seconds, source=self.usage_source,
+                               kube_jobs=self.kube_jobs)
+        idle = IdleSettings.from_json(self.idle)
+        culler = None
+        if usage is not None and idle.active:
+            culler = IdleCuller(ledger, usage, directory, idle, jobs=jobs)
+            culler.start(self.usage_seconds)
+        elif idle.active:
+            log.warning("GPU-idle culling is set but GPU usage is not measured here "
+                        "(c.GPUInventory.usage_interval, usage_source): nothing is culled")
         app = make_app(ledger, prefix, hub_prefix, directory, jobs=jobs,
                        job_limits=limits_from_json(self.job_limits), tls=tls,
-                       gpu_usage=usage_from_env(ledger, interval=self.usage_seconds))
+                       gpu_usage=usage, idle_culler=culler)
         if jobs is not None:
             jobs.recover()
             IOLoop.current().add_callback(jobs.ensure_supervisor)

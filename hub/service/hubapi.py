@@ -10,6 +10,14 @@ from urllib.parse import quote
 
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
+def hub_server_path(user: str, server: str) -> str:
+    """The hub API path that stops `user`'s `server` (``default``: the default one)."""
+    u = quote(user, safe="")
+    if server in ("", "default"):
+        return f"/users/{u}/server"
+    return f"/users/{u}/servers/{quote(server, safe='')}"
+
+
 class HubDirectory:
     """Users and groups as the hub knows them, read with the service's own token."""
 
@@ -85,6 +93,21 @@ class HubDirectory:
                 return True
             raise
         return False
+
+    async def stop_server(self, user: str, server: str) -> int:
+        """Ask the hub to stop `user`'s `server` (``default``: the default one), as an admin
+        would (the service's role has ``delete:servers``): 204 stopped, 202 stopping; a
+        server already gone (404, 400 "not running") is fine."""
+        req = HTTPRequest(self.api_url + hub_server_path(user, server), method="DELETE",
+                          headers={"Authorization": f"token {self.token}"},
+                          request_timeout=60)
+        try:
+            resp = await AsyncHTTPClient().fetch(req)
+        except HTTPClientError as e:
+            if e.code in (400, 404):
+                return e.code
+            raise
+        return resp.code
 
     def forget(self) -> None:
         self._cache = None

@@ -60,6 +60,18 @@ class JobsHandler(JobsBase):
         self.send(job, 202 if job["state"] == "Queued" else 201)
 
 
+def replica_of_pod(job: str, pod: str) -> tuple[str, int] | None:
+    """``(role, index)`` of a replica pod of `job` as Kubernetes names it: an Indexed Job's
+    ``<job>-<role>-<index>-<suffix>`` or a JobSet's ``<job>-<role>-<job index>-<index>-<suffix>``
+    (None: not a replica pod of that job)."""
+    if not pod.startswith(job + "-"):
+        return None
+    parts = pod[len(job) + 1:].split("-")
+    if len(parts) < 3 or not parts[-2].isdigit():
+        return None
+    return parts[0], int(parts[-2])
+
+
 class JobHandler(JobsBase):
     async def get(self, name):
         job = await self.backend.view(self.owner(), name)
@@ -70,6 +82,15 @@ class JobHandler(JobsBase):
             for r in job.get("replicas", ()):
                 if r.get("devices"):  # how busy the replica's GPUs are now
                     r["usage"] = usage.entries(r["devices"])
+            if not any(r.get("devices") for r in job.get("replicas", ())):
+                # a counting pool (Kubernetes): the GPUs DCGM sees in the job's pods
+                allocs = await asyncio.to_thread(self.ledger.open_allocations, job.get("user"), "job")
+                mine = [a for a in allocs if a.holder == name]
+                if mine:
+                    job["usage"] = usage.entries_for(mine[0])
+                    for r in job.get("replicas", ()):  # the JobView's "GPU use" column
+                        r["usage"] = [u for u in job["usage"] if replica_of_pod(
+                            name, u.get("pod", "")) == (r.get("role"), r.get("index"))]
         self.send(job)
 
 

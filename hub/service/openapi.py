@@ -59,14 +59,20 @@ DEVICE_USAGE = {"type": "object", "required": ["device", "measured"], "propertie
     "gpu_percent": {"type": "integer", "minimum": 0, "maximum": 100,
                     "description": "Percent of the last sample period in which a kernel ran"},
     "memory_used_mib": {"type": "integer"}, "memory_total_mib": {"type": "integer"},
-    "at": {"type": "number", "description": "When NVML was read (Unix time)"},
+    "at": {"type": "number", "description": "When the source was read (Unix time)"},
+    "source": {"type": "string", "enum": ["nvml", "stand-in", "dcgm"],
+               "description": "Where the figures came from (c.GPUInventory.usage_source)"},
+    "simulated": {"type": "boolean", "description": "stand-in figures of a simulated GPU"},
+    "pod": {"type": "string", "description": "DCGM: the pod holding the GPU"},
+    "namespace": {"type": "string", "description": "DCGM: the pod's namespace"},
     "text": {"type": "string", "description": "The same in words, as the pages show it"}}}
 HOLDING = {"type": "object", "properties": {
     "id": {"type": "string"}, "kind": {"type": "string", "enum": ["notebook", "job"]},
     "name": {"type": "string"}, "gpus": {"type": "integer"},
     "devices": {"type": "array", "items": {"type": "integer"}}, "since": {"type": "number"},
     "usage": {"type": "array", "items": DEVICE_USAGE,
-              "description": "One entry per device (none in a counting pool, Kubernetes)"}}}
+              "description": "One entry per device; in a counting pool (Kubernetes) one "
+                             "per GPU the DCGM exporter sees in the holding's pods"}}}
 NAME = {"name": "name", "in": "path", "required": True,
         "schema": {"type": "string", "minLength": 1, "maxLength": 255}}
 
@@ -211,6 +217,28 @@ def openapi_document(prefix: str = "/services/gpulab/") -> dict:
                                 "schema": {"type": "integer", "minimum": 1, "maximum": 1000}}],
                 "responses": _resp({"type": "object", "properties": {
                     "audit": {"type": "array", "items": {"type": "object"}}}}, 400)}},
+            "/idle": {"get": {
+                "summary": "GPU-idle culling: my holdings' warnings, keeps and recent stops "
+                           "(admins: ?user=)",
+                "parameters": [AS_USER],
+                "responses": _resp({"type": "object", "properties": {
+                    "enabled": {"type": "boolean"},
+                    "notices": {"type": "array", "items": {"type": "object"}},
+                    "kept": {"type": "array", "items": {"type": "object"}},
+                    "stopped": {"type": "array", "items": {"type": "object"}},
+                    "keep_max_hours": {"type": "number"}}})}},
+            "/servers/{name}/keep": {"post": {
+                "summary": "Keep my server (``default``: the default one) from GPU-idle "
+                           "culling for some hours, at most the hub's keep_max_hours "
+                           "(admins: ?user=)",
+                "parameters": [NAME, AS_USER],
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["hours"],
+                    "properties": {"hours": {"type": "number", "exclusiveMinimum": 0}}}}}},
+                "responses": _resp({"type": "object", "properties": {
+                    "user": {"type": "string"}, "server": {"type": "string"},
+                    "kept_until": {"type": "number"}, "hours": {"type": "number"},
+                    "max_hours": {"type": "number"}}}, 400, 404, 409, 413)}},
             "/jobs": {
                 "get": {"summary": "My jobs (admins: ?user= or ?all=1)",
                         "parameters": [AS_USER, {"name": "all", "in": "query", "required": False,

@@ -147,7 +147,13 @@ class UserPage(PageHandler):
         now = time.time()
         waiting = ([entry_view(e, now) for e in await asyncio.to_thread(
             queue.entries, self.current_user["name"], now)] if queue is not None else [])
-        self.render_page("user.html", me=view, inventory=inventory, waiting=waiting)
+        culler = self.settings.get("idle_culler")
+        from gpulab.hub.service.idle import recent_stops
+
+        idle = culler.view(self.current_user["name"]) if culler is not None else None
+        stopped = await asyncio.to_thread(recent_stops, self.ledger, self.current_user["name"])
+        self.render_page("user.html", me=view, inventory=inventory, waiting=waiting,
+                         idle=idle, idle_stopped=stopped)
 
 
 class AdminPage(PageHandler):
@@ -162,6 +168,9 @@ class AdminPage(PageHandler):
         now = time.time()
         o["queue"] = ([entry_view(e, now) for e in await asyncio.to_thread(queue.entries, None, now)]
                       if queue is not None else [])
+        # GPU-idle culling's warnings, by allocation id (the holdings they are about)
+        culler = self.settings.get("idle_culler")
+        o["idle"] = dict(culler.notices) if culler is not None else {}
         self.render_page("admin.html", o=o)
 
 

@@ -52,7 +52,7 @@ def _holding(a, usage=None) -> dict:
     """One open allocation; with `usage`, how busy each of its devices is now (NVML)."""
     return {"id": a.id, "kind": a.kind, "name": a.holder, "gpus": a.gpus,
             "devices": list(a.devices), "since": a.started_at,
-            "usage": usage.entries(a.devices) if usage is not None else []}
+            "usage": usage.entries_for(a) if usage is not None else []}
 
 
 def inventory_view(ledger: Ledger, usage=None) -> dict:
@@ -143,6 +143,8 @@ def _change_text(scope: str, value: dict | None, none: str) -> str:
     ``queue``: an admin's hold, release, top or cancel)."""
     if not value:
         return none
+    if scope == "idle":  # a server or job warned, stopped or kept for idle GPUs
+        return str(value.get("text", ""))
     if scope != "queue":
         return Quota(**value).describe()
     if "action" in value:

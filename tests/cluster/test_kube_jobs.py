@@ -632,3 +632,60 @@ async def test_over_http_users_cannot_see_stop_or_read_each_others_jobs(cp, hub,
                      and not items(cp, ns, "services", "gpulab.io/job=apart"),
                      what="ann's job's objects deleted")
     assert ann.service("GET", "me").json()["holdings"] == []
+
+
+async def test_dcgm_figures_of_the_replicas_pods_are_labelled_by_their_job(cp, backend, ledger):
+    """GPU telemetry on Kubernetes (issue 39): a stand-in DCGM exporter (a tiny HTTP server)
+    serves the recorded page's format with the pods the real Job controller made for a
+    job's replicas, and a GPU of another namespace; the service's usage (`usage_from_env`,
+    DCGM source, as `gpulab up` on a cluster configures it) labels each GPU by its pod's
+    owner: the job's allocation gets exactly its replicas' GPUs."""
+    import http.server
+    import threading
+
+    from gpulab.hub.service.app import usage_from_env
+
+    u = user()
+    ledger.set_quota("user", u, Quota(max_gpus=2), actor="admin")
+    job = await backend.submit(u, (), mw_spec("dcgm", workers=2, gpus=1))
+    ns = job["namespace"]
+    pods = await eventually(lambda: (lambda p: p if len(p) == 2 else None)(
+        running_pods(cp, ns, "dcgm")), what="2 running replica pods")
+    lines = []
+    for i, (pod_ns, pod, util) in enumerate([(ns, p["metadata"]["name"], 40 + i)
+                                             for i, p in enumerate(pods)]
+                                            + [("gpulab-someone", "jupyter-someone", 99)]):
+        labels = (f'gpu="{i}",UUID="GPU-{i:04d}",device="nvidia{i}",modelName="NVIDIA H100",'
+                  f'Hostname="node-{i}",container="tensorflow",namespace="{pod_ns}",pod="{pod}"')
+        lines += [f"DCGM_FI_DEV_GPU_UTIL{{{labels}}} {util}",
+                  f"DCGM_FI_DEV_FB_USED{{{labels}}} 2048", f"DCGM_FI_DEV_FB_FREE{{{labels}}} 79000"]
+    page = ("# TYPE DCGM_FI_DEV_GPU_UTIL gauge\n" + "\n".join(lines) + "\n").encode()
+
+    class Exporter(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Exporter)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    usage = usage_from_env(ledger, interval=0.1, source=json.dumps(
+        {"source": "dcgm", "dcgm_url": f"http://127.0.0.1:{server.server_port}/metrics"}),
+        kube_jobs=json.dumps({"namespace_template": "gpulab-{username}"}))
+    try:
+        await asyncio.to_thread(usage.sampler.wait_first, 10)
+        allocs = ledger.open_allocations()
+        [mine] = [a for a in allocs if a.user == u and a.holder == "dcgm"]
+        entries = usage.entries_for(mine, allocs)
+        assert sorted((e["pod"], e["gpu_percent"]) for e in entries) == sorted(
+            (p["metadata"]["name"], 40 + i) for i, p in enumerate(pods))
+        assert all(e["namespace"] == ns and "busy, 2.0 of 79.1 GiB" in e["text"] for e in entries)
+    finally:
+        usage.close()
+        server.shutdown()
+        server.server_close()

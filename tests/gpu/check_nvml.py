@@ -4,7 +4,7 @@ Run it where a GPU and its driver are (the development workplace's GPU machine, 
 NVIDIA host): ``python3 tests/gpu/check_nvml.py [--out result.json]``. It needs ``pynvml``
 (nvidia-ml-py), ``traitlets`` and, for the load it puts on the GPU, PyTorch; not JupyterHub
 nor the rest of gpulab: it loads ``hub/machine/inventory.py`` and ``hub/machine/gpuusage.py`` from
-this checkout without the machine package's other modules.
+this checkout without the machine package's other modules (``tests/gpu/standalone.py``).
 
 What it checks, against the real driver:
 1. `discover_gpus` finds every GPU `nvidia-smi -L` lists, with its UUID, model (as a
@@ -19,7 +19,6 @@ Exit status 0 when all hold; 1 with the failed check named; 3 when there is no G
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import subprocess
 import sys
@@ -32,12 +31,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_machine_modules():
-    """``inventory`` and ``gpuusage`` as modules of a bare package (no hub/machine/__init__)."""
-    pkg = types.ModuleType("gpulab_gpucheck")
-    pkg.__path__ = [str(ROOT / "hub" / "machine")]
-    sys.modules["gpulab_gpucheck"] = pkg
-    return (importlib.import_module("gpulab_gpucheck.inventory"),
-            importlib.import_module("gpulab_gpucheck.gpuusage"))
+    """``inventory`` and ``gpuusage`` from this checkout (`standalone`: no gpulab install)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from standalone import load_machine_modules as load
+
+    return load()
 
 
 def main() -> int:

@@ -40,6 +40,8 @@ SETTINGS = {
     "ssl_client_ca": "/tls/trust.crt",
     "ssl_hub_ca": "/tls/hub-ca.crt",
     "queue": '{"half_life_hours": 24.0}',
+    "usage_source": '{"source": "dcgm", "dcgm_url": "http://dcgm:9400/metrics"}',
+    "idle": '{"default": {"mode": "warn"}}',
 }
 
 
