@@ -393,15 +393,19 @@ class JobBackend:
                     raise
                 refusal = e
         elif not spec.wait:
-            raise AdmissionRefused(
+            ahead = AdmissionRefused(
                 f"{waiting} request{'s' if waiting != 1 else ''} already wait{'' if waiting != 1 else 's'} "
                 "for GPUs, and this one asked not to wait (wait: false). Submit it without "
                 "that to take its place in the queue.")
+            ahead.metric_reason = "line_ahead"  # its refusals' label (gpulab_refusals_total)
+            raise ahead
         try:
             self.queue.enqueue(req, priority=spec.priority, max_runtime=spec.max_runtime,
                                preemptible=spec.preemptible)
         except QueueRefused as e:  # it could never run: refused at once, as without a queue
-            raise refusal or AdmissionRefused(e.message) from None
+            never = refusal or AdmissionRefused(e.message)
+            never.metric_reason = e.metric_reason  # counted as never fitting, in any words
+            raise never from None
         return None
 
     async def submit(self, user: str, groups: tuple[str, ...], spec: JobSpec) -> dict:
