@@ -56,9 +56,8 @@ from tornado import web
 
 from gpulab.hub.jobs.store import JobRow, ReplicaRow
 from gpulab.hub.quota import events
-from gpulab.hub.quota.fastpath import SEL_USED
-from gpulab.hub.quota.ledger import Allocation, Ledger, _sum_gpu_hours
-from gpulab.hub.quota.policy import Quota, effective_quota
+from gpulab.hub.quota.ledger import Allocation, Ledger
+from gpulab.hub.quota.policy import effective_quota
 from gpulab.hub.quota.rows import AllocationRow, Device, QuotaRow
 from gpulab.hub.quota.waiting import QueueEntryRow
 from gpulab.hub.service import ADMIN_SCOPE
@@ -100,8 +99,8 @@ class Snapshot:
     jobs: dict = field(default_factory=dict)  # state -> count
     restarts: int = 0
     quotas: list = field(default_factory=list)  # (scope, name, Quota)
-    #: GPU-hours per person over the longest budget window, as (user, gpus, start, stop) rows
-    used_rows: list = field(default_factory=list)
+    #: GPU-hours per person in each budget window: ``{window hours: {user: hours}}``
+    used: dict = field(default_factory=dict)
     now: float = 0.0
 
 
@@ -140,13 +139,24 @@ def read_snapshot(ledger: Ledger, now: float | None = None) -> Snapshot:
         snap.restarts = int(s.scalar(select(func.coalesce(func.sum(ReplicaRow.restarts), 0)))
                             or 0)
         snap.quotas = [(r.scope, r.name, r.quota()) for r in s.scalars(select(QuotaRow))]
-        windows = [q.window_hours for _, _, q in snap.quotas
-                   if q.gpu_hours is not None and q.window_hours]
-        if windows:
-            since = now - max(windows) * 3600
-            snap.used_rows = [tuple(r) for r in s.execute(SEL_USED,
-                                                          {"since": since, "until": now})]
+        windows = {q.window_hours for _, _, q in snap.quotas
+                   if q.gpu_hours is not None and q.window_hours}
+        for hours in sorted(windows):  # one grouped sum per window length (usually one)
+            snap.used[hours] = gpu_hours_by_person(s, now - hours * 3600, now)
     return snap
+
+
+def gpu_hours_by_person(s, since: float, until: float) -> dict[str, float]:
+    """GPU-hours per person in ``[since, until]`` summed by the database (one row per
+    person, not one per allocation; open allocations count to `until`), as
+    `Ledger.usage` counts them."""
+    a = AllocationRow
+    end = func.coalesce(a.ended_at, until)
+    span = (case((end < until, end), else_=until)
+            - case((a.started_at > since, a.started_at), else_=since))
+    rows = s.execute(select(a.user, func.sum(a.gpus * span)).where(
+        a.gpus > 0, a.started_at < until, end > since).group_by(a.user))
+    return {who: float(total or 0.0) / 3600.0 for who, total in rows}
 
 
 def held_gpu_usage(usage, allocations: list[Allocation]) -> list[tuple[Allocation, dict]]:
@@ -287,17 +297,16 @@ def _budgets(snap: Snapshot, groups: dict[str, list[str]]):
             by_group[name] = q
         else:
             own[name] = q
-    if snap.used_rows or own:
-        people = ({r[0] for r in snap.used_rows} | {a.user for a in snap.allocations if a.gpus}
-                  | set(own))
+    if snap.used:
+        people = ({who for used in snap.used.values() for who in used}
+                  | {a.user for a in snap.allocations if a.gpus} | set(own))
         for who in sorted(people):
             mine = {g: by_group[g] for g in groups.get(who, ()) if g in by_group}
             quota, _ = effective_quota(default, mine, own.get(who))
             if quota is None or quota.gpu_hours is None or not quota.window_hours:
                 continue
-            since = snap.now - quota.window_hours * 3600
-            hours = _sum_gpu_hours((r for r in snap.used_rows if r[0] == who), since, snap.now)
-            used.add_metric([who], round(hours[who], 4))
+            hours = snap.used.get(quota.window_hours, {}).get(who, 0.0)
+            used.add_metric([who], round(hours, 4))
             budget.add_metric([who], quota.gpu_hours)
     yield used
     yield budget
