@@ -79,6 +79,8 @@ SERIES = frozenset({
     "gpulab_queue_wait_seconds_bucket", "gpulab_queue_wait_seconds_count",
     "gpulab_queue_wait_seconds_sum",
     "gpulab_admissions_total", "gpulab_refusals_total", "gpulab_job_outcomes_total",
+    # prometheus_client's time each counter's labels were first used
+    "gpulab_admissions_created", "gpulab_refusals_created", "gpulab_job_outcomes_created",
     "gpulab_jobs", "gpulab_job_restarts_total",
     "gpulab_user_gpu_hours", "gpulab_user_gpu_hours_budget",
     "gpulab_gpu_held_info", "gpulab_gpu_utilization_percent",
