@@ -132,7 +132,7 @@ EXPECTED = {
     "Admissions": lambda r: {("job", "now"), ("job", "queued"), ("notebook", "now"),
                              ("notebook", "queued")}
     <= {(m["metric"].get("kind"), m["metric"].get("how")) for m in r},
-    "Refusals by reason": lambda r: ("job", "never_fits") in {
+    "Refusals by reason": lambda r: {("job", "never_fits"), ("notebook", "line_ahead")} <= {
         (m["metric"].get("kind"), m["metric"].get("reason")) for m in r},
     "Jobs by state": lambda r: "Queued" in labels(r, "state")
     and labels(r, "state") & {"Pending", "Starting", "Running"},
@@ -208,6 +208,9 @@ def test_prometheus_scrapes_what_the_dashboard_shows_and_wrong_tokens_get_nothin
                       if e["kind"] == "notebook"] == ["waits"], "carl's notebook in line")
     r = ann.service("POST", "jobs", json=mw("huge", workers=5, gpus=1, source=SLEEPER))
     assert r.status_code == 409, r.text
+    # a server that may not wait, while others wait: refused (counted by the hub)
+    r = bob.start_server("now", {"profile": "gpu-1"})
+    assert r.status_code == 409, r.text
     r = bob.service("POST", "jobs", json=mw("gone", workers=1, gpus=1, source=SLEEPER))
     assert r.status_code == 202 and r.json()["state"] == "Queued", r.text
     assert bob.service("POST", "jobs/gone/stop").status_code == 200
@@ -254,6 +257,6 @@ def test_prometheus_scrapes_what_the_dashboard_shows_and_wrong_tokens_get_nothin
         starts.shutdown()
         ann.service("POST", "jobs/held/stop")
         carl.service("POST", "jobs/big/stop")
-        for person, server in ((bob, "gpu"), (carl, "waits")):
+        for person, server in ((bob, "gpu"), (bob, "now"), (carl, "waits")):
             person.api("DELETE", f"/users/{person.name}/servers/{server}",
                        json={"remove": True})
