@@ -8,8 +8,10 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # PostgreSQL's server (the ledger's concurrency tests start their own cluster), and for the
 # cluster tier's real node (tests/cluster/node.py) runc, the CNI plugins, iptables and
 # conntrack (kube-proxy), ipset (kube-router's NetworkPolicy firewall), debootstrap (the
-# notebook image's root filesystem), and systemd's systemd-analyze (checks the unit that
-# `gpulab service install` writes; systemd need not be running).
+# notebook image's root filesystem), systemd's systemd-analyze (checks the unit that
+# `gpulab service install` writes; systemd need not be running), and Prometheus (scrapes
+# the gpulab service's metrics in tests/app/test_metrics_prometheus.py; its packaged
+# service is not started).
 need=()
 command -v chromium >/dev/null || need+=(chromium)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
@@ -20,6 +22,7 @@ command -v conntrack >/dev/null || need+=(conntrack)
 command -v ipset >/dev/null || need+=(ipset)
 command -v debootstrap >/dev/null || need+=(debootstrap)
 command -v systemd-analyze >/dev/null || need+=(systemd)
+command -v prometheus >/dev/null || need+=(prometheus)
 if ((${#need[@]})); then
   if [[ $(id -u) -ne 0 ]]; then
     echo "scripts/test.sh: missing ${need[*]}; run as root (sudo) so it can apt-get install them" >&2

@@ -40,6 +40,7 @@ from gpulab.hub.machine.userdisk import DiskError, PersonDisks
 from gpulab.hub.machine.cgroups import (Group, default_pids, default_user_processes, limit_user_processes,
                       local_cgroups, memory_bytes, person_unit, set_oom_score_adj,
                       share_of_cpus, share_of_memory)
+from gpulab.hub.quota import events
 from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, BadRequest, Ledger, Request
 from gpulab.hub.quota.waiting import GPUQueue, Queue, QueueRefused, queue_of
 
@@ -613,6 +614,7 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         except BadRequest as e:
             raise SpawnRefused(409, f"Cannot start with profile '{profile.display_name}'. "
                                + e.message) from e
+        events.admitted("notebook", "queued")
         self.log.info("%s waits in the GPU queue (entry %s, up to %d min): %s",
                       self._log_name, entry.id, minutes, refused.message)
         self.gpu_queue_entry = entry.id

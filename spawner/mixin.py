@@ -24,6 +24,7 @@ from pathlib import Path
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from tornado import web
 
+from gpulab.hub.quota import events
 from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, DeviceInfo, Ledger, Request
 from gpulab.hub.quota.policy import Quota, never_fits
 from gpulab.hub.quota.settings import GPULedger
@@ -141,6 +142,8 @@ def reap_dead_servers(ledger: Ledger) -> int:
 class LineAhead(AdmissionRefused):
     """Others wait in the GPU queue: a request that may wait takes its place behind them
     rather than taking free GPUs ahead of them."""
+
+    metric_reason = "line_ahead"  # its refusals' label (`gpulab.hub.quota.events`)
 
 
 def _admit(ledger: Ledger, request: Request, keep: str = "", line=None) -> Allocation:
@@ -464,8 +467,14 @@ class GPUSpawnerMixin:
         admitted = asyncio.ensure_future(asyncio.to_thread(_admit, ledger, request, "", line))
         try:
             allocation = await asyncio.shield(admitted)
+            events.admitted("notebook", "now")
         except AdmissionRefused as e:
-            allocation = await self.gpu_when_refused(ledger, request, profile, e)
+            try:
+                allocation = await self.gpu_when_refused(ledger, request, profile, e)
+            except SpawnRefused as refusal:  # counted by its cause (/hub/metrics)
+                cause = refusal.__cause__
+                events.refused("notebook", cause if isinstance(cause, AdmissionRefused) else e)
+                raise
         except asyncio.CancelledError:
             admitted.add_done_callback(lambda f: _release_late(ledger, f))
             raise

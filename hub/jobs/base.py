@@ -43,6 +43,7 @@ from gpulab.extensions.contract import ACTIVE, FINAL, lead_replica
 from gpulab.extensions.joblog import LINE_BACK, open_line_start, render_text
 from gpulab.hub.jobs.spec import DEFAULT_LIMITS, ROLES, JobLimits, JobSpec
 from gpulab.hub.jobs.store import JobRow, JobStore, NameTaken, ReplicaRow
+from gpulab.hub.quota import events
 from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, Ledger, Request
 from gpulab.hub.quota.waiting import Entry, Queue, QueueRefused
 
@@ -337,6 +338,7 @@ class JobBackend:
             return
         active = self.store.active_replicas(user)
         if active + spec.replica_count > bound:
+            events.REFUSALS.labels(kind="job", reason="replica_bound").inc()
             raise JobError(f"replicas: at most {bound} replicas of your jobs may run at once; "
                            f"{active} are active now and this job has {spec.replica_count}. "
                            "Wait for a job to finish, stop one, or ask for fewer replicas.",
@@ -352,7 +354,12 @@ class JobBackend:
         self._check_replica_bound(user, spec)
         req = Request(user=user, kind="job", holder=spec.name, gpus=spec.total_gpus,
                       groups=groups, max_runtime=spec.max_runtime)
-        allocation = self._admission(req, spec)
+        try:
+            allocation = self._admission(req, spec)
+        except AdmissionRefused as e:
+            events.refused("job", e)
+            raise
+        events.admitted("job", "now" if allocation is not None else "queued")
         job_id = uuid.uuid4().hex
         try:
             self.store.record(job_id=job_id, user=user, spec=spec, allocation=allocation,
@@ -386,15 +393,19 @@ class JobBackend:
                     raise
                 refusal = e
         elif not spec.wait:
-            raise AdmissionRefused(
+            ahead = AdmissionRefused(
                 f"{waiting} request{'s' if waiting != 1 else ''} already wait{'' if waiting != 1 else 's'} "
                 "for GPUs, and this one asked not to wait (wait: false). Submit it without "
                 "that to take its place in the queue.")
+            ahead.metric_reason = "line_ahead"  # its refusals' label (gpulab_refusals_total)
+            raise ahead
         try:
             self.queue.enqueue(req, priority=spec.priority, max_runtime=spec.max_runtime,
                                preemptible=spec.preemptible)
         except QueueRefused as e:  # it could never run: refused at once, as without a queue
-            raise refusal or AdmissionRefused(e.message) from None
+            never = refusal or AdmissionRefused(e.message)
+            never.metric_reason = e.metric_reason  # counted as never fitting, in any words
+            raise never from None
         return None
 
     async def submit(self, user: str, groups: tuple[str, ...], spec: JobSpec) -> dict:
@@ -607,6 +618,7 @@ class JobBackend:
             return
         self._release(job, JobSpec.model_validate_json(job.spec))
         if self.store.finish(job_id, state, reason, at):
+            events.job_ended(state)
             log.info("Job %s/%s: %s (%s)", job.user, job.name, state, reason)
         if self.queue is not None:  # it leaves the line, waiting or holding
             self.queue.forget(job.user, "job", job.name, f"job {state.lower()}")

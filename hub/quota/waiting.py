@@ -126,6 +126,8 @@ class Pass:
 class QueueRefused(BadRequest):
     """A request that can never run (more GPUs than the machine or the quota allows)."""
 
+    metric_reason = "never_fits"  # its refusals' label (`gpulab.hub.quota.events`)
+
 
 class Queue:
     """The queue of one ledger's pool. Thread-safe as the ledger is (a session per call)."""

@@ -18,6 +18,8 @@ and `main`. What lives where:
 - `gpulab.hub.service.quotas`: quotas, holdings, usage, audit: view builders and handlers;
 - `gpulab.hub.service.jobs`: the training-job handlers;
 - `gpulab.hub.service.pages`: the user and admin pages, error pages, `page_context`, templates;
+- `gpulab.hub.service.metrics`: ``/metrics`` for Prometheus (`MetricsHandler`, the ledger's
+  collector);
 - `gpulab.hub.service.reconciler`: closing allocations of servers the hub no longer has,
   stopping the jobs of people it no longer has;
 - `gpulab.hub.service.tls`: `ServiceTLS`.
@@ -33,6 +35,7 @@ import os
 import pwd
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from jupyterhub.services.auth import HubOAuth
@@ -50,6 +53,7 @@ from gpulab.hub.service.base import (DAY, MAX_BODY, MAX_BUFFERED_BODY, MAX_JSON_
                                      APIHandler, Base, FieldError, check_json_values, log)
 from gpulab.hub.service.hubapi import HubDirectory
 from gpulab.hub.service.idle import IdleCuller, IdleHandler, KeepHandler
+from gpulab.hub.service.metrics import MetricsHandler, make_registry
 from gpulab.hub.service.queue import QueueActionHandler, QueueHandler
 from gpulab.hub.service.jobs import (JobHandler, JobLogsHandler, JobsBase, JobsHandler,  # noqa: F401
                                      JobStopHandler)
@@ -128,6 +132,8 @@ def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirecto
             (url_path_join(api, "queue"), QueueHandler),
             (url_path_join(api, "queue/([^/]+)/([^/]+)"), QueueActionHandler),
             (url_path_join(api, "openapi.json"), OpenAPIHandler),
+            # Prometheus' text format, for a token with read:metrics (as /hub/metrics)
+            (url_path_join(prefix, "metrics"), MetricsHandler),
         ],
         ledger=ledger,
         directory=directory,
@@ -145,6 +151,8 @@ def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirecto
         job_limits=job_limits or DEFAULT_LIMITS,
         gpu_usage=gpu_usage,
         idle_culler=idle_culler,
+        # the registry /metrics renders, its ledger collector, and the lock of one render
+        metrics=(*make_registry(), threading.Lock()),
     )
     app.add_transform(FrameAncestors)
     return app

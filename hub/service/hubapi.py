@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from urllib.parse import quote
 
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+
 
 def hub_server_path(user: str, server: str) -> str:
     """The hub API path that stops `user`'s `server` (``default``: the default one)."""
@@ -16,6 +18,14 @@ def hub_server_path(user: str, server: str) -> str:
     if server in ("", "default"):
         return f"/users/{u}/server"
     return f"/users/{u}/servers/{quote(server, safe='')}"
+
+
+log = logging.getLogger("gpulab.service")
+
+
+def _log_failure(f: asyncio.Future) -> None:
+    if not f.cancelled() and f.exception() is not None:
+        log.warning("Reading the hub's users failed: %s", f.exception())
 
 
 class HubDirectory:
@@ -26,6 +36,7 @@ class HubDirectory:
         self._cache: tuple[float, list[dict]] | None = None
         self._reads_all: bool | None = None
         self._lock = asyncio.Lock()
+        self._refresh: asyncio.Future | None = None
 
     async def _get(self, path: str):
         req = HTTPRequest(self.api_url + path, headers={"Authorization": f"token {self.token}"},
@@ -52,6 +63,19 @@ class HubDirectory:
                       "admin": bool(u.get("admin"))} for u in await self._all_users()]
             self._cache = (time.monotonic(), users)
             return users
+
+    async def users_now(self) -> list[dict]:
+        """The users as last read, however old (the metrics endpoint: a scrape never waits
+        for the hub once they were read), with a fresh read started in the background when
+        they are older than the ttl; the first call waits for the first read. A failed
+        background read keeps the old list (and is logged)."""
+        if self._cache is None:
+            return await self.users()
+        if time.monotonic() - self._cache[0] >= self.ttl and (
+                self._refresh is None or self._refresh.done()):
+            self._refresh = asyncio.ensure_future(self.users())
+            self._refresh.add_done_callback(_log_failure)
+        return self._cache[1]
 
     async def active_servers(self) -> set[tuple[str, str]] | None:
         """``(user, server)`` of every server the hub has running or starting or stopping

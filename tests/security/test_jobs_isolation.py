@@ -27,6 +27,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import requests
 
 from gpulab.hub.deploy.serviceconfig import SERVICE_CONFIG_NAME
 from gpulab.hub.jobs.local import ENV_ALLOW, ENV_ALLOW_PREFIXES, TMP_ROOT
@@ -574,6 +575,37 @@ def test_eve_can_neither_see_nor_move_nor_take_vics_place_in_the_gpu_queue(
         for who in ("vic", "eve"):
             admin.service("DELETE", f"quotas/users/{who}")
     assert [h for h in vic.service("GET", "me").json()["holdings"] if h["kind"] == "job"] == []
+
+
+def test_eve_cannot_read_who_holds_the_gpus_from_the_metrics(hub, admin, vic, eve, vic_job):
+    """Issue 39: ``/services/gpulab/metrics`` names everyone's holdings (user, job, device).
+    eve, from her own shell with her own hub token, gets 403 and no series, however she sends
+    the token (header, ``?token=``), and the hub will not make her a token with
+    ``read:metrics``; a token of the admin's with that scope alone reads vic's job there."""
+    script = r"""
+    url="$HUB/services/gpulab/metrics"
+    curl -s -o out-h -w '%{http_code} ' -H "Authorization: Bearer $JUPYTERHUB_API_TOKEN" "$url"
+    curl -s -o out-q -w '%{http_code} ' "$url?token=$JUPYTERHUB_API_TOKEN"
+    curl -s -o out-n -w '%{http_code} ' "$url"
+    curl -s -o out-t -w '%{http_code}' -X POST -H "Authorization: token $JUPYTERHUB_API_TOKEN" \
+        -d '{"scopes": ["read:metrics"]}' "$HUB/hub/api/users/eve/tokens"
+    echo; cat out-h out-q out-n; echo; cat out-t
+    """
+    r = eve.sh(f"cd $(mktemp -d) && {script}", check=True)
+    codes, metrics, minted = (r.stdout.split("\n", 2) + ["", ""])[:3]
+    # (a token in the URL: refused as hers, or not read at all where the hub turns it off)
+    header, in_url, none, mint = codes.split()
+    # (the hub refuses the token with 400: "Not assigning requested scopes read:metrics")
+    assert (header, none, mint) == ("403", "401", "400") and in_url in ("401", "403"), r.stdout
+    assert "gpulab_" not in metrics and "vic" not in metrics, metrics
+    assert "token" not in json.loads(minted) and "read:metrics" in minted, minted
+    # the same endpoint with a read:metrics token: vic's job is there (what eve was denied)
+    made = admin.api("POST", "/users/admin/tokens", json={"scopes": ["read:metrics"]})
+    assert made.status_code == 201, made.text
+    seen = requests.get(hub.service_url + "metrics", timeout=30,
+                        headers={"Authorization": f"Bearer {made.json()['token']}"})
+    assert seen.status_code == 200 and 'user="vic"' in seen.text, seen.text[:500]
+    assert_vic_untouched(vic, vic_job)
 
 
 def test_stop_ends_everything_a_replica_started(hub, vic, vic_job):

@@ -259,7 +259,9 @@ def test_extra_config_makes_the_kube_spawner_and_the_ledger(hub_config, values):
 def test_extra_config_adds_the_gpulab_service_and_its_roles(hub_config, values):
     c = hub_config
     services = {s["name"]: s for s in c.JupyterHub.services}
-    assert set(services) == {"gpulab", "jupyterhub-idle-culler"}
+    assert set(services) == {"gpulab", "jupyterhub-idle-culler", "prometheus"}
+    # Prometheus: a token and no URL (nothing for the proxy to route), for the scrape jobs
+    assert "url" not in services["prometheus"] and services["prometheus"]["api_token"]
     gpulab = services["gpulab"]
     assert gpulab["url"] == f"http://10.1.2.3:{SERVICE_PORT}"
     python, m, module, option = gpulab["command"]
@@ -312,6 +314,9 @@ def test_extra_config_adds_the_gpulab_service_and_its_roles(hub_config, values):
     assert f"access:services!service={SERVICE_NAME}" in roles["user"]["scopes"]
     assert f"access:services!service={SERVICE_NAME}" in roles["server"]["scopes"]
     assert ADMIN_SCOPE in c.JupyterHub.custom_scopes
+    # Prometheus' token reads the metrics and nothing else
+    assert roles["prometheus"]["scopes"] == ["read:metrics"]
+    assert roles["prometheus"]["services"] == ["prometheus"]
     # groups come from the identity provider: loading groups too would stop the hub
     assert not c.JupyterHub.get("load_groups")
     assert c.GenericOAuthenticator.manage_groups is True
