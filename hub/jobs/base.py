@@ -614,6 +614,9 @@ class JobBackend:
         self._leases[view["id"]] = (now + self.limits.cluster_lease_timeout,
                                     max(0.0, float(idle_for)), now)
         self.ensure_supervisor()
+        # how often to renew, and the idle limit (the kernel shows neither as a setting)
+        view["lease"] = {"timeout": self.limits.cluster_lease_timeout,
+                         "idle_timeout": self.limits.cluster_idle_timeout}
         return view
 
     def _lease_of(self, job_id: str) -> tuple[float, float, float]:
