@@ -798,6 +798,8 @@ class JobsList(W.VBox):
         name = job["name"]
         label = W.HTML(
             f"<span class='gpulab-job-name'>{html.escape(name)}</span> · "
+            + ("<span class='gpulab-kind' data-kind='cluster'>cluster</span> · "
+               if job.get("kind") == "cluster" else "") +
             f"<span class='gpulab-state gpulab-state-{html.escape(job['state'].lower())}' "
             f"data-state='{html.escape(job['state'])}'>{html.escape(jm.state_line(job))}</span>",
             layout=W.Layout(width="60%"))

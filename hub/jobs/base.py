@@ -138,7 +138,8 @@ class JobBackend:
                 '_with_places', '_check_new_name', '_check_replica_bound', '_admit_and_record',
                 '_admit_or_queue', '_launch_or_undo', '_undo', '_supervise_round',
                 '_supervise_forever', '_active_to_supervise', '_queue_pass', '_start_queued',
-                '_preempt', '_finish', 'lease', '_cluster_lifecycle_pass')
+                '_preempt', '_finish', 'lease', '_cluster_lifecycle_pass',
+                'active_clusters')
 
     #: the backend's name in the job rows (``local``, ``kubernetes``)
     name = ""
@@ -251,6 +252,13 @@ class JobBackend:
     def list(self, user: str | None = None) -> list[dict]:
         """Drivers should not override this method (the workflow's; they fill the hooks)."""
         return self._with_places([self._view(j, reps) for j, reps in self.store.all(user)])
+
+    def active_clusters(self) -> set[tuple[str, str]]:
+        """``(user, name)`` of every held cluster not yet final (sync), for the pages that
+        show GPU holdings and the queue, where a cluster's allocation is a job's.
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
+        return {(job.user, job.name) for job, _ in self.store.active()
+                if json.loads(job.spec).get("kind") == CLUSTER}
 
     def active_owners(self) -> list[tuple[str, str]]:
         """``(user, name)`` of every job not yet final, waiting ones too (sync).

@@ -138,15 +138,37 @@ class PageHandler(ErrorPages, Base):
                                 "gpulab service.", hint="not-allowed") from None
 
 
+async def mark_clusters(handler, holdings: list[dict], entries: list[dict]) -> None:
+    """Holdings and queue entries of held clusters (issue 38) say ``cluster``, not ``job``
+    (the ledger and the queue hold a cluster's GPUs as a job's)."""
+    backend = handler.settings.get("jobs")
+    if backend is None or not hasattr(backend, "active_clusters"):
+        return
+    held = await asyncio.to_thread(backend.active_clusters)
+    if not held:
+        return
+    for h in holdings:
+        if h.get("kind") == "job" and (h.get("user"), h.get("name")) in held:
+            h["kind"] = "cluster"
+    for e in entries:
+        if e.get("kind") == "job" and (e.get("user"), e.get("holder")) in held:
+            e["kind"] = "cluster"
+
+
 class UserPage(PageHandler):
     @web.authenticated
     async def get(self):
-        view = await user_view(self, self.current_user["name"])
+        me = self.current_user["name"]
+        view = await user_view(self, me)
         inventory = await asyncio.to_thread(inventory_view, self.ledger, _usage(self))
         queue = getattr(self.settings.get("jobs"), "queue", None)
         now = time.time()
         waiting = ([entry_view(e, now) for e in await asyncio.to_thread(
-            queue.entries, self.current_user["name"], now)] if queue is not None else [])
+            queue.entries, me, now)] if queue is not None else [])
+        holdings = view.get("holdings") or []
+        for h in holdings:
+            h.setdefault("user", me)
+        await mark_clusters(self, holdings, waiting)
         self.render_page("user.html", me=view, inventory=inventory, waiting=waiting)
 
 
@@ -162,6 +184,12 @@ class AdminPage(PageHandler):
         now = time.time()
         o["queue"] = ([entry_view(e, now) for e in await asyncio.to_thread(queue.entries, None, now)]
                       if queue is not None else [])
+        holdings = []
+        for u in o.get("users", []):
+            for h in u.get("holdings", []):
+                h.setdefault("user", u.get("name"))
+                holdings.append(h)
+        await mark_clusters(self, holdings, o["queue"])
         self.render_page("admin.html", o=o)
 
 
