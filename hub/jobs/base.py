@@ -650,7 +650,10 @@ class JobBackend:
                                f"no heartbeat for {lim.cluster_lease_timeout} s (it shut down, "
                                "or its server stopped)"))
             elif (lim.cluster_idle_timeout and job.state == "Running"
-                  and idle + (now - said) > lim.cluster_idle_timeout):
+                  # idle since it last dispatched, but never before it started (waiting in
+                  # line is not idleness)
+                  and min(idle + (now - said), time.time() - (job.started_at or time.time()))
+                  > lim.cluster_idle_timeout):
                 ending.append((job, f"idle: no step was dispatched to it for "
                                f"{lim.cluster_idle_timeout} s (c.GPUJobs.cluster_idle_timeout)"))
         for job, why in ending:
