@@ -232,7 +232,10 @@ class JobBackend:
         raise NotImplementedError
 
     def _view(self, job: JobRow, replicas: list[ReplicaRow], detail: bool = False) -> dict:
-        """A job's view; ``detail``: for one job (``get``), not the list."""
+        """A job's view; ``detail``: for one job (``get``), not the list. For a held cluster
+        (``view["kind"] == "cluster"``) the driver adds ``view["cluster"]``: ``{"ps":
+        ["host:port", ...], "worker": [...]}``, where the owner's kernels reach its servers
+        (the service shows it to the owner alone)."""
         return job_view(job, replicas)
 
     async def _detail(self, view: dict) -> dict:

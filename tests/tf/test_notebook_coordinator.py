@@ -18,7 +18,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import os
 import signal
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -26,6 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.app.hubctl import GPULAB
 from tests.conftest import hub_with_config
 from tests.security.test_tensorboard_isolation import kernel_of
 
@@ -124,12 +127,22 @@ def test_the_tutorials_model_fit(ann, held):
     assert ckpt.is_dir() and any(ckpt.iterdir()), ckpt  # the checkpoint is in her folder
 
 
-def test_the_holding_kernels_shutdown_gives_the_gpus_back(ann, held):
+def test_the_holding_kernels_shutdown_gives_the_gpus_back(ann, held, admin):
     name, holder = held
     # (the tutorials' kernels re-attached and went away; the holder still renews)
     assert ann.service("GET", f"jobs/{name}").json()["state"] == "Running"
     assert any(h["kind"] == "job" and h["name"] == name for h in
                ann.service("GET", "me").json()["holdings"])
+    # it shows as a cluster: My GPUs, the admin page, `gpulab jobs list`
+    mine = ann.s.get(ann.hub.service_url, timeout=60).text
+    assert f"<td>cluster</td><td>{name}</td>" in mine
+    everyone = admin.s.get(admin.hub.service_url + "admin", timeout=60).text
+    assert f"cluster '{name}'" in everyone
+    listed = subprocess.run([GPULAB, "jobs", "list"], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "GPULAB_URL": ann.hub.url,
+                                             "GPULAB_TOKEN": ann.token()})
+    row = next(line for line in listed.stdout.splitlines() if line.startswith(name))
+    assert row.split()[2:4] == ["cluster", "Running"], listed.stdout
     holder.close()  # the holding kernel shuts down
     deadline = time.time() + LEASE + 30
     while time.time() < deadline:
