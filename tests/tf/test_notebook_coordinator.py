@@ -154,3 +154,33 @@ def test_the_holding_kernels_shutdown_gives_the_gpus_back(ann, held, admin):
     assert not any(h["name"] == name for h in ann.service("GET", "me").json()["holdings"])
     with pytest.raises(LookupError):
         replica_process(name, "worker", 0)
+
+
+def test_a_lost_parameter_server_is_said_in_the_cell_with_what_to_do(ann):
+    """The ps of a cluster is killed: the cluster fails (its variables are gone), and the
+    kernel holding it prints why and what to do, in the cell that holds it."""
+    name = f"lost-{uuid.uuid4().hex[:6]}"
+    cell = ("import gpulab, time\n"
+            f"c = gpulab.cluster(ps=1, workers=1, name={name!r})\n"
+            "deadline = time.time() + 120\n"
+            "while c.ended is None and time.time() < deadline:\n"
+            "    time.sleep(0.5)\n"
+            "print('ENDED', c.ended)\n")
+    with kernel_of(ann) as run, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        holding = pool.submit(run, cell, 240)
+        deadline = time.time() + 150
+        while time.time() < deadline:  # both servers said they serve
+            logs = [ann.service("GET", f"jobs/{name}/logs/{r}").json().get("text", "")
+                    for r in ("ps-0", "worker-0")]
+            if all("serving at" in text for text in logs):
+                break
+            time.sleep(0.5)
+        time.sleep(3)  # (`gpulab.cluster` connects to them and returns)
+        replica_process(name, "ps", 0).send_signal(signal.SIGKILL)
+        out = holding.result(timeout=200)
+    assert "ps-0 was lost (killed by SIGKILL)" in out, out
+    assert "restore it from your last checkpoint" in out, out
+    view = ann.service("GET", f"jobs/{name}").json()
+    assert view["state"] == "Failed" and view["reason"].startswith("ps-0 was lost"), view
+    with pytest.raises(LookupError):
+        replica_process(name, "worker", 0)
