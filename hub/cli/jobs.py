@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from gpulab.extensions.client import GpulabError, Job
+from gpulab.extensions.client import lead_replica as lead_of_view
 from gpulab.extensions.contract import STRATEGIES, lead_replica
 from gpulab.extensions.joblog import restart_lines
 from gpulab.extensions.jobmodel import queue_text
@@ -496,7 +497,7 @@ def cmd_jobs(args) -> int:
                   f"{job['name']}: {job['state']}: {job['reason']}")
         elif args.action == "logs":
             job = client.job(args.name, user=args.user)
-            replica = args.replica or lead_replica(job.status()["strategy"])
+            replica = args.replica or lead_of_view(job.status())
             if not args.follow:
                 return follow_logs(job, replica, False, args.raw)
             try:

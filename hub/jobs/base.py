@@ -733,5 +733,8 @@ def queue_place(e: Entry) -> dict:
 def lead_of(spec: JobSpec | dict) -> tuple[str, int]:
     """(role, index) of the replica whose log and progress are the job's."""
     strategy = spec["strategy"] if isinstance(spec, dict) else spec.strategy
+    kind = spec.get("kind") if isinstance(spec, dict) else spec.kind
+    if kind == CLUSTER:  # no chief: its first worker
+        return "worker", 0
     role, index = lead_replica(strategy).rsplit("-", 1)
     return role, int(index)
