@@ -177,6 +177,11 @@ class Cluster:
     def renew(self) -> dict:
         """Renew the lease once (the lease thread does this); raises `GpulabError` 409 once
         the cluster has ended."""
+        if not _watching[0] and "tensorflow" in sys.modules:  # a resolver of their own
+            try:
+                watch_dispatches()
+            except Exception:  # noqa: BLE001 - a TensorFlow without the coordinator
+                pass
         idle = max(0.0, time.monotonic() - _last_dispatch[0])
         view = self.client.request("POST", f"jobs/{self.name}/lease", body={"idle_for": idle})
         lease = view.pop("lease", None) or {}

@@ -1,8 +1,8 @@
 """Issue 38 in Chromium: the cluster widget (`ClusterLauncher`, `gpulab.cluster`'s fields)
 holds a cluster for the notebook's kernel. The machine's one GPU is busy with a job of the
 person's, so the widget shows the cluster waiting in line with its place; when the job is
-stopped, the cluster starts and the widget says its servers are serving; Stop ends it and
-its GPU comes back."""
+stopped, the cluster starts and the widget says its servers are serving; a cell trains on
+it (this kernel is the coordinator); Stop ends it and its GPU comes back."""
 
 import re
 
@@ -65,6 +65,19 @@ def test_the_widget_holds_a_cluster_that_waits_in_line_then_serves(page, hub, ha
     assert "1 ps and 1 workers serving" in status.inner_text(), status.inner_text()
     held = hal.service("GET", "me").json()["holdings"]
     assert [(h["name"], h["gpus"]) for h in held] == [("e2e-held", 1)], held
+
+    # a cell trains on it: this kernel is the coordinator
+    run_cell(page, "import tensorflow as tf\n"
+                   "strategy = w.cluster.strategy()\n"
+                   "with strategy.scope():\n"
+                   "    v = tf.Variable(0.0)\n"
+                   "coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)\n"
+                   "step = tf.function(lambda: v.assign_add(1.0))\n"
+                   "for _ in range(5):\n"
+                   "    coordinator.schedule(step)\n"
+                   "coordinator.join()\n"
+                   "print('trained', v.numpy())", 1, paste=True)
+    page.locator(".jp-OutputArea-output", has_text="trained 5.0").wait_for(timeout=180_000)
 
     widget.locator("button.gpulab-cluster-stop").click()
     status.locator("[data-state='Stopped']").wait_for(timeout=60_000)
