@@ -140,7 +140,14 @@ class PageHandler(ErrorPages, Base):
 
 async def mark_clusters(handler, holdings: list[dict], entries: list[dict]) -> None:
     """Holdings and queue entries of held clusters (issue 38) say ``cluster``, not ``job``
-    (the ledger and the queue hold a cluster's GPUs as a job's)."""
+    (the ledger and the queue hold a cluster's GPUs as a job's); every holding says how long
+    it has been held (``held_for``: ``1:02:03``)."""
+    from gpulab.extensions.jobmodel import format_duration
+
+    now = time.time()
+    for h in holdings:
+        if h.get("since"):
+            h["held_for"] = format_duration(max(0.0, now - h["since"]))
     backend = handler.settings.get("jobs")
     if backend is None or not hasattr(backend, "active_clusters"):
         return

@@ -19,6 +19,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -136,8 +137,9 @@ def test_the_holding_kernels_shutdown_gives_the_gpus_back(ann, held, admin):
     # it shows as a cluster: My GPUs, the admin page, `gpulab jobs list`
     mine = ann.s.get(ann.hub.service_url, timeout=60).text
     assert f"<td>cluster</td><td>{name}</td>" in mine
+    assert re.search(r'<td class="held-for">\d+:\d\d</td>', mine), mine
     everyone = admin.s.get(admin.hub.service_url + "admin", timeout=60).text
-    assert f"cluster '{name}'" in everyone
+    assert f"cluster '{name}'" in everyone and "held-for" in everyone
     listed = subprocess.run([GPULAB, "jobs", "list"], capture_output=True, text=True,
                             timeout=60, env={**os.environ, "GPULAB_URL": ann.hub.url,
                                              "GPULAB_TOKEN": ann.token()})
