@@ -44,7 +44,8 @@ _RUNTIME_HELPERS = ("strategy", "logdir", "checkpoint_dir", "writable_dir", "is_
 
 
 _NOTEBOOK_NAMES = {"Client": "client", "GpulabError": "client", "TrainingLauncher": "widgets",
-                   "JobView": "widgets", "JobsList": "widgets", "TensorBoard": "widgets"}
+                   "JobView": "widgets", "JobsList": "widgets", "TensorBoard": "widgets",
+                   "ClusterLauncher": "widgets", "Cluster": "cluster"}
 
 
 def __getattr__(name: str):

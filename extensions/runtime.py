@@ -12,6 +12,11 @@ decides what this replica is:
 - ``multi-worker-mirrored``: every ``worker`` (and a ``chief``, if the cluster names one) runs
   the program, where `strategy` is a ``MultiWorkerMirroredStrategy``; an ``evaluator`` runs it
   with the default strategy.
+- a **cluster** (``GPULAB_KIND=cluster``, issue 38: parameter servers and workers held for a
+  notebook kernel, which is the coordinator): ``TF_CONFIG`` names only ``ps`` and ``worker``
+  tasks, every replica serves a ``tf.distribute.Server`` for its task (protocol grpc) until
+  it is stopped, says ``gpulab runtime: <task> serving at <address>`` when it does, and no
+  program is run (a program argument, if any, is ignored).
 
 **The program is the first to touch TensorFlow.** A replica that runs the program neither
 imports TensorFlow nor builds a strategy before it: the program's own set-up
@@ -77,6 +82,9 @@ from pathlib import Path
 # cluster was lost: restart, resume from the last checkpoint), the strategies, the roles and
 # the progress line are the job contract's, shared with the hub
 from .contract import (  # noqa: E402
+    CLUSTER,
+    JOB,
+    KINDS,
     EXIT_CONFIG,
     EXIT_INFRA,
     EXIT_OK,
@@ -122,6 +130,8 @@ class ReplicaConfig:
     cluster: dict[str, list[str]] = field(default_factory=dict)
     job_name: str | None = None
     job_dir: str | None = None
+    #: ``job`` or ``cluster`` (``GPULAB_KIND``): a cluster's replicas only serve
+    kind: str = JOB
 
     @property
     def in_job(self) -> bool:
@@ -139,7 +149,10 @@ class ReplicaConfig:
 
     @property
     def runs_program(self) -> bool:
-        """Whether this replica runs the program (ps and workers of parameter-server serve)."""
+        """Whether this replica runs the program (ps and workers of parameter-server serve,
+        and every replica of a cluster)."""
+        if self.kind == CLUSTER:
+            return False
         return not (self.strategy == "parameter-server" and self.task_type in ("ps", "worker"))
 
     @property
@@ -191,11 +204,26 @@ def parse_tf_config(raw: str | None) -> tuple[dict[str, list[str]], str, int]:
     return cluster, task_type, task_index
 
 
-def validate_cluster(strategy: str, cluster: dict[str, list[str]], task_type: str) -> None:
-    """Check that the cluster's roles fit the strategy; raise `ConfigError` if not."""
+def validate_cluster(strategy: str, cluster: dict[str, list[str]], task_type: str,
+                     kind: str = JOB) -> None:
+    """Check that the cluster's roles fit the strategy (and the kind: a held cluster is ps
+    and workers only); raise `ConfigError` if not."""
     if strategy not in STRATEGIES:
         raise ConfigError(f"GPULAB_STRATEGY {strategy!r} is unknown; it must be one of "
                           f"{', '.join(STRATEGIES)}")
+    if kind not in KINDS:
+        raise ConfigError(f"GPULAB_KIND {kind!r} is unknown; it must be one of "
+                          f"{', '.join(KINDS)}")
+    if kind == CLUSTER:
+        if strategy != "parameter-server":
+            raise ConfigError("a cluster (GPULAB_KIND=cluster) is parameter-server")
+        if set(cluster) - {"ps", "worker"} or task_type not in ("ps", "worker"):
+            raise ConfigError("a cluster (GPULAB_KIND=cluster) has only ps and worker tasks: "
+                              "the notebook kernel that holds it is the coordinator")
+        for role in ("ps", "worker"):
+            if not cluster.get(role):
+                raise ConfigError(f"a cluster needs at least one {role} in TF_CONFIG's cluster")
+        return
     if strategy == "parameter-server":
         if len(cluster.get("chief", [])) != 1:
             raise ConfigError("parameter-server needs exactly one chief (the coordinator) in "
@@ -225,14 +253,15 @@ def config_from_env(env) -> ReplicaConfig:
     """
     raw, strategy = env.get("TF_CONFIG"), env.get("GPULAB_STRATEGY")
     job_name, job_dir = env.get("GPULAB_JOB_NAME") or None, env.get("GPULAB_JOB_DIR") or None
+    kind = env.get("GPULAB_KIND") or JOB
     if not (raw or "").strip() and not strategy:
         return ReplicaConfig(strategy=None, job_name=job_name, job_dir=job_dir)
     cluster, task_type, task_index = parse_tf_config(raw)
     if not strategy:  # a TF_CONFIG made elsewhere: ps tasks mean parameter-server
         strategy = "parameter-server" if "ps" in cluster else "multi-worker-mirrored"
-    validate_cluster(strategy, cluster, task_type)
+    validate_cluster(strategy, cluster, task_type, kind)
     return ReplicaConfig(strategy=strategy, task_type=task_type, task_index=task_index,
-                         cluster=cluster, job_name=job_name, job_dir=job_dir)
+                         cluster=cluster, job_name=job_name, job_dir=job_dir, kind=kind)
 
 
 def _is_address(a: str) -> bool:
@@ -605,9 +634,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg = None
     try:
-        if not argv or argv[0].startswith("-"):
+        held = os.environ.get("GPULAB_KIND") == CLUSTER  # serves only: no program
+        if not held and (not argv or argv[0].startswith("-")):
             raise ConfigError("usage: python -m gpulab.extensions.runtime <program.py> [args...]")
-        program, args = argv[0], list(argv[1:])
+        program, args = (argv[0], list(argv[1:])) if argv else ("", [])
         cfg = config_from_env(os.environ)
         if not cfg.in_job:
             parse_tf_config(os.environ.get("TF_CONFIG"))  # raises: TF_CONFIG is not set

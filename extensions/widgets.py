@@ -798,6 +798,8 @@ class JobsList(W.VBox):
         name = job["name"]
         label = W.HTML(
             f"<span class='gpulab-job-name'>{html.escape(name)}</span> · "
+            + ("<span class='gpulab-kind' data-kind='cluster'>cluster</span> · "
+               if job.get("kind") == "cluster" else "") +
             f"<span class='gpulab-state gpulab-state-{html.escape(job['state'].lower())}' "
             f"data-state='{html.escape(job['state'])}'>{html.escape(jm.state_line(job))}</span>",
             layout=W.Layout(width="60%"))
@@ -873,3 +875,143 @@ def _current_cell() -> str:
 
 
 __all__ = ["TrainingLauncher", "JobView", "JobsList", "TensorBoard", "GpulabError"]
+
+
+# -- a cluster held for this kernel (issue 38) ----------------------------------------------
+
+
+class ClusterLauncher(W.VBox):
+    """A form with `gpulab.cluster`'s fields (name, parameter servers, workers, GPUs per
+    worker): Hold asks for the cluster, and the status line shows its place while it waits
+    in line, then that it is serving; ``cluster`` is then the `gpulab.extensions.cluster.
+    Cluster` (``widget.cluster.strategy()`` in the next cell); Stop ends it. Callbacks:
+    ``on_serving(cluster)``, ``on_error(message)``."""
+
+    def __init__(self, client: Client | None = None, *, name: str = "", ps: int = 1,
+                 workers: int = 2, gpus_per_worker: int = 0, interval: float = 1.0):
+        from .cluster import cluster_spec
+
+        self._spec_of = cluster_spec
+        self.client = client or Client()
+        self.interval = interval
+        self.cluster = None
+        self._cb = _Callbacks()
+        self._stop_event = threading.Event()
+        self.name = W.Text(value=name, description="Name",
+                           placeholder="cluster-… (a name held already re-attaches)")
+        self.ps = W.BoundedIntText(value=ps, min=1, max=64, description="Parameter servers")
+        self.workers = W.BoundedIntText(value=workers, min=1, max=1024, description="Workers")
+        self.gpus = W.BoundedIntText(value=gpus_per_worker, min=0, max=64,
+                                     description="GPUs per worker")
+        self.hold_button = W.Button(description="Hold", button_style="primary")
+        self.stop_button = W.Button(description="Stop", button_style="danger",
+                                    layout=W.Layout(display="none"))
+        self.status = W.HTML("")
+        for w, css in ((self.name, "gpulab-cluster-name"), (self.ps, "gpulab-cluster-ps"),
+                       (self.workers, "gpulab-cluster-workers"),
+                       (self.gpus, "gpulab-cluster-gpus"), (self.hold_button, "gpulab-hold"),
+                       (self.stop_button, "gpulab-cluster-stop"),
+                       (self.status, "gpulab-cluster-status")):
+            w.add_class(css)
+        self.hold_button.on_click(lambda _: self.hold())
+        self.stop_button.on_click(lambda _: self.stop())
+        super().__init__([self.name, self.ps, self.workers, self.gpus,
+                          W.HBox([self.hold_button, self.stop_button]), self.status])
+        self.add_class("gpulab-cluster-launcher")
+
+    def on_serving(self, callback: Callable, remove: bool = False) -> None:
+        self._cb._register("serving", callback, remove)
+
+    def on_error(self, callback: Callable[[str], None], remove: bool = False) -> None:
+        self._cb._register("error", callback, remove)
+
+    def _show(self, kind: str, state: str, text: str) -> None:
+        self.status.value = (f'<span data-state="{html.escape(state)}">'
+                             f"{_message(kind, text)}</span>")
+
+    def hold(self):
+        """Ask for the cluster (or re-attach to the one of that name); it is watched from a
+        thread until it serves. Returns the `Cluster`, or None when refused."""
+        from .cluster import CLUSTER, Cluster
+
+        self._stop_event.clear()
+        name = self.name.value.strip()
+        try:
+            view = None
+            if name:
+                try:
+                    view = self.client.request("GET", f"jobs/{name}")
+                except GpulabError as e:
+                    if e.status != 404:
+                        raise
+                if view is not None and (view.get("kind") != CLUSTER or view["state"] in FINAL):
+                    raise GpulabError(f"'{name}' is taken by a job or an ended cluster of "
+                                      "yours; choose another name.", 409, "name")
+            if view is None:
+                import secrets
+
+                name = name or f"cluster-{secrets.token_hex(3)}"
+                view = self.client.request("POST", "jobs", body=self._spec_of(
+                    name=name, ps=self.ps.value, workers=self.workers.value,
+                    gpus_per_worker=self.gpus.value))
+            self.name.value = name
+            self.cluster = Cluster(self.client, view)
+            self.cluster._hold()
+        except GpulabError as e:
+            self._show("error", "Refused", e.message)
+            self._cb._fire("error", e.message)
+            return None
+        self.hold_button.disabled = True
+        self.stop_button.layout.display = "flex"
+        threading.Thread(target=self._watch, daemon=True,
+                         name=f"gpulab-cluster-widget-{name}").start()
+        return self.cluster
+
+    def _watch(self) -> None:
+        from .cluster import _serving, waiting_words
+
+        cluster = self.cluster
+        while not self._stop_event.is_set():
+            try:
+                view = cluster.status()
+            except GpulabError as e:
+                self._show("error", "Error", e.message)
+                return
+            state = view["state"]
+            if state in FINAL:
+                self._show("warning", state, f"Cluster {cluster.name}: {state}: {view['reason']}")
+                self.hold_button.disabled = False
+                self.stop_button.layout.display = "none"
+                return
+            if state == "Queued":
+                self._show("info", "Queued", waiting_words(view))
+            else:
+                addresses = [a for r in ("ps", "worker") for a in cluster.addresses.get(r, [])]
+                up = [a for a in addresses if _serving(a)]
+                if addresses and len(up) == len(addresses):
+                    self._show("ok", "Serving", f"Cluster {cluster.name}: "
+                               f"{len(cluster.addresses['ps'])} ps and "
+                               f"{len(cluster.addresses['worker'])} workers serving "
+                               f"({view['gpus']} GPU(s)). In a cell: strategy = "
+                               "widget.cluster.strategy()")
+                    self._cb._fire("serving", cluster)
+                    return
+                self._show("info", "Starting", f"Cluster {cluster.name}: starting, "
+                           f"{len(up)} of {len(addresses)} servers up")
+            self._stop_event.wait(self.interval)
+
+    def stop(self) -> dict | None:
+        """End the cluster; its GPUs come back."""
+        self._stop_event.set()
+        if self.cluster is None:
+            return None
+        try:
+            view = self.cluster.stop()
+        except GpulabError as e:
+            self._show("error", "Error", e.message)
+            return None
+        self._show("info", view["state"], f"Cluster {self.cluster.name}: {view['state']}: "
+                   f"{view['reason']}")
+        self.hold_button.disabled = False
+        self.stop_button.layout.display = "none"
+        return view

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from gpulab.extensions.client import GpulabError, Job
+from gpulab.extensions.client import lead_replica as lead_of_view
 from gpulab.extensions.contract import STRATEGIES, lead_replica
 from gpulab.extensions.joblog import restart_lines
 from gpulab.extensions.jobmodel import queue_text
@@ -315,6 +316,12 @@ def job_times(job: dict, now: float | None = None) -> list[str]:
     return lines
 
 
+def kind_words(job: dict) -> str:
+    """What the job is, for its STRATEGY column: its strategy, or ``cluster`` for parameter
+    servers and workers held for a notebook kernel (issue 38)."""
+    return "cluster" if job.get("kind") == "cluster" else job["strategy"]
+
+
 def state_words(job: dict, now: float | None = None) -> str:
     """``Running``, or for a queued job where it stands: ``Queued (2nd in line · starts in
     about 12 min (14:05))``."""
@@ -341,7 +348,13 @@ def progress_words(p: dict | None, now: float | None = None) -> str:
 
 def print_job(job: dict, now: float | None = None) -> None:
     print(f"{job['name']} ({job['user']}): {state_words(job, now)}: {job['reason']}")
-    print(f"strategy {job['strategy']}, {job['gpus']} GPU(s), folder {job['job_dir']}")
+    if job.get("kind") == "cluster":
+        print(f"cluster held for a notebook kernel (parameter-server), {job['gpus']} GPU(s), "
+              f"folder {job['job_dir']}")
+        for role, addresses in (job.get("cluster") or {}).items():
+            print(f"{role}: {', '.join(addresses)}")
+    else:
+        print(f"strategy {job['strategy']}, {job['gpus']} GPU(s), folder {job['job_dir']}")
     for line in job_times(job, now):
         print(line)
     line = progress_words(job.get("progress"), now)
@@ -474,7 +487,7 @@ def cmd_jobs(args) -> int:
             if args.json:
                 print(json.dumps(jobs, indent=2))
             else:
-                print(table([[j["name"], j["user"], j["strategy"], state_words(j), j["gpus"],
+                print(table([[j["name"], j["user"], kind_words(j), state_words(j), j["gpus"],
                               _elapsed(j), j["reason"]] for j in jobs],
                             ["NAME", "USER", "STRATEGY", "STATE", "GPUS", "ELAPSED", "REASON"]))
         elif args.action == "show":
@@ -486,7 +499,7 @@ def cmd_jobs(args) -> int:
                   f"{job['name']}: {job['state']}: {job['reason']}")
         elif args.action == "logs":
             job = client.job(args.name, user=args.user)
-            replica = args.replica or lead_replica(job.status()["strategy"])
+            replica = args.replica or lead_of_view(job.status())
             if not args.follow:
                 return follow_logs(job, replica, False, args.raw)
             try:

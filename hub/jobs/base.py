@@ -18,6 +18,14 @@ only it:
 ``_finish``
     the driver frees what the job held on the machine or cluster (`_release`), then the job
     is final, its replicas stopped and its GPUs released in one commit.
+``lease``
+    a held cluster (kind ``cluster``, issue 38) lives while the notebook kernel that holds it
+    renews its lease (``POST jobs/<name>/lease``, from a daemon thread of the kernel, with how
+    long no step was dispatched): each supervision round (`_cluster_lifecycle_pass`) stops a
+    cluster whose lease lapsed (``c.GPUJobs.cluster_lease_timeout`` seconds without a renewal:
+    the kernel, or its server, went away) or that has been idle too long
+    (``c.GPUJobs.cluster_idle_timeout``), and its GPUs come back. Leases are kept in the
+    service's memory: after a restart of the service every held cluster gets a fresh one.
 ``recover``
     at start-up: the driver re-adopts or gives up its active jobs (`_recover_active`), then
     the allocations of jobs that no longer run are closed: nothing leaks.
@@ -36,10 +44,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from typing import Any
 
-from gpulab.extensions.contract import ACTIVE, FINAL, lead_replica
+from gpulab.extensions.contract import ACTIVE, CLUSTER, FINAL, JOB, lead_replica
 from gpulab.extensions.joblog import LINE_BACK, open_line_start, render_text
 from gpulab.hub.jobs.spec import DEFAULT_LIMITS, ROLES, JobLimits, JobSpec
 from gpulab.hub.jobs.store import JobRow, JobStore, NameTaken, ReplicaRow
@@ -82,7 +91,7 @@ def job_view(job: JobRow, replicas: list[ReplicaRow]) -> dict:
     spec = json.loads(job.spec)
     return {
         "id": job.id, "name": job.name, "user": job.user, "backend": job.backend,
-        "strategy": spec["strategy"], "state": job.state, "reason": job.reason,
+        "kind": spec.get("kind") or JOB, "strategy": spec["strategy"], "state": job.state, "reason": job.reason,
         "gpus": JobSpec.model_validate(spec).total_gpus,
         "created_at": job.created_at, "started_at": job.started_at,
         "finished_at": job.finished_at, "job_dir": job.job_dir,
@@ -130,7 +139,8 @@ class JobBackend:
                 '_with_places', '_check_new_name', '_check_replica_bound', '_admit_and_record',
                 '_admit_or_queue', '_launch_or_undo', '_undo', '_supervise_round',
                 '_supervise_forever', '_active_to_supervise', '_queue_pass', '_start_queued',
-                '_preempt', '_finish')
+                '_preempt', '_finish', 'lease', '_cluster_lifecycle_pass',
+                'active_clusters')
 
     #: the backend's name in the job rows (``local``, ``kubernetes``)
     name = ""
@@ -160,6 +170,9 @@ class JobBackend:
         self._admitting = asyncio.Lock()
         #: jobs being launched: supervision leaves them alone until `_launch` returns
         self._launching: set[str] = set()
+        #: held clusters' leases: job id -> (monotonic time it lapses, seconds idle as the
+        #: kernel last said, monotonic time it said so)
+        self._leases: dict[str, tuple[float, float, float]] = {}
 
     # -- hooks a driver fills ------------------------------------------------------------
 
@@ -220,7 +233,10 @@ class JobBackend:
         raise NotImplementedError
 
     def _view(self, job: JobRow, replicas: list[ReplicaRow], detail: bool = False) -> dict:
-        """A job's view; ``detail``: for one job (``get``), not the list."""
+        """A job's view; ``detail``: for one job (``get``), not the list. For a held cluster
+        (``view["kind"] == "cluster"``) the driver adds ``view["cluster"]``: ``{"ps":
+        ["host:port", ...], "worker": [...]}``, where the owner's kernels reach its servers
+        (the service shows it to the owner alone)."""
         return job_view(job, replicas)
 
     async def _detail(self, view: dict) -> dict:
@@ -240,6 +256,13 @@ class JobBackend:
     def list(self, user: str | None = None) -> list[dict]:
         """Drivers should not override this method (the workflow's; they fill the hooks)."""
         return self._with_places([self._view(j, reps) for j, reps in self.store.all(user)])
+
+    def active_clusters(self) -> set[tuple[str, str]]:
+        """``(user, name)`` of every held cluster not yet final (sync), for the pages that
+        show GPU holdings and the queue, where a cluster's allocation is a job's.
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
+        return {(job.user, job.name) for job, _ in self.store.active()
+                if json.loads(job.spec).get("kind") == CLUSTER}
 
     def active_owners(self) -> list[tuple[str, str]]:
         """``(user, name)`` of every job not yet final, waiting ones too (sync).
@@ -484,6 +507,7 @@ class JobBackend:
             if self.queue is not None:
                 await self._queue_pass()
             more = await self._supervise_pass()
+            await self._cluster_lifecycle_pass()
             if not more and self.queue is not None:  # queued jobs wait for passes
                 more = bool(await asyncio.to_thread(self.store.active_ids))
         return more
@@ -591,6 +615,70 @@ class JobBackend:
         if entry is not None:
             await asyncio.to_thread(self.queue.requeue, entry.id, reason)
 
+    # -- held clusters: the kernel's lease -------------------------------------------------
+
+    async def lease(self, user: str, name: str, idle_for: float = 0.0) -> dict:
+        """The kernel holding `user`'s cluster `name` renews its lease (for
+        ``c.GPUJobs.cluster_lease_timeout`` seconds more) and says how long no step was
+        dispatched (``idle_for``); the cluster's view. 404: no such job; 409: not a held
+        cluster, or it has ended.
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
+        view = await asyncio.to_thread(self.get, user, name)
+        if view is None:
+            raise JobNotFound(name)
+        if view.get("kind") != CLUSTER:
+            raise JobError(f"'{name}' is a training job, not a held cluster: only clusters "
+                           "have leases.", 409, "name")
+        if view["state"] in FINAL:
+            raise JobError(f"The cluster '{name}' has ended ({view['state']}: "
+                           f"{view['reason']}).", 409, "name")
+        now = time.monotonic()
+        self._leases[view["id"]] = (now + self.limits.cluster_lease_timeout,
+                                    max(0.0, float(idle_for)), now)
+        self.ensure_supervisor()
+        # how often to renew, and the idle limit (the kernel shows neither as a setting)
+        view["lease"] = {"timeout": self.limits.cluster_lease_timeout,
+                         "idle_timeout": self.limits.cluster_idle_timeout}
+        return view
+
+    def _lease_of(self, job_id: str) -> tuple[float, float, float]:
+        """A cluster's lease; one it has none of yet (just held, or the service restarted)
+        starts now, for a whole lease time."""
+        now = time.monotonic()
+        return self._leases.setdefault(job_id, (now + self.limits.cluster_lease_timeout, 0.0,
+                                                now))
+
+    async def _cluster_lifecycle_pass(self) -> None:
+        """Stop each held cluster whose lease lapsed or that is idle past the operator's time
+        (with the lock held, in the supervision round).
+        Drivers should not override this method (the workflow's; they fill the hooks)."""
+        lim = self.limits
+        now = time.monotonic()
+        ending = []
+        for job, _ in await asyncio.to_thread(self.store.active):
+            if json.loads(job.spec).get("kind") != CLUSTER:
+                continue
+            until, idle, said = self._lease_of(job.id)
+            if now > until:
+                ending.append((job, f"its lease lapsed: the notebook kernel that held it sent "
+                               f"no heartbeat for {lim.cluster_lease_timeout} s (it shut down, "
+                               "or its server stopped)"))
+            elif (lim.cluster_idle_timeout and job.state == "Running"
+                  # idle since it last dispatched, but never before it started (waiting in
+                  # line is not idleness)
+                  and min(idle + (now - said), time.time() - (job.started_at or time.time()))
+                  > lim.cluster_idle_timeout):
+                ending.append((job, f"idle: no step was dispatched to it for "
+                               f"{lim.cluster_idle_timeout} s (c.GPUJobs.cluster_idle_timeout)"))
+        for job, why in ending:
+            view = await asyncio.to_thread(self.get, job.user, job.name)
+            if view is None or view["state"] in FINAL:
+                continue
+            log.info("Cluster %s/%s ends: %s", job.user, job.name, why)
+            await self._halt(view)
+            await asyncio.to_thread(self._finish, job.id, "Stopped", why)
+            self._leases.pop(job.id, None)
+
     # -- ending --------------------------------------------------------------------------
 
     async def stop(self, user: str, name: str, actor: str | None = None,
@@ -657,5 +745,8 @@ def queue_place(e: Entry) -> dict:
 def lead_of(spec: JobSpec | dict) -> tuple[str, int]:
     """(role, index) of the replica whose log and progress are the job's."""
     strategy = spec["strategy"] if isinstance(spec, dict) else spec.strategy
+    kind = spec.get("kind") if isinstance(spec, dict) else spec.kind
+    if kind == CLUSTER:  # no chief: its first worker
+        return "worker", 0
     role, index = lead_replica(strategy).rsplit("-", 1)
     return role, int(index)

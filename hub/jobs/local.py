@@ -53,6 +53,19 @@ replica between ``fork`` and ``exec`` while it is still root, then it drops to t
 - **an environment built from an allow-list** (`replica_env`): never a copy of the service's,
   which holds the service's own hub token.
 
+A held cluster (kind ``cluster``, issue 38: parameter servers and workers whose coordinator
+is the person's notebook kernel) runs the same way, with these differences: every replica
+runs ``python -m gpulab.extensions.runtime`` with ``GPULAB_KIND=cluster`` and no program
+(each serves a ``tf.distribute.Server`` for its task); as root its replicas join **the
+person's own network namespace** (`gpulab.hub.machine.personnet`, the one their notebook
+servers run in, ``/run/gpulab/netns/person-<hub>-<name>``) instead of a namespace of the job,
+on ports this backend picks free inside it as the cluster starts (kept across a worker's
+restart), so the person's kernels reach the servers on ``127.0.0.1`` and nobody else's
+process can (the servers run any graph they are sent). A cluster needs a running server of
+its person (it is refused with 409 otherwise), and ends when their last server stops (its
+namespace is gone). The view gives the addresses (``cluster``: ``{"ps": [...], "worker":
+[...]}``). Its rules are `gpulab.hub.jobs.rules.decide_cluster`.
+
 Admission also bounds a person's active replicas across their jobs
 (``c.GPUJobs.max_replicas_per_user``), GPU-less jobs included. A submit that fails after
 admission undoes everything in one place (`LocalJobBackend._undo`): processes, sandbox, rows,
@@ -105,6 +118,7 @@ from gpulab.hub.machine.accounts import AccountError
 from gpulab.hub.machine.userdisk import DiskError
 from gpulab.hub.machine.cgroups import (limit_user_processes, local_cgroups, memory_bytes,
                                     person_unit, set_oom_score_adj)
+from gpulab.hub.machine.personnet import free_ports_inside
 
 from gpulab.hub.machine import safefs
 from gpulab.extensions.joblog import restart_marker, restart_record
@@ -112,6 +126,7 @@ from gpulab.hub.jobs.base import (JobBackend, JobError, add_restart, job_view,
                                   restart_history)
 from gpulab.hub.jobs.rules import (
     EXIT_UNKNOWN,
+    Decision,
     PROGRAM_ERRORS,
     decide_local,
     error_summary,
@@ -190,6 +205,16 @@ def last_progress(log_text: bytes) -> dict | None:
     return contract.last_progress(log_text.decode(errors="replace"))
 
 
+def cluster_addresses(replicas) -> dict[str, list[str]]:
+    """``{"ps": ["127.0.0.1:port", ...], "worker": [...]}`` of a cluster's replica rows: where
+    its person's kernels reach its servers (on loopback in the person's namespace)."""
+    found: dict[str, list[tuple[int, str]]] = {}
+    for r in replicas:
+        found.setdefault(r.role, []).append((r.index, f"127.0.0.1:{r.port}"))
+    return {role: [a for _, a in sorted(found[role])] for role in ("ps", "worker")
+            if role in found}
+
+
 def replica_env(base: dict[str, str], *, spec: JobSpec, job_name: str, job_dir: str,
                 user_dir: str, role: str, index: int, cluster: dict, devices: list[int],
                 account: tuple[str, str] | None = None, cuda: bool = True) -> dict[str, str]:
@@ -211,6 +236,7 @@ def replica_env(base: dict[str, str], *, spec: JobSpec, job_name: str, job_dir: 
     env.update({
         "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": role, "index": index}}),
         "GPULAB_STRATEGY": spec.strategy,
+        "GPULAB_KIND": spec.kind,
         "GPULAB_JOB_NAME": job_name,
         "GPULAB_JOB_DIR": job_dir,
         "GPULAB_USER_DIR": user_dir,
@@ -304,7 +330,9 @@ class LocalJobBackend(JobBackend):
 
     def _view(self, job: JobRow, replicas, detail: bool = False) -> dict:
         view = job_view(job, replicas)
-        if detail:  # the lead replica's progress, from its log in the person's folder
+        if view["kind"] == contract.CLUSTER:  # where the owner's kernels reach its servers
+            view["cluster"] = cluster_addresses(replicas)
+        if detail and view["kind"] != contract.CLUSTER:  # the lead replica's progress, from its log in the person's folder
             view["progress"] = read_progress(job, lead_replica(view["strategy"]))
         return view
 
@@ -333,6 +361,8 @@ class LocalJobBackend(JobBackend):
             except DiskError as e:
                 raise JobError(f"Your job cannot start: your disk on the shared storage: "
                                f"{e.message}", e.status) from None
+        if spec.is_cluster:
+            self._check_cluster_network(user)
         script = None
         if spec.script is not None:
             script = (account.folder / spec.script).resolve()
@@ -363,8 +393,41 @@ class LocalJobBackend(JobBackend):
 
     def _start_job(self, job_id: str, account: UserAccount, spec: JobSpec, script) -> None:
         self._prepare_dir(account, spec)
-        self._make_sandbox(job_id, account)
+        self._make_sandbox(job_id, account, spec)
+        if spec.is_cluster and self.sandboxed:
+            self._pick_cluster_ports(job_id, account)
         self._start_all(job_id, script)
+
+    # -- a held cluster: in the person's own network namespace ------------------------------
+
+    def person_netns(self, user: str) -> str | None:
+        """The name of `user`'s network namespace (their notebook servers'), under
+        ``netns_root``; None where the hub gave no person tag (no person-level namespaces)."""
+        tag = self.limits.person_tag
+        return person_unit(tag, user) if tag else None
+
+    def _check_cluster_network(self, user: str) -> None:
+        """A cluster runs in its person's namespace: refuse one that has none to run in."""
+        if not self.sandboxed:
+            return  # not root: jobs and clusters alike listen on the machine's loopback
+        name = self.person_netns(user)
+        if name is None:
+            raise JobError("kind: clusters need the notebooks' private network (the hub's "
+                           "c.LocalGPUSpawner.private_network) to keep their servers yours "
+                           "alone; this hub has none. Run a training job instead.", 409, "kind")
+        if not (self.netns_root / name).exists():
+            raise JobError("kind: a cluster's servers live in your notebook server's private "
+                           "network, so only your kernels reach them: start your server "
+                           "first, then hold the cluster from a notebook.", 409, "kind")
+
+    def _pick_cluster_ports(self, job_id: str, account: UserAccount) -> None:
+        """Each replica's port, free inside the person's namespace now (ports chosen on the
+        machine's side say nothing about it)."""
+        with self.ledger.Session.begin() as s:
+            job, reps = self.store.load(s, job_id)
+            path = self.netns_root / self.person_netns(job.user)
+            for r, port in zip(reps, free_ports_inside(path, len(reps))):
+                r.port = port
 
     def _launch_error(self, e: BaseException, spec: JobSpec) -> JobError:
         if isinstance(e, safefs.UnsafePath):
@@ -408,6 +471,7 @@ class LocalJobBackend(JobBackend):
             job, reps = self.store.load(s, job_id)
             spec = JobSpec.model_validate_json(job.spec)
             account = self.accounts(job.user)
+            held = spec.is_cluster
             cluster = {}
             for r in reps:
                 if r.role != "evaluator":
@@ -417,6 +481,8 @@ class LocalJobBackend(JobBackend):
             program = script or job_dir.joinpath(*code_parts(spec))
             if script is None and spec.script is not None:
                 program = account.folder / spec.script
+            if held:  # a cluster's replicas only serve
+                program = None
             for r in reps:
                 key = (r.role, r.index)
                 if only is not None and key not in only:
@@ -468,7 +534,9 @@ class LocalJobBackend(JobBackend):
                             job.name, r.role, r.index, e)
         folder, job_path = _in_job(job.job_dir)
         group = self._replica_group(job.id, spec, r.role, r.index, devices, job.user)
-        netns = sandbox.open_netns(job.id, self.netns_root) if self.sandboxed else None
+        # a job's own namespace; a cluster's: its person's, where their kernels are
+        netns = (sandbox.open_netns(self.person_netns(job.user) if spec.is_cluster else job.id,
+                                    self.netns_root) if self.sandboxed else None)
         tmp = self.tmp_root / job.id
         # the replica's /dev/shm holds up to its memory limit (its pages count against it)
         shm = memory_bytes(self.limits.memory_of(spec.resources.get(r.role)))
@@ -510,8 +578,11 @@ class LocalJobBackend(JobBackend):
 
         try:
             with open(os.devnull) as devnull:
+                command = [self.python, "-m", "gpulab.extensions.runtime"]
+                if program is not None:
+                    command += [str(program), *spec.args]
                 return psutil.Popen(
-                    [self.python, "-m", "gpulab.extensions.runtime", str(program), *spec.args],
+                    command,
                     env=env, stdout=logfile, stderr=subprocess.STDOUT, stdin=devnull,
                     preexec_fn=preexec, close_fds=True,
                 )
@@ -546,12 +617,13 @@ class LocalJobBackend(JobBackend):
 
     # -- the job's sandbox: network namespace and private /tmp ------------------------------
 
-    def _make_sandbox(self, job_id: str, account: UserAccount) -> None:
+    def _make_sandbox(self, job_id: str, account: UserAccount, spec: JobSpec) -> None:
         if not self.sandboxed:
             return
         owner = (account.uid, account.gid) if account.uid is not None else None
         try:
-            sandbox.make_netns(job_id, self.netns_root)
+            if not spec.is_cluster:  # a cluster joins its person's namespace instead
+                sandbox.make_netns(job_id, self.netns_root)
             sandbox.make_private_dir(self.tmp_root, job_id, owner)
         except OSError as e:
             raise JobError("The job could not be started: its sandbox could not be made "
@@ -688,7 +760,13 @@ class LocalJobBackend(JobBackend):
             decision = decide_local(spec.strategy, {(r.role, r.index): r for r in reps},
                                     retries=spec.retries,
                                     started=job.started_at or job.created_at,
-                                    max_runtime=spec.max_runtime, now=time.time())
+                                    max_runtime=spec.max_runtime, now=time.time(),
+                                    kind=spec.kind)
+            if (decision.outcome is None and spec.is_cluster
+                    and not self._person_network_held(job, reps)):
+                decision = Decision(outcome=("Stopped", "your notebook server stopped: its "
+                                             "network, where the cluster's servers were, "
+                                             "is gone"))
             if decision.restart and decision.outcome is None:
                 by = {(r.role, r.index): r for r in reps}
                 now = time.time()
@@ -714,6 +792,24 @@ class LocalJobBackend(JobBackend):
             self._finish(job_id, state, reason)
         elif decision.restart:
             self._restart(job_id, decision.restart)
+
+    def _person_network_held(self, job: JobRow, reps) -> bool:
+        """Whether a cluster's replicas still run in the namespace their person's servers
+        have now (False once the person's last server stopped, or a new one made it anew)."""
+        if not self.sandboxed or self.person_netns(job.user) is None:
+            return True
+        try:
+            st = os.stat(self.netns_root / self.person_netns(job.user))
+        except FileNotFoundError:
+            return False
+        for r in reps:
+            if r.state == "Running" and r.pid:
+                try:
+                    ns = os.stat(f"/proc/{r.pid}/ns/net")
+                except OSError:
+                    continue
+                return (ns.st_dev, ns.st_ino) == (st.st_dev, st.st_ino)
+        return True
 
     def _restart(self, job_id: str, restart) -> None:
         for k in restart:  # MWMS restarts all workers: stop the survivors first

@@ -10,6 +10,11 @@ The two drivers differ where their platforms do, and only there:
   ps that dies is restarted while retries last (each replica restarted is one retry), a chief
   that lost its cluster (`EXIT_INFRA`) too; the chief's own error fails the job.
   Multi-worker: all workers restart together (one retry per round) unless one raised.
+  A held cluster (kind ``cluster``, issue 38; `decide_cluster`): a lost worker is restarted
+  while retries last (TensorFlow's ``ClusterCoordinator`` carries on without it meanwhile and
+  uses it again once it is back), and without retries the cluster goes on with the workers
+  it has until none is left; a lost ps ends the cluster as Failed with what to do (the
+  variables it held are gone: restore from the checkpoint in a new cluster).
 - **kubernetes** (`decide_kube`): the Job controller restarts pods (``backoffLimit`` is the
   spec's ``retries``; the pod failure policy fails the program's own errors at once); gpulab
   reads the role Jobs' conditions.
@@ -24,6 +29,8 @@ from pathlib import Path
 from typing import Mapping, Protocol
 
 from gpulab.extensions.contract import (
+    CLUSTER,
+    JOB,
     EXIT_INFRA,
     EXIT_NOT_RETRIED,
     PARAMETER_SERVER,
@@ -83,10 +90,13 @@ def past_max_runtime(*, started: float, max_runtime: int | None, now: float) -> 
 
 
 def decide_local(strategy: str, replicas: Mapping[Key, ReplicaFacts], *, retries: int,
-                 started: float, max_runtime: int | None, now: float) -> Decision:
+                 started: float, max_runtime: int | None, now: float,
+                 kind: str = JOB) -> Decision:
     """The local driver's rules, over replicas whose exits are already recorded (``state``
-    Running, Succeeded or Failed with ``exit_code``)."""
-    if strategy == PARAMETER_SERVER:
+    Running, Succeeded or Failed with ``exit_code``); ``kind`` ``cluster``: `decide_cluster`."""
+    if kind == CLUSTER:
+        decision = decide_cluster(replicas, retries)
+    elif strategy == PARAMETER_SERVER:
         decision = _parameter_server(replicas, retries)
     else:
         decision = _multi_worker(replicas, retries)
@@ -94,6 +104,35 @@ def decide_local(strategy: str, replicas: Mapping[Key, ReplicaFacts], *, retries
                                                      now=now):
         return Decision(outcome=("Failed", f"stopped after max_runtime ({max_runtime} s)"))
     return decision
+
+
+#: what a person does when a parameter server of their cluster is lost (the cell says it)
+PS_LOST_ADVICE = ("The variables it held are gone, so the cluster cannot go on: hold a new "
+                  "cluster (gpulab.cluster(...)), build the model under its strategy and "
+                  "restore it from your last checkpoint (tf.train.Checkpoint(...).restore("
+                  "tf.train.latest_checkpoint(folder))), then train on.")
+
+
+def decide_cluster(by: Mapping[Key, ReplicaFacts], retries: int) -> Decision:
+    """A held cluster's rules: it never succeeds (it ends when stopped); a lost ps fails it
+    (`PS_LOST_ADVICE`); a lost worker is restarted while retries last (each restart one);
+    without retries it goes on with the workers left, and fails when none is."""
+    lost_ps = sorted(k for k, r in by.items() if k[0] == "ps" and r.state != "Running")
+    if lost_ps:
+        role, index = lost_ps[0]
+        why = by[lost_ps[0]].reason or "exited"
+        return Decision(outcome=("Failed", f"{role}-{index} was lost ({why}). "
+                                 + PS_LOST_ADVICE), blame=f"{role}-{index}")
+    lost = {k for k, r in by.items() if k[0] == "worker" and r.state != "Running"}
+    if not lost:
+        return Decision()
+    budget = retries - sum(r.restarts for r in by.values())
+    if budget > 0:  # as many as the retries left allow, lowest first
+        return Decision(restart=frozenset(sorted(lost)[:budget]))
+    if all(r.state != "Running" for k, r in by.items() if k[0] == "worker"):
+        return Decision(outcome=("Failed", f"every worker was lost and the {retries} restarts "
+                                 f"are used up (last: {names(lost)})"))
+    return Decision()  # the coordinator trains on with the workers left
 
 
 def _parameter_server(by: Mapping[Key, ReplicaFacts], retries: int) -> Decision:

@@ -91,6 +91,10 @@ class JobLimits:
     person_cpu: float = 0.0
     # oom_score_adj of replicas (``c.LocalGPUSpawner.oom_score_adj``, handed over by the hub)
     oom_score_adj: int = 500
+    # held clusters (issue 38): seconds without a renewal of the kernel's lease before the
+    # cluster ends, and without a step dispatched (0: no idle limit)
+    cluster_lease_timeout: int = 90
+    cluster_idle_timeout: int = 3600
 
     def cpu_of(self, res: Resources | None) -> float | None:
         """The CPU limit of a replica whose role asks for `res` (None: not limited)."""
@@ -480,6 +484,25 @@ class GPUJobs(Configurable):
     @default("max_user_processes")
     def _max_user_processes_default(self):
         return default_user_processes()
+
+    cluster_lease_timeout = Int(DEFAULT_LIMITS.cluster_lease_timeout, help="""
+        Seconds a held cluster (``gpulab.cluster(...)`` in a notebook, kind ``cluster``)
+        lives without a renewal of its lease by the notebook kernel that holds it (default
+        90). The kernel renews it every third of this time from a thread of its own while it
+        runs, waiting in the queue too; when the kernel shuts down, is restarted or its server
+        stops or is culled, the renewals stop and the cluster is stopped this long after, its
+        GPUs back in the pool (a restarted kernel re-attaches to a cluster still held with
+        ``gpulab.cluster(name=...)``). Shorter gives GPUs back sooner; longer rides out a
+        kernel too busy to renew (the renewals run in a thread, so only a kernel stuck outside
+        Python misses them). Example: ``c.GPUJobs.cluster_lease_timeout = 300``
+        """).tag(config=True)
+    cluster_idle_timeout = Int(DEFAULT_LIMITS.cluster_idle_timeout, help="""
+        Seconds a running held cluster may go without a step dispatched to it by its kernel
+        (``ClusterCoordinator.schedule``, which ``Model.fit`` under the strategy also calls)
+        before it is stopped and its GPUs come back (default 3600, an hour; 0: never for
+        idleness). The kernel reports the time since it last dispatched with each renewal of
+        its lease. Example: ``c.GPUJobs.cluster_idle_timeout = 1800``
+        """).tag(config=True)
 
     python = Unicode("", help="""
         The Python that runs training replicas (local backend): it must import gpulab,

@@ -438,6 +438,21 @@ def in_use(path: Path) -> bool:
     return False
 
 
+def free_ports_inside(path: Path, count: int, ip: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports free on ``ip`` inside the namespace at ``path`` now (the
+    kernel's choice of free ports, all bound at once so none is given twice)."""
+    socks = []
+    try:
+        for _ in range(count):
+            sock = sandbox.socket_in_netns(path, socket.AF_INET6 if ":" in ip else socket.AF_INET)
+            socks.append(sock)
+            sock.bind((ip, 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def _free_inside(path: Path, ip: str, port: int) -> bool:
     """Whether ``ip:port`` is free inside the namespace at ``path``."""
     sock = sandbox.socket_in_netns(path, socket.AF_INET6 if ":" in ip else socket.AF_INET)
@@ -452,4 +467,5 @@ def _free_inside(path: Path, ip: str, port: int) -> bool:
         sock.close()
 
 
-__all__ = ["Bridge", "NetworkUnusable", "PersonNetworks", "Relay", "loopback_address"]
+__all__ = ["Bridge", "NetworkUnusable", "PersonNetworks", "Relay", "free_ports_inside",
+           "loopback_address"]

@@ -55,7 +55,8 @@ from gpulab.hub.service.hubapi import HubDirectory
 from gpulab.hub.service.idle import IdleCuller, IdleHandler, KeepHandler
 from gpulab.hub.service.metrics import MetricsHandler, make_registry
 from gpulab.hub.service.queue import QueueActionHandler, QueueHandler
-from gpulab.hub.service.jobs import (JobHandler, JobLogsHandler, JobsBase, JobsHandler,  # noqa: F401
+from gpulab.hub.service.jobs import (JobHandler, JobLeaseHandler, JobLogsHandler, JobsBase,  # noqa: F401
+                                     JobsHandler,
                                      JobStopHandler)
 from gpulab.hub.service.pages import (AdminPage, ErrorPages, NotFoundHandler,  # noqa: F401
                                       OAuthCallbackHandler, PageError, PageHandler, PageUser,
@@ -128,6 +129,7 @@ def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirecto
             (url_path_join(api, "jobs"), JobsHandler),
             (url_path_join(api, f"jobs/{name}"), JobHandler),
             (url_path_join(api, f"jobs/{name}/stop"), JobStopHandler),
+            (url_path_join(api, f"jobs/{name}/lease"), JobLeaseHandler),
             (url_path_join(api, f"jobs/{name}/logs/{name}"), JobLogsHandler),
             (url_path_join(api, "queue"), QueueHandler),
             (url_path_join(api, "queue/([^/]+)/([^/]+)"), QueueActionHandler),

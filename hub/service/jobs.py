@@ -37,9 +37,13 @@ class JobsHandler(JobsBase):
     async def get(self):
         if self.get_query_argument("all", "") in ("1", "true") :
             self.require_admin()
-            self.send({"jobs": await asyncio.to_thread(self.backend.list)})
+            me = self.current_user["name"]
+            self.send({"jobs": [for_viewer(v, me)
+                                for v in await asyncio.to_thread(self.backend.list)]})
             return
-        self.send({"jobs": await asyncio.to_thread(self.backend.list, self.owner())})
+        me = self.current_user["name"]
+        self.send({"jobs": [for_viewer(v, me) for v in
+                            await asyncio.to_thread(self.backend.list, self.owner())]})
 
     async def post(self):
         from gpulab.hub.jobs.spec import SpecError, parse_spec
@@ -72,9 +76,38 @@ def replica_of_pod(job: str, pod: str) -> tuple[str, int] | None:
     return parts[0], int(parts[-2])
 
 
+class JobLeaseHandler(JobsBase):
+    """``POST jobs/<name>/lease`` ``{"idle_for": seconds}``: the notebook kernel that holds
+    its person's cluster renews the lease that keeps it (`gpulab.hub.jobs.base`, ``lease``);
+    the person's own clusters only (an admin stops, never holds, another's)."""
+
+    job_error_field = "name"
+
+    async def post(self, name):
+        body = self.json_body() or {}
+        if not isinstance(body, dict):
+            raise FieldError(400, "idle_for", "The body must be a JSON object.")
+        idle = body.get("idle_for", 0)
+        if isinstance(idle, bool) or not isinstance(idle, (int, float)) or not (
+                0 <= idle < 10**9):
+            raise FieldError(400, "idle_for", "idle_for: seconds since a step was last "
+                             "dispatched, a number >= 0.")
+        me = self.current_user["name"]
+        self.send(for_viewer(await self.backend.lease(me, name, float(idle)), me))
+
+
+def for_viewer(view: dict, viewer: str) -> dict:
+    """A job's view as `viewer` may see it: a held cluster's addresses (``cluster``, where
+    its servers listen) for its owner only."""
+    if "cluster" in view and view.get("user") != viewer:
+        view = {k: v for k, v in view.items() if k != "cluster"}
+    return view
+
+
 class JobHandler(JobsBase):
     async def get(self, name):
-        job = await self.backend.view(self.owner(), name)
+        job = for_viewer(await self.backend.view(self.owner(), name),
+                         self.current_user["name"])
         from gpulab.extensions.contract import FINAL
 
         usage = _usage(self)

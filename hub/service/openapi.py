@@ -86,7 +86,15 @@ def _jobspec_schemas() -> dict:
 
 
 JOB = {"type": "object", "properties": {
-    "name": {"type": "string"}, "user": {"type": "string"}, "state": {
+    "name": {"type": "string"}, "user": {"type": "string"},
+    "kind": {"type": "string", "enum": ["job", "cluster"], "description": "job: gpulab runs "
+             "the program; cluster: ps and workers held for the notebook kernel that "
+             "coordinates them"},
+    "cluster": {"type": "object", "description": "a held cluster's addresses, for its owner "
+                "only: where their kernels reach its servers (grpc)", "properties": {
+                    "ps": {"type": "array", "items": {"type": "string"}},
+                    "worker": {"type": "array", "items": {"type": "string"}}}},
+    "state": {
         "type": "string", "enum": list(STATES)},
     "reason": {"type": "string"}, "gpus": {"type": "integer"},
     "replicas": {"type": "array", "items": {"$ref": "#/components/schemas/Replica"}},
@@ -263,6 +271,14 @@ def openapi_document(prefix: str = "/services/gpulab/") -> dict:
             "/jobs/{name}/stop": {"parameters": [JOB_NAME, AS_USER],
                                   "post": {"summary": "Stop a job (all replicas; GPUs released)",
                                            "responses": _resp(JOB, 404)}},
+            "/jobs/{name}/lease": {
+                "parameters": [JOB_NAME],
+                "post": {"summary": "The notebook kernel holding my cluster renews its lease "
+                                    "and says how long no step was dispatched",
+                         "requestBody": {"required": False, "content": {"application/json": {
+                             "schema": {"type": "object", "properties": {
+                                 "idle_for": {"type": "number", "minimum": 0}}}}}},
+                         "responses": _resp(JOB, 400, 404, 409)}},
             "/jobs/{name}/logs/{replica}": {
                 "parameters": [JOB_NAME, {"name": "replica", "in": "path", "required": True,
                                           "schema": {"type": "string"}}, AS_USER,

@@ -138,20 +138,49 @@ class PageHandler(ErrorPages, Base):
                                 "gpulab service.", hint="not-allowed") from None
 
 
+async def mark_clusters(handler, holdings: list[dict], entries: list[dict]) -> None:
+    """Holdings and queue entries of held clusters (issue 38) say ``cluster``, not ``job``
+    (the ledger and the queue hold a cluster's GPUs as a job's); every holding says how long
+    it has been held (``held_for``: ``1:02:03``)."""
+    from gpulab.extensions.jobmodel import format_duration
+
+    now = time.time()
+    for h in holdings:
+        if h.get("since"):
+            h["held_for"] = format_duration(max(0.0, now - h["since"]))
+    backend = handler.settings.get("jobs")
+    if backend is None or not hasattr(backend, "active_clusters"):
+        return
+    held = await asyncio.to_thread(backend.active_clusters)
+    if not held:
+        return
+    for h in holdings:
+        if h.get("kind") == "job" and (h.get("user"), h.get("name")) in held:
+            h["kind"] = "cluster"
+    for e in entries:
+        if e.get("kind") == "job" and (e.get("user"), e.get("holder")) in held:
+            e["kind"] = "cluster"
+
+
 class UserPage(PageHandler):
     @web.authenticated
     async def get(self):
-        view = await user_view(self, self.current_user["name"])
+        me = self.current_user["name"]
+        view = await user_view(self, me)
         inventory = await asyncio.to_thread(inventory_view, self.ledger, _usage(self))
         queue = getattr(self.settings.get("jobs"), "queue", None)
         now = time.time()
         waiting = ([entry_view(e, now) for e in await asyncio.to_thread(
-            queue.entries, self.current_user["name"], now)] if queue is not None else [])
+            queue.entries, me, now)] if queue is not None else [])
+        holdings = view.get("holdings") or []
+        for h in holdings:
+            h.setdefault("user", me)
+        await mark_clusters(self, holdings, waiting)
         culler = self.settings.get("idle_culler")
         from gpulab.hub.service.idle import recent_stops
 
-        idle = culler.view(self.current_user["name"]) if culler is not None else None
-        stopped = await asyncio.to_thread(recent_stops, self.ledger, self.current_user["name"])
+        idle = culler.view(me) if culler is not None else None
+        stopped = await asyncio.to_thread(recent_stops, self.ledger, me)
         self.render_page("user.html", me=view, inventory=inventory, waiting=waiting,
                          idle=idle, idle_stopped=stopped)
 
@@ -171,6 +200,12 @@ class AdminPage(PageHandler):
         # GPU-idle culling's warnings, by allocation id (the holdings they are about)
         culler = self.settings.get("idle_culler")
         o["idle"] = dict(culler.notices) if culler is not None else {}
+        holdings = []
+        for u in o.get("users", []):
+            for h in u.get("holdings", []):
+                h.setdefault("user", u.get("name"))
+                holdings.append(h)
+        await mark_clusters(self, holdings, o["queue"])
         self.render_page("admin.html", o=o)
 
 

@@ -770,3 +770,31 @@ def test_the_jobs_of_a_deleted_account_are_stopped_and_their_gpus_freed(hub, use
                       timeout=60)["state"] == "Running"
     assert users["bob"].service("POST", "jobs/stays/stop").json()["state"] == "Stopped"
     ledger.engine.dispose()
+
+
+def test_a_cluster_needs_its_persons_server_and_only_clusters_take_leases(hub, users):
+    """Issue 38's API edges: a held cluster lives in its person's notebook network (refused,
+    409 naming ``kind``, while they have no server: nothing is held); the lease renews a
+    cluster only: bad input is a 400 naming ``idle_for``, a job a 409, no such name a 404."""
+    carl = users["carl"]
+    spec = {"name": "held", "kind": "cluster", "strategy": "parameter-server",
+            "replicas": {"ps": 1, "worker": 1}, "resources": {"worker": {"gpus": 1}}}
+    if os.geteuid() == 0:  # (without root there are no namespaces: it would start)
+        r = carl.service("POST", "jobs", json=spec)
+        assert r.status_code == 409 and r.json()["field"] == "kind", r.text
+        assert "start your server first" in r.json()["message"]
+        assert carl.service("GET", "jobs/held").status_code == 404
+        assert holdings(carl) == []
+    r = carl.service("POST", "jobs/nothing/lease", json={"idle_for": 1})
+    assert r.status_code == 404, r.text
+    r = carl.service("POST", "jobs", json=mw("plain", 1))
+    assert r.status_code == 201, r.text
+    try:
+        for body, status, field in (({"idle_for": -1}, 400, "idle_for"),
+                                    ({"idle_for": "soon"}, 400, "idle_for"),
+                                    ([1], 400, "idle_for"), ({}, 409, "name")):
+            r = carl.service("POST", "jobs/plain/lease", json=body)
+            assert (r.status_code, r.json().get("field")) == (status, field), r.text
+        assert "not a held cluster" in r.json()["message"]
+    finally:
+        carl.service("POST", "jobs/plain/stop")

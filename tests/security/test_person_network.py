@@ -298,3 +298,101 @@ def test_a_tensorflow_server_in_a_notebook_runs_only_its_persons_graphs(hub, vic
                              .strip().splitlines()[-1])
         assert set(reached) == set(others), reached
         assert all(v in REFUSED for v in reached.values()), reached
+
+
+# -- issue 38: a cluster held for vic's kernel -------------------------------------------------
+
+#: connects to each ip at port argv[1]; prints a JSON map ip -> "connected" or the error's type
+#: (a TensorFlow server says nothing first: connecting is the breach)
+CONNECT_ONLY = r"""
+import json, socket, sys
+port, out = int(sys.argv[1]), {}
+for ip in json.loads(sys.argv[2]):
+    try:
+        with socket.create_connection((ip, port), timeout=3):
+            out[ip] = "connected"
+    except OSError as e:
+        out[ip] = type(e).__name__
+print(json.dumps(out))
+"""
+
+
+def connect_only(port: int, ips: list[str], shell: bool = False) -> str:
+    if shell:
+        return (f"{sys.executable} -c {shlex.quote(CONNECT_ONLY)} {port} "
+                f"{shlex.quote(json.dumps(ips))}")
+    return f"import sys\nsys.argv = ['x', '{port}', {json.dumps(ips)!r}]\n" + CONNECT_ONLY
+
+
+#: eve's job: tries each port given on 127.0.0.1 and the machine's addresses (argv: ports, ips)
+PROBE_JOB = r"""
+import json, socket, sys
+ports, ips = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+out = {}
+for ip in ips:
+    for port in ports:
+        try:
+            with socket.create_connection((ip, port), timeout=3):
+                out[f"{ip}:{port}"] = "connected"
+        except OSError as e:
+            out[f"{ip}:{port}"] = type(e).__name__
+print("PROBE " + json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.tf
+def test_a_held_cluster_is_reached_by_its_persons_kernels_alone(hub, admin, vic, eve):
+    """vic's kernel holds a cluster (``gpulab.cluster``): its ps and worker serve TensorFlow
+    (grpc, no authentication: whoever connects runs graphs as vic) inside vic's own network
+    namespace. Her other kernel reaches them; eve's kernel, her shell, and a job of hers
+    reach none of them at any address of the machine, and eve neither sees their addresses
+    nor holds the cluster (on e472639 there were no clusters; a TF server vic started by hand
+    in a notebook is the test above)."""
+    from tests.security.test_jobs_isolation import log_of, mw, wait_state
+    from tests.security.test_tensorboard_isolation import kernel_of
+
+    name = f"held-{uuid.uuid4().hex[:6]}"
+    try:
+        with kernel_of(vic) as run:
+            out = run("import gpulab, json\n"
+                      f"c = gpulab.cluster(ps=1, workers=1, name={name!r})\n"
+                      "print('ADDR ' + json.dumps(c.addresses))\n", timeout=240)
+            addresses = json.loads(out.split("ADDR ", 1)[1].splitlines()[0])
+            assert set(addresses) == {"ps", "worker"}, addresses
+            every = addresses["ps"] + addresses["worker"]
+            assert all(a.startswith("127.0.0.1:") for a in every), every
+            ports = [int(a.rsplit(":", 1)[1]) for a in every]
+
+            # vic's other kernel (her namespace) reaches both servers
+            for port in ports:
+                mine = json.loads(vic.run_in_kernel(connect_only(port, ["127.0.0.1"])))
+                assert mine == {"127.0.0.1": "connected"}, (port, mine)
+
+            # eve: her kernel, her shell, every address of the machine
+            targets = machine_addresses()
+            for port in ports:
+                for seen in (json.loads(eve.run_in_kernel(connect_only(port, targets))),
+                             json.loads(eve.sh(connect_only(port, targets, shell=True),
+                                               check=True).stdout)):
+                    assert set(seen) == set(targets), seen
+                    assert all(v in REFUSED for v in seen.values()), (port, seen)
+
+            # eve's job (its own namespace) reaches nothing of it either
+            job = f"probe-{uuid.uuid4().hex[:6]}"
+            r = eve.service("POST", "jobs", json=mw(job, 1, PROBE_JOB,
+                                                    args=[json.dumps(ports), json.dumps(targets)]))
+            assert r.status_code == 201, r.text
+            wait_state(eve, job, ("Succeeded",), timeout=120)
+            seen = json.loads(log_of(eve, job, "worker-0").split("PROBE ", 1)[1].splitlines()[0])
+            assert len(seen) == len(ports) * len(targets), seen
+            assert all(v in REFUSED for v in seen.values()), seen
+
+            # the addresses are vic's alone: eve may not look, an admin sees no addresses,
+            # and eve cannot renew the lease of a cluster of vic's
+            assert eve.service("GET", f"jobs/{name}", params={"user": "vic"}).status_code == 403
+            assert eve.service("POST", f"jobs/{name}/lease", json={}).status_code == 404
+            view = admin.service("GET", f"jobs/{name}", params={"user": "vic"}).json()
+            assert view["kind"] == "cluster" and "cluster" not in view, view
+            assert vic.service("GET", f"jobs/{name}").json()["cluster"] == addresses
+    finally:
+        vic.service("POST", f"jobs/{name}/stop")

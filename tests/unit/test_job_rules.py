@@ -181,3 +181,42 @@ def test_error_summary_is_the_persons_frame_and_the_exception():
            b'ZeroDivisionError: division by zero\n')
     assert error_summary(log) == "ZeroDivisionError: division by zero (source.py, line 3)"
     assert error_summary(b"all fine\n") == ""
+
+
+# -- a held cluster (issue 38): ps and workers for the notebook kernel -----------------------
+
+@pytest.mark.parametrize("states, retries, outcome, restart", [
+    (dict(ps0=RUN, worker0=RUN, worker1=RUN), 2, None, set()),
+    # a lost worker is restarted; the coordinator carries on meanwhile
+    (dict(ps0=RUN, worker0=fail(-9), worker1=RUN), 2, None, {("worker", 0)}),
+    (dict(ps0=RUN, worker0=("Running", None, 1), worker1=fail(-9)), 2, None, {("worker", 1)}),
+    (dict(ps0=RUN, worker0=fail(-9, 1), worker1=fail(-9)), 2, None, {("worker", 0)}),
+    # out of restarts: it goes on with the workers it has, and fails with none left
+    (dict(ps0=RUN, worker0=fail(-9, 2), worker1=RUN), 2, None, set()),
+    (dict(ps0=RUN, worker0=fail(-9, 2), worker1=fail(-9)), 2, "every worker was lost", set()),
+    # a lost ps ends it: its variables are gone; the reason says what to do
+    (dict(ps0=fail(-9), worker0=RUN), 2, "ps-0 was lost (killed by SIGKILL)", set()),
+    (dict(ps0=RUN, ps1=fail(EXIT_PROGRAM), worker0=fail(-9)), 5, "ps-1 was lost", set()),
+], ids=["serving", "worker-lost", "second-worker-lost", "retries-for-one-of-two", "no-retries-left-goes-on",
+        "no-workers-left", "ps-lost", "ps-lost-first"])
+def test_a_held_cluster_restarts_workers_and_ends_without_its_ps(states, retries, outcome,
+                                                                 restart):
+    d = decide_local(PS, replicas(**states), retries=retries, started=0, max_runtime=None,
+                     now=1, kind="cluster")
+    if outcome is None:
+        assert d.outcome is None and d.restart == frozenset(restart)
+    else:
+        assert d.outcome[0] == "Failed" and outcome in d.outcome[1]
+        if "ps" in outcome:
+            assert "restore it from your last checkpoint" in d.outcome[1]
+            assert d.blame == outcome.split(" ")[0]
+
+
+def test_a_held_cluster_never_succeeds_and_keeps_its_time_limit():
+    # no chief: nothing finishes it but a stop, a loss or its time limit
+    by = replicas(ps0=RUN, worker0=OK)
+    assert decide_local(PS, by, retries=1, started=0, max_runtime=None, now=1,
+                        kind="cluster").restart == {("worker", 0)}
+    d = decide_local(PS, replicas(ps0=RUN, worker0=RUN), retries=1, started=0, max_runtime=10,
+                     now=11, kind="cluster")
+    assert d.outcome == ("Failed", "stopped after max_runtime (10 s)")

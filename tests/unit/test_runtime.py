@@ -404,3 +404,37 @@ def test_a_parameter_server_chief_waits_for_its_cluster_without_tensorflow(tmp_p
     finally:
         for s in listening:
             s.close()
+
+
+# -- a held cluster (GPULAB_KIND=cluster, issue 38) ------------------------------------------
+
+HELD = {"ps": ["127.0.0.1:2001"], "worker": ["127.0.0.1:2002", "127.0.0.1:2003"]}
+
+
+def test_a_held_clusters_replicas_only_serve():
+    for role, index in (("ps", 0), ("worker", 1)):
+        cfg = rt.config_from_env({**env_of(HELD, role, index), "GPULAB_KIND": "cluster"})
+        assert cfg.kind == "cluster" and not cfg.runs_program and not cfg.is_chief
+    # without the kind, the same TF_CONFIG lacks a coordinator
+    with pytest.raises(rt.ConfigError, match="exactly one chief"):
+        rt.config_from_env(env_of(HELD, "ps", 0))
+
+
+@pytest.mark.parametrize("cluster, task_type, kind, message", [
+    ({"chief": ["a:1"], **HELD}, "ps", "cluster", "only ps and worker"),
+    ({"ps": ["a:1"]}, "ps", "cluster", "at least one worker"),
+    (HELD, "ps", "pool", "GPULAB_KIND 'pool' is unknown"),
+], ids=["chief", "no-worker", "unknown-kind"])
+def test_a_held_cluster_config_that_cannot_serve(cluster, task_type, kind, message):
+    with pytest.raises(rt.ConfigError, match=message):
+        rt.config_from_env({**env_of(cluster, task_type, 0), "GPULAB_KIND": kind})
+
+
+def test_a_held_clusters_replica_needs_no_program(monkeypatch, tmp_path, capsys):
+    # no program argument: the usage error is for jobs; a config error still says itself
+    monkeypatch.setenv("GPULAB_KIND", "cluster")
+    monkeypatch.setenv("GPULAB_STRATEGY", "parameter-server")
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"ps": ["a:1"]},
+                                                "task": {"type": "ps", "index": 0}}))
+    assert rt.main([]) == rt.EXIT_CONFIG
+    assert "at least one worker" in capsys.readouterr().err

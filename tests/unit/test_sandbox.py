@@ -66,7 +66,7 @@ def test_replica_environment_is_built_from_an_allow_list():
         "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C", "TZ": "UTC",
         "LEARNING_RATE": "0.1",
         "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 1}}),
-        "GPULAB_STRATEGY": "multi-worker-mirrored", "GPULAB_JOB_NAME": "j",
+        "GPULAB_STRATEGY": "multi-worker-mirrored", "GPULAB_KIND": "job", "GPULAB_JOB_NAME": "j",
         "GPULAB_JOB_DIR": "/d/u/jobs/j", "GPULAB_USER_DIR": "/d/u",
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "2",
         "NVIDIA_VISIBLE_DEVICES": "2", "PYTHONUNBUFFERED": "1",
