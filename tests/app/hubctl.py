@@ -48,18 +48,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Hub:
-    """A `gpulab up` on free ports. With `subdomains`, the hub is at ``http://localhost:<port>``
-    (``--subdomain-host``), each person's server at ``http://<name>.localhost:<port>`` and the
-    gpulab service at ``http://gpulab--service.localhost:<port>`` (JupyterHub's names)."""
+def subdomains_by_default() -> bool:
+    """Whether test hubs run as `gpulab up` does by default on loopback, each server on a host
+    of its own (``http://<name>.localhost:<port>``): yes, unless GPULAB_TEST_SUBDOMAINS=0 runs
+    them all on one origin (``--no-subdomains``)."""
+    return os.environ.get("GPULAB_TEST_SUBDOMAINS", "1") != "0"
 
-    def __init__(self, data_dir: Path, *extra: str, subdomains: bool = False):
+
+class Hub:
+    """A `gpulab up` on free ports. With `subdomains` (`gpulab up`'s default on loopback, and
+    the tests' unless `subdomains_by_default` says no), the hub is at
+    ``http://localhost:<port>``, each person's server at ``http://<name>.localhost:<port>`` and
+    the gpulab service at ``http://gpulab--service.localhost:<port>`` (JupyterHub's names);
+    without, ``--no-subdomains``: all on ``http://127.0.0.1:<port>``."""
+
+    def __init__(self, data_dir: Path, *extra: str, subdomains: bool | None = None):
         self.data_dir = data_dir
         self.port, self.hub_port, self.api_port = free_port(), free_port(), free_port()
         self.service_port = free_port()
-        self.subdomains = subdomains
-        self.url = f"http://{'localhost' if subdomains else '127.0.0.1'}:{self.port}"
-        self.extra = list(extra) + (["--subdomain-host", self.url] if subdomains else [])
+        self.subdomains = subdomains_by_default() if subdomains is None else subdomains
+        self.url = f"http://{'localhost' if self.subdomains else '127.0.0.1'}:{self.port}"
+        # with subdomains, gpulab up's own default (it binds 127.0.0.1)
+        self.extra = list(extra) + ([] if self.subdomains else ["--no-subdomains"])
         self.proc = None
 
     def host_of(self, label: str) -> str:
