@@ -94,6 +94,8 @@ def static_files_for_every_host(base: type) -> type:
     everyone (no cookies are needed or read)."""
 
     class SharedStaticFiles(base):
+        gpulab_shared = True
+
         def set_extra_headers(self, path):
             super().set_extra_headers(path)
             self.set_header("Access-Control-Allow-Origin", "*")

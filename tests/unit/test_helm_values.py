@@ -341,3 +341,83 @@ def test_manifests_are_labelled_kubernetes_objects(name):
     for d in docs:
         assert {"apiVersion", "kind", "metadata"} <= set(d), d
         assert d["metadata"]["labels"]["app.kubernetes.io/name"] == "gpulab"
+
+
+def test_one_origin_chart_hub_pages_refuse_frames_and_openers(hub_config):
+    """The values give no subdomain_host: the chart's hub sends its pages with
+    ``frame-ancestors 'none'`` and COOP, so a page of a person's server (same origin) reads no
+    hub page, XSRF token included, through a frame or a window it opened (issue 33.3)."""
+    settings = hub_config.JupyterHub.tornado_settings
+    assert settings["headers"]["Content-Security-Policy"] == "frame-ancestors 'none'"
+    assert settings["headers"]["Cross-Origin-Opener-Policy"] == "same-origin"
+    assert "static_handler_class" not in settings
+    assert "gpulab_service_url" not in hub_config.JupyterHub.get("template_vars", {})
+
+
+def _static_answer(handler_class, path: str) -> tuple[int, dict]:
+    """GET /static/<path> from a real Tornado server with the hub's static files and
+    `handler_class`: (status, headers)."""
+    import asyncio
+    import socket
+
+    import jupyterhub
+    from tornado import httpclient, httpserver, web
+
+    static = Path(jupyterhub.__file__).parent.parent / "share" / "jupyterhub" / "static"
+    if not static.is_dir():
+        from jupyterhub._data import DATA_FILES_PATH
+
+        static = Path(DATA_FILES_PATH) / "static"
+
+    async def fetch():
+        app = web.Application([(r"/static/(.*)", handler_class, {"path": str(static)})])
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = httpserver.HTTPServer(app)
+        server.listen(port, "127.0.0.1")
+        try:
+            r = await httpclient.AsyncHTTPClient().fetch(
+                f"http://127.0.0.1:{port}/static/{path}", raise_error=False)
+            return r.code, dict(r.headers)
+        finally:
+            server.stop()
+
+    return asyncio.run(fetch())
+
+
+def test_subdomain_chart_hub_shares_its_static_files_and_links_the_services_host(
+        chart_values, tmp_path):
+    """With ``hub.config.JupyterHub.subdomain_host`` (docs/deploy-kubernetes.md) the chart's
+    hub serves its static files to every origin (the gpulab service's pages on their own host
+    load the hub's CSS and fonts, fonts with CORS), links "GPUs" to the service's host as
+    JupyterHub names it, and keeps its cookies ``__Host-`` on HTTPS; the one-origin headers
+    are left out (each server has an origin of its own)."""
+    from jupyterhub.handlers.static import CacheControlStaticFilesHandler
+    from jupyterhub.utils import subdomain_hook_idna
+
+    v = copy.deepcopy(chart_values)
+    v["hub"]["config"]["JupyterHub"]["subdomain_host"] = "https://gpulab.example.org"
+    c = run_chart_config(v, {"GPULAB_LEDGER_URL": LEDGER, "POD_IP": "10.1.2.3"}, tmp_path)
+    settings = c.JupyterHub.tornado_settings
+    assert "Content-Security-Policy" not in settings.get("headers", {})
+    handler = settings["static_handler_class"]
+    assert issubclass(handler, CacheControlStaticFilesHandler)
+    code, headers = _static_answer(handler, "css/style.min.css")
+    assert code == 200 and headers["Access-Control-Allow-Origin"] == "*", (code, headers)
+    code, headers = _static_answer(CacheControlStaticFilesHandler, "css/style.min.css")
+    assert code == 200 and "Access-Control-Allow-Origin" not in headers
+    service = subdomain_hook_idna(SERVICE_NAME, "gpulab.example.org", "service")
+    assert c.JupyterHub.template_vars["gpulab_service_url"] == \
+        f"https://{service}/services/{SERVICE_NAME}/"
+    assert c.JupyterHub.cookie_host_prefix_enabled is True
+    # an operator's own choice stays
+    v["hub"]["config"]["JupyterHub"].update(subdomain_host="http://lab.example.org:8000",
+                                            cookie_host_prefix_enabled=False)
+    (tmp_path / "again").mkdir()
+    c = run_chart_config(v, {"GPULAB_LEDGER_URL": LEDGER, "POD_IP": "10.1.2.3"},
+                         tmp_path / "again")
+    assert c.JupyterHub.cookie_host_prefix_enabled is False
+    assert c.JupyterHub.template_vars["gpulab_service_url"] == \
+        f"http://{subdomain_hook_idna(SERVICE_NAME, 'lab.example.org', 'service')}:8000" \
+        f"/services/{SERVICE_NAME}/"
