@@ -220,10 +220,9 @@ def web_origins(c: Config) -> Config:
     page cannot toss a cookie the hub would take for its own) unless the operator said
     otherwise. Without it (one origin for all): the hub's pages are sent with
     ``frame-ancestors 'none'`` and ``Cross-Origin-Opener-Policy: same-origin``, so a server's
-    page cannot read a hub page (and its XSRF token) through a frame or an opened window.
-    The local hub also refuses requests it can tell such pages sent; the chart's app has no
-    hook for that (its Tornado application is JupyterHub's own), which is one more reason to
-    give the chart a wildcard host. Returns `c`."""
+    page cannot read a hub page (and its XSRF token) through a frame or an opened window;
+    the requests such pages send are refused by the chart's hub itself
+    (`gpulab.hub.deploy.kubehub`, ``hub.args``). Returns `c`."""
     from gpulab.hub.deploy.userpages import SINGLE_ORIGIN_HEADERS, static_files_for_every_host
 
     subdomain_host = c.JupyterHub.get("subdomain_host", "")

@@ -29,6 +29,7 @@ import logging
 from urllib.parse import urlsplit
 
 from tornado import web
+from traitlets import Bool
 
 log = logging.getLogger("JupyterHub")
 
@@ -114,3 +115,55 @@ class UserPagesGuard(web.Application):
         if why:
             return self.get_handler_delegate(request, RefusedHandler, {"why": why})
         return super().find_handler(request, **kwargs)
+
+
+def refuse_user_pages_trait() -> Bool:
+    """``refuse_user_pages`` of gpulab's hubs (`gpulab.hub.deploy.localhub.GpulabHub`,
+    `gpulab.hub.deploy.kubehub.GpulabKubeHub`)."""
+    return Bool(
+        True,
+        help="""Where people's servers share the hub's web origin (no
+        ``c.JupyterHub.subdomain_host``: ``gpulab up --no-subdomains``, or bound to an address
+        without ``--subdomain-host``; the chart without ``subdomain_host``), refuse requests
+        that the hub can tell a page of a person's server sent (a ``Referer`` below
+        ``/user/``; a change sent without one) with 403, and send the hub's pages with
+        ``frame-ancestors 'none'`` and ``Cross-Origin-Opener-Policy: same-origin``
+        (`gpulab.hub.deploy.userpages`). A speed bump, not a wall: only subdomains give each
+        server an origin of its own. Ignored with ``subdomain_host``. Default True. Example:
+        ``c.GpulabHub.refuse_user_pages = False`` (the chart's hub: ``GpulabKubeHub``)
+        """,
+    ).tag(config=True)
+
+
+def user_pages_application(hub, refuse: bool) -> web.Application | None:
+    """The Tornado application of gpulab's JupyterHub `hub` (its ``init_tornado_application``),
+    as web origins ask: with ``subdomain_host`` the hub's static files for every origin and
+    the "GPUs" link to the service's own host, and JupyterHub's own application (None); on
+    one origin with `refuse`, a `UserPagesGuard` with `SINGLE_ORIGIN_HEADERS` on the hub's
+    pages; else None (JupyterHub's own)."""
+    if hub.subdomain_host:
+        hub.tornado_settings["static_handler_class"] = static_files_for_every_host(
+            hub.tornado_settings["static_handler_class"])
+        # the hub's "GPUs" link (templates/jupyterhub/page.html): the service's own host,
+        # port included (the service is not in the "Services" menu, whose list has it)
+        from gpulab.hub.service import SERVICE_NAME
+
+        service = hub._service_map.get(SERVICE_NAME)
+        if service is not None and service.host:
+            template_vars = dict(hub.tornado_settings.get("template_vars") or {})
+            template_vars.setdefault("gpulab_service_url", service.host + service.prefix)
+            hub.tornado_settings["template_vars"] = template_vars
+        return None
+    if not refuse:
+        return None
+    from jupyterhub.utils import url_path_join
+
+    headers = hub.tornado_settings.setdefault("headers", {})
+    for name, value in SINGLE_ORIGIN_HEADERS.items():
+        headers.setdefault(name, value)
+    app = UserPagesGuard(hub.handlers, **hub.tornado_settings)
+    app.user_prefix = url_path_join(hub.base_url, "user/")
+    hub.log.warning("People's servers share the hub's web origin (no subdomain_host): "
+                    "the hub refuses requests it can tell their pages sent, which a "
+                    "determined page gets past (README, Users and isolation)")
+    return app
