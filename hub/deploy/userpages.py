@@ -117,6 +117,40 @@ class UserPagesGuard(web.Application):
         return super().find_handler(request, **kwargs)
 
 
+class ToTheHubsHost(web.RequestHandler):
+    """A browser's page request to the hub on another name than its own: 302 to the same
+    path and query on ``subdomain_host``, where the hub's cookies (set for that domain) work."""
+
+    def initialize(self, base: str):
+        self.base = base
+
+    def get(self):
+        self.redirect(self.base + self.request.uri)
+
+    head = get
+
+
+class BrowsersToTheHubsHost(web.Application):
+    """The hub's application with ``subdomain_host``: a browser that opens the hub under another
+    name (``http://127.0.0.1:8000``, the address ``gpulab up`` listens on; the address of the
+    machine) is sent to the hub's own (``http://localhost:8000``), since its login cookie is
+    for that domain and would not be kept. Only top-level page loads (``Sec-Fetch-Mode:
+    navigate``) without an ``Authorization`` header move: API clients, the proxy and tokens
+    are answered where they asked."""
+
+    base = ""
+    domain = ""
+
+    def find_handler(self, request, **kwargs):
+        host = (request.host_name or "").lower().rstrip(".")
+        if (request.method in ("GET", "HEAD") and self.domain
+                and request.headers.get("Sec-Fetch-Mode") == "navigate"
+                and "Authorization" not in request.headers
+                and host != self.domain and not host.endswith("." + self.domain)):
+            return self.get_handler_delegate(request, ToTheHubsHost, {"base": self.base})
+        return super().find_handler(request, **kwargs)
+
+
 def refuse_user_pages_trait() -> Bool:
     """``refuse_user_pages`` of gpulab's hubs (`gpulab.hub.deploy.localhub.GpulabHub`,
     `gpulab.hub.deploy.kubehub.GpulabKubeHub`)."""
@@ -137,8 +171,8 @@ def refuse_user_pages_trait() -> Bool:
 
 def user_pages_application(hub, refuse: bool) -> web.Application | None:
     """The Tornado application of gpulab's JupyterHub `hub` (its ``init_tornado_application``),
-    as web origins ask: with ``subdomain_host`` the hub's static files for every origin and
-    the "GPUs" link to the service's own host, and JupyterHub's own application (None); on
+    as web origins ask: with ``subdomain_host`` the hub's static files for every origin, the
+    "GPUs" link to the service's own host, and `BrowsersToTheHubsHost`; on
     one origin with `refuse`, a `UserPagesGuard` with `SINGLE_ORIGIN_HEADERS` on the hub's
     pages; else None (JupyterHub's own)."""
     if hub.subdomain_host:
@@ -153,7 +187,10 @@ def user_pages_application(hub, refuse: bool) -> web.Application | None:
             template_vars = dict(hub.tornado_settings.get("template_vars") or {})
             template_vars.setdefault("gpulab_service_url", service.host + service.prefix)
             hub.tornado_settings["template_vars"] = template_vars
-        return None
+        app = BrowsersToTheHubsHost(hub.handlers, **hub.tornado_settings)
+        app.base = hub.subdomain_host.rstrip("/")
+        app.domain = (urlsplit(hub.subdomain_host).hostname or "").lower()
+        return app
     if not refuse:
         return None
     from jupyterhub.utils import url_path_join
