@@ -112,8 +112,8 @@ class Hub:
                 if (requests.get(self.url + "/hub/api/", timeout=2).ok and requests.get(
                         self.service_api + "openapi.json", timeout=2).ok):
                     return self
-            except requests.ConnectionError:
-                pass
+            except (requests.ConnectionError, requests.Timeout):
+                pass  # not listening yet, or too busy starting to answer within 2 s
             time.sleep(0.3)
         raise TimeoutError(self.output()[-3000:])
 
