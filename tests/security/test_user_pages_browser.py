@@ -179,6 +179,7 @@ def test_the_hub_opened_by_its_address_moves_to_its_host(page, hub):
     of 127.0.0.1 would not get: a browser that opens the address is sent to the host, path and
     query kept, and logs in there."""
     assert hub.subdomains
+    page.context.clear_cookies()  # logged out (the admin logged in above)
     page.goto(f"http://127.0.0.1:{hub.port}/hub/login?next=%2Fhub%2Fhome")
     assert page.url == f"{hub.url}/hub/login?next=%2Fhub%2Fhome", page.url
     page.fill("input[name=username]", "admin")
