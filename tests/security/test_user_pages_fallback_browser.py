@@ -32,6 +32,10 @@ def hub(workdir, prefix):
 
 def test_one_origin_refuses_the_plain_page_of_eves_server(page, hub, admin, eve):
     assert not hub.subdomains
+    # gpulab up said what stays open, and the way out
+    out = hub.output()
+    assert "gpulab: WARNING people's servers share the hub's web origin" in out
+    assert f"Leave out --no-subdomains (then http://localhost:{hub.port})" in out
     url, pid = serve_attack(eve, hub, sneaky=False)
     try:
         got = open_as_admin(page, hub, url)
