@@ -103,6 +103,15 @@ class Hub:
             # may read it (tests/app/test_local_hub.py)
             stdin=subprocess.PIPE,
         )
+        try:
+            return self._wait_ready(timeout)
+        except BaseException:
+            # a hub that did not answer in time is stopped here: the fixture that failed
+            # never stops it, and its folder goes with the test's
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float):
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
