@@ -11,7 +11,7 @@ for arg in "$@"; do
 usage: bash scripts/run.sh [gpulab up flags]
 
 Installs gpulab with TensorFlow into /opt/gpulab (as root; else ./.gpulab) the first time, or
-when its sources changed, then runs `gpulab up`: the hub on http://127.0.0.1:8000. The flags
+when its sources changed, then runs `gpulab up`: the hub on http://localhost:8000. The flags
 are `gpulab up`'s (README, "gpulab up flags"); after the first install this help lists them.
 USAGE
     exit 0

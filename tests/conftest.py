@@ -69,13 +69,11 @@ def end_jobs_of(data_dir: Path) -> None:
 
 
 def hub_with_config(workdir: Path, prefix: str, config: str, gpus: int = 4,
-                    subdomains: bool = False):
+                    subdomains: bool | None = None):
     """A `gpulab up` whose operator's settings file (``<data>/gpulab_config.py``) holds
-    `config`, with `gpus` simulated GPUs (with `subdomains`: ``--subdomain-host
-    http://localhost:<port>``, see `Hub`); a generator for a module fixture (yields the hub,
-    then stops it and ends the jobs it left)."""
-    # GPULAB_TEST_SUBDOMAINS=1: every hub of the tests with --subdomain-host
-    subdomains = subdomains or os.environ.get("GPULAB_TEST_SUBDOMAINS") == "1"
+    `config`, with `gpus` simulated GPUs (`subdomains`: see `Hub`; by default as `gpulab up`
+    runs on loopback, each server on a host of its own); a generator for a module fixture
+    (yields the hub, then stops it and ends the jobs it left)."""
     data = workdir / "data"
     data.mkdir(mode=0o700)
     (data / "gpulab_config.py").write_text(config)

@@ -73,11 +73,16 @@ def add_up_arguments(p) -> None:
     p.add_argument("--subdomain-host", default="", metavar="URL",
                    help="serve the hub at URL and each person's server on a host of its own, "
                    "<name>.<host> (JupyterHub's subdomain_host), so that pages a server serves "
-                   "cannot act in the hub as whoever opens them: http://localhost:8000 on this "
-                   "machine (browsers resolve *.localhost to it), or a name with a wildcard DNS "
-                   "record (*.lab.example.org) for people on the network; a bare host name "
-                   "means http://<name>:<port> (default: none, one origin for all; see the "
-                   "README, Users and isolation)")
+                   "cannot act in the hub as whoever opens them. Default where --ip is loopback "
+                   "(127.0.0.1, ::1): http://localhost:<port> (browsers resolve *.localhost to "
+                   "this machine with no DNS). For people on the network give a name with a "
+                   "wildcard DNS record (lab.example.org, with *.lab.example.org); a bare host "
+                   "name means http://<name>:<port>. Without either: one origin for all (see "
+                   "the README, Users and isolation)")
+    p.add_argument("--no-subdomains", action="store_true",
+                   help="serve every server on the hub's own origin, even on loopback (not "
+                   "recommended: pages a server serves then run as the hub's own; the hub "
+                   "refuses what it can tell they sent, which a determined page gets past)")
     p.add_argument("--hub-port", type=int, default=8081,
                    help="loopback port of the hub's internal API (default 8081)")
     p.add_argument("--proxy-api-port", type=int, default=8001,
@@ -119,6 +124,28 @@ def subdomain_host_url(value: str, port: int) -> str:
     if value and "://" not in value:
         value = f"http://{value}" + ("" if ":" in value or port == 80 else f":{port}")
     return value
+
+
+#: the addresses where ``localhost`` (and, in browsers, every ``*.localhost`` name) leads
+LOOPBACK_IPS = ("127.0.0.1", "::1", "localhost")
+
+
+def default_subdomain_host(ip: str, port: int) -> str:
+    """``gpulab up``'s ``subdomain_host`` without ``--subdomain-host``: where the hub listens on
+    loopback, ``http://localhost:<port>`` (browsers resolve ``*.localhost`` to loopback with
+    no DNS, RFC 6761, so each server gets an origin of its own at no cost); elsewhere '' (one
+    origin for all: people reach the hub by an address or a name without subdomains)."""
+    return f"http://localhost:{port}" if ip in LOOPBACK_IPS else ""
+
+
+def chosen_subdomain_host(args) -> str:
+    """The ``subdomain_host`` `args` ask for: ``--subdomain-host``, else none with
+    ``--no-subdomains``, else `default_subdomain_host`."""
+    if args.subdomain_host:
+        return subdomain_host_url(args.subdomain_host, args.port)
+    if args.no_subdomains:
+        return ""
+    return default_subdomain_host(args.ip, args.port)
 
 
 def subdomain_host_problem(url: str) -> str | None:
@@ -166,6 +193,8 @@ def check_up_args(args) -> str | None:
         return f"--simulated-gpus must be 0 or more, got {args.simulated_gpus}."
     if args.admin_user.strip() != args.admin_user or not args.admin_user or "/" in args.admin_user:
         return f"--admin-user {args.admin_user!r} is not a usable user name."
+    if args.subdomain_host and args.no_subdomains:
+        return "--subdomain-host and --no-subdomains contradict each other: give one."
     return subdomain_host_problem(subdomain_host_url(args.subdomain_host, args.port))
 
 
@@ -232,7 +261,7 @@ def cmd_up(args) -> int:
         simulated_gpus=args.simulated_gpus,
         isolate_users=isolate,
         user_prefix=args.user_prefix,
-        subdomain_host=subdomain_host_url(args.subdomain_host, args.port),
+        subdomain_host=chosen_subdomain_host(args),
     )
 
     if isolate:
@@ -282,16 +311,19 @@ def cmd_up(args) -> int:
             "gpulab: WARNING " + "*" * 60,
         ]
     if not settings.subdomain_host:
+        how = (f"Leave out --no-subdomains (then http://localhost:{args.port}),"
+               if args.no_subdomains else
+               f"Give --subdomain-host http://localhost:{args.port} on this machine,")
         banner += [
             "",
             "gpulab: WARNING " + "*" * 60,
-            "gpulab: WARNING people's servers share the hub's web origin (no --subdomain-host):",
+            "gpulab: WARNING people's servers share the hub's web origin (no subdomains):",
             "gpulab: WARNING a page served by one person's server, opened by another, runs as",
             "gpulab: WARNING the hub's own. The hub refuses requests it can tell came from",
             "gpulab: WARNING such pages, but a determined page gets past that (README, Users",
-            "gpulab: WARNING and isolation). Give --subdomain-host http://localhost:"
-            f"{args.port} on this",
-            "gpulab: WARNING machine, or a host name with a wildcard DNS record.",
+            f"gpulab: WARNING and isolation). {how}",
+            "gpulab: WARNING or --subdomain-host with a host name that has a wildcard DNS",
+            "gpulab: WARNING record (lab.example.org with *.lab.example.org).",
             "gpulab: WARNING " + "*" * 60,
         ]
     gpu_gap = _gpus_not_enforced() if isolate else None

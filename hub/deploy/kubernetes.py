@@ -12,7 +12,8 @@ with ``c`` and ``get_config`` in scope. ``helm-values/values.yaml`` has one such
 KubeGPUSpawner, the quota ledger on PostgreSQL, the gpulab service (run by the hub, in the hub
 pod, with its settings in a private config file written at the hub's start) with its roles
 and scope, the hub's "GPUs" link, the first admin, and the service's
-address for notebook servers (``GPULAB_SERVICE_URL``). Services and
+address for notebook servers (``GPULAB_SERVICE_URL``), and the web-origin settings of
+`web_origins` (with or without ``subdomain_host``). Services and
 roles the operator put in ``hub.services`` / ``hub.loadRoles`` under the same names are kept:
 service keys the operator set win, and role members and scopes are joined.
 """
@@ -204,12 +205,66 @@ def kubernetes_config(
     if first_admin:
         admins = set(c.Authenticator.get("admin_users", set()))
         c.Authenticator.admin_users = admins | {first_admin}
+    web_origins(c)
     # notebook servers (the gpulab client and widgets) reach the service through the hub's
     # Service, whose extra port 8002 leads to the service in the hub pod (values.yaml:
     # hub.service.extraPorts); not through the proxy, whose public side may be HTTPS only
     env = dict(c.KubeSpawner.get("environment", {}))
     env.setdefault("GPULAB_SERVICE_URL", service_url_for_servers(service_port))
     c.KubeSpawner.environment = env
+    return c
+
+
+def service_host(subdomain_host: str) -> str:
+    """``<scheme>://gpulab--service.<host>[:port]``: where JupyterHub puts the gpulab service
+    with ``subdomain_host`` and its default ``subdomain_hook`` (as `jupyterhub.services.
+    service.Service.host` builds it)."""
+    from urllib.parse import urlsplit
+
+    from jupyterhub.utils import subdomain_hook_idna
+
+    parts = urlsplit(subdomain_host)
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{subdomain_hook_idna(SERVICE_NAME, parts.hostname, 'service')}{port}"
+
+
+def web_origins(c: Config) -> Config:
+    """What the local hub (`gpulab.hub.deploy.localhub.GpulabHub`) does about pages of people's
+    servers (issue 33.3), for the chart's stock ``jupyterhub`` app, through its settings.
+
+    With ``hub.config.JupyterHub.subdomain_host`` (each server and service on a host of its
+    own: docs/deploy-kubernetes.md): the hub's static files carry
+    ``Access-Control-Allow-Origin: *`` (the gpulab service's pages, on their own host, load
+    the hub's CSS and fonts, which browsers fetch with CORS), the hub's "GPUs" link leads to
+    the service's host, and on HTTPS the hub's cookies are ``__Host-`` cookies (a server's
+    page cannot toss a cookie the hub would take for its own) unless the operator said
+    otherwise. Without it (one origin for all): the hub's pages are sent with
+    ``frame-ancestors 'none'`` and ``Cross-Origin-Opener-Policy: same-origin``, so a server's
+    page cannot read a hub page (and its XSRF token) through a frame or an opened window;
+    the requests such pages send are refused by the chart's hub itself
+    (`gpulab.hub.deploy.kubehub`, ``hub.args``). Returns `c`."""
+    from gpulab.hub.deploy.userpages import SINGLE_ORIGIN_HEADERS, static_files_for_every_host
+
+    subdomain_host = c.JupyterHub.get("subdomain_host", "")
+    tornado = dict(c.JupyterHub.get("tornado_settings", {}))
+    if subdomain_host:
+        from jupyterhub.handlers.static import CacheControlStaticFilesHandler
+
+        base = tornado.get("static_handler_class", CacheControlStaticFilesHandler)
+        if not getattr(base, "gpulab_shared", False):
+            tornado["static_handler_class"] = static_files_for_every_host(base)
+        template_vars = dict(c.JupyterHub.get("template_vars", {}))
+        template_vars.setdefault("gpulab_service_url",
+                                 service_host(subdomain_host) + f"/services/{SERVICE_NAME}/")
+        c.JupyterHub.template_vars = template_vars
+        if subdomain_host.startswith("https://") and "cookie_host_prefix_enabled" not in c.JupyterHub:
+            c.JupyterHub.cookie_host_prefix_enabled = True
+    else:
+        headers = dict(tornado.get("headers", {}))
+        for name, value in SINGLE_ORIGIN_HEADERS.items():
+            headers.setdefault(name, value)
+        tornado["headers"] = headers
+    c.JupyterHub.tornado_settings = tornado
     return c
 
 

@@ -12,12 +12,13 @@ import time
 from pathlib import Path
 
 from jupyterhub.app import JupyterHub
-from traitlets import Bool, Int
+from traitlets import Int
 from traitlets.config import Config
 
 from gpulab.hub.deploy.local import (LocalSettings, gpulab_service_settings, local_defaults,
                                      local_essentials)
 from gpulab.hub.deploy.serviceconfig import write_service_config
+from gpulab.hub.deploy.userpages import refuse_user_pages_trait, user_pages_application
 
 LOG_FORMAT = "[%(levelname)1.1s %(asctime)s.%(msecs).03d %(name)s %(module)s:%(lineno)d] %(message)s"
 
@@ -211,48 +212,13 @@ class GpulabHub(JupyterHub):
         """,
     ).tag(config=True)
 
-    refuse_user_pages = Bool(
-        True,
-        help="""Where people's servers share the hub's web origin (no
-        ``c.JupyterHub.subdomain_host``, i.e. ``gpulab up`` without ``--subdomain-host``),
-        refuse requests that the hub can tell a page of a person's server sent (a ``Referer``
-        below ``/user/``; a change sent without one) with 403, and send the hub's pages with
-        ``frame-ancestors 'none'`` and ``Cross-Origin-Opener-Policy: same-origin``
-        (`gpulab.hub.deploy.userpages`). A speed bump, not a wall: only subdomains give each
-        server an origin of its own. Ignored with ``subdomain_host``. Default True. Example:
-        ``c.GpulabHub.refuse_user_pages = False``
-        """,
-    ).tag(config=True)
+    refuse_user_pages = refuse_user_pages_trait()
 
     def init_tornado_application(self):
-        if self.subdomain_host:
-            from gpulab.hub.deploy.userpages import static_files_for_every_host
-
-            self.tornado_settings["static_handler_class"] = static_files_for_every_host(
-                self.tornado_settings["static_handler_class"])
-            # the hub's "GPUs" link (templates/jupyterhub/page.html): the service's own host,
-            # port included (the service is not in the "Services" menu, whose list has it)
-            from gpulab.hub.service import SERVICE_NAME
-
-            service = self._service_map.get(SERVICE_NAME)
-            if service is not None and service.host:
-                template_vars = dict(self.tornado_settings.get("template_vars") or {})
-                template_vars.setdefault("gpulab_service_url", service.host + service.prefix)
-                self.tornado_settings["template_vars"] = template_vars
-        if self.subdomain_host or not self.refuse_user_pages:
+        app = user_pages_application(self, self.refuse_user_pages)
+        if app is None:
             return super().init_tornado_application()
-        from jupyterhub.utils import url_path_join
-
-        from gpulab.hub.deploy.userpages import SINGLE_ORIGIN_HEADERS, UserPagesGuard
-
-        headers = self.tornado_settings.setdefault("headers", {})
-        for name, value in SINGLE_ORIGIN_HEADERS.items():
-            headers.setdefault(name, value)
-        self.tornado_application = UserPagesGuard(self.handlers, **self.tornado_settings)
-        self.tornado_application.user_prefix = url_path_join(self.base_url, "user/")
-        self.log.warning("People's servers share the hub's web origin (no subdomain_host): "
-                         "the hub refuses requests it can tell their pages sent, which a "
-                         "determined page gets past (README, Users and isolation)")
+        self.tornado_application = app
 
     def _disks_shared(self) -> str | None:
         """The shared storage whose people's disks this hub mounts (`gpulab.hub.machine.userdisk`):

@@ -29,6 +29,7 @@ import logging
 from urllib.parse import urlsplit
 
 from tornado import web
+from traitlets import Bool
 
 log = logging.getLogger("JupyterHub")
 
@@ -94,6 +95,8 @@ def static_files_for_every_host(base: type) -> type:
     everyone (no cookies are needed or read)."""
 
     class SharedStaticFiles(base):
+        gpulab_shared = True
+
         def set_extra_headers(self, path):
             super().set_extra_headers(path)
             self.set_header("Access-Control-Allow-Origin", "*")
@@ -112,3 +115,92 @@ class UserPagesGuard(web.Application):
         if why:
             return self.get_handler_delegate(request, RefusedHandler, {"why": why})
         return super().find_handler(request, **kwargs)
+
+
+class ToTheHubsHost(web.RequestHandler):
+    """A browser's page request to the hub on another name than its own: 302 to the same
+    path and query on ``subdomain_host``, where the hub's cookies (set for that domain) work."""
+
+    def initialize(self, base: str):
+        self.base = base
+
+    def get(self):
+        self.redirect(self.base + self.request.uri)
+
+    head = get
+
+
+class BrowsersToTheHubsHost(web.Application):
+    """The hub's application with ``subdomain_host``: a browser that opens the hub under another
+    name (``http://127.0.0.1:8000``, the address ``gpulab up`` listens on; the address of the
+    machine) is sent to the hub's own (``http://localhost:8000``), since its login cookie is
+    for that domain and would not be kept. Only top-level page loads (``Sec-Fetch-Mode:
+    navigate``) without an ``Authorization`` header move: API clients, the proxy and tokens
+    are answered where they asked."""
+
+    base = ""
+    domain = ""
+
+    def find_handler(self, request, **kwargs):
+        host = (request.host_name or "").lower().rstrip(".")
+        if (request.method in ("GET", "HEAD") and self.domain
+                and request.headers.get("Sec-Fetch-Mode") == "navigate"
+                and "Authorization" not in request.headers
+                and host != self.domain and not host.endswith("." + self.domain)):
+            return self.get_handler_delegate(request, ToTheHubsHost, {"base": self.base})
+        return super().find_handler(request, **kwargs)
+
+
+def refuse_user_pages_trait() -> Bool:
+    """``refuse_user_pages`` of gpulab's hubs (`gpulab.hub.deploy.localhub.GpulabHub`,
+    `gpulab.hub.deploy.kubehub.GpulabKubeHub`)."""
+    return Bool(
+        True,
+        help="""Where people's servers share the hub's web origin (no
+        ``c.JupyterHub.subdomain_host``: ``gpulab up --no-subdomains``, or bound to an address
+        without ``--subdomain-host``; the chart without ``subdomain_host``), refuse requests
+        that the hub can tell a page of a person's server sent (a ``Referer`` below
+        ``/user/``; a change sent without one) with 403, and send the hub's pages with
+        ``frame-ancestors 'none'`` and ``Cross-Origin-Opener-Policy: same-origin``
+        (`gpulab.hub.deploy.userpages`). A speed bump, not a wall: only subdomains give each
+        server an origin of its own. Ignored with ``subdomain_host``. Default True. Example:
+        ``c.GpulabHub.refuse_user_pages = False`` (the chart's hub: ``GpulabKubeHub``)
+        """,
+    ).tag(config=True)
+
+
+def user_pages_application(hub, refuse: bool) -> web.Application | None:
+    """The Tornado application of gpulab's JupyterHub `hub` (its ``init_tornado_application``),
+    as web origins ask: with ``subdomain_host`` the hub's static files for every origin, the
+    "GPUs" link to the service's own host, and `BrowsersToTheHubsHost`; on
+    one origin with `refuse`, a `UserPagesGuard` with `SINGLE_ORIGIN_HEADERS` on the hub's
+    pages; else None (JupyterHub's own)."""
+    if hub.subdomain_host:
+        hub.tornado_settings["static_handler_class"] = static_files_for_every_host(
+            hub.tornado_settings["static_handler_class"])
+        # the hub's "GPUs" link (templates/jupyterhub/page.html): the service's own host,
+        # port included (the service is not in the "Services" menu, whose list has it)
+        from gpulab.hub.service import SERVICE_NAME
+
+        service = hub._service_map.get(SERVICE_NAME)
+        if service is not None and service.host:
+            template_vars = dict(hub.tornado_settings.get("template_vars") or {})
+            template_vars.setdefault("gpulab_service_url", service.host + service.prefix)
+            hub.tornado_settings["template_vars"] = template_vars
+        app = BrowsersToTheHubsHost(hub.handlers, **hub.tornado_settings)
+        app.base = hub.subdomain_host.rstrip("/")
+        app.domain = (urlsplit(hub.subdomain_host).hostname or "").lower()
+        return app
+    if not refuse:
+        return None
+    from jupyterhub.utils import url_path_join
+
+    headers = hub.tornado_settings.setdefault("headers", {})
+    for name, value in SINGLE_ORIGIN_HEADERS.items():
+        headers.setdefault(name, value)
+    app = UserPagesGuard(hub.handlers, **hub.tornado_settings)
+    app.user_prefix = url_path_join(hub.base_url, "user/")
+    hub.log.warning("People's servers share the hub's web origin (no subdomain_host): "
+                    "the hub refuses requests it can tell their pages sent, which a "
+                    "determined page gets past (README, Users and isolation)")
+    return app

@@ -48,18 +48,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Hub:
-    """A `gpulab up` on free ports. With `subdomains`, the hub is at ``http://localhost:<port>``
-    (``--subdomain-host``), each person's server at ``http://<name>.localhost:<port>`` and the
-    gpulab service at ``http://gpulab--service.localhost:<port>`` (JupyterHub's names)."""
+def subdomains_by_default() -> bool:
+    """Whether test hubs run as `gpulab up` does by default on loopback, each server on a host
+    of its own (``http://<name>.localhost:<port>``): yes, unless GPULAB_TEST_SUBDOMAINS=0 runs
+    them all on one origin (``--no-subdomains``)."""
+    return os.environ.get("GPULAB_TEST_SUBDOMAINS", "1") != "0"
 
-    def __init__(self, data_dir: Path, *extra: str, subdomains: bool = False):
+
+class Hub:
+    """A `gpulab up` on free ports. With `subdomains` (`gpulab up`'s default on loopback, and
+    the tests' unless `subdomains_by_default` says no), the hub is at
+    ``http://localhost:<port>``, each person's server at ``http://<name>.localhost:<port>`` and
+    the gpulab service at ``http://gpulab--service.localhost:<port>`` (JupyterHub's names);
+    without, ``--no-subdomains``: all on ``http://127.0.0.1:<port>``."""
+
+    def __init__(self, data_dir: Path, *extra: str, subdomains: bool | None = None):
         self.data_dir = data_dir
         self.port, self.hub_port, self.api_port = free_port(), free_port(), free_port()
         self.service_port = free_port()
-        self.subdomains = subdomains
-        self.url = f"http://{'localhost' if subdomains else '127.0.0.1'}:{self.port}"
-        self.extra = list(extra) + (["--subdomain-host", self.url] if subdomains else [])
+        self.subdomains = subdomains_by_default() if subdomains is None else subdomains
+        self.url = f"http://{'localhost' if self.subdomains else '127.0.0.1'}:{self.port}"
+        # with subdomains, gpulab up's own default (it binds 127.0.0.1)
+        self.extra = list(extra) + ([] if self.subdomains else ["--no-subdomains"])
         self.proc = None
 
     def host_of(self, label: str) -> str:
@@ -93,6 +103,15 @@ class Hub:
             # may read it (tests/app/test_local_hub.py)
             stdin=subprocess.PIPE,
         )
+        try:
+            return self._wait_ready(timeout)
+        except BaseException:
+            # a hub that did not answer in time is stopped here: the fixture that failed
+            # never stops it, and its folder goes with the test's
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float):
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -102,8 +121,8 @@ class Hub:
                 if (requests.get(self.url + "/hub/api/", timeout=2).ok and requests.get(
                         self.service_api + "openapi.json", timeout=2).ok):
                     return self
-            except requests.ConnectionError:
-                pass
+            except (requests.ConnectionError, requests.Timeout):
+                pass  # not listening yet, or too busy starting to answer within 2 s
             time.sleep(0.3)
         raise TimeoutError(self.output()[-3000:])
 

@@ -43,15 +43,16 @@ def test_unapproved_and_unknown_people_cannot_log_in(hub):
 
 
 def test_the_banner_says_what_one_origin_leaves_open(hub):
-    """Without --subdomain-host `gpulab up` warns that people's servers share the hub's web
-    origin and names the flag that ends it (README, Users and isolation); with it, not."""
+    """On loopback `gpulab up` puts each server on a host of its own by default and says
+    nothing of origins; with --no-subdomains it warns that people's servers share the hub's
+    web origin and says how to end it (README, Users and isolation)."""
     out = hub.output()
     if hub.subdomains:
         assert "share the hub's web origin" not in out
-        assert f"gpulab: open {hub.url}/ in a browser" in out
+        assert f"gpulab: open http://localhost:{hub.port}/ in a browser" in out
     else:
         assert "gpulab: WARNING people's servers share the hub's web origin" in out
-        assert f"Give --subdomain-host http://localhost:{hub.port} on this" in out
+        assert f"Leave out --no-subdomains (then http://localhost:{hub.port})" in out
 
 
 def test_spawn_form_lists_profiles_with_free_gpus(users, hub):

@@ -127,7 +127,7 @@ def mount_of(path: Path) -> str:
 
 def save(person: Browser, name: str, text: str, token: str | None = None) -> requests.Response:
     """A save in the person's own notebook server (JupyterLab's contents API)."""
-    return requests.put(f"{person.hub.url}/user/{person.name}/api/contents/{name}",
+    return requests.put(person.hub.user_url(person.name) + f"api/contents/{name}",
                         headers={"Authorization": f"token {token or person.token()}"},
                         json={"type": "file", "format": "text", "content": text}, timeout=30)
 

@@ -172,3 +172,17 @@ def test_a_page_of_eves_server_cannot_act_as_the_admin(page, hub, admin, eve):
     # the admin's session still works
     page.goto(hub.url + "/hub/home")
     assert page.url.startswith(hub.url + "/hub/home"), page.url
+
+
+def test_the_hub_opened_by_its_address_moves_to_its_host(page, hub):
+    """gpulab up listens on 127.0.0.1; its hub is http://localhost:<port>, whose cookies a page
+    of 127.0.0.1 would not get: a browser that opens the address is sent to the host, path and
+    query kept, and logs in there."""
+    assert hub.subdomains
+    page.context.clear_cookies()  # logged out (the admin logged in above)
+    page.goto(f"http://127.0.0.1:{hub.port}/hub/login?next=%2Fhub%2Fhome")
+    assert page.url == f"{hub.url}/hub/login?next=%2Fhub%2Fhome", page.url
+    page.fill("input[name=username]", "admin")
+    page.fill("input[name=password]", hub.admin_password)
+    page.click("input[type=submit], button[type=submit]")
+    page.wait_for_url(re.compile(re.escape(hub.url) + r"/hub/(home|spawn).*"))

@@ -1,4 +1,5 @@
-"""Without subdomains (``gpulab up`` with no ``--subdomain-host``), the hub refuses what it can
+"""Without subdomains (``gpulab up --no-subdomains``, or bound to an address with no
+``--subdomain-host``), the hub refuses what it can
 tell a page of a person's server sent (issue 33.3, `gpulab.hub.deploy.userpages`): the page of
 eve's server (`test_user_pages_browser.ATTACK`, served the same way) that does not pose as a
 hub page reads no token through a frame (``frame-ancestors 'none'``), and its requests to the
@@ -15,6 +16,7 @@ import re
 
 import pytest
 
+from tests.conftest import hub_with_config
 from tests.e2e.conftest import chromium, page  # noqa: F401 (fixtures)
 
 from .test_user_pages_browser import open_as_admin, serve_attack, stop_serving
@@ -22,8 +24,18 @@ from .test_user_pages_browser import open_as_admin, serve_attack, stop_serving
 pytestmark = [pytest.mark.security, pytest.mark.e2e]
 
 
+@pytest.fixture(scope="module")
+def hub(workdir, prefix):
+    """The hub and every server on one origin, http://127.0.0.1:<port> (--no-subdomains)."""
+    yield from hub_with_config(workdir, prefix, "", subdomains=False)
+
+
 def test_one_origin_refuses_the_plain_page_of_eves_server(page, hub, admin, eve):
     assert not hub.subdomains
+    # gpulab up said what stays open, and the way out
+    out = hub.output()
+    assert "gpulab: WARNING people's servers share the hub's web origin" in out
+    assert f"Leave out --no-subdomains (then http://localhost:{hub.port})" in out
     url, pid = serve_attack(eve, hub, sneaky=False)
     try:
         got = open_as_admin(page, hub, url)

@@ -346,3 +346,171 @@ def test_manifests_are_labelled_kubernetes_objects(name):
     for d in docs:
         assert {"apiVersion", "kind", "metadata"} <= set(d), d
         assert d["metadata"]["labels"]["app.kubernetes.io/name"] == "gpulab"
+
+
+def test_one_origin_chart_hub_pages_refuse_frames_and_openers(hub_config):
+    """The values give no subdomain_host: the chart's hub sends its pages with
+    ``frame-ancestors 'none'`` and COOP, so a page of a person's server (same origin) reads no
+    hub page, XSRF token included, through a frame or a window it opened (issue 33.3)."""
+    settings = hub_config.JupyterHub.tornado_settings
+    assert settings["headers"]["Content-Security-Policy"] == "frame-ancestors 'none'"
+    assert settings["headers"]["Cross-Origin-Opener-Policy"] == "same-origin"
+    assert "static_handler_class" not in settings
+    assert "gpulab_service_url" not in hub_config.JupyterHub.get("template_vars", {})
+
+
+def _static_answer(handler_class, path: str) -> tuple[int, dict]:
+    """GET /static/<path> from a real Tornado server with the hub's static files and
+    `handler_class`: (status, headers)."""
+    import asyncio
+    import socket
+
+    import jupyterhub
+    from tornado import httpclient, httpserver, web
+
+    static = Path(jupyterhub.__file__).parent.parent / "share" / "jupyterhub" / "static"
+    if not static.is_dir():
+        from jupyterhub._data import DATA_FILES_PATH
+
+        static = Path(DATA_FILES_PATH) / "static"
+
+    async def fetch():
+        app = web.Application([(r"/static/(.*)", handler_class, {"path": str(static)})])
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = httpserver.HTTPServer(app)
+        server.listen(port, "127.0.0.1")
+        try:
+            r = await httpclient.AsyncHTTPClient().fetch(
+                f"http://127.0.0.1:{port}/static/{path}", raise_error=False)
+            return r.code, dict(r.headers)
+        finally:
+            server.stop()
+
+    return asyncio.run(fetch())
+
+
+def test_subdomain_chart_hub_shares_its_static_files_and_links_the_services_host(
+        chart_values, tmp_path):
+    """With ``hub.config.JupyterHub.subdomain_host`` (docs/deploy-kubernetes.md) the chart's
+    hub serves its static files to every origin (the gpulab service's pages on their own host
+    load the hub's CSS and fonts, fonts with CORS), links "GPUs" to the service's host as
+    JupyterHub names it, and keeps its cookies ``__Host-`` on HTTPS; the one-origin headers
+    are left out (each server has an origin of its own)."""
+    from jupyterhub.handlers.static import CacheControlStaticFilesHandler
+    from jupyterhub.utils import subdomain_hook_idna
+
+    v = copy.deepcopy(chart_values)
+    v["hub"]["config"]["JupyterHub"]["subdomain_host"] = "https://gpulab.example.org"
+    c = run_chart_config(v, {"GPULAB_LEDGER_URL": LEDGER, "POD_IP": "10.1.2.3"}, tmp_path)
+    settings = c.JupyterHub.tornado_settings
+    assert "Content-Security-Policy" not in settings.get("headers", {})
+    handler = settings["static_handler_class"]
+    assert issubclass(handler, CacheControlStaticFilesHandler)
+    code, headers = _static_answer(handler, "css/style.min.css")
+    assert code == 200 and headers["Access-Control-Allow-Origin"] == "*", (code, headers)
+    code, headers = _static_answer(CacheControlStaticFilesHandler, "css/style.min.css")
+    assert code == 200 and "Access-Control-Allow-Origin" not in headers
+    service = subdomain_hook_idna(SERVICE_NAME, "gpulab.example.org", "service")
+    assert c.JupyterHub.template_vars["gpulab_service_url"] == \
+        f"https://{service}/services/{SERVICE_NAME}/"
+    assert c.JupyterHub.cookie_host_prefix_enabled is True
+    # an operator's own choice stays
+    v["hub"]["config"]["JupyterHub"].update(subdomain_host="http://lab.example.org:8000",
+                                            cookie_host_prefix_enabled=False)
+    (tmp_path / "again").mkdir()
+    c = run_chart_config(v, {"GPULAB_LEDGER_URL": LEDGER, "POD_IP": "10.1.2.3"},
+                         tmp_path / "again")
+    assert c.JupyterHub.cookie_host_prefix_enabled is False
+    assert c.JupyterHub.template_vars["gpulab_service_url"] == \
+        f"http://{subdomain_hook_idna(SERVICE_NAME, 'lab.example.org', 'service')}:8000" \
+        f"/services/{SERVICE_NAME}/"
+
+
+def test_the_charts_hub_is_gpulabs_and_reads_the_charts_config(values, tmp_path):
+    """``hub.args`` start `GpulabKubeHub` (JupyterHub with gpulab's guard) on the chart's
+    config file, with JupyterHub's own options."""
+    from gpulab.hub.deploy.kubehub import GpulabKubeHub
+
+    args = values["hub"]["args"]
+    assert args == ["python3", "-m", "gpulab.hub.deploy.kubehub",
+                    "--config", "/usr/local/etc/jupyterhub/jupyterhub_config.py"]
+    here = tmp_path / "jupyterhub_config.py"  # the chart's, where this test can make one
+    here.write_text("")
+    hub = GpulabKubeHub()
+    hub.parse_command_line([args[3], str(here)])
+    assert hub.config_file == str(here)
+
+
+def _answers(app, requests_: list[tuple[str, dict]]) -> list[int]:
+    """The statuses a real Tornado server of `app` answers to PATCH /hub/api/users/eve with
+    each of `requests_`'s (name, headers)."""
+    import asyncio
+    import socket
+
+    from tornado import httpclient, httpserver
+
+    async def send():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = httpserver.HTTPServer(app)
+        server.listen(port, "127.0.0.1")
+        try:
+            out = []
+            for _name, headers in requests_:
+                headers = {k: v.format(host=f"127.0.0.1:{port}") for k, v in headers.items()}
+                r = await httpclient.AsyncHTTPClient().fetch(
+                    f"http://127.0.0.1:{port}/hub/api/users/eve", method="PATCH",
+                    body='{"admin": true}', headers=headers, raise_error=False)
+                out.append(r.code)
+            return out
+        finally:
+            server.stop()
+
+    return asyncio.run(send())
+
+
+def test_the_charts_hub_refuses_what_a_servers_page_sends_on_one_origin(hub_config):
+    """Without subdomain_host (the values' default) the chart's hub (`GpulabKubeHub`) refuses,
+    before any handler of the hub's runs, a change sent by a page below /user/ (issue 33.3);
+    the same request from the hub's own page reaches the handler."""
+    from tornado import web
+
+    from gpulab.hub.deploy.kubehub import GpulabKubeHub
+    from gpulab.hub.deploy.userpages import UserPagesGuard
+
+    reached = []
+
+    class Users(web.RequestHandler):
+        def check_xsrf_cookie(self):
+            pass
+
+        def patch(self, name):
+            reached.append(name)
+            self.finish({"name": name})
+
+    hub = GpulabKubeHub(config=hub_config)
+    assert hub.refuse_user_pages and not hub.subdomain_host
+    hub.handlers = [(r"/hub/api/users/(.*)", Users)]
+    hub.init_tornado_application()
+    assert isinstance(hub.tornado_application, UserPagesGuard)
+    page = "http://{host}/user/eve/proxy/9000/plot.html"
+    codes = _answers(hub.tornado_application, [
+        ("from eve's page", {"Referer": page, "Sec-Fetch-Site": "same-origin"}),
+        ("hiding its address", {"Sec-Fetch-Site": "same-origin", "Origin": "null"}),
+        ("from the hub's page", {"Referer": "http://{host}/hub/admin"}),
+    ])
+    assert codes == [403, 403, 200] and reached == ["eve"], (codes, reached)
+    # with subdomain_host JupyterHub's own application, the static files shared
+    c = copy.deepcopy(hub_config)
+    c.JupyterHub.subdomain_host = "https://gpulab.example.org"
+    hub = GpulabKubeHub(config=c)
+    from jupyterhub.handlers.static import CacheControlStaticFilesHandler
+
+    hub.handlers, hub._service_map = [(r"/hub/api/users/(.*)", Users)], {}
+    hub.tornado_settings = {"static_handler_class": CacheControlStaticFilesHandler}
+    hub.init_tornado_application()
+    assert not isinstance(hub.tornado_application, UserPagesGuard)
+    assert hub.tornado_settings["static_handler_class"].gpulab_shared

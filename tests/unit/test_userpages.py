@@ -5,7 +5,8 @@ import argparse
 
 import pytest
 
-from gpulab.hub.cli.up import add_up_arguments, check_up_args, subdomain_host_url
+from gpulab.hub.cli.up import (add_up_arguments, check_up_args, chosen_subdomain_host,
+                               subdomain_host_url)
 from gpulab.hub.deploy.userpages import from_user_pages
 
 HOST = "127.0.0.1:8000"
@@ -74,3 +75,78 @@ def test_subdomain_host_url(value, port, url):
 def test_subdomain_host_is_checked(value, problem):
     found = check_up_args(_args("--subdomain-host", value))
     assert (found is None) if problem is None else (problem in found), found
+
+
+@pytest.mark.parametrize("words,host", [
+    # on loopback each server gets a host of its own by default: browsers resolve *.localhost
+    ([], "http://localhost:8000"),
+    (["--port", "8123"], "http://localhost:8123"),
+    (["--ip", "::1"], "http://localhost:8000"),
+    (["--ip", "localhost"], "http://localhost:8000"),
+    # on the network no name is known to have subdomains: one origin, the guard and a warning
+    (["--ip", "0.0.0.0"], ""),
+    (["--ip", "192.168.1.5"], ""),
+    # a loopback address that localhost does not lead to
+    (["--ip", "127.0.0.5"], ""),
+    # the operator's choice, either way
+    (["--ip", "0.0.0.0", "--subdomain-host", "lab.example.org"], "http://lab.example.org:8000"),
+    (["--subdomain-host", "https://lab.example.org"], "https://lab.example.org"),
+    (["--no-subdomains"], ""),
+], ids=["default", "port", "ipv6-loopback", "localhost", "any-address", "lan-address",
+        "other-loopback", "wildcard-name", "https-name", "opted-out"])
+def test_subdomains_are_the_default_on_loopback(words, host):
+    args = _args(*words)
+    assert check_up_args(args) is None
+    assert chosen_subdomain_host(args) == host
+
+
+def test_subdomain_host_and_no_subdomains_contradict():
+    found = check_up_args(_args("--no-subdomains", "--subdomain-host", "lab.example.org"))
+    assert found and "contradict" in found
+
+
+def test_a_browser_on_another_name_of_the_hub_is_sent_to_its_own():
+    """With subdomains the hub's cookies are for ``localhost``: a browser that opens the hub as
+    ``http://127.0.0.1:<port>`` (the address gpulab up listens on) is sent to
+    ``http://localhost:<port>`` with the same path and query; API clients (a token, no page
+    load) and the hub's own names are answered where they asked."""
+    import asyncio
+    import socket
+
+    from tornado import httpclient, httpserver, web
+
+    from gpulab.hub.deploy.userpages import BrowsersToTheHubsHost
+
+    class Login(web.RequestHandler):
+        def get(self):
+            self.finish("the login page")
+
+    app = BrowsersToTheHubsHost([(r"/hub/login", Login)])
+    app.base, app.domain = "http://localhost:8000", "localhost"
+    nav = {"Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"}
+
+    async def ask():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = httpserver.HTTPServer(app)
+        server.listen(port, "127.0.0.1")
+        out = []
+        try:
+            for host, headers in [("127.0.0.1:8000", nav),
+                                  ("127.0.0.1:8000", {**nav, "Authorization": "token x"}),
+                                  ("127.0.0.1:8000", {}),
+                                  ("localhost:8000", nav),
+                                  ("ann.localhost:8000", nav)]:
+                r = await httpclient.AsyncHTTPClient().fetch(
+                    f"http://127.0.0.1:{port}/hub/login?next=%2Fhub%2Fhome",
+                    headers={"Host": host, **headers}, follow_redirects=False,
+                    raise_error=False)
+                out.append((r.code, r.headers.get("Location")))
+        finally:
+            server.stop()
+        return out
+
+    assert asyncio.run(ask()) == [
+        (302, "http://localhost:8000/hub/login?next=%2Fhub%2Fhome"),
+        (200, None), (200, None), (200, None), (200, None)]
