@@ -87,10 +87,66 @@ class Prometheus:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def scrape(job: str, path: str, hub, token: str) -> dict:
-    return {"job_name": job, "metrics_path": path,
-            "authorization": {"type": "Bearer", "credentials": token},
-            "static_configs": [{"targets": [hub.url.split("://", 1)[1]]}]}
+class LoopbackNames:
+    """What a DNS record does for a real deployment's Prometheus: with subdomains the service
+    answers on a host of its own (``gpulab--service.localhost``), which browsers and Python's
+    client map to loopback but Prometheus' resolver does not. Prometheus is given this as its
+    ``proxy_url``: a forward proxy, on loopback, that sends each request to the hub's port
+    with the request's own Host (so routing, tokens and answers are the hub's, unchanged)."""
+
+    def __init__(self, hub_port: int):
+        import http.server
+        import threading
+        import urllib.parse
+
+        class Forward(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # Prometheus asks "GET http://host:port/path" of its proxy
+                url = urllib.parse.urlsplit(self.path)
+                if not (url.hostname == "localhost" or
+                        (url.hostname or "").endswith(".localhost")):
+                    self.send_error(403, "only *.localhost names")
+                    return
+                path = url.path + (f"?{url.query}" if url.query else "")
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in ("proxy-connection", "connection")}
+                try:
+                    r = requests.get(f"http://127.0.0.1:{hub_port}{path}", headers=headers,
+                                     timeout=10, allow_redirects=False)
+                except requests.RequestException as e:
+                    self.send_error(502, str(e))
+                    return
+                body = r.content
+                self.send_response(r.status_code)
+                for k, v in r.headers.items():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection",
+                                         "content-encoding"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def scrape(job: str, path: str, hub, token: str, proxy: LoopbackNames | None = None) -> dict:
+    """A scrape job of `path` on the host that serves it: the service's own host with
+    subdomains (reached through `proxy`), the hub's otherwise."""
+    base = hub.service_url if path.startswith("/services/") else hub.url
+    config = {"job_name": job, "metrics_path": path,
+              "authorization": {"type": "Bearer", "credentials": token},
+              "static_configs": [{"targets": [base.split("://", 1)[1].split("/", 1)[0]]}]}
+    if proxy is not None and hub.subdomains:
+        config["proxy_url"] = proxy.url
+    return config
 
 
 def panel_queries() -> list[tuple[str, str]]:
@@ -167,8 +223,6 @@ def wait_for(test, what: str, timeout: float = 20):
 
 def test_prometheus_scrapes_what_the_dashboard_shows_and_wrong_tokens_get_nothing(
         hub, admin, users):
-    if hub.subdomains:  # the service is on a host of its own, which Prometheus cannot name
-        pytest.skip("with --subdomain-host the service has a host name of its own")
     ann, bob, carl = users["ann"], users["bob"], users["carl"]
     # a token of the scope read:metrics alone (what a Prometheus gets)
     r = admin.api("POST", "/users/admin/tokens", json={"scopes": ["read:metrics"],
@@ -215,11 +269,12 @@ def test_prometheus_scrapes_what_the_dashboard_shows_and_wrong_tokens_get_nothin
     assert r.status_code == 202 and r.json()["state"] == "Queued", r.text
     assert bob.service("POST", "jobs/gone/stop").status_code == 200
 
+    names = LoopbackNames(hub.port)
     prom = Prometheus([
-        scrape("gpulab", "/services/gpulab/metrics", hub, metrics_token),
-        scrape("jupyterhub", "/hub/metrics", hub, metrics_token),
-        scrape("gpulab-person", "/services/gpulab/metrics", hub, ann.token()),
-        scrape("gpulab-wrong", "/services/gpulab/metrics", hub, "not-a-token"),
+        scrape("gpulab", "/services/gpulab/metrics", hub, metrics_token, names),
+        scrape("jupyterhub", "/hub/metrics", hub, metrics_token, names),
+        scrape("gpulab-person", "/services/gpulab/metrics", hub, ann.token(), names),
+        scrape("gpulab-wrong", "/services/gpulab/metrics", hub, "not-a-token", names),
     ])
     try:
         # every target scraped a few times (the rates need two samples in their range)
@@ -254,6 +309,7 @@ def test_prometheus_scrapes_what_the_dashboard_shows_and_wrong_tokens_get_nothin
         assert carls.result().status_code == 202, carls.result().text
     finally:
         prom.stop()
+        names.close()
         starts.shutdown()
         ann.service("POST", "jobs/held/stop")
         carl.service("POST", "jobs/big/stop")
