@@ -35,11 +35,13 @@ class JobsBase(APIHandler):
 
 class JobsHandler(JobsBase):
     async def get(self):
+        offset, limit = self.page_args()
         if self.get_query_argument("all", "") in ("1", "true") :
             self.require_admin()
-            self.send({"jobs": await asyncio.to_thread(self.backend.list)})
+            self.send_page("jobs", await asyncio.to_thread(self.backend.list), offset, limit)
             return
-        self.send({"jobs": await asyncio.to_thread(self.backend.list, self.owner())})
+        self.send_page("jobs", await asyncio.to_thread(self.backend.list, self.owner()),
+                       offset, limit)
 
     async def post(self):
         from gpulab.hub.jobs.spec import SpecError, parse_spec
