@@ -21,8 +21,11 @@ class HubDirectory:
         self._lock = asyncio.Lock()
 
     async def _get(self, path: str):
-        req = HTTPRequest(self.api_url + path, headers={"Authorization": f"token {self.token}"},
-                          request_timeout=20)
+        # the pagination form of lists (`_pagination`): without it the hub answers a bare
+        # list cut at `limit`, and everyone past the first page would be missed
+        req = HTTPRequest(self.api_url + path, headers={
+            "Authorization": f"token {self.token}",
+            "Accept": "application/jupyterhub-pagination+json"}, request_timeout=20)
         resp = await AsyncHTTPClient().fetch(req)
         return json.loads(resp.body)
 

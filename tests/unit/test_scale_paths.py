@@ -160,3 +160,44 @@ def test_a_reconciler_pass_reads_as_often_for_100_servers_as_for_10(crowds):
     d = Directory(f"p{i:03d}" for i in range(1, 10))
     closed = asyncio.run(close_orphaned_notebooks(lg, d, grace=0))
     assert [(a.user, a.holder) for a in closed] == [("p000", "nb")]
+
+
+def test_a_servers_internal_tls_key_is_ecdsa_signed_by_the_rsa_ca_and_serves_tls(tmp_path):
+    """The storm's profile (bench/scale.py --profile) had half the hub's samples in RSA key
+    generation; servers' keys are ECDSA P-256 now (`server_key_pair`), still signed by the
+    hub's notebooks CA: a real TLS handshake with the CA as the only trust."""
+    import socket
+    import ssl
+    import threading
+
+    from certipy import Certipy
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from gpulab.spawner.local import server_key_pair
+
+    hub = Certipy(store_dir=str(tmp_path / "store"))
+    ca = hub.create_ca("notebooks-ca")
+    own = Certipy(store_dir=str(tmp_path / "server"))
+    own.create_key_pair = server_key_pair
+    own.store.store["notebooks-ca"] = hub.store.get_record("notebooks-ca")
+    pair = own.create_signed_pair("user-ann", "notebooks-ca", alt_names=["IP:127.0.0.1"])
+    cert = x509.load_pem_x509_certificate(open(pair["files"]["cert"], "rb").read())
+    assert isinstance(cert.public_key(), ec.EllipticCurvePublicKey)
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(pair["files"]["cert"], pair["files"]["key"])
+    client = ssl.create_default_context(cafile=ca["files"]["cert"])
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def serve():
+            conn, _ = listener.accept()
+            with server.wrap_socket(conn, server_side=True) as tls:
+                tls.sendall(b"up")
+
+        t = threading.Thread(target=serve)
+        t.start()
+        with client.wrap_socket(socket.create_connection(("127.0.0.1", port)),
+                                server_hostname="127.0.0.1") as tls:
+            assert tls.recv(2) == b"up"
+        t.join(10)
