@@ -96,8 +96,7 @@ def _overview(ledger: Ledger, users: list, usage, now: float, search: str = "",
               offset: int = 0, limit: int = ADMIN_PAGE_USERS) -> dict:
     open_allocs = ledger.open_allocations()
     models = {d.index: d.model for d in ledger.devices()}
-    u7 = ledger.usage(now - 7 * DAY, now)
-    u30 = ledger.usage(now - 30 * DAY, now)
+    u7, u30 = ledger.usage_windows((now - 7 * DAY, now - 30 * DAY), now)
     # each row with its disk limit as the admin page's input shows it ("20G": exact)
     rows = {q["scope"] + ":" + q["name"]: {**q, "disk_text": disk_input(q.get("disk"))}
             for q in ledger.quotas()}

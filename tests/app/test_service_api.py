@@ -325,3 +325,20 @@ def test_the_openapi_document_names_the_pages(hub):
         schema = doc["paths"]["/" + path]["get"]["responses"]["200"]["content"][
             "application/json"]["schema"]
         assert "_pagination" in schema["properties"] and "400" in doc["paths"]["/" + path]["get"]["responses"]
+
+
+def test_the_service_sees_every_hub_user_past_the_hubs_first_page(admin):
+    """The hub pages its user list (at most 200 a page): the service reads every page (it
+    asked for the bare list once, and saw only the first 200 people and their servers)."""
+    names = [f"bulk{i:03d}" for i in range(205)]
+    r = admin.api("POST", "/users", json={"usernames": names})
+    assert r.status_code == 201, r.text
+    try:
+        time.sleep(6)  # past the service's cache of the hub's list
+        eff = admin.service("GET", "quotas/effective?q=bulk&limit=1").json()
+        assert eff["_pagination"]["total"] == 205
+        assert admin.service("GET", "quotas/effective?q=bulk204").json()["users"][0][
+            "name"] == "bulk204"
+    finally:
+        for n in names:
+            admin.api("DELETE", f"/users/{n}")

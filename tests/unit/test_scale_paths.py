@@ -201,3 +201,27 @@ def test_a_servers_internal_tls_key_is_ecdsa_signed_by_the_rsa_ca_and_serves_tls
                                 server_hostname="127.0.0.1") as tls:
             assert tls.recv(2) == b"up"
         t.join(10)
+
+
+def test_usage_windows_sum_in_the_database_as_usage_sums_in_python(tmp_path):
+    """The admin page's 7- and 30-day GPU-hours come from one aggregate query
+    (`Ledger.usage_windows`); they equal `Ledger.usage`'s for each window: allocations
+    across either edge, open ones, and ones of no GPUs."""
+    lg = Ledger(f"sqlite:///{tmp_path}/l.sqlite")
+    lg.migrate()
+    lg.sync_inventory([DeviceInfo(i) for i in range(4)])
+    now = T + 40 * 24 * H
+    spans = [("ann", 2, T, T + 20 * 24 * H), ("ann", 1, now - 8 * 24 * H, now - 6 * 24 * H),
+             ("bob", 1, now - 3 * H, None), ("cy", 0, now - 5 * H, None),
+             ("dee", 1, now - 31 * 24 * H, now - 29 * 24 * H)]
+    for i, (user, gpus, start, end) in enumerate(spans):
+        a = lg.admit(Request(user, "job", f"j{i}", gpus), now=start)
+        if end is not None:
+            lg.release(a.id, now=end)
+    week, month = lg.usage_windows((now - 7 * 24 * H, now - 30 * 24 * H), now)
+    for got, since in ((week, now - 7 * 24 * H), (month, now - 30 * 24 * H)):
+        want = lg.usage(since, now)
+        assert set(got) == {u for u, v in want.items() if v}
+        for user in want:
+            assert abs(got[user] - want[user]) < 1e-6, (user, got[user], want[user])
+    assert week["ann"] == 24 and month["dee"] == 24 and "cy" not in month
