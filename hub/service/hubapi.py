@@ -13,8 +13,9 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 class HubDirectory:
     """Users and groups as the hub knows them, read with the service's own token."""
 
-    def __init__(self, api_url: str, token: str, ttl: float = 5.0):
+    def __init__(self, api_url: str, token: str, ttl: float = 5.0, page: int = 200):
         self.api_url, self.token, self.ttl = api_url.rstrip("/"), token, ttl
+        self.page = page  # users a request (the hub's most, `api_page_max_limit`, is 200)
         self._cache: tuple[float, list[dict]] | None = None
         self._reads_all: bool | None = None
         self._one: dict[str, tuple[float, list[str]]] = {}  # groups_of, per person
@@ -36,8 +37,8 @@ class HubDirectory:
         models, offset = [], 0
         state = f"&state={state}" if state else ""
         while True:
-            page = await self._get(f"/users?offset={offset}&limit=200&include_stopped_servers=0"
-                                   + state)
+            page = await self._get(f"/users?offset={offset}&limit={self.page}"
+                                   "&include_stopped_servers=0" + state)
             items = page["items"] if isinstance(page, dict) else page
             models.extend(items)
             if not isinstance(page, dict) or not page.get("_pagination", {}).get("next"):

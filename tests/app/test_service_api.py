@@ -1,6 +1,7 @@
 """The gpulab service over HTTP against the real hub: who may call what, quotas changed
 through the API reaching the next spawn, and bad input refused with the field named."""
 
+import asyncio
 import json
 import time
 
@@ -327,18 +328,22 @@ def test_the_openapi_document_names_the_pages(hub):
         assert "_pagination" in schema["properties"] and "400" in doc["paths"]["/" + path]["get"]["responses"]
 
 
-def test_the_service_sees_every_hub_user_past_the_hubs_first_page(admin):
-    """The hub pages its user list (at most 200 a page): the service reads every page (it
-    asked for the bare list once, and saw only the first 200 people and their servers)."""
-    names = [f"bulk{i:03d}" for i in range(205)]
-    r = admin.api("POST", "/users", json={"usernames": names})
-    assert r.status_code == 201, r.text
+def test_the_service_reads_every_page_of_the_hubs_users(hub, admin, users):
+    """The hub pages its user list (at most 200 a page): the service's directory reads every
+    page (it asked for the bare list once, which the hub cuts at the limit: past 200 people
+    it missed everyone else and their servers). Pages of 2 here, as the service reads them."""
+    from gpulab.hub.service.hubapi import HubDirectory
+
+    everyone = {u["name"] for u in admin.api("GET", "/users?limit=200").json()}
+    assert len(everyone) >= 4  # two pages at least
+    ann = users["ann"]
+    assert ann.start_server("paged", {"profile": "cpu"}).status_code in (201, 202)
     try:
-        time.sleep(6)  # past the service's cache of the hub's list
-        eff = admin.service("GET", "quotas/effective?q=bulk&limit=1").json()
-        assert eff["_pagination"]["total"] == 205
-        assert admin.service("GET", "quotas/effective?q=bulk204").json()["users"][0][
-            "name"] == "bulk204"
+        d = HubDirectory(hub.url + "/hub/api", admin.token(), page=2)
+        assert {u["name"] for u in asyncio.run(d.users())} == everyone
+        assert ("ann", "paged") in asyncio.run(d.active_servers())
+        # a person's groups without listing everyone
+        assert asyncio.run(HubDirectory(hub.url + "/hub/api", admin.token()).groups_of(
+            "ann")) == sorted(admin.api("GET", "/users/ann").json()["groups"])
     finally:
-        for n in names:
-            admin.api("DELETE", f"/users/{n}")
+        ann.stop_server("paged")
