@@ -391,6 +391,9 @@ def measure(kind: str, args) -> dict:
               f"{out['running_after']} still running", flush=True)
         if kind == "gpulab":
             out["service"] = service_figures(run, names, args)
+        # the service's jobs outlive the hub (they are not the hub's servers): stop them
+        for job in run.admin.service("GET", "jobs?all=1&limit=1000").json().get("jobs", []):
+            run.admin.service("POST", f"jobs/{job['name']}/stop?user={job['user']}")
     return out
 
 
