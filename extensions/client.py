@@ -341,6 +341,21 @@ class Client(Configurable):
         """How an ``https`` service is verified (`ca_file`) and we are shown (`client_cert`)."""
         return ssl_context(self.ca_file, self.client_cert, self.client_key)
 
+    def request_all(self, path: str, key: str, params: Mapping | None = None,
+                    timeout: float | None = None, pages: int = 1000) -> list:
+        """Every item of the list API ``path`` (its answer's `key`), page after page: the
+        service pages its lists (``_pagination.next``), so a person with many jobs still
+        gets them all. At most `pages` requests."""
+        params, items = dict(params or {}), []
+        for _ in range(pages):
+            answer = self.request("GET", path, params=params, timeout=timeout)
+            items.extend(answer.get(key) or [])
+            nxt = (answer.get("_pagination") or {}).get("next")
+            if not nxt:
+                break
+            params.update(offset=nxt["offset"], limit=nxt.get("limit", params.get("limit")))
+        return items
+
     def request(self, method: str, path: str, body=None, params: Mapping | None = None,
                 timeout: float | None = None):
         """One API call (``path`` below ``api/v1/``); the decoded JSON answer. The first call
@@ -509,7 +524,7 @@ class Client(Configurable):
         """This person's jobs, newest first (admins: another ``user``'s, or with
         ``everyone=True`` all people's)."""
         params = {"user": user, "all": "1" if everyone else None}
-        return self.request("GET", "jobs", params=params).get("jobs") or []
+        return self.request_all("jobs", "jobs", params=params)
 
     def job(self, name: str, user: str | None = None) -> "Job":
         """A handle on the job ``name`` (no request is made until it is used)."""

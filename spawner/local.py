@@ -1046,8 +1046,8 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         the CA's record is read from the store, nothing of it written), and the common name
         is ``user-`` and the name's `safe_slug` (hashed past 59 characters). The hub and the
         proxy check a server's certificate against the CA and its subject alternative names
-        (`ssl_alt_names`: the address it listens on), never the common name. Key generation
-        runs in a thread.
+        (`ssl_alt_names`: the address it listens on), never the common name. The key is
+        ECDSA P-256 (`server_key_pair`), signed by the RSA CA; it is made in a thread.
         """
         from certipy import Certipy
 
@@ -1070,6 +1070,9 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             scratch = Path(tempfile.mkdtemp(prefix="server-", dir=store))
             try:
                 own = Certipy(store_dir=str(scratch))
+                # an ECDSA P-256 key, not certipy's RSA-2048: made in 0.1 ms instead of
+                # 0.1-1 s of CPU, which a storm of 200 spawns queued behind (issue 40)
+                own.create_key_pair = server_key_pair
                 own.store.store[ca] = record  # read only: its signees are not the hub's
                 pair = own.create_signed_pair(common_name, ca, alt_names=alt_names)
             except BaseException:
@@ -1313,6 +1316,16 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
             profile.slug,
         )
         return url
+
+
+def server_key_pair(cert_type=None, bits=None):
+    """A server's internal-TLS key: ECDSA on P-256 (certipy's ``create_key_pair`` hook, whose
+    RSA-2048 keys took 0.1-1 s of CPU each on a busy machine: bench/scale.py's storm of 200
+    spawns spent half the hub's samples there). TLS 1.2 and 1.3 take an ECDSA server key
+    under an RSA CA; the hub, the proxy and the server read it like any PEM key."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    return ec.generate_private_key(ec.SECP256R1())
 
 
 def _leave_queue(queue: Queue, ledger: Ledger, request: Request, entry_id: str,

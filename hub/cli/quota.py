@@ -202,7 +202,7 @@ def cmd_quota(args) -> int:
             u = me["usage_gpu_hours"]
             print(f"GPU-hours: {u['7d']} over 7 days, {u['30d']} over 30 days")
         elif args.action == "show":
-            quotas = client.request("GET", "quotas")["quotas"]
+            quotas = client.request_all("quotas", "quotas")  # every page
             if args.json:
                 print(json.dumps(quotas, indent=2))
                 return 0
@@ -236,7 +236,16 @@ def cmd_quota(args) -> int:
 
 def cmd_usage(args) -> int:
     try:
-        usage = hub_client(args).request("GET", "usage", params={"days": args.days})
+        client = hub_client(args)
+        usage = client.request("GET", "usage", params={"days": args.days, "limit": 1000})
+        # the service pages people and groups: every page, in one table
+        while (usage.get("_pagination") or {}).get("next"):
+            more = client.request("GET", "usage", params={
+                "days": args.days, **usage.pop("_pagination")["next"]})
+            usage["users"].update(more["users"])
+            usage["groups"].update(more["groups"])
+            usage["_pagination"] = more.get("_pagination")
+        usage.pop("_pagination", None)
     except GpulabError as e:
         return fail_api(e)
     if args.json:

@@ -76,6 +76,9 @@ def _sel_quotas(in_groups):
 
 
 SEL_QUOTAS = _sel_quotas(_Q.c.name.in_(bindparam("groups", expanding=True)))
+#: every quota row (default, groups, people): what `Ledger.effective_of` splits for many
+#: people at once (the table holds a row per override, not per person)
+SEL_ALL_QUOTAS = select(*_QUOTA_COLUMNS)
 #: the same with the groups as one parameter, the same statement for any number of groups:
 #: a PostgreSQL array, a JSON list on SQLite
 _SEL_QUOTAS_PG = _sel_quotas(_Q.c.name == any_(bindparam("groups", type_=ARRAY(String))))

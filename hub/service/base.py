@@ -24,6 +24,9 @@ MAX_BODY = 64 * 1024
 MAX_BUFFERED_BODY = 16 * 2**20
 #: the deepest nesting of lists and objects a request body may have
 MAX_JSON_DEPTH = 32
+#: list APIs: the page size when a request names none, and the largest a request may ask for
+PAGE_DEFAULT = 200
+PAGE_MAX = 1000
 
 
 def _no_constant(name: str):
@@ -92,6 +95,18 @@ class Base(AppHubAuth, HubOAuthenticated, web.RequestHandler):
     def is_gpulab_admin(self) -> bool:
         user = self.current_user
         return bool(user) and bool(self.hub_auth.check_scopes({ADMIN_SCOPE}, user))
+
+    def int_arg(self, name: str, default: int, lo: int, hi: int) -> int:
+        raw = self.get_query_argument(name, None)
+        if raw is None:
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise FieldError(400, name, f"'{name}' must be a whole number, got {raw!r}.") from None
+        if not lo <= value <= hi:
+            raise FieldError(400, name, f"'{name}' must be from {lo} to {hi}, got {value}.")
+        return value
 
 
 class APIHandler(Base):
@@ -170,17 +185,23 @@ class APIHandler(Base):
         self.set_status(status)
         self.finish(json.dumps(obj))
 
-    def int_arg(self, name: str, default: int, lo: int, hi: int) -> int:
-        raw = self.get_query_argument(name, None)
-        if raw is None:
-            return default
-        try:
-            value = int(raw)
-        except ValueError:
-            raise FieldError(400, name, f"'{name}' must be a whole number, got {raw!r}.") from None
-        if not lo <= value <= hi:
-            raise FieldError(400, name, f"'{name}' must be from {lo} to {hi}, got {value}.")
-        return value
+    def page_args(self, default: int = PAGE_DEFAULT, most: int = PAGE_MAX) -> tuple[int, int]:
+        """``(offset, limit)`` of a list request (``?offset=&limit=``): whole numbers,
+        ``limit`` from 1 to `most`, ``offset`` from 0; anything else is a 400 naming the
+        field."""
+        return self.int_arg("offset", 0, 0, 2**31 - 1), self.int_arg("limit", default, 1, most)
+
+    def send_page(self, key: str, items: list, offset: int, limit: int,
+                  total: int | None = None, **extra) -> None:
+        """One page of a list: ``{key: items[offset:offset+limit], "_pagination": {offset,
+        limit, total, next}}`` (JupyterHub's shape: ``next`` is ``{"offset": n}`` or null).
+        `items` is the whole list, or, with `total`, the page already cut."""
+        if total is None:
+            total, items = len(items), items[offset:offset + limit]
+        nxt = offset + len(items)
+        self.send({key: items, **extra, "_pagination": {
+            "offset": offset, "limit": limit, "total": total,
+            "next": {"offset": nxt, "limit": limit} if nxt < total and items else None}})
 
 
 class FieldError(web.HTTPError):

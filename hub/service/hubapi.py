@@ -31,24 +31,33 @@ def _log_failure(f: asyncio.Future) -> None:
 class HubDirectory:
     """Users and groups as the hub knows them, read with the service's own token."""
 
-    def __init__(self, api_url: str, token: str, ttl: float = 5.0):
+    def __init__(self, api_url: str, token: str, ttl: float = 5.0, page: int = 200):
         self.api_url, self.token, self.ttl = api_url.rstrip("/"), token, ttl
+        self.page = page  # users a request (the hub's most, `api_page_max_limit`, is 200)
         self._cache: tuple[float, list[dict]] | None = None
         self._reads_all: bool | None = None
+        self._one: dict[str, tuple[float, list[str]]] = {}  # groups_of, per person
         self._lock = asyncio.Lock()
         self._refresh: asyncio.Future | None = None
 
     async def _get(self, path: str):
-        req = HTTPRequest(self.api_url + path, headers={"Authorization": f"token {self.token}"},
-                          request_timeout=20)
+        # the pagination form of lists (`_pagination`): without it the hub answers a bare
+        # list cut at `limit`, and everyone past the first page would be missed
+        req = HTTPRequest(self.api_url + path, headers={
+            "Authorization": f"token {self.token}",
+            "Accept": "application/jupyterhub-pagination+json"}, request_timeout=20)
         resp = await AsyncHTTPClient().fetch(req)
         return json.loads(resp.body)
 
-    async def _all_users(self) -> list[dict]:
-        """Every user model the hub lists, page by page (active servers only)."""
+    async def _all_users(self, state: str = "") -> list[dict]:
+        """Every user model the hub lists, page by page (active servers only); with
+        ``state="active"`` only the users who have a server running, starting or stopping
+        (the hub filters: at 10,000 people and 1,000 servers, 5 pages, not 50)."""
         models, offset = [], 0
+        state = f"&state={state}" if state else ""
         while True:
-            page = await self._get(f"/users?offset={offset}&limit=200&include_stopped_servers=0")
+            page = await self._get(f"/users?offset={offset}&limit={self.page}"
+                                   "&include_stopped_servers=0" + state)
             items = page["items"] if isinstance(page, dict) else page
             models.extend(items)
             if not isinstance(page, dict) or not page.get("_pagination", {}).get("next"):
@@ -82,21 +91,34 @@ class HubDirectory:
         (``"default"`` for a user's default server, as the ledger names it), or None when the
         hub does not show servers to this service's token (no ``read:servers``)."""
         active = set()
-        for u in await self._all_users():
+        for u in await self._all_users("active"):
             if "servers" not in u:
                 return None
             active.update((u["name"], name or "default") for name in u["servers"])
         return active
 
     async def groups_of(self, name: str) -> list[str]:
-        for u in await self.users():
-            if u["name"] == name:
-                return u["groups"]
+        """`name`'s groups: from the cached list of everyone when it is fresh, else from the
+        hub's model of that one person (cached as long), never by listing every user: a
+        person's page at 10,000 users reads 1 model, not 50 pages of them."""
+        now = time.monotonic()
+        if self._cache and now - self._cache[0] < self.ttl:
+            for u in self._cache[1]:
+                if u["name"] == name:
+                    return u["groups"]
+        hit = self._one.get(name)
+        if hit and now - hit[0] < self.ttl:
+            return hit[1]
         try:
             model = await self._get(f"/users/{quote(name, safe='')}")
         except Exception:
             return []
-        return sorted(model.get("groups", []))
+        groups = sorted(model.get("groups", []))
+        if len(self._one) >= 4096:  # a bound: the oldest half goes
+            for k in sorted(self._one, key=lambda k: self._one[k][0])[:2048]:
+                del self._one[k]
+        self._one[name] = (now, groups)
+        return groups
 
     async def reads_every_user(self) -> bool:
         """Whether this service's token reads every user of the hub (``read:users`` without a
@@ -135,3 +157,4 @@ class HubDirectory:
 
     def forget(self) -> None:
         self._cache = None
+        self._one.clear()

@@ -35,15 +35,17 @@ class JobsBase(APIHandler):
 
 class JobsHandler(JobsBase):
     async def get(self):
-        if self.get_query_argument("all", "") in ("1", "true") :
+        offset, limit = self.page_args()
+        if self.get_query_argument("all", "") in ("1", "true"):
             self.require_admin()
             me = self.current_user["name"]
-            self.send({"jobs": [for_viewer(v, me)
-                                for v in await asyncio.to_thread(self.backend.list)]})
+            self.send_page("jobs", [for_viewer(v, me) for v in
+                                    await asyncio.to_thread(self.backend.list)], offset, limit)
             return
         me = self.current_user["name"]
-        self.send({"jobs": [for_viewer(v, me) for v in
-                            await asyncio.to_thread(self.backend.list, self.owner())]})
+        self.send_page("jobs", [for_viewer(v, me) for v in
+                                await asyncio.to_thread(self.backend.list, self.owner())],
+                       offset, limit)
 
     async def post(self):
         from gpulab.hub.jobs.spec import SpecError, parse_spec

@@ -8,6 +8,7 @@ from __future__ import annotations
 from gpulab.extensions.contract import STATES
 
 from gpulab.hub.quota.policy import MAX_DISK, MAX_GPU_HOURS, MAX_GPUS, MAX_WINDOW_HOURS, MIN_DISK
+from gpulab.hub.service.base import PAGE_DEFAULT, PAGE_MAX
 
 ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -73,6 +74,34 @@ HOLDING = {"type": "object", "properties": {
     "usage": {"type": "array", "items": DEVICE_USAGE,
               "description": "One entry per device; in a counting pool (Kubernetes) one "
                              "per GPU the DCGM exporter sees in the holding's pods"}}}
+
+
+#: every list API is paged (JupyterHub's shape): ``offset`` and ``limit`` in, ``_pagination``
+#: out; a bad value is a 400 naming it
+OFFSET = {"name": "offset", "in": "query", "required": False,
+          "schema": {"type": "integer", "minimum": 0, "default": 0},
+          "description": "how many items of the list to skip"}
+
+
+def _limit(default: int = PAGE_DEFAULT) -> dict:
+    return {"name": "limit", "in": "query", "required": False,
+            "schema": {"type": "integer", "minimum": 1, "maximum": PAGE_MAX, "default": default},
+            "description": f"the most items in one answer (at most {PAGE_MAX}); follow "
+                           "`_pagination.next` for the rest"}
+
+
+PAGINATION = {"type": "object", "properties": {
+    "offset": {"type": "integer"}, "limit": {"type": "integer"},
+    "total": {"type": "integer", "description": "how many items the whole list has"},
+    "next": {"type": ["object", "null"], "description": "`{offset, limit}` of the next page; "
+             "null on the last"}}}
+
+
+def _paged(properties: dict) -> dict:
+    """The schema of one page of a list answer."""
+    return {"type": "object", "properties": {**properties, "_pagination": PAGINATION}}
+
+
 NAME = {"name": "name", "in": "path", "required": True,
         "schema": {"type": "string", "minLength": 1, "maxLength": 255}}
 
@@ -192,39 +221,45 @@ def openapi_document(prefix: str = "/services/gpulab/") -> dict:
                              "properties": {"backend": {"type": "string"},
                                             "images": {"type": "array",
                                                        "items": {"type": "string"}}}}}})}},
-            "/quotas": {"get": {"summary": "All quotas set (admin)", "responses": _resp({
-                "type": "object", "properties": {"quotas": {"type": "array", "items": QUOTA_OUT}}})}},
+            "/quotas": {"get": {"summary": "All quotas set (admin), by scope and name",
+                                "parameters": [OFFSET, _limit()],
+                                "responses": _resp(_paged({
+                "quotas": {"type": "array", "items": QUOTA_OUT}}), 400)}},
             "/quotas/effective": {"get": {
                 "summary": "Every person's effective quota: their override, else the most "
-                           "generous of their groups', else the default (admin)",
-                "responses": _resp({"type": "object", "properties": {"users": {
+                           "generous of their groups', else the default (admin); by name, "
+                           "`q` keeps those whose name or group holds it (as the admin page)",
+                "parameters": [{"name": "q", "in": "query", "required": False,
+                                "schema": {"type": "string"}}, OFFSET, _limit()],
+                "responses": _resp(_paged({"users": {
                     "type": "array", "items": {"type": "object", "properties": {
                         "name": {"type": "string"}, "quota": {"type": ["object", "null"]},
                         "quota_source": {"type": "string"},
-                        "quota_text": {"type": "string"}}}}}})}},
+                        "quota_text": {"type": "string"}}}}}), 400)}},
             "/quotas/default": quota_ops,
             "/quotas/users/{name}": named,
             "/quotas/groups/{name}": named,
             "/allocations": {"get": {
                 "summary": "Current allocations (admin: everyone's; others: their own)",
                 "parameters": [{"name": "user", "in": "query", "required": False,
-                                "schema": {"type": "string"}}],
-                "responses": _resp({"type": "object", "properties": {
-                    "allocations": {"type": "array", "items": {"type": "object"}}}})}},
+                                "schema": {"type": "string"}}, OFFSET, _limit()],
+                "responses": _resp(_paged({
+                    "allocations": {"type": "array", "items": {"type": "object"}}}), 400)}},
             "/usage": {"get": {
-                "summary": "GPU-hours per user and group over the last `days` days",
+                "summary": "GPU-hours per user and group over the last `days` days (a page of "
+                           "each, by name; `total`: the longer of the two lists)",
                 "parameters": [{"name": "days", "in": "query", "required": False,
-                                "schema": {"type": "integer", "minimum": 1, "maximum": 366}}],
-                "responses": _resp({"type": "object", "properties": {
+                                "schema": {"type": "integer", "minimum": 1, "maximum": 366}},
+                               OFFSET, _limit()],
+                "responses": _resp(_paged({
                     "days": {"type": "integer"}, "users": {"type": "object"},
-                    "groups": {"type": "object"}}}, 400)}},
+                    "groups": {"type": "object"}}), 400)}},
             "/audit": {"get": {
                 "summary": "Quota changes, newest first, each also in words (`old_text`, "
                            "`new_text`) (admin)",
-                "parameters": [{"name": "limit", "in": "query", "required": False,
-                                "schema": {"type": "integer", "minimum": 1, "maximum": 1000}}],
-                "responses": _resp({"type": "object", "properties": {
-                    "audit": {"type": "array", "items": {"type": "object"}}}}, 400)}},
+                "parameters": [OFFSET, _limit(100)],
+                "responses": _resp(_paged({
+                    "audit": {"type": "array", "items": {"type": "object"}}}), 400)}},
             "/idle": {"get": {
                 "summary": "GPU-idle culling: my holdings' warnings, keeps and recent stops "
                            "(admins: ?user=)",
@@ -250,9 +285,10 @@ def openapi_document(prefix: str = "/services/gpulab/") -> dict:
             "/jobs": {
                 "get": {"summary": "My jobs (admins: ?user= or ?all=1)",
                         "parameters": [AS_USER, {"name": "all", "in": "query", "required": False,
-                                                 "schema": {"type": "string", "enum": ["1"]}}],
-                        "responses": _resp({"type": "object", "properties": {
-                            "jobs": {"type": "array", "items": JOB}}})},
+                                                 "schema": {"type": "string", "enum": ["1"]}},
+                                       OFFSET, _limit()],
+                        "responses": _resp(_paged({
+                            "jobs": {"type": "array", "items": JOB}}), 400)},
                 "post": {"summary": "Submit a training job: validated, admitted whole and "
                                     "started (201), or queued until its GPUs are free (202)",
                          "requestBody": {"required": True, "content": {"application/json": {
@@ -308,9 +344,10 @@ def openapi_document(prefix: str = "/services/gpulab/") -> dict:
             "/queue": {"get": {
                 "summary": "The GPU queue in the order of the line (admins: everyone's; others: "
                            "their own); enabled false where the hub has none",
-                "responses": _resp({"type": "object", "properties": {
+                "parameters": [OFFSET, _limit()],
+                "responses": _resp(_paged({
                     "enabled": {"type": "boolean"},
-                    "entries": {"type": "array", "items": QUEUE_ENTRY}}})}},
+                    "entries": {"type": "array", "items": QUEUE_ENTRY}}), 400)}},
             "/queue/{id}/{action}": {
                 "parameters": [{"name": "id", "in": "path", "required": True,
                                 "schema": {"type": "string"}},

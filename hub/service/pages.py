@@ -19,8 +19,12 @@ from tornado import httputil, web
 
 from gpulab.hub.service import ADMIN_SCOPE
 from gpulab.hub.service.base import AppHubAuth, Base, log
-from gpulab.hub.service.quotas import _usage, inventory_view, overview, user_view
+from gpulab.hub.service.quotas import (ADMIN_PAGE_USERS, _usage, inventory_view, overview,
+                                       user_view)
 from gpulab.hub.service.queue import entry_view
+
+#: the admin page shows the first this many entries of the GPU queue (the API pages the rest)
+ADMIN_PAGE_QUEUE = 200
 
 _TEMPLATES = Path(__file__).parent.parent / "templates"
 _HUB_TEMPLATES = Path(DATA_FILES_PATH) / "templates"
@@ -191,12 +195,16 @@ class AdminPage(PageHandler):
         if not self.is_gpulab_admin:
             raise PageError(403, "The GPU admin page is for gpulab admins: they set quotas "
                             "and see everyone's GPUs.", hint="admin-only")
-        o = await overview(self)
+        # one page of people, as the hub's own admin panel pages its users
+        search = self.get_query_argument("q", "")[:255]
+        o = await overview(self, search, self.int_arg("offset", 0, 0, 2**31 - 1),
+                           self.int_arg("limit", ADMIN_PAGE_USERS, 1, 500))
         queue = getattr(self.settings.get("jobs"), "queue", None)
         o["queue_enabled"] = queue is not None
         now = time.time()
-        o["queue"] = ([entry_view(e, now) for e in await asyncio.to_thread(queue.entries, None, now)]
-                      if queue is not None else [])
+        entries = await asyncio.to_thread(queue.entries, None, now) if queue is not None else []
+        o["queue"] = [entry_view(e, now) for e in entries[:ADMIN_PAGE_QUEUE]]
+        o["queue_total"] = len(entries)
         # GPU-idle culling's warnings, by allocation id (the holdings they are about)
         culler = self.settings.get("idle_culler")
         o["idle"] = dict(culler.notices) if culler is not None else {}

@@ -39,13 +39,16 @@ class QueueBase(APIHandler):
 class QueueHandler(QueueBase):
     async def get(self):
         queue = self.queue
+        offset, limit = self.page_args()
         if queue is None:
-            self.send({"enabled": False, "entries": []})
+            self.send_page("entries", [], offset, limit, enabled=False)
             return
         who = None if self.is_gpulab_admin else self.current_user["name"]
         now = time.time()
         entries = await asyncio.to_thread(queue.entries, who, now)
-        self.send({"enabled": True, "entries": [entry_view(e, now) for e in entries]})
+        total = len(entries)
+        self.send_page("entries", [entry_view(e, now) for e in entries[offset:offset + limit]],
+                       offset, limit, total, enabled=True)
 
 
 class QueueActionHandler(QueueBase):

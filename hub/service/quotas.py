@@ -64,30 +64,72 @@ def inventory_view(ledger: Ledger, usage=None) -> dict:
             "usage_measured": usage is not None and usage.sampler is not None}
 
 
-async def overview(handler: Base) -> dict:
-    """Everything the admin page shows: users, groups, default quota, audit trail. The
-    ledger is read in a worker thread, never on the event loop."""
+#: the admin page's users per page when the address names no ``limit``
+ADMIN_PAGE_USERS = 50
+
+
+async def overview(handler: Base, search: str = "", offset: int = 0,
+                   limit: int = ADMIN_PAGE_USERS) -> dict:
+    """Everything the admin page shows: one page of users (``limit`` from ``offset`` of those
+    whose name or group holds `search`), groups, default quota, audit trail. The ledger is
+    read in a worker thread, never on the event loop."""
     users = await handler.directory.users()
-    return await asyncio.to_thread(_overview, handler.ledger, users, _usage(handler), time.time())
+    return await asyncio.to_thread(_overview, handler.ledger, users, _usage(handler), time.time(),
+                                   search, offset, limit)
 
 
-def _overview(ledger: Ledger, users: list, usage, now: float) -> dict:
+def known_names(ledger: Ledger, users: list, search: str = "", extra=()) -> list[dict]:
+    """The people the admin page lists, sorted by name: the hub's `users`, and people the hub
+    no longer lists but who have a user override or are named in `extra` (they hold GPUs or
+    have history); only those whose name or one of whose groups holds `search` (any case)."""
+    known = {u["name"] for u in users}
+    gone = ({q["name"] for q in ledger.quotas() if q["scope"] == "user"} | set(extra)) - known
+    out = [*users, *({"name": n, "groups": [], "admin": False} for n in gone)]
+    if search:
+        s = search.casefold()
+        out = [u for u in out if s in u["name"].casefold()
+               or any(s in g.casefold() for g in u["groups"])]
+    return sorted(out, key=lambda u: u["name"])
+
+
+def _overview(ledger: Ledger, users: list, usage, now: float, search: str = "",
+              offset: int = 0, limit: int = ADMIN_PAGE_USERS) -> dict:
     open_allocs = ledger.open_allocations()
     models = {d.index: d.model for d in ledger.devices()}
-    u7 = ledger.usage(now - 7 * DAY, now)
-    u30 = ledger.usage(now - 30 * DAY, now)
+    u7, u30 = ledger.usage_windows((now - 7 * DAY, now - 30 * DAY), now)
     # each row with its disk limit as the admin page's input shows it ("20G": exact)
     rows = {q["scope"] + ":" + q["name"]: {**q, "disk_text": disk_input(q.get("disk"))}
             for q in ledger.quotas()}
-    known = {u["name"] for u in users}
+    # open allocations by person: one pass, not one scan of them per person
+    held: dict[str, list] = {}
+    for a in open_allocs:
+        if a.gpus:
+            held.setdefault(a.user, []).append(a)
     # people the hub no longer lists but who still hold GPUs or have history stay visible
-    for name in sorted(({a.user for a in open_allocs} | set(u30)) - known):
-        users.append({"name": name, "groups": [], "admin": False})
-    out_users = []
+    everyone = known_names(ledger, users, "", {a.user for a in open_allocs} | set(u30))
+    listed = everyone
+    if search:
+        s = search.casefold()
+        listed = [u for u in everyone if s in u["name"].casefold()
+                  or any(s in g.casefold() for g in u["groups"])]
+    # the groups' sums cover everyone (no SQL per person: dictionaries read above)
     groups: dict[str, dict] = {}
-    for u in users:
-        quota, source = ledger.effective(u["name"], u["groups"])
-        mine = [a for a in open_allocs if a.user == u["name"] and a.gpus]
+    for u in everyone:
+        mine = held.get(u["name"], ())
+        for g in u["groups"]:
+            entry = groups.setdefault(g, {"name": g, "members": [], "gpus_held": 0,
+                                          "gpu_hours_7d": 0.0, "gpu_hours_30d": 0.0})
+            entry["members"].append(u["name"])
+            entry["gpus_held"] += sum(a.gpus for a in mine)
+            entry["gpu_hours_7d"] += u7.get(u["name"], 0.0)
+            entry["gpu_hours_30d"] += u30.get(u["name"], 0.0)
+    # the effective quotas (one read) only for the people on this page
+    out_users = []
+    page = listed[offset:offset + limit]
+    effective = ledger.effective_of({u["name"]: u["groups"] for u in page})
+    for u in page:
+        quota, source = effective[u["name"]]
+        mine = held.get(u["name"], ())
         out_users.append({
             "name": u["name"], "groups": u["groups"],
             "quota": quota.as_dict() if quota else None, "quota_source": source,
@@ -101,13 +143,6 @@ def _overview(ledger: Ledger, users: list, usage, now: float) -> dict:
             "gpu_hours_7d": round(u7.get(u["name"], 0.0), 2),
             "gpu_hours_30d": round(u30.get(u["name"], 0.0), 2),
         })
-        for g in u["groups"]:
-            entry = groups.setdefault(g, {"name": g, "members": [], "gpus_held": 0,
-                                          "gpu_hours_7d": 0.0, "gpu_hours_30d": 0.0})
-            entry["members"].append(u["name"])
-            entry["gpus_held"] += sum(a.gpus for a in mine)
-            entry["gpu_hours_7d"] += u7.get(u["name"], 0.0)
-            entry["gpu_hours_30d"] += u30.get(u["name"], 0.0)
     for key, q in rows.items():
         if q["scope"] == "group":
             groups.setdefault(q["name"], {"name": q["name"], "members": [], "gpus_held": 0,
@@ -117,7 +152,9 @@ def _overview(ledger: Ledger, users: list, usage, now: float) -> dict:
         g["gpu_hours_7d"] = round(g["gpu_hours_7d"], 2)
         g["gpu_hours_30d"] = round(g["gpu_hours_30d"], 2)
     return {
-        "users": sorted(out_users, key=lambda u: u["name"]),
+        "users": out_users,
+        "users_total": len(listed), "everyone": len(everyone),
+        "search": search, "offset": offset, "limit": limit,
         "groups": sorted(groups.values(), key=lambda g: g["name"]),
         "default": rows.get("default:"),
         "inventory": inventory_view(ledger, usage),
@@ -125,12 +162,18 @@ def _overview(ledger: Ledger, users: list, usage, now: float) -> dict:
     }
 
 
-def audit_view(ledger: Ledger, limit: int) -> list[dict]:
-    """The newest `limit` quota changes, each with every field of the change (GPU-hours too)
-    in the words of the quota column (``old_text``, ``new_text``)."""
+def audit_view(ledger: Ledger, limit: int, offset: int = 0) -> list[dict]:
+    """The newest `limit` quota changes (after the newest `offset`), each with every field of
+    the change (GPU-hours too) in the words of the quota column (``old_text``,
+    ``new_text``)."""
     return [{**a, "old_text": _change_text(a["scope"], a["old"], "—"),
              "new_text": _change_text(a["scope"], a["new"], "unset")}
-            for a in ledger.audit(limit)]
+            for a in ledger.audit(limit, offset)]
+
+
+def audit_page(ledger: Ledger, offset: int, limit: int) -> tuple[list[dict], int]:
+    """``(rows, total)``: one page of `audit_view` and how many changes there are."""
+    return audit_view(ledger, limit, offset), ledger.audit_count()
 
 
 #: an admin's action on a waiting entry (`gpulab.hub.quota.waiting`), in words
@@ -154,14 +197,12 @@ def _change_text(scope: str, value: dict | None, none: str) -> str:
 
 
 def effective_view(ledger: Ledger, users: list) -> list[dict]:
-    """Each person's effective quota (the admin page's "Effective quota" column): the hub's
-    users, and people with an override the hub no longer lists."""
-    names = {u["name"] for u in users}
-    users = users + [{"name": q["name"], "groups": []} for q in ledger.quotas()
-                     if q["scope"] == "user" and q["name"] not in names]
+    """The effective quota of each of `users` (the admin page's "Effective quota" column; one
+    page of `known_names`)."""
     out = []
-    for u in sorted(users, key=lambda u: u["name"]):
-        quota, source = ledger.effective(u["name"], u["groups"])
+    effective = ledger.effective_of({u["name"]: u["groups"] for u in users})
+    for u in users:
+        quota, source = effective[u["name"]]
         out.append({"name": u["name"], "quota": quota.as_dict() if quota else None,
                     "quota_source": source,
                     "quota_text": quota.describe() if quota else "no limit"})
@@ -186,7 +227,8 @@ class MeHandler(APIHandler):
 class QuotasHandler(APIHandler):
     async def get(self):
         self.require_admin()
-        self.send({"quotas": await asyncio.to_thread(self.ledger.quotas)})
+        offset, limit = self.page_args()
+        self.send_page("quotas", await asyncio.to_thread(self.ledger.quotas), offset, limit)
 
 
 class EffectiveQuotasHandler(APIHandler):
@@ -195,8 +237,13 @@ class EffectiveQuotasHandler(APIHandler):
 
     async def get(self):
         self.require_admin()
-        users = await self.directory.users()
-        self.send({"users": await asyncio.to_thread(effective_view, self.ledger, users)})
+        offset, limit = self.page_args()
+        search = self.get_query_argument("q", "")
+        names = await asyncio.to_thread(known_names, self.ledger, await self.directory.users(),
+                                        search)
+        page = names[offset:offset + limit]
+        self.send_page("users", await asyncio.to_thread(effective_view, self.ledger, page),
+                       offset, limit, len(names))
 
 
 class QuotaHandler(APIHandler):
@@ -258,31 +305,45 @@ class AllocationsHandler(APIHandler):
             if who not in (None, self.current_user["name"]):
                 raise web.HTTPError(403, "You may only see your own allocations.")
             who = self.current_user["name"]
+        offset, limit = self.page_args()
         allocs = await asyncio.to_thread(self.ledger.open_allocations, user=who)
-        self.send({"allocations": [a.as_dict() for a in allocs]})
+        self.send_page("allocations", [a.as_dict() for a in allocs[offset:offset + limit]],
+                       offset, limit, len(allocs))
 
 
 class UsageHandler(APIHandler):
     async def get(self):
         days = self.int_arg("days", 7, 1, 366)
+        offset, limit = self.page_args()
         now = time.time()
         if not self.is_gpulab_admin:
             name = self.current_user["name"]
             hours = (await asyncio.to_thread(self.ledger.usage, now - days * DAY, now,
                                              user=name)).get(name, 0.0)
-            self.send({"days": days, "users": {name: round(hours, 3)}, "groups": {}})
+            self.send({"days": days, "users": {name: round(hours, 3)}, "groups": {},
+                       "_pagination": {"offset": offset, "limit": limit, "total": 1 - min(offset, 1),
+                                       "next": None}})
             return
         users = await asyncio.to_thread(self.ledger.usage, now - days * DAY, now)
         groups: dict[str, float] = {}
         for u in await self.directory.users():
             for g in u["groups"]:
                 groups[g] = groups.get(g, 0.0) + users.get(u["name"], 0.0)
-        self.send({"days": days, "users": {k: round(v, 3) for k, v in sorted(users.items())},
-                   "groups": {k: round(v, 3) for k, v in sorted(groups.items())}})
+        # a page of people and a page of groups (the same offset and limit), each sorted by name
+        people, teams = sorted(users.items()), sorted(groups.items())
+        total = max(len(people), len(teams))
+        nxt = offset + limit
+        self.send({"days": days,
+                   "users": {k: round(v, 3) for k, v in people[offset:nxt]},
+                   "groups": {k: round(v, 3) for k, v in teams[offset:nxt]},
+                   "_pagination": {"offset": offset, "limit": limit, "total": total,
+                                   "next": {"offset": nxt, "limit": limit} if nxt < total
+                                   else None}})
 
 
 class AuditHandler(APIHandler):
     async def get(self):
         self.require_admin()
-        limit = self.int_arg("limit", 100, 1, 1000)
-        self.send({"audit": await asyncio.to_thread(audit_view, self.ledger, limit)})
+        offset, limit = self.page_args(default=100)
+        rows, total = await asyncio.to_thread(audit_page, self.ledger, offset, limit)
+        self.send_page("audit", rows, offset, limit, total)

@@ -135,3 +135,21 @@ def test_an_approved_user_who_never_logged_in_takes_a_quota(hub, admin):
     r = dora.start_server("", {"profile": "gpu-2"})
     assert r.status_code == 409 and "your quota is 1 GPU at once" in r.json()["message"]
     admin.service("DELETE", "quotas/users/dora")
+
+
+def test_the_admin_page_pages_and_searches_its_users(hub, users, admin):
+    """Issue 40: the admin page shows a page of people (``?offset=&limit=``) and finds them
+    by name or group (``?q=``), as the hub's admin panel does; a bad page is a 400 page."""
+    r = page(admin, "admin?limit=1")
+    assert r.status_code == 200
+    first = re.findall(r'<tr data-user="([^"]+)"', r.text)
+    assert len(first) == 1 and 'id="user-range" class="muted">1–1 of ' in r.text and ">Next</a>" in r.text
+    r = page(admin, "admin?limit=1&offset=1")
+    second = re.findall(r'<tr data-user="([^"]+)"', r.text)
+    assert len(second) == 1 and second != first and ">Previous</a>" in r.text
+    r = page(admin, "admin?q=BO")
+    assert re.findall(r'<tr data-user="([^"]+)"', r.text) == ["bob"]
+    assert "matching &#39;BO&#39;" in r.text or "matching 'BO'" in r.text
+    assert "Nobody matches" in page(admin, "admin?q=no-such-person").text
+    bad = page(admin, "admin?limit=0")
+    assert bad.status_code == 400 and "must be from 1 to 500, got 0" in bad.text

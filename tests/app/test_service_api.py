@@ -1,6 +1,7 @@
 """The gpulab service over HTTP against the real hub: who may call what, quotas changed
 through the API reaching the next spawn, and bad input refused with the field named."""
 
+import asyncio
 import json
 import time
 
@@ -262,3 +263,87 @@ def test_cli_quota_and_usage(hub, admin, users):
     assert r.returncode == 0
     r = gpulab_cli("quota", "show", token="not-a-token", hub=hub)
     assert r.returncode == 1 and "HTTP 401" in r.stderr
+
+
+#: every list API of the service (issue 40): paged, with a bound
+LISTS = ["quotas", "quotas/effective", "allocations", "usage", "audit", "jobs", "queue"]
+
+
+def test_every_list_is_paged_with_a_bound(admin):
+    for path in LISTS:
+        for query, field in [("limit=0", "limit"), ("limit=1001", "limit"), ("limit=x", "limit"),
+                             ("offset=-1", "offset"), ("offset=1.5", "offset")]:
+            r = admin.service("GET", f"{path}?{query}")
+            assert r.status_code == 400, (path, query, r.status_code, r.text)
+            assert r.json()["field"] == field and f"'{field}'" in r.json()["message"], r.text
+        if path == "jobs":  # the hub of these tests may run without a job backend
+            continue
+        page = admin.service("GET", f"{path}?limit=1000").json()["_pagination"]
+        assert page["offset"] == 0 and page["limit"] == 1000 and page["next"] is None
+        assert admin.service("GET", path).json()["_pagination"]["limit"] in (100, 200)
+
+
+def test_pages_walk_the_whole_list_and_the_client_follows_them(hub, admin):
+    from gpulab.extensions.client import Client
+
+    for n in range(5):
+        assert admin.service("PUT", f"quotas/users/pager{n}", json={"max_gpus": n}).status_code == 200
+    try:
+        whole = admin.service("GET", "quotas?limit=1000").json()
+        assert whole["_pagination"]["total"] == len(whole["quotas"]) >= 5
+        seen, offset = [], 0
+        while True:
+            r = admin.service("GET", f"quotas?limit=2&offset={offset}").json()
+            assert len(r["quotas"]) <= 2 and r["_pagination"]["total"] == len(whole["quotas"])
+            seen += r["quotas"]
+            if r["_pagination"]["next"] is None:
+                break
+            offset = r["_pagination"]["next"]["offset"]
+        assert seen == whole["quotas"]
+        # past the end: an empty page, not an error
+        r = admin.service("GET", f"quotas?offset={len(seen) + 10}").json()
+        assert r["quotas"] == [] and r["_pagination"]["next"] is None
+        # the client (the CLI's and the widgets') follows `next` to the end
+        client = Client(hub_url=hub.url, token=admin.token())
+        assert client.request_all("quotas", "quotas", params={"limit": 2}) == whole["quotas"]
+        audit = client.request_all("audit", "audit", params={"limit": 3})
+        assert len(audit) == admin.service("GET", "audit?limit=1").json()["_pagination"]["total"]
+        assert [a["name"] for a in audit[:5]] == [f"pager{n}" for n in range(4, -1, -1)]
+        # the admin page's refresh reads the effective quotas of its own page (search: `q`)
+        eff = admin.service("GET", "quotas/effective?q=pager&limit=2").json()
+        assert [u["name"] for u in eff["users"]] == ["pager0", "pager1"]
+        assert eff["_pagination"]["total"] == 5
+    finally:
+        for n in range(5):
+            admin.service("DELETE", f"quotas/users/pager{n}")
+
+
+def test_the_openapi_document_names_the_pages(hub):
+    doc = requests.get(hub.service_api + "openapi.json").json()
+    for path in LISTS:
+        names = {p["name"] for p in doc["paths"]["/" + path]["get"]["parameters"]}
+        assert {"offset", "limit"} <= names, path
+        schema = doc["paths"]["/" + path]["get"]["responses"]["200"]["content"][
+            "application/json"]["schema"]
+        assert "_pagination" in schema["properties"] and "400" in doc["paths"]["/" + path]["get"]["responses"]
+
+
+def test_the_service_reads_every_page_of_the_hubs_users(hub, admin, users):
+    """The hub pages its user list (at most 200 a page): the service's directory reads every
+    page (it asked for the bare list once, which the hub cuts at the limit: past 200 people
+    it missed everyone else and their servers). Pages of 2 here, as the service reads them."""
+    from gpulab.hub.service.hubapi import HubDirectory
+
+    everyone = {u["name"] for u in admin.api("GET", "/users?limit=200").json()}
+    assert len(everyone) >= 4  # two pages at least
+    ann = users["ann"]
+    assert ann.start_server("paged", {"profile": "cpu"}).status_code in (201, 202)
+    try:
+        d = HubDirectory(hub.url + "/hub/api", admin.token(), page=2)
+        assert {u["name"] for u in asyncio.run(d.users())} == everyone
+        assert ("ann", "paged") in asyncio.run(d.active_servers())
+        # a person's groups without listing everyone
+        assert asyncio.run(HubDirectory(hub.url + "/hub/api", admin.token()).groups_of(
+            "ann")) == sorted(admin.api("GET", "/users/ann").json()["groups"])
+    finally:
+        ann.stop_server("paged")

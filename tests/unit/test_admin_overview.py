@@ -41,7 +41,7 @@ def test_effective_quotas_as_the_admin_page_refreshes_them(tmp_path):
     """``GET quotas/effective`` (what the page reads after a save, issue 37): each person's
     effective quota in the words of the "Effective quota" column, people with an override
     the hub no longer lists included; the audit in words (``GET audit``)."""
-    from gpulab.hub.service.quotas import audit_view, effective_view
+    from gpulab.hub.service.quotas import audit_view, effective_view, known_names
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.sqlite'}")
     ledger.migrate()
@@ -50,7 +50,7 @@ def test_effective_quotas_as_the_admin_page_refreshes_them(tmp_path):
     ledger.set_quota("user", "gone", Quota(1), actor="admin")
     users = [{"name": "ann", "groups": ["staff"], "admin": False},
              {"name": "bob", "groups": [], "admin": False}]
-    got = {u["name"]: (u["quota_text"], u["quota_source"]) for u in effective_view(ledger, users)}
+    got = {u["name"]: (u["quota_text"], u["quota_source"]) for u in effective_view(ledger, known_names(ledger, users))}
     assert got == {"ann": ("3 GPUs at once", "group 'staff'"), "bob": ("2 GPUs at once", "default"),
                    "gone": ("1 GPU at once", "user")}
     assert users == [{"name": "ann", "groups": ["staff"], "admin": False},
