@@ -102,21 +102,25 @@ def prepare(api, ledger, **kw):
 
 async def test_the_quota_read_runs_in_a_worker_thread_and_the_requests_are_counted(
         ledger, reads_of):
-    """The ledger's quotas are read off the event loop (its lock may be held by the gpulab
-    service or another admission); the count is what KubeJobBackend adds to api_requests."""
+    """The person's quota is read off the event loop (the ledger's lock may be held by the
+    gpulab service or another admission), and only theirs (not every quota: a spawn's cost
+    does not grow with the number of people); the count is what KubeJobBackend adds to
+    api_requests."""
     ledger.set_quota("user", "ann", Quota(max_gpus=3), actor="admin")
-    reads = reads_of("quotas")
+    reads = reads_of("quotas", "effective")
     api = FakeKubeAPI()
     loop_thread = threading.current_thread()
 
     # namespace, two policies, the LimitRange, the quota
     assert await prepare(api, ledger) == 1 + 2 + 1 + 1
-    assert [n for n, _ in reads] == ["quotas"]
+    assert [n for n, _ in reads] == ["effective"]
     assert all(thread is not loop_thread for _, thread in reads), reads
-    assert [m for m, _ in api.calls] == ["patch_namespace", "patch_namespaced_network_policy",
-                                         "patch_namespaced_network_policy",
-                                         "patch_namespaced_limit_range",
-                                         "patch_namespaced_resource_quota"]
+    # the namespace first; then its objects, sent together
+    assert api.calls[0][0] == "patch_namespace"
+    assert sorted(m for m, _ in api.calls[1:]) == ["patch_namespaced_limit_range",
+                                                   "patch_namespaced_network_policy",
+                                                   "patch_namespaced_network_policy",
+                                                   "patch_namespaced_resource_quota"]
     limits = api.stored[("LimitRange", "gpulab-ann", "gpulab-defaults")]
     assert limits["spec"]["limits"] == [{
         "type": "Container",
@@ -141,6 +145,26 @@ async def test_the_quota_read_runs_in_a_worker_thread_and_the_requests_are_count
     assert len(reads) == 2 and all(thread is not loop_thread for _, thread in reads)
 
 
+async def test_with_kueue_a_left_quota_is_removed_once_per_namespace(ledger, reads_of):
+    """With Kueue (no GPU ResourceQuota) a quota left from before is deleted at the
+    namespace's first preparation in this process only, not at every spawn (a returning
+    person's spawn costs the namespace, its policies and LimitRange, bench/scale_kube.py);
+    the ledger is not read at all."""
+    ledger.set_quota("user", "ann", Quota(max_gpus=2), actor="admin")
+    reads = reads_of("quotas", "effective")
+    api = FakeKubeAPI()
+    await prepare(api, ledger)  # a quota from before Kueue was turned on
+    assert ("ResourceQuota", "gpulab-ann", "gpulab-gpus") in api.stored
+    reads.clear()
+    api.calls.clear()
+    assert await prepare(api, ledger, gpu_resource_quota=False) == 1 + 2 + 1 + 1
+    assert ("ResourceQuota", "gpulab-ann", "gpulab-gpus") not in api.stored
+    api.calls.clear()
+    assert await prepare(api, ledger, gpu_resource_quota=False) == 1 + 2 + 1
+    assert not any(m.endswith("resource_quota") for m, _ in api.calls)
+    assert reads == []
+
+
 async def test_the_mirrors_sync_reads_the_ledger_in_a_worker_thread(ledger, reads_of):
     ledger.set_quota("user", "ann", Quota(max_gpus=1), actor="admin")
     api = FakeKubeAPI()
@@ -161,13 +185,13 @@ async def test_the_mirrors_sync_reads_the_ledger_in_a_worker_thread(ledger, read
 
 async def test_the_event_loop_runs_while_the_quota_is_read(ledger, monkeypatch):
     """A slow ledger (its lock held elsewhere) does not stop the loop's other work."""
-    real = Ledger.quotas
+    real = Ledger.effective
 
-    def slow(self):
+    def slow(self, *args, **kwargs):
         threading.Event().wait(0.5)
-        return real(self)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(Ledger, "quotas", slow)
+    monkeypatch.setattr(Ledger, "effective", slow)
     ticks = 0
 
     async def tick():
@@ -254,12 +278,12 @@ async def test_both_callers_read_the_quota_off_the_loop_and_prepare_the_same_nam
     s = spawner(config)
     hub = await asyncio.to_thread(hub_ledger, s.config, False)
     hub.set_quota("user", "ann", Quota(max_gpus=2), actor="admin")
-    reads = reads_of("quotas")
+    reads = reads_of("quotas", "effective")
     made = FakeKubeAPI()
     s.api = made
     monkeypatch.setattr("gpulab.hub.cluster.namespaces.shared_client", lambda name: made)
     await s._ensure_namespace()
-    assert [n for n, _ in reads] == ["quotas"] and reads[0][1] is not loop_thread
+    assert [n for n, _ in reads] == ["effective"] and reads[0][1] is not loop_thread
 
     b = backend(config, tmp_path)
     await asyncio.to_thread(b.ledger.migrate)
@@ -269,7 +293,7 @@ async def test_both_callers_read_the_quota_off_the_loop_and_prepare_the_same_nam
     monkeypatch.setattr(KubeJobBackend, "networking", property(lambda self: also))
     assert await b._ensure_namespace("ann", ()) == "gpulab-ann"
     assert b.api_requests == 5
-    assert [n for n, _ in reads] == ["quotas", "quotas"] and reads[1][1] is not loop_thread
+    assert [n for n, _ in reads] == ["effective", "effective"] and reads[1][1] is not loop_thread
     assert await b._ensure_namespace("ann", ()) == "gpulab-ann"  # once per namespace
     assert b.api_requests == 5
 
