@@ -181,9 +181,29 @@ def make_spawner(kind: str, config, name: str):
     return s
 
 
+#: when each spawn's pod was created (`WHO` -> perf_counter): the spawner's own part ends there;
+#: the rest is the scheduler's, Kueue's and kwok's
+POD_CREATED: dict[str, float] = {}
+STARTED: dict[str, float] = {}
+
+
+def time_pod_creation() -> None:
+    from kubespawner import KubeSpawner
+
+    original = KubeSpawner._make_create_pod_request
+
+    async def timed(self, pod, request_timeout):
+        done = await original(self, pod, request_timeout)
+        if done:
+            POD_CREATED[WHO.get()] = time.perf_counter()
+        return done
+
+    KubeSpawner._make_create_pod_request = timed
+
+
 async def one_spawn(s, key: str) -> tuple[float, bool]:
     WHO.set(key)
-    t0 = time.perf_counter()
+    t0 = STARTED[key] = time.perf_counter()
     try:
         await asyncio.wait_for(s.start(), 600)
     except Exception as e:  # noqa: BLE001 - counted as a failed start
@@ -291,6 +311,7 @@ async def bench(args, kubeconfig: str, db: str) -> dict:
     config = make_config(db, args.kueue_interval)
     counter = RequestCounter()
     timer = MirrorTimer()
+    time_pod_creation()
     run = uuid.uuid4().hex[:4]
     people = [f"p{run}{i:05d}" for i in range(args.users)]
     t0 = time.monotonic()
@@ -319,7 +340,10 @@ async def bench(args, kubeconfig: str, db: str) -> dict:
         shapes = collections.Counter()
         for i in range(len(names)):
             shapes.update(counter.shapes[f"{kind}:{i}"])
+        own = [POD_CREATED[f"{kind}:{i}"] - STARTED[f"{kind}:{i}"] for i in range(len(names))
+               if f"{kind}:{i}" in POD_CREATED]
         out[kind] = {"results": results, "rest": rest, "again": again, "storm_s": took,
+                     "own": own,
                      "shapes": {k: v / len(names) for k, v in shapes.items()}}
         t0 = time.monotonic()
         await stop_all(spawners + warm, args.concurrency)
@@ -357,6 +381,10 @@ def report(args, out: dict) -> None:
               f"{fails} failed, storm {out[kind]['storm_s']:.1f}s; API requests per spawn "
               f"{fig[kind]['req']:.0f}" + (f" (returning person {fig[kind]['again']:.0f}, p50 "
                  f"{fig[kind]['again_p50']:.2f}s)" if again else ""))
+        own = out[kind]["own"]
+        if own:
+            print(f"  start() to the pod's creation (the spawner's own part): p50 "
+                  f"{statistics.median(own):.2f}s p99 {percentile(own, 99):.2f}s")
         for shape, n in sorted(out[kind]["shapes"].items(), key=lambda kv: -kv[1]):
             print(f"    {n:5.2f}  {shape}")
         print(f"  at rest: {rest['per_minute']:.1f} requests/min, "
@@ -389,6 +417,9 @@ def parse(argv=None):
                         help="spawns again of people who ran a server (0: none)")
     parser.add_argument("--kueue-interval", type=float, default=3.0,
                         help="seconds between the Kueue mirror's passes (gpulab's default 3)")
+    parser.add_argument("--kueue-qps", type=int, default=0,
+                        help="Kueue's client QPS (burst twice that); 0: Kueue's default "
+                             "manifests' 50 (burst 100)")
     parser.add_argument("--configs", default="stock,gpulab",
                         help="which to run, in order: stock, gpulab (with Kueue), "
                              "gpulab-nokueue (KubeGPUSpawner with the ResourceQuota instead)")
@@ -400,7 +431,10 @@ def parse(argv=None):
 def main(argv=None) -> int:
     args = parse(argv)
     subprocess.run(["bash", str(BUILD_SCRIPT), "--quiet"], check=True)
-    with (ControlPlane(queueing=True, nodes=nodes_for(args.servers)) as cp,
+    kueue_settings = ({"clientConnection": {"qps": args.kueue_qps, "burst": 2 * args.kueue_qps}}
+                      if args.kueue_qps else None)
+    with (ControlPlane(queueing=True, nodes=nodes_for(args.servers),
+                       kueue_settings=kueue_settings) as cp,
           tempfile.TemporaryDirectory(prefix="gpulab-bench-") as tmp):
         print(f"control plane with Kueue and {len(cp.nodes) - 1} GPU nodes up in "
               f"{cp.startup_seconds:.1f}s", flush=True)
