@@ -207,7 +207,12 @@ async def one_spawn(s, key: str) -> tuple[float, bool]:
     try:
         await asyncio.wait_for(s.start(), 600)
     except Exception as e:  # noqa: BLE001 - counted as a failed start
-        print(f"  {key}: failed: {type(e).__name__}: {e}"[:300], flush=True)
+        from kubernetes_asyncio.client.rest import ApiException
+
+        from gpulab.hub.cluster.namespaces import api_message
+
+        why = f"{e.status} {api_message(e)}" if isinstance(e, ApiException) else str(e)
+        print(f"  {key}: failed: {type(e).__name__}: {why}"[:300], flush=True)
         return time.perf_counter() - t0, False
     return time.perf_counter() - t0, True
 

@@ -57,7 +57,7 @@ from .kueueobjects import (
     make_quota_flavor,
     split_by_model,
 )
-from .namespaces import APPLY, FIELD_MANAGER, LedgerMirror, api_message, effective_quota_of
+from .namespaces import APPLY, FIELD_MANAGER, LedgerMirror, QuotaIndex, api_message
 
 KUEUE = ("kueue.x-k8s.io", "v1beta2")
 _PLURALS = {"ResourceFlavor": "resourceflavors", "WorkloadPriorityClass": "workloadpriorityclasses",
@@ -209,11 +209,11 @@ class KueueMirror(LedgerMirror):
                 since = now - (quota.window_hours or 0) * 3600
                 used = self.ledger.usage(since, now, user=user).get(user, 0.0)
             return {ns: wanted(quota, source, budget_used=used)}
-        rows = self.ledger.quotas()
+        index = QuotaIndex(self.ledger.quotas())
         found = {}
         for ns in namespaces:
             user, groups, _ = self.users[ns]
-            found[ns] = (user, *effective_quota_of(rows, user, groups))
+            found[ns] = (user, *index.effective(user, groups))
         usage: dict[float, dict[str, float]] = {}  # window (hours) -> user -> GPU-hours
         for user, quota, _ in found.values():
             if quota is not None and quota.gpu_hours is not None:

@@ -95,23 +95,46 @@ def api_message(e: ApiException) -> str:
         return str(e.body or e.reason)
 
 
+class QuotaIndex:
+    """``Ledger.quotas()`` rows indexed once by scope and name, so that a pass over
+    everyone finds each person's quota in a lookup, not a scan of every row
+    (bench/scale_kube.py: the Kueue mirror's pass at 500 people of 2,000 took 2.8 s)."""
+
+    def __init__(self, quota_rows: list[dict]):
+        def q(r: dict) -> Quota:
+            return Quota(r["max_gpus"], r.get("max_per_request"), r.get("gpu_hours"),
+                         r.get("window_hours"))
+
+        self.default: Quota | None = None
+        self.users: dict[str, Quota] = {}
+        self.groups: dict[str, Quota] = {}
+        for r in quota_rows:
+            if r["scope"] == "default":
+                self.default = q(r)
+            elif r["scope"] == "user":
+                self.users[r["name"]] = q(r)
+            elif r["scope"] == "group":
+                self.groups[r["name"]] = q(r)
+
+    def effective(self, user: str, groups: tuple[str, ...]) -> tuple[Quota | None, str]:
+        """``(quota or None, source)`` of ``user``, as `Ledger.effective` decides it."""
+        by_group = {g: self.groups[g] for g in groups if g in self.groups}
+        return effective_quota(self.default, by_group, self.users.get(user))
+
+
 def effective_quota_of(quota_rows: list[dict], user: str,
                        groups: tuple[str, ...]) -> tuple[Quota | None, str]:
     """``(quota or None, source)`` of ``user`` from ``Ledger.quotas()`` rows, as
-    `Ledger.effective` decides it."""
-    def q(r: dict) -> Quota:
-        return Quota(r["max_gpus"], r.get("max_per_request"), r.get("gpu_hours"), r.get("window_hours"))
-
-    default_q = next((q(r) for r in quota_rows if r["scope"] == "default"), None)
-    mine = next((q(r) for r in quota_rows if r["scope"] == "user" and r["name"] == user), None)
-    by_group = {r["name"]: q(r) for r in quota_rows if r["scope"] == "group" and r["name"] in groups}
-    return effective_quota(default_q, by_group, mine)
+    `Ledger.effective` decides it (for many people, index the rows once: `QuotaIndex`)."""
+    return QuotaIndex(quota_rows).effective(user, groups)
 
 
-def effective_max_gpus(quota_rows: list[dict], user: str, groups: tuple[str, ...]) -> int | None:
+def effective_max_gpus(quota_rows: list[dict] | QuotaIndex, user: str,
+                       groups: tuple[str, ...]) -> int | None:
     """The ``max_gpus`` of the quota that applies to ``user`` (None: no quota), from
-    ``Ledger.quotas()`` rows, as `Ledger.effective` decides it."""
-    quota, _ = effective_quota_of(quota_rows, user, groups)
+    ``Ledger.quotas()`` rows or their `QuotaIndex`, as `Ledger.effective` decides it."""
+    index = quota_rows if isinstance(quota_rows, QuotaIndex) else QuotaIndex(quota_rows)
+    quota, _ = index.effective(user, groups)
     return None if quota is None else quota.max_gpus
 
 
@@ -230,9 +253,9 @@ class GPUQuotaMirror(LedgerMirror):
 
     async def sync(self) -> int:
         """Write the ResourceQuotas that differ from the ledger; returns how many."""
-        rows = await asyncio.to_thread(self.ledger.quotas)
+        index = QuotaIndex(await asyncio.to_thread(self.ledger.quotas))
         return await self._apply_changed({
-            ns: effective_max_gpus(rows, user, groups)
+            ns: effective_max_gpus(index, user, groups)
             for ns, (user, groups, _) in list(self.users.items())})
 
 

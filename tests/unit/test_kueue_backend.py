@@ -415,16 +415,25 @@ async def test_a_pass_reads_the_ledger_a_fixed_number_of_times_however_many_peop
     for p in people:
         m.users[f"gpulab-{p}"] = (p, ("team",) if p == "p39" else (), p)
     calls = []
+    scans = []
+
+    class Rows(list):  # counts the passes over the quota rows
+        def __iter__(self):
+            scans.append(1)
+            return super().__iter__()
+
     for name in ("quotas", "usage", "effective"):
         real = getattr(Ledger, name)
 
         def spy(self, *a, _real=real, _name=name, **kw):
             calls.append(_name)
-            return _real(self, *a, **kw)
+            got = _real(self, *a, **kw)
+            return Rows(got) if _name == "quotas" else got
 
         monkeypatch.setattr(Ledger, name, spy)
     everyone = m._wanted(list(m.users))
     assert sorted(calls) == ["quotas", "usage", "usage"]  # two budget windows
+    assert len(scans) == 1  # the rows indexed once, not scanned once per person
     one_by_one = {ns: m._wanted([ns])[ns] for ns in m.users}
     assert everyone == one_by_one
     assert [ns for ns, w in everyone.items() if w.hold] == [

@@ -165,7 +165,7 @@ async def test_with_kueue_a_left_quota_is_removed_once_per_namespace(ledger, rea
     assert reads == []
 
 
-async def test_the_mirrors_sync_reads_the_ledger_in_a_worker_thread(ledger, reads_of):
+async def test_the_mirrors_sync_reads_the_ledger_in_a_worker_thread(ledger, reads_of, monkeypatch):
     ledger.set_quota("user", "ann", Quota(max_gpus=1), actor="admin")
     api = FakeKubeAPI()
     await prepare(api, ledger)
@@ -181,6 +181,19 @@ async def test_the_mirrors_sync_reads_the_ledger_in_a_worker_thread(ledger, read
     ledger.unset_quota("user", "ann", actor="admin")  # no quota: no ResourceQuota
     assert await mirror.sync() == 1
     assert ("ResourceQuota", "gpulab-ann", "gpulab-gpus") not in api.stored
+    # many people: the quota rows are indexed once a pass, not scanned once per person
+    scans = []
+
+    class Rows(list):
+        def __iter__(self):
+            scans.append(1)
+            return super().__iter__()
+
+    for i in range(30):
+        mirror.register(f"gpulab-p{i}", f"p{i}", (), f"p{i}")
+    monkeypatch.setattr(Ledger, "quotas", lambda self, _real=Ledger.quotas: Rows(_real(self)))
+    await mirror.sync()
+    assert len(scans) == 1
 
 
 async def test_the_event_loop_runs_while_the_quota_is_read(ledger, monkeypatch):
@@ -302,6 +315,37 @@ async def test_both_callers_read_the_quota_off_the_loop_and_prepare_the_same_nam
     for key, obj in made.stored.items():
         del obj["metadata"]["resourceVersion"], also.stored[key]["metadata"]["resourceVersion"]
         assert obj == also.stored[key], key
+
+
+async def test_the_spawner_sends_a_namespace_request_again_when_it_times_out(
+        config, monkeypatch):
+    """A slow API server (a storm of spawns; bench/scale_kube.py) does not fail the spawn:
+    a request with no answer in ``k8s_api_request_timeout`` is sent again (they are all
+    idempotent) until ``k8s_api_request_retry_timeout``; a refusal (403) is not."""
+    s = spawner(config, k8s_api_request_timeout=1, k8s_api_request_retry_timeout=10)
+    await asyncio.to_thread(hub_ledger, s.config, False)
+    made = FakeKubeAPI()
+    s.api = made
+    monkeypatch.setattr("gpulab.hub.cluster.namespaces.shared_client", lambda name: made)
+    real = made.patch_namespace
+    slow = [True]
+
+    async def patch_namespace(*args, **kwargs):
+        if slow.pop() if slow else False:
+            await asyncio.sleep(3)  # past the request timeout
+        return await real(*args, **kwargs)
+
+    made.patch_namespace = patch_namespace
+    await s._ensure_namespace()
+    assert ("Namespace", "", "gpulab-ann") in made.stored
+    assert ("LimitRange", "gpulab-ann", "gpulab-defaults") in made.stored
+
+    async def refused(*args, **kwargs):
+        raise ApiException(status=403, reason="Forbidden")
+
+    made.patch_namespace = refused
+    with pytest.raises(ApiException):
+        await asyncio.wait_for(s._ensure_namespace(), 5)
 
 
 async def test_the_backend_writes_the_servers_policy_the_spawner_writes(config, tmp_path, monkeypatch):
