@@ -572,3 +572,35 @@ async def test_a_waiting_notebooks_place_is_kueues_and_worked_out_where_kueue_ca
     assert asked == [("GET", "/apis/visibility.kueue.x-k8s.io/v1beta2/namespaces/gpulab-ann"
                              "/localqueues/gpulab/pendingworkloads")] * 3
     assert await s._queue_place([], None) is None and len(asked) == 3
+
+
+@pytest.mark.parametrize("message, retried", [
+    ('pods "jupyter-ann" is forbidden: error looking up service account gpulab-ann/default: '
+     'serviceaccount "default" not found', True),
+    ('pods "jupyter-ann" is forbidden: status unknown for quota: gpulab-gpus, resource: '
+     'requests.nvidia.com/gpu', True),
+    ('admission webhook "mpod.kb.io" denied the request: Namespace "gpulab-ann" not found',
+     True),
+    ('pods "jupyter-ann" is forbidden: violates PodSecurity "baseline:latest"', False),
+], ids=["new-namespace-service-account", "new-quota", "webhook-cache", "pod-security"])
+async def test_a_pod_refused_only_because_its_namespace_is_new_is_created_again(
+        config, monkeypatch, message, retried):
+    """In a storm of first spawns the namespace's controllers lag: its default
+    ServiceAccount (stock KubeSpawner fails the spawn: bench/scale_kube.py, 154 of 500) or
+    its new quota's figures, or a webhook's cache of namespaces (Kueue's: 1 of 500) are not
+    there yet. KubeGPUSpawner answers "not yet" (False: its
+    exponential backoff sends it again); any other refusal is raised."""
+    from kubespawner import KubeSpawner
+
+    async def refused(self, pod, request_timeout):
+        e = ApiException(status=404 if "webhook" in message else 403, reason="Refused")
+        e.body = json.dumps({"message": message})
+        raise e
+
+    monkeypatch.setattr(KubeSpawner, "_make_create_pod_request", refused)
+    s = spawner(config)
+    if retried:
+        assert await s._make_create_pod_request(None, 3) is False
+    else:
+        with pytest.raises(ApiException):
+            await s._make_create_pod_request(None, 3)
