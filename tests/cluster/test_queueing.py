@@ -1279,7 +1279,8 @@ async def test_a_gpu_notebooks_spawn_makes_a_bounded_number_of_api_requests(
                           ("POST", "pods"): 1}, first
         again = sorted(set(await requests_of_a_spawn(gpulab)))
         # stock KubeSpawner fails a pod in a namespace whose ServiceAccount is not made yet
-        await asyncio.to_thread(cp.create_namespace, stock.namespace)
+        await asyncio.to_thread(cp.create_namespace, stock.namespace,
+                                labels=stock._expand_all(stock.user_namespace_labels))
         base = await requests_of_a_spawn(stock)
         assert len(base) == 2, base  # stock: the namespace, the pod
         assert len(again) <= len(base) + 3, again
