@@ -1,6 +1,7 @@
 """gpulab at organisation scale on Kubernetes: KubeGPUSpawner with Kueue against stock KubeSpawner.
 
-The Kubernetes half of issue 40 (`bench/scale.py --kube` runs this). Everything runs in this
+The Kubernetes half of issue 40 (`bench/scale.py --kube` runs this: ``main(argv)``, the
+arguments below; ``parse``, ``bench`` and ``report`` for a caller of its own). Everything runs in this
 process against one real control plane of the cluster tier (tests/cluster: etcd,
 kube-apiserver, scheduler, controller-manager, kwok playing the kubelets of fake GPU nodes,
 Kueue v0.17 and JobSet), as the hub's ServiceAccount bound by helm-values/rbac.yaml:
