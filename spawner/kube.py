@@ -337,9 +337,33 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
     async def _ensure_namespace(self):
         """Create or update the user's namespace (Pod Security labels), then its
         NetworkPolicies and quota (`prepare_user_namespace`, as the job backend does); with
-        Kueue, the person's Kueue objects (`gpulab.hub.cluster.kueuemirror`)."""
+        Kueue, the person's Kueue objects (`gpulab.hub.cluster.kueuemirror`). Every request
+        is idempotent (server-side apply; a DELETE that finds nothing is fine): one that
+        times out (``k8s_api_request_timeout``) or that a busy API server turns away (429,
+        5xx) is sent again, for up to ``k8s_api_request_retry_timeout`` seconds, as
+        KubeSpawner retries the pod's creation (bench/scale_kube.py: in a storm of 500 spawns
+        a slow answer failed a spawn at once)."""
         # opened by admit_gpus already; the first call would migrate, so not on the loop
         ledger = await asyncio.to_thread(hub_ledger, self.config, self.gpu_assigns_devices)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.k8s_api_request_retry_timeout
+        wait = 0.2
+        while True:
+            try:
+                return await self._prepare_namespace(ledger)
+            except (asyncio.TimeoutError, ApiException) as e:
+                status = getattr(e, "status", None)
+                if isinstance(e, ApiException) and not (status == 429 or (status or 0) >= 500):
+                    raise
+                if loop.time() + wait > deadline:
+                    raise
+                self.log.warning("Preparing namespace %s for %s: %s; trying again in %.1fs",
+                                 self.namespace, self._log_name,
+                                 status or "no answer in time", wait)
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, 5.0)
+
+    async def _prepare_namespace(self, ledger) -> None:
         try:
             await prepare_user_namespace(
                 api=self.api, ledger=ledger, namespace=self.namespace, user=self.user.name,
@@ -379,8 +403,16 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
         try:
             return await super()._make_create_pod_request(pod, request_timeout)
         except ApiException as e:
-            if e.status == 403 and "status unknown for quota" in api_message(e):
-                # a new ResourceQuota is not counted yet by the quota controller: retry
+            message = api_message(e)
+            if ((e.status == 403 and ("status unknown for quota" in message
+                                      or "error looking up service account" in message))
+                    or (e.status == 404 and "admission webhook" in message
+                        and f'Namespace "{self.namespace}" not found' in message)):
+                # a new ResourceQuota is not counted yet by the quota controller, a new
+                # namespace's default ServiceAccount not made yet by its controller (stock
+                # KubeSpawner fails such a spawn: 154 of 500 first spawns in a storm,
+                # bench/scale_kube.py), or a webhook's cache (Kueue's) has not seen the new
+                # namespace yet: retry (within k8s_api_request_retry_timeout)
                 return False
             raise
 

@@ -278,13 +278,15 @@ async def test_the_namespace_is_prepared_with_the_ledger_read_off_the_event_loop
     _, led = ledger
     s = make_spawner(storage_pvc_ensure=False, hub_namespace=HUB_NAMESPACE)
     led.set_quota("user", s.user.name, Quota(max_gpus=2), actor="admin")
-    reads, real = [], Ledger.quotas
+    reads = []
+    for name in ("quotas", "effective"):  # the person's own at the spawn, all at a sync
+        real = getattr(Ledger, name)
 
-    def spy(self):
-        reads.append(threading.current_thread())
-        return real(self)
+        def spy(self, *args, _real=real, **kwargs):
+            reads.append(threading.current_thread())
+            return _real(self, *args, **kwargs)
 
-    monkeypatch.setattr(Ledger, "quotas", spy)
+        monkeypatch.setattr(Ledger, name, spy)
     await asyncio.wait_for(s._ensure_namespace(), 30)
     assert quota_of(cp, s.namespace)["spec"]["hard"] == {"requests.nvidia.com/gpu": "2"}
     labels = get(cp, f"/api/v1/namespaces/{s.namespace}")["metadata"]["labels"]

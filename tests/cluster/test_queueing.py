@@ -1254,3 +1254,134 @@ async def test_a_held_cluster_is_admitted_whole_and_stop_frees_its_gpus(cp, kueu
     finally:
         cp.kubectl("delete", "jobsets", "--all", "-n", ns, "--wait=false", check=False)
         cp.kubectl("delete", "clusterqueue", ns, f"{ns}.preemptible", "--wait=false", check=False)
+
+
+async def test_a_gpu_notebooks_spawn_makes_a_bounded_number_of_api_requests(
+        cp, hub_kubeconfig, tmp_path, monkeypatch):
+    """Issue 40's bound, on one spawn of the hub (the hub's credentials, Kueue on): a
+    person's first spawn makes their namespace, its two NetworkPolicies and LimitRange, removes
+    a ResourceQuota left from before Kueue, applies their two ClusterQueues and two
+    LocalQueues and creates the pod (10 requests, none of them a read); a returning person's
+    spawn only what stock KubeSpawner makes (the namespace, the pod) and the namespace's
+    policies and LimitRange again (at most stock + 3). Would fail if a redundant request per
+    spawn came back (a read, a per-spawn DELETE, a list of everyone's quotas through the API).
+    The shared watches and Kueue's shared objects are started first and not counted, as
+    bench/scale_kube.py does."""
+    import asyncio
+    import collections
+    from types import SimpleNamespace
+
+    from jupyterhub.objects import Hub
+    from kubernetes_asyncio.client import rest
+    from kubernetes_asyncio.config import kube_config
+    from kubespawner import KubeSpawner
+    from kubespawner.clients import load_config
+    from traitlets.config import Config
+
+    from gpulab.hub.cluster.kueuemirror import KueueMirror
+    from gpulab.hub.cluster.namespaces import GPUQuotaMirror
+    from gpulab.hub.quota.ledger import Ledger
+    from gpulab.hub.quota.policy import Quota
+    from gpulab.hub.quota.settings import GPULedger
+    from gpulab.spawner.kube import KubeGPUSpawner
+    from gpulab.spawner.mixin import hub_ledger
+
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", hub_kubeconfig)
+    load_config.cache_clear()
+    url = f"sqlite:///{tmp_path / 'gpulab.sqlite'}"
+    ledger = Ledger(url, pool="kubernetes")
+    ledger.migrate()
+    user = f"r{uuid.uuid4().hex[:6]}"
+    ledger.set_quota("user", user, Quota(max_gpus=2, gpu_hours=100, window_hours=168),
+                     actor="admin")
+    profile = [{"display_name": "1 H100", "slug": "h100-1", "kubespawner_override": {
+        "extra_resource_limits": {"nvidia.com/gpu": "1"},
+        "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100"},
+        "cpu_limit": 1, "mem_limit": "1G"}}]
+    c = Config()
+    c.GPULedger.db_url = url
+    c.GPULedger.pool = "kubernetes"
+    for cls in ("KubeSpawner", "KubeGPUSpawner"):
+        c[cls].profile_list = profile
+        c[cls].enable_user_namespaces = True
+        c[cls].user_namespace_template = "gpulab-{username}"
+        c[cls].storage_pvc_ensure = False
+        c[cls].start_timeout = 60
+    c.KubeSpawner.tolerations = [GPU_TOLERATION]
+    # the namespace as the hub's admission policy lets it make one (gpulab's labels)
+    c.KubeSpawner.user_namespace_labels = {
+        "app.kubernetes.io/managed-by": "gpulab", "gpulab.io/user": "{username}",
+        "pod-security.kubernetes.io/enforce": "baseline"}
+    c.KubeGPUSpawner.kueue = True
+    c.KubeGPUSpawner.gpu_quota_sync_interval = 600  # no pass of the mirror while counting
+    c.KubeGPUSpawner.k8s_api_request_timeout = 30  # no request sent again for a slow answer
+    GPULedger.clear_instance()
+
+    counted: list[tuple[str, str]] = []
+    real = rest.RESTClientObject.request
+
+    async def counting(self, method, url, query_params=None, *args, **kwargs):
+        if not any(k == "watch" and str(v).lower() == "true" for k, v in (query_params or [])):
+            counted.append((method, url.split("?")[0]))
+        return await real(self, method, url, query_params, *args, **kwargs)
+
+    monkeypatch.setattr(rest.RESTClientObject, "request", counting)
+
+    def spawner(cls, name):
+        s = cls(config=c, user=SimpleNamespace(name=name, id=1, url=f"/user/{name}/", groups=[]),
+                hub=Hub(), api_token="not-a-token", oauth_client_id=f"jupyterhub-user-{name}")
+        s.user_options = {"profile": "h100-1"}
+        return s
+
+    async def requests_of_a_spawn(s):
+        counted.clear()
+        await asyncio.wait_for(s.start(), 60)
+        made = list(counted)
+        await s.stop(now=True)
+        s.clear_state()
+        s.user_options = {"profile": "h100-1"}
+        return made
+
+    gpulab = spawner(KubeGPUSpawner, user)
+    stock = spawner(KubeSpawner, f"{user}-stock")
+    try:
+        # the shared watches and Kueue's shared objects (once per hub, not per spawn)
+        await gpulab._start_watching_pods()
+        await gpulab._start_watching_events()
+        await gpulab.kueue_mirror(await asyncio.to_thread(hub_ledger, c, False)).sync_capacity(
+            force=True)
+
+        # distinct requests: one sent again (a new namespace's controllers lag under load,
+        # and the spawner creates the pod again) is the same request
+        first = sorted(set(await requests_of_a_spawn(gpulab)))
+        shapes = collections.Counter(
+            (m, u.rsplit("/", 2)[-2] if m != "POST" else u.rsplit("/", 1)[-1]) for m, u in first)
+        assert shapes == {("PATCH", "namespaces"): 1, ("PATCH", "networkpolicies"): 2,
+                          ("PATCH", "limitranges"): 1, ("DELETE", "resourcequotas"): 1,
+                          ("PATCH", "clusterqueues"): 2, ("PATCH", "localqueues"): 2,
+                          ("POST", "pods"): 1}, first
+        again = sorted(set(await requests_of_a_spawn(gpulab)))
+        # stock KubeSpawner fails a pod in a namespace whose ServiceAccount is not made yet
+        await asyncio.to_thread(cp.create_namespace, stock.namespace,
+                                labels=stock._expand_all(stock.user_namespace_labels))
+        base = await requests_of_a_spawn(stock)
+        assert len(base) == 2, base  # stock: the namespace, the pod
+        assert len(again) <= len(base) + 3, again
+        assert not [r for r in first + again if r[0] == "GET"], first + again
+    finally:
+        for s in (gpulab, stock):
+            try:
+                await s.stop(now=True)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+        await KubeGPUSpawner._stop_all_reflectors()
+        for mirrors in (GPUQuotaMirror._instances, KueueMirror._instances):
+            for mirror in list(mirrors.values()):
+                if mirror._task is not None:
+                    mirror._task.cancel()
+            mirrors.clear()
+        GPULedger.clear_instance()
+        for ns in (gpulab.namespace, stock.namespace):
+            cp.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        cp.kubectl("delete", "clusterqueue", gpulab.namespace, f"{gpulab.namespace}.preemptible",
+                   "--wait=false", check=False)

@@ -4,6 +4,7 @@ once, and the ledger adopting what Kueue admitted. (Against the real Kueue and J
 tests/cluster/test_queueing.py.)"""
 
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -389,6 +390,55 @@ async def test_a_person_who_left_loses_their_queues_and_no_mirror_makes_them_aga
     assert set(mine) <= set(kueue.queues())
     limit = kueue.objects[("clusterqueues", None, "gpulab-ann")]["spec"]["resourceGroups"][0]
     assert limit["flavors"][0]["resources"][0]["borrowingLimit"] == "3"
+
+
+async def test_a_pass_reads_the_ledger_a_fixed_number_of_times_however_many_people(
+        tmp_path, monkeypatch):
+    """The mirror's pass reads everyone's quotas in one query and the GPU-hours used in one
+    query per budget window, not one per person (bench/scale_kube.py: 1,001 queries a pass
+    at 1,000 people); what it wants for each is what a registration (one person's own reads)
+    wants. Would fail if the per-person usage query came back."""
+    import logging
+
+    ledger = Ledger(f"sqlite:///{tmp_path / 'l.sqlite'}", pool="kubernetes")
+    ledger.migrate()
+    ledger.set_quota("default", "", Quota(max_gpus=1, gpu_hours=5, window_hours=24), actor="a")
+    people = [f"p{i:02d}" for i in range(40)]
+    for i, p in enumerate(people[:30]):
+        ledger.set_quota("user", p, Quota(max_gpus=2, gpu_hours=1,
+                                          window_hours=168 if i % 2 else 24), actor="a")
+    ledger.set_quota("group", "team", Quota(max_gpus=3), actor="a")
+    now = time.time()
+    for p in ("p01", "p02", "p35"):  # budgets used up (p35: the default's budget)
+        ledger.adopt(Request(user=p, kind="job", holder="x", gpus=8), now=now - 3600)
+    m = KueueMirror(ledger, _Custom(), _Core([]), interval=60, log=logging.getLogger("t"), pool=8)
+    for p in people:
+        m.users[f"gpulab-{p}"] = (p, ("team",) if p == "p39" else (), p)
+    calls = []
+    scans = []
+
+    class Rows(list):  # counts the passes over the quota rows
+        def __iter__(self):
+            scans.append(1)
+            return super().__iter__()
+
+    for name in ("quotas", "usage", "effective"):
+        real = getattr(Ledger, name)
+
+        def spy(self, *a, _real=real, _name=name, **kw):
+            calls.append(_name)
+            got = _real(self, *a, **kw)
+            return Rows(got) if _name == "quotas" else got
+
+        monkeypatch.setattr(Ledger, name, spy)
+    everyone = m._wanted(list(m.users))
+    assert sorted(calls) == ["quotas", "usage", "usage"]  # two budget windows
+    assert len(scans) == 1  # the rows indexed once, not scanned once per person
+    one_by_one = {ns: m._wanted([ns])[ns] for ns in m.users}
+    assert everyone == one_by_one
+    assert [ns for ns, w in everyone.items() if w.hold] == [
+        "gpulab-p01", "gpulab-p02", "gpulab-p35"]
+    assert everyone["gpulab-p39"] == Wanted(3, "team", False)
 
 
 # -- the pass that follows Kueue, on caches as the shared watches fill them -----------------

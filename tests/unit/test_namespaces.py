@@ -102,21 +102,25 @@ def prepare(api, ledger, **kw):
 
 async def test_the_quota_read_runs_in_a_worker_thread_and_the_requests_are_counted(
         ledger, reads_of):
-    """The ledger's quotas are read off the event loop (its lock may be held by the gpulab
-    service or another admission); the count is what KubeJobBackend adds to api_requests."""
+    """The person's quota is read off the event loop (the ledger's lock may be held by the
+    gpulab service or another admission), and only theirs (not every quota: a spawn's cost
+    does not grow with the number of people); the count is what KubeJobBackend adds to
+    api_requests."""
     ledger.set_quota("user", "ann", Quota(max_gpus=3), actor="admin")
-    reads = reads_of("quotas")
+    reads = reads_of("quotas", "effective")
     api = FakeKubeAPI()
     loop_thread = threading.current_thread()
 
     # namespace, two policies, the LimitRange, the quota
     assert await prepare(api, ledger) == 1 + 2 + 1 + 1
-    assert [n for n, _ in reads] == ["quotas"]
+    assert [n for n, _ in reads] == ["effective"]
     assert all(thread is not loop_thread for _, thread in reads), reads
-    assert [m for m, _ in api.calls] == ["patch_namespace", "patch_namespaced_network_policy",
-                                         "patch_namespaced_network_policy",
-                                         "patch_namespaced_limit_range",
-                                         "patch_namespaced_resource_quota"]
+    # the namespace first; then its objects, sent together
+    assert api.calls[0][0] == "patch_namespace"
+    assert sorted(m for m, _ in api.calls[1:]) == ["patch_namespaced_limit_range",
+                                                   "patch_namespaced_network_policy",
+                                                   "patch_namespaced_network_policy",
+                                                   "patch_namespaced_resource_quota"]
     limits = api.stored[("LimitRange", "gpulab-ann", "gpulab-defaults")]
     assert limits["spec"]["limits"] == [{
         "type": "Container",
@@ -141,7 +145,27 @@ async def test_the_quota_read_runs_in_a_worker_thread_and_the_requests_are_count
     assert len(reads) == 2 and all(thread is not loop_thread for _, thread in reads)
 
 
-async def test_the_mirrors_sync_reads_the_ledger_in_a_worker_thread(ledger, reads_of):
+async def test_with_kueue_a_left_quota_is_removed_once_per_namespace(ledger, reads_of):
+    """With Kueue (no GPU ResourceQuota) a quota left from before is deleted at the
+    namespace's first preparation in this process only, not at every spawn (a returning
+    person's spawn costs the namespace, its policies and LimitRange, bench/scale_kube.py);
+    the ledger is not read at all."""
+    ledger.set_quota("user", "ann", Quota(max_gpus=2), actor="admin")
+    reads = reads_of("quotas", "effective")
+    api = FakeKubeAPI()
+    await prepare(api, ledger)  # a quota from before Kueue was turned on
+    assert ("ResourceQuota", "gpulab-ann", "gpulab-gpus") in api.stored
+    reads.clear()
+    api.calls.clear()
+    assert await prepare(api, ledger, gpu_resource_quota=False) == 1 + 2 + 1 + 1
+    assert ("ResourceQuota", "gpulab-ann", "gpulab-gpus") not in api.stored
+    api.calls.clear()
+    assert await prepare(api, ledger, gpu_resource_quota=False) == 1 + 2 + 1
+    assert not any(m.endswith("resource_quota") for m, _ in api.calls)
+    assert reads == []
+
+
+async def test_the_mirrors_sync_reads_the_ledger_in_a_worker_thread(ledger, reads_of, monkeypatch):
     ledger.set_quota("user", "ann", Quota(max_gpus=1), actor="admin")
     api = FakeKubeAPI()
     await prepare(api, ledger)
@@ -157,17 +181,30 @@ async def test_the_mirrors_sync_reads_the_ledger_in_a_worker_thread(ledger, read
     ledger.unset_quota("user", "ann", actor="admin")  # no quota: no ResourceQuota
     assert await mirror.sync() == 1
     assert ("ResourceQuota", "gpulab-ann", "gpulab-gpus") not in api.stored
+    # many people: the quota rows are indexed once a pass, not scanned once per person
+    scans = []
+
+    class Rows(list):
+        def __iter__(self):
+            scans.append(1)
+            return super().__iter__()
+
+    for i in range(30):
+        mirror.register(f"gpulab-p{i}", f"p{i}", (), f"p{i}")
+    monkeypatch.setattr(Ledger, "quotas", lambda self, _real=Ledger.quotas: Rows(_real(self)))
+    await mirror.sync()
+    assert len(scans) == 1
 
 
 async def test_the_event_loop_runs_while_the_quota_is_read(ledger, monkeypatch):
     """A slow ledger (its lock held elsewhere) does not stop the loop's other work."""
-    real = Ledger.quotas
+    real = Ledger.effective
 
-    def slow(self):
+    def slow(self, *args, **kwargs):
         threading.Event().wait(0.5)
-        return real(self)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(Ledger, "quotas", slow)
+    monkeypatch.setattr(Ledger, "effective", slow)
     ticks = 0
 
     async def tick():
@@ -254,12 +291,12 @@ async def test_both_callers_read_the_quota_off_the_loop_and_prepare_the_same_nam
     s = spawner(config)
     hub = await asyncio.to_thread(hub_ledger, s.config, False)
     hub.set_quota("user", "ann", Quota(max_gpus=2), actor="admin")
-    reads = reads_of("quotas")
+    reads = reads_of("quotas", "effective")
     made = FakeKubeAPI()
     s.api = made
     monkeypatch.setattr("gpulab.hub.cluster.namespaces.shared_client", lambda name: made)
     await s._ensure_namespace()
-    assert [n for n, _ in reads] == ["quotas"] and reads[0][1] is not loop_thread
+    assert [n for n, _ in reads] == ["effective"] and reads[0][1] is not loop_thread
 
     b = backend(config, tmp_path)
     await asyncio.to_thread(b.ledger.migrate)
@@ -269,7 +306,7 @@ async def test_both_callers_read_the_quota_off_the_loop_and_prepare_the_same_nam
     monkeypatch.setattr(KubeJobBackend, "networking", property(lambda self: also))
     assert await b._ensure_namespace("ann", ()) == "gpulab-ann"
     assert b.api_requests == 5
-    assert [n for n, _ in reads] == ["quotas", "quotas"] and reads[1][1] is not loop_thread
+    assert [n for n, _ in reads] == ["effective", "effective"] and reads[1][1] is not loop_thread
     assert await b._ensure_namespace("ann", ()) == "gpulab-ann"  # once per namespace
     assert b.api_requests == 5
 
@@ -278,6 +315,37 @@ async def test_both_callers_read_the_quota_off_the_loop_and_prepare_the_same_nam
     for key, obj in made.stored.items():
         del obj["metadata"]["resourceVersion"], also.stored[key]["metadata"]["resourceVersion"]
         assert obj == also.stored[key], key
+
+
+async def test_the_spawner_sends_a_namespace_request_again_when_it_times_out(
+        config, monkeypatch):
+    """A slow API server (a storm of spawns; bench/scale_kube.py) does not fail the spawn:
+    a request with no answer in ``k8s_api_request_timeout`` is sent again (they are all
+    idempotent) until ``k8s_api_request_retry_timeout``; a refusal (403) is not."""
+    s = spawner(config, k8s_api_request_timeout=1, k8s_api_request_retry_timeout=10)
+    await asyncio.to_thread(hub_ledger, s.config, False)
+    made = FakeKubeAPI()
+    s.api = made
+    monkeypatch.setattr("gpulab.hub.cluster.namespaces.shared_client", lambda name: made)
+    real = made.patch_namespace
+    slow = [True]
+
+    async def patch_namespace(*args, **kwargs):
+        if slow.pop() if slow else False:
+            await asyncio.sleep(3)  # past the request timeout
+        return await real(*args, **kwargs)
+
+    made.patch_namespace = patch_namespace
+    await s._ensure_namespace()
+    assert ("Namespace", "", "gpulab-ann") in made.stored
+    assert ("LimitRange", "gpulab-ann", "gpulab-defaults") in made.stored
+
+    async def refused(*args, **kwargs):
+        raise ApiException(status=403, reason="Forbidden")
+
+    made.patch_namespace = refused
+    with pytest.raises(ApiException):
+        await asyncio.wait_for(s._ensure_namespace(), 5)
 
 
 async def test_the_backend_writes_the_servers_policy_the_spawner_writes(config, tmp_path, monkeypatch):
@@ -504,3 +572,35 @@ async def test_a_waiting_notebooks_place_is_kueues_and_worked_out_where_kueue_ca
     assert asked == [("GET", "/apis/visibility.kueue.x-k8s.io/v1beta2/namespaces/gpulab-ann"
                              "/localqueues/gpulab/pendingworkloads")] * 3
     assert await s._queue_place([], None) is None and len(asked) == 3
+
+
+@pytest.mark.parametrize("message, retried", [
+    ('pods "jupyter-ann" is forbidden: error looking up service account gpulab-ann/default: '
+     'serviceaccount "default" not found', True),
+    ('pods "jupyter-ann" is forbidden: status unknown for quota: gpulab-gpus, resource: '
+     'requests.nvidia.com/gpu', True),
+    ('admission webhook "mpod.kb.io" denied the request: Namespace "gpulab-ann" not found',
+     True),
+    ('pods "jupyter-ann" is forbidden: violates PodSecurity "baseline:latest"', False),
+], ids=["new-namespace-service-account", "new-quota", "webhook-cache", "pod-security"])
+async def test_a_pod_refused_only_because_its_namespace_is_new_is_created_again(
+        config, monkeypatch, message, retried):
+    """In a storm of first spawns the namespace's controllers lag: its default
+    ServiceAccount (stock KubeSpawner fails the spawn: bench/scale_kube.py, 154 of 500) or
+    its new quota's figures, or a webhook's cache of namespaces (Kueue's: 1 of 500) are not
+    there yet. KubeGPUSpawner answers "not yet" (False: its
+    exponential backoff sends it again); any other refusal is raised."""
+    from kubespawner import KubeSpawner
+
+    async def refused(self, pod, request_timeout):
+        e = ApiException(status=404 if "webhook" in message else 403, reason="Refused")
+        e.body = json.dumps({"message": message})
+        raise e
+
+    monkeypatch.setattr(KubeSpawner, "_make_create_pod_request", refused)
+    s = spawner(config)
+    if retried:
+        assert await s._make_create_pod_request(None, 3) is False
+    else:
+        with pytest.raises(ApiException):
+            await s._make_create_pod_request(None, 3)

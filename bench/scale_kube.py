@@ -1,0 +1,454 @@
+"""gpulab at organisation scale on Kubernetes: KubeGPUSpawner with Kueue against stock KubeSpawner.
+
+The Kubernetes half of issue 40 (`bench/scale.py --kube` runs this: ``main(argv)``, the
+arguments below; ``parse``, ``bench`` and ``report`` for a caller of its own). Everything runs in this
+process against one real control plane of the cluster tier (tests/cluster: etcd,
+kube-apiserver, scheduler, controller-manager, kwok playing the kubelets of fake GPU nodes,
+Kueue v0.17 and JobSet), as the hub's ServiceAccount bound by helm-values/rbac.yaml:
+
+1. a ledger (SQLite) with ``--users`` people, each with their own quota (2 GPUs at once and a
+   weekly GPU-hour budget, as an organisation sets them), so that every read of the quotas
+   reads them all;
+2. for each configuration in turn (stock KubeSpawner, then KubeGPUSpawner with
+   ``c.KubeGPUSpawner.kueue``: the pod waits in the person's Kueue queue and is admitted by
+   Kueue), a storm of ``--servers`` spawns, ``--concurrency`` at once, each a new person
+   (a new namespace), 1 GPU each (the same profile; the stock spawner adds the GPU
+   toleration itself, as an admin would); then ``--rest`` seconds at rest with all those
+   servers running; then all are stopped;
+3. it prints, per configuration: p50/p99 spawn time (start() to the server's address), failed
+   starts, API requests per spawn (the Kubernetes client's own requests, counted per spawn
+   through a context variable; watches are counted apart), which requests they were, and at
+   rest the requests per minute (the reflectors' watches, gpulab's quota and Kueue mirrors) and
+   the CPU this process used, with the Kueue mirror's pass time. Then the ratios against the
+   goals of issue 40: p99 <= 1.2x stock's, requests per spawn <= stock + 3.
+
+    python -m bench.scale_kube                       # quick: 200 people, 40 servers
+    python -m bench.scale_kube --users 2000 --servers 1000 --concurrency 50 --rest 60
+
+Stock KubeSpawner has no Kueue: its pods go to the scheduler at once. gpulab's go through
+Kueue's admission (a scheduling gate Kueue lifts), which is part of what is measured.
+A first spawn of a person also makes their namespace's objects and, with Kueue, their queues;
+``--respawns`` more spawns of people who ran a server before measure a returning person.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextvars
+import math
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from tests.cluster.hubrbac import hub_rbac_docs  # noqa: E402
+from tests.cluster.controlplane import (  # noqa: E402
+    BUILD_SCRIPT,
+    GPU_TOLERATION,
+    ControlPlane,
+    fake_node,
+)
+
+PROFILE = [{
+    "display_name": "1 H100", "slug": "h100-1", "default": True,
+    "kubespawner_override": {
+        "extra_resource_limits": {"nvidia.com/gpu": "1"},
+        "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100"},
+        "cpu_guarantee": 0.01, "mem_guarantee": "16M",
+    },
+}]
+GPUS_PER_NODE = 100  # kwok nodes: 100 GPUs and 110 pods each
+
+#: which spawn (or phase) the current task works for; tasks inherit it
+WHO: contextvars.ContextVar[str | None] = contextvars.ContextVar("who", default=None)
+
+
+def _shape(method: str, url: str) -> str:
+    """``PATCH /api/v1/namespaces/*/networkpolicies/*`` from a request's method and URL."""
+    path = re.sub(r"^https?://[^/]+", "", url).split("?")[0]
+    path = re.sub(r"/namespaces/[^/]+", "/namespaces/*", path)
+    parts = path.split("/")
+    # a name after a plural (the object's own): *
+    out = []
+    for i, p in enumerate(parts):
+        out.append("*" if i and parts[i - 1] in NAMED and i == len(parts) - 1 else p)
+    return f"{method} {'/'.join(out)}"
+
+
+NAMED = {"pods", "networkpolicies", "limitranges", "resourcequotas", "namespaces",
+         "clusterqueues", "localqueues", "cohorts", "resourceflavors",
+         "workloadpriorityclasses", "persistentvolumeclaims"}
+
+
+class RequestCounter:
+    """Counts the Kubernetes client's requests (kubernetes_asyncio's REST client), by `WHO`
+    and by shape; watches apart."""
+
+    def __init__(self):
+        from kubernetes_asyncio.client import rest
+
+        self.by_who: collections.Counter[str | None] = collections.Counter()
+        self.shapes: dict[str | None, collections.Counter[str]] = collections.defaultdict(
+            collections.Counter)
+        self.watches = 0
+        self.total = 0
+        original = rest.RESTClientObject.request
+        counter = self
+
+        async def counted(self, method, url, query_params=None, *args, **kwargs):
+            if any(k == "watch" and str(v).lower() == "true" for k, v in (query_params or [])):
+                counter.watches += 1
+            else:
+                who = WHO.get()
+                counter.total += 1
+                counter.by_who[who] += 1
+                counter.shapes[who][_shape(method, url)] += 1
+            return await original(self, method, url, query_params, *args, **kwargs)
+
+        rest.RESTClientObject.request = counted
+
+
+def percentile(values: list[float], p: float) -> float:
+    """The ``p``-th percentile (nearest rank) of ``values``."""
+    s = sorted(values)
+    return s[max(0, math.ceil(p / 100 * len(s)) - 1)]
+
+
+def nodes_for(servers: int) -> list[dict]:
+    """Enough kwok H100 nodes for ``servers`` 1-GPU pods (of one configuration at a time),
+    and a CPU node."""
+    n = max(1, math.ceil(servers * 1.1 / GPUS_PER_NODE))
+    return [*(fake_node(f"gpu-h100-{i}", gpu_product="NVIDIA-H100", gpus=GPUS_PER_NODE)
+              for i in range(n)), fake_node("cpu-0")]
+
+
+def rbac_kubeconfig(cp: ControlPlane) -> str:
+    """helm-values/rbac.yaml's roles for ServiceAccount gpulab-bench-hub/hub, both spawners'
+    credentials. Its admission policy (the hub writes only in namespaces gpulab owns) keeps
+    naming gpulab's own hub, so it does not refuse the stock spawner's unlabelled namespaces."""
+    ns = "gpulab-bench-hub"
+    cp.create_namespace(ns)
+    docs = hub_rbac_docs(ns)
+    for d in docs:
+        for condition in d.get("spec", {}).get("matchConditions", []):
+            condition["expression"] = condition["expression"].replace(
+                f"system:serviceaccount:{ns}:hub", "system:serviceaccount:gpulab:hub")
+    cp.apply(*docs)
+    return cp.service_account_kubeconfig(ns, "hub")
+
+
+def make_config(db: str, kueue_interval: float):
+    from traitlets.config import Config
+
+    c = Config()
+    c.GPULedger.db_url = f"sqlite:///{db}"
+    c.GPULedger.pool = "kubernetes"
+    for cls in ("KubeSpawner", "KubeGPUSpawner"):
+        c[cls].profile_list = PROFILE
+        c[cls].enable_user_namespaces = True
+        c[cls].user_namespace_template = "gpulab-{username}"
+        c[cls].storage_pvc_ensure = False
+        c[cls].start_timeout = 600
+        c[cls].k8s_api_request_retry_timeout = 120
+    c.KubeSpawner.tolerations = [GPU_TOLERATION]  # the stock spawner needs it said
+    c.KubeGPUSpawner.kueue = True
+    c.KubeGPUSpawner.gpu_quota_sync_interval = kueue_interval
+    return c
+
+
+def make_spawner(kind: str, config, name: str):
+    from jupyterhub.objects import Hub
+    from kubespawner import KubeSpawner
+
+    from gpulab.spawner.kube import KubeGPUSpawner
+
+    user = SimpleNamespace(name=name, id=1, url=f"/user/{name}/", groups=[])
+    cls = KubeSpawner if kind == "stock" else KubeGPUSpawner
+    s = cls(config=config, user=user, hub=Hub(), api_token="not-a-token",
+            oauth_client_id=f"jupyterhub-user-{name}")
+    if kind == "gpulab-nokueue":
+        s.kueue = False
+    s.user_options = {"profile": "h100-1"}
+    return s
+
+
+#: when each spawn's pod was created (`WHO` -> perf_counter): the spawner's own part ends there;
+#: the rest is the scheduler's, Kueue's and kwok's
+POD_CREATED: dict[str, float] = {}
+STARTED: dict[str, float] = {}
+
+
+def time_pod_creation() -> None:
+    from kubespawner import KubeSpawner
+
+    original = KubeSpawner._make_create_pod_request
+
+    async def timed(self, pod, request_timeout):
+        done = await original(self, pod, request_timeout)
+        if done:
+            POD_CREATED[WHO.get()] = time.perf_counter()
+        return done
+
+    KubeSpawner._make_create_pod_request = timed
+
+
+async def one_spawn(s, key: str) -> tuple[float, bool]:
+    WHO.set(key)
+    t0 = STARTED[key] = time.perf_counter()
+    try:
+        await asyncio.wait_for(s.start(), 600)
+    except Exception as e:  # noqa: BLE001 - counted as a failed start
+        from kubernetes_asyncio.client.rest import ApiException
+
+        from gpulab.hub.cluster.namespaces import api_message
+
+        why = f"{e.status} {api_message(e)}" if isinstance(e, ApiException) else str(e)
+        print(f"  {key}: failed: {type(e).__name__}: {why}"[:300], flush=True)
+        return time.perf_counter() - t0, False
+    return time.perf_counter() - t0, True
+
+
+async def storm(kind, config, names, counter, concurrency, tag):
+    """Start a server for each of ``names``, ``concurrency`` at once; returns (spawners,
+    [(seconds, ok, requests)])."""
+    sem = asyncio.Semaphore(concurrency)
+    spawners = [make_spawner(kind, config, n) for n in names]
+
+    async def go(i, s):
+        async with sem:
+            key = f"{tag}:{i}"
+            t, ok = await asyncio.create_task(one_spawn(s, key), context=contextvars.Context())
+            return t, ok, counter.by_who[key]
+
+    results = await asyncio.gather(*(go(i, s) for i, s in enumerate(spawners)))
+    return spawners, list(results)
+
+
+async def stop_all(spawners, concurrency):
+    sem = asyncio.Semaphore(concurrency)
+
+    async def stop(s):
+        async with sem:
+            WHO.set("stop")
+            try:
+                await s.stop(now=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"  stopping {s.user.name}: {e}", flush=True)
+            s.clear_state()
+
+    await asyncio.gather(*(asyncio.create_task(stop(s), context=contextvars.Context())
+                           for s in spawners))
+
+
+class MirrorTimer:
+    """Times each pass (`sync`) of gpulab's Kueue mirror."""
+
+    def __init__(self):
+        from gpulab.hub.cluster.kueuemirror import KueueMirror
+
+        self.passes: list[float] = []
+        original = KueueMirror.sync
+        timer = self
+
+        async def timed(self):
+            t0 = time.perf_counter()
+            try:
+                return await original(self)
+            finally:
+                timer.passes.append(time.perf_counter() - t0)
+
+        KueueMirror.sync = timed
+
+
+async def at_rest(seconds: float, counter: RequestCounter, timer: MirrorTimer) -> dict:
+    t0, cpu0, n0, w0, p0 = (time.monotonic(), time.process_time(), counter.total,
+                            counter.watches, len(timer.passes))
+    shapes0 = collections.Counter()
+    for c in counter.shapes.values():
+        shapes0.update(c)
+    await asyncio.sleep(seconds)
+    wall = time.monotonic() - t0
+    shapes = collections.Counter()
+    for c in counter.shapes.values():
+        shapes.update(c)
+    shapes.subtract(shapes0)
+    passes = timer.passes[p0:]
+    return {"per_minute": (counter.total - n0) * 60 / wall,
+            "watches_per_minute": (counter.watches - w0) * 60 / wall,
+            "cpu": (time.process_time() - cpu0) / wall,
+            "shapes": {k: v for k, v in shapes.items() if v > 0},
+            "mirror_pass": max(passes) if passes else None,
+            "mirror_passes": len(passes)}
+
+
+def fill_ledger(db: str, users: list[str]) -> None:
+    from gpulab.hub.quota.ledger import Ledger
+    from gpulab.hub.quota.policy import Quota
+
+    ledger = Ledger(f"sqlite:///{db}", pool="kubernetes")
+    ledger.migrate()
+    ledger.set_quota("default", "", Quota(max_gpus=1), actor="bench")
+    for u in users:
+        ledger.set_quota("user", u, Quota(max_gpus=2, gpu_hours=500, window_hours=168),
+                         actor="bench")
+
+
+async def bench(args, kubeconfig: str, db: str) -> dict:
+    from kubernetes_asyncio.config import kube_config
+    from kubespawner import KubeSpawner
+    from kubespawner.clients import load_config
+
+    from gpulab.hub.cluster.kueuemirror import KueueMirror
+    from gpulab.hub.cluster.namespaces import GPUQuotaMirror
+    from gpulab.hub.quota.settings import GPULedger
+
+    kube_config.KUBE_CONFIG_DEFAULT_LOCATION = kubeconfig
+    load_config.cache_clear()
+    config = make_config(db, args.kueue_interval)
+    counter = RequestCounter()
+    timer = MirrorTimer()
+    time_pod_creation()
+    run = uuid.uuid4().hex[:4]
+    people = [f"p{run}{i:05d}" for i in range(args.users)]
+    t0 = time.monotonic()
+    await asyncio.to_thread(fill_ledger, db, people)
+    print(f"ledger: {args.users} people with quotas in {time.monotonic() - t0:.1f}s", flush=True)
+    out = {}
+    half = args.servers
+    for k, kind in enumerate(args.configs):
+        names = people[k * half:(k + 1) * half] if (k + 1) * half <= len(people) else [
+            f"{n}{kind[0]}" for n in people[:half]]
+        # warm up: the shared watches, clients, the ledger, the mirrors (not counted)
+        warm, _ = await storm(kind, config, [f"w{run}{kind[0]}"], counter, 1, f"{kind}-warm")
+        t0 = time.monotonic()
+        spawners, results = await storm(kind, config, names, counter, args.concurrency, kind)
+        took = time.monotonic() - t0
+        print(f"{kind}: {len(names)} spawns in {took:.1f}s", flush=True)
+        rest = await at_rest(args.rest, counter, timer)
+        again = []
+        if args.respawns:
+            back = spawners[:args.respawns]
+            await stop_all(back, args.concurrency)
+            for s in back:
+                s.user_options = {"profile": "h100-1"}
+            _, again = await storm(kind, config, [s.user.name for s in back], counter,
+                                   args.concurrency, f"{kind}-again")
+        shapes = collections.Counter()
+        for i in range(len(names)):
+            shapes.update(counter.shapes[f"{kind}:{i}"])
+        own = [POD_CREATED[f"{kind}:{i}"] - STARTED[f"{kind}:{i}"] for i in range(len(names))
+               if f"{kind}:{i}" in POD_CREATED]
+        out[kind] = {"results": results, "rest": rest, "again": again, "storm_s": took,
+                     "own": own,
+                     "shapes": {k: v / len(names) for k, v in shapes.items()}}
+        t0 = time.monotonic()
+        await stop_all(spawners + warm, args.concurrency)
+        print(f"{kind}: stopped in {time.monotonic() - t0:.1f}s", flush=True)
+    await KubeSpawner._stop_all_reflectors()
+    for mirrors in (GPUQuotaMirror._instances, KueueMirror._instances):
+        for mirror in list(mirrors.values()):
+            if mirror._task is not None:
+                mirror._task.cancel()
+        mirrors.clear()
+    GPULedger.clear_instance()
+    return out
+
+
+def report(args, out: dict) -> None:
+    print()
+    print(f"people {args.users}, servers {args.servers} per configuration, "
+          f"{args.concurrency} spawns at once, {args.rest:.0f}s at rest")
+    fig = {}
+    for kind in args.configs:
+        r = out[kind]["results"]
+        times = [t for t, ok, _ in r if ok]
+        fails = sum(1 for _, ok, _ in r if not ok)
+        reqs = [n for _, ok, n in r if ok]
+        again = out[kind]["again"]
+        rest = out[kind]["rest"]
+        fig[kind] = {"p50": statistics.median(times), "p99": percentile(times, 99),
+                     "req": statistics.median(reqs),
+                     "again": statistics.median([n for _, ok, n in again if ok]) if again else None,
+                     "again_p50": statistics.median([t for t, ok, _ in again if ok]) if again else None,
+                     "rest": rest["per_minute"]}
+        name = {"stock": "stock KubeSpawner", "gpulab": "KubeGPUSpawner + Kueue",
+                "gpulab-nokueue": "KubeGPUSpawner without Kueue"}[kind]
+        print(f"{name}: p50 {fig[kind]['p50']:.2f}s p99 {fig[kind]['p99']:.2f}s, "
+              f"{fails} failed, storm {out[kind]['storm_s']:.1f}s; API requests per spawn "
+              f"{fig[kind]['req']:.0f}" + (f" (returning person {fig[kind]['again']:.0f}, p50 "
+                 f"{fig[kind]['again_p50']:.2f}s)" if again else ""))
+        own = out[kind]["own"]
+        if own:
+            print(f"  start() to the pod's creation (the spawner's own part): p50 "
+                  f"{statistics.median(own):.2f}s p99 {percentile(own, 99):.2f}s")
+        for shape, n in sorted(out[kind]["shapes"].items(), key=lambda kv: -kv[1]):
+            print(f"    {n:5.2f}  {shape}")
+        print(f"  at rest: {rest['per_minute']:.1f} requests/min, "
+              f"{rest['watches_per_minute']:.1f} watches opened/min, CPU {rest['cpu']:.2f}"
+              + (f", Kueue mirror: {rest['mirror_passes']} passes, slowest "
+                 f"{rest['mirror_pass'] * 1000:.0f} ms" if rest["mirror_pass"] is not None else ""))
+        for shape, n in sorted(rest["shapes"].items(), key=lambda kv: -kv[1]):
+            print(f"    {n * 60 / args.rest:6.1f}/min  {shape}")
+    if "stock" not in fig or "gpulab" not in fig:
+        return
+    s, g = fig["stock"], fig["gpulab"]
+    print()
+    print(f"p99 spawn KubeGPUSpawner / stock: {g['p99'] / s['p99']:.2f} (goal <= 1.2); "
+          f"p50 {g['p50'] / s['p50']:.2f}")
+    print(f"API requests per spawn: stock {s['req']:.0f}, KubeGPUSpawner {g['req']:.0f}, extra "
+          f"{g['req'] - s['req']:+.0f} (goal <= +3)"
+          + (f"; returning person {g['again'] - s['again']:+.0f}"
+             if g["again"] is not None else ""))
+    print(f"at rest: stock {s['rest']:.1f}, KubeGPUSpawner {g['rest']:.1f} requests/min")
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--users", type=int, default=200, help="people in the ledger")
+    parser.add_argument("--servers", type=int, default=40,
+                        help="servers (pods) each configuration starts")
+    parser.add_argument("--concurrency", type=int, default=10, help="spawns at once")
+    parser.add_argument("--rest", type=float, default=30.0, help="seconds at rest")
+    parser.add_argument("--respawns", type=int, default=5,
+                        help="spawns again of people who ran a server (0: none)")
+    parser.add_argument("--kueue-interval", type=float, default=3.0,
+                        help="seconds between the Kueue mirror's passes (gpulab's default 3)")
+    parser.add_argument("--kueue-qps", type=int, default=0,
+                        help="Kueue's client QPS (burst twice that); 0: Kueue's default "
+                             "manifests' 50 (burst 100)")
+    parser.add_argument("--configs", default="stock,gpulab",
+                        help="which to run, in order: stock, gpulab (with Kueue), "
+                             "gpulab-nokueue (KubeGPUSpawner with the ResourceQuota instead)")
+    args = parser.parse_args(argv)
+    args.configs = args.configs.split(",")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    subprocess.run(["bash", str(BUILD_SCRIPT), "--quiet"], check=True)
+    kueue_settings = ({"clientConnection": {"qps": args.kueue_qps, "burst": 2 * args.kueue_qps}}
+                      if args.kueue_qps else None)
+    with (ControlPlane(queueing=True, nodes=nodes_for(args.servers),
+                       kueue_settings=kueue_settings) as cp,
+          tempfile.TemporaryDirectory(prefix="gpulab-bench-") as tmp):
+        print(f"control plane with Kueue and {len(cp.nodes) - 1} GPU nodes up in "
+              f"{cp.startup_seconds:.1f}s", flush=True)
+        kubeconfig = rbac_kubeconfig(cp)
+        out = asyncio.run(bench(args, kubeconfig, str(Path(tmp) / "gpulab.sqlite")))
+    report(args, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
