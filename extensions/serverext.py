@@ -22,6 +22,9 @@ does). Three things:
   ``TENSORBOARD_PROXY_URL`` (``<prefix>gpulab-tensorboard/%PORT%/``) points the magic's iframe
   at this server's authenticated route to that socket.
 
+GPU-idle warnings of the gpulab service reach JupyterLab as notifications
+(`gpulab.extensions.idlenotice`: ``<prefix>gpulab/idle``, with a "Keep for N hours" button).
+
 It also keeps the hub's answer for a token only `TOKEN_CACHE_SECONDS` (`bound_token_cache`):
 a token revoked at the hub stops opening the server seconds later, not after JupyterHub's
 default of five minutes.
@@ -228,6 +231,10 @@ def _load_jupyter_server_extension(serverapp) -> None:
     if bound is not None:
         serverapp.log.info("gpulab: the hub's answer for a token is kept %d s", bound)
     folder = setup_tensorboard_magic(serverapp)
+    # GPU-idle warnings in JupyterLab (the labextension's idle-notice plugin asks here)
+    from gpulab.extensions import idlenotice
+
+    serverapp.web_app.add_handlers(".*", idlenotice.handlers(serverapp.base_url))
     serverapp.log.info("gpulab: %%tensorboard magic at %s on Unix sockets in %s",
                        os.environ["TENSORBOARD_PROXY_URL"], folder)
     serverapp.log.info("gpulab: TensorBoard at %s%s/ over %s", serverapp.base_url,

@@ -118,3 +118,49 @@ def test_the_ready_notebook_runs_the_example_next_to_it():
     readme = (ROOT / "README.md").read_text()
     counts = re.search(r"^TrainingLauncher\(([^)]*)\)", readme, re.M).group(1)
     assert launcher.splitlines()[-1].startswith(f"TrainingLauncher({counts}, code=")
+
+
+def test_the_labextension_also_carries_the_idle_notice_plugin():
+    """The same container holds the GPU-idle notification plugin (issue 39), which asks the
+    server extension's routes (`idlenotice`) with JupyterLab's own ServerConnection and shows
+    JupyterLab 4's Notification; the launcher card's plugin stays beside it. In a real lab:
+    tests/e2e/test_idle_notice_browser.py."""
+    from gpulab.extensions import idlenotice
+
+    script = (LABEXT / "static" / "remoteEntry.js").read_text()
+    assert 'id: "gpulab-launcher:train-a-model"' in script
+    assert 'id: "gpulab-launcher:idle-notice"' in script
+    assert f'var IDLE_PATH = "{idlenotice.IDLE_PATH}"' in script
+    assert f'var KEEP_PATH = "{idlenotice.KEEP_PATH}"' in script
+    for module in ("@jupyterlab/launcher", "@jupyterlab/coreutils", "@jupyterlab/apputils",
+                   "@jupyterlab/services"):
+        assert f'shared("{module}")' in script
+    assert "Notification.warning(" in script and '"Keep for "' in script
+    poll = int(re.search(r"var POLL_SECONDS = (\d+);", script).group(1))
+    assert 30 <= poll <= 60
+    # the page loads the module the container answers for, with both plugins in it
+    assert "default: found" in script
+
+
+def test_the_idle_door_answers_this_servers_warnings_only():
+    from gpulab.extensions.idlenotice import for_this_server, server_name
+
+    notice = {"id": "a1", "user": "ann", "kind": "notebook", "name": "default", "gpus": 1,
+              "idle_since": 100.0, "state": "warned", "stop_at": 700.0, "text": "Your …",
+              "can_keep": True}
+    view = {"enabled": True, "keep_max_hours": 2, "stopped": [],
+            "notices": [notice, {**notice, "id": "a2", "name": "second"},
+                        {**notice, "id": "a3", "kind": "job"}],
+            "kept": [{"id": "a2", "server": "second", "kept_until": 9000.0}]}
+    mine = for_this_server(view, "default")
+    assert mine == {"server": "default", "enabled": True, "keep_max_hours": 2,
+                    "kept_until": None,
+                    "notices": [{"id": "a1", "text": "Your …", "stop_at": 700.0,
+                                 "can_keep": True, "gpus": 1, "idle_since": 100.0}]}
+    second = for_this_server(view, "second")
+    assert [n["id"] for n in second["notices"]] == ["a2"] and second["kept_until"] == 9000.0
+    assert for_this_server({"notices": [], "kept": [], "keep_max_hours": 0,
+                            "enabled": False}, "default")["enabled"] is False
+    assert server_name({}) == "default" and server_name({"JUPYTERHUB_SERVER_NAME": ""}) == \
+        "default"
+    assert server_name({"JUPYTERHUB_SERVER_NAME": "second"}) == "second"

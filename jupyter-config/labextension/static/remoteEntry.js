@@ -7,7 +7,15 @@
  * It is a module-federation container as JupyterLab 4 loads them (its bootstrap calls
  * init(shareScope), then get("./extension")): the launcher's token (ILauncher) and PageConfig
  * are taken from JupyterLab's own shared @jupyterlab/launcher and @jupyterlab/coreutils, so
- * the card lands in the real launcher. */
+ * the card lands in the real launcher.
+ *
+ * A second plugin, gpulab-launcher:idle-notice, shows the gpulab service's GPU-idle warnings
+ * about this server as JupyterLab notifications (Notification from @jupyterlab/apputils): it
+ * asks the server extension's <base_url>gpulab/idle (gpulab.extensions.idlenotice) once at
+ * start and every POLL_SECONDS, shows each warning once, with the time the server will be
+ * stopped and a "Keep for N hours" button (N: the operator's c.GPUIdle.keep_max_hours) that
+ * POSTs <base_url>gpulab/idle/keep; a refusal is an error notification with the service's
+ * words. A warning that is gone (the GPUs were used, the server was kept) is dismissed. */
 var _JUPYTERLAB;
 (function () {
   "use strict";
@@ -56,6 +64,103 @@ var _JUPYTERLAB;
     };
   }
 
+  var IDLE_PATH = "gpulab/idle";
+  var KEEP_PATH = "gpulab/idle/keep";
+  var POLL_SECONDS = 30;
+
+  function clock(seconds) {
+    return new Date(seconds * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
+  }
+
+  function hoursText(hours) {
+    return hours + (hours === 1 ? " hour" : " hours");
+  }
+
+  function idlePlugin(apputils, services, coreutils) {
+    var Notification = apputils.Notification;
+    var ServerConnection = services.ServerConnection;
+    return {
+      id: "gpulab-launcher:idle-notice",
+      description: "Notifications for this server's idle GPUs, with a Keep button",
+      autoStart: true,
+      requires: [],
+      activate: function (app) {
+        var settings = ServerConnection.makeSettings();
+        var shown = {};  // warning key -> notification id
+
+        function call(path, init) {
+          var url = coreutils.URLExt.join(settings.baseUrl, path);
+          return ServerConnection.makeRequest(url, init || {}, settings).then(function (r) {
+            return r.text().then(function (text) {
+              var body = {};
+              try { body = text ? JSON.parse(text) : {}; } catch (e) { body = {}; }
+              if (!r.ok) {
+                throw new Error(body.message || ("gpulab answered " + r.status));
+              }
+              return body;
+            });
+          });
+        }
+
+        function keep(key, hours) {
+          return call(KEEP_PATH, { method: "POST", body: JSON.stringify({ hours: hours }) })
+            .then(function (answer) {
+              Notification.dismiss(shown[key]);
+              Notification.success("This server is kept until " + clock(answer.kept_until) +
+                ": GPU-idle culling holds off.", { autoClose: 8000 });
+            }, function (err) {
+              delete shown[key];  // shown again at the next look, if still warned
+              Notification.error("Could not keep this server: " + err.message,
+                                 { autoClose: false });
+            });
+        }
+
+        function show(notice, maxHours) {
+          var key = notice.id + ":" + notice.stop_at;
+          if (shown[key]) return key;
+          var gpus = notice.gpus === 1 ? "its GPU sits" : "its " + notice.gpus + " GPUs sit";
+          var message = notice.stop_at
+            ? "GPUs idle: this server will be stopped at " + clock(notice.stop_at) + " (" +
+              gpus + " idle) unless they are used or you keep it."
+            : "GPUs idle: " + gpus + " idle; please stop this server if you do not need them.";
+          var actions = [];
+          if (notice.can_keep && maxHours > 0) {
+            actions.push({
+              label: "Keep for " + hoursText(maxHours),
+              caption: "Hold off GPU-idle culling of this server for " + hoursText(maxHours),
+              displayType: "accent",
+              callback: function () { keep(key, maxHours); }
+            });
+          }
+          shown[key] = Notification.warning(message, { autoClose: false, actions: actions });
+          return key;
+        }
+
+        function look() {
+          return call(IDLE_PATH).then(function (view) {
+            var now = {};
+            (view.notices || []).forEach(function (n) {
+              now[show(n, view.keep_max_hours)] = true;
+            });
+            Object.keys(shown).forEach(function (key) {
+              if (!now[key]) {  // no longer warned: used again, kept, or stopped
+                Notification.dismiss(shown[key]);
+                delete shown[key];
+              }
+            });
+          }, function (err) {
+            console.warn("gpulab: GPU-idle warnings not read:", err.message);
+          });
+        }
+
+        function loop() {
+          look().then(function () { window.setTimeout(loop, POLL_SECONDS * 1000); });
+        }
+        app.restored.then(loop);
+      }
+    };
+  }
+
   _JUPYTERLAB = window._JUPYTERLAB = window._JUPYTERLAB || {};
   _JUPYTERLAB["gpulab-launcher"] = {
     init: function (shareScope) { scope = shareScope; },
@@ -63,10 +168,12 @@ var _JUPYTERLAB;
       if (module !== "./extension" && module !== "./index") {
         return Promise.reject(new Error("gpulab-launcher has no module " + module));
       }
-      return Promise.all([shared("@jupyterlab/launcher"), shared("@jupyterlab/coreutils")])
+      return Promise.all([shared("@jupyterlab/launcher"), shared("@jupyterlab/coreutils"),
+                          shared("@jupyterlab/apputils"), shared("@jupyterlab/services")])
         .then(function (modules) {
-          var found = plugin(modules[0], modules[1]);
-          return function () { return { __esModule: true, default: [found] }; };
+          var found = [plugin(modules[0], modules[1]),
+                       idlePlugin(modules[2], modules[3], modules[1])];
+          return function () { return { __esModule: true, default: found }; };
         });
     }
   };
