@@ -583,7 +583,7 @@ def test_eve_cannot_read_who_holds_the_gpus_from_the_metrics(hub, admin, vic, ev
     the token (header, ``?token=``), and the hub will not make her a token with
     ``read:metrics``; a token of the admin's with that scope alone reads vic's job there."""
     script = r"""
-    url="$HUB/services/gpulab/metrics"
+    url="${SERVICE}metrics"
     curl -s -o out-h -w '%{http_code} ' -H "Authorization: Bearer $JUPYTERHUB_API_TOKEN" "$url"
     curl -s -o out-q -w '%{http_code} ' "$url?token=$JUPYTERHUB_API_TOKEN"
     curl -s -o out-n -w '%{http_code} ' "$url"
@@ -591,7 +591,9 @@ def test_eve_cannot_read_who_holds_the_gpus_from_the_metrics(hub, admin, vic, ev
         -d '{"scopes": ["read:metrics"]}' "$HUB/hub/api/users/eve/tokens"
     echo; cat out-h out-q out-n; echo; cat out-t
     """
-    r = eve.sh(f"cd $(mktemp -d) && {script}", check=True)
+    # (the service's own address: its own host name with subdomains, which curl maps to
+    # loopback as browsers do)
+    r = eve.sh(f"cd $(mktemp -d) && {script}", check=True, env={"SERVICE": hub.service_url})
     codes, metrics, minted = (r.stdout.split("\n", 2) + ["", ""])[:3]
     # (a token in the URL: refused as hers, or not read at all where the hub turns it off)
     header, in_url, none, mint = codes.split()
