@@ -2,7 +2,9 @@
 holds a cluster for the notebook's kernel. The machine's one GPU is busy with a job of the
 person's, so the widget shows the cluster waiting in line with its place; when the job is
 stopped, the cluster starts and the widget says its servers are serving; a cell trains on
-it (this kernel is the coordinator); Stop ends it and its GPU comes back."""
+it (this kernel is the coordinator) and TensorBoard's own magic shows the run inline; Stop
+ends it and its GPU comes back. With ``GPULAB_SCREENSHOTS=docs/images`` it takes the README's
+picture of it (``cluster.png``)."""
 
 import re
 
@@ -14,6 +16,7 @@ from tests.conftest import PASSWORD, hub_with_config
 from tests.e2e.notebook import run_cell, wait_for_kernel
 
 from .test_lab_browser import login
+from .test_newcomer_browser import shot
 
 pytestmark = pytest.mark.e2e
 
@@ -78,6 +81,22 @@ def test_the_widget_holds_a_cluster_that_waits_in_line_then_serves(page, hub, ha
                    "coordinator.join()\n"
                    "print('trained', v.numpy())", 1, paste=True)
     page.locator(".jp-OutputArea-output", has_text="trained 5.0").wait_for(timeout=180_000)
+
+    # TensorBoard inline for the run: the coordinator (this kernel) writes the run's summaries
+    # to the person's folder, and TensorBoard's own magic shows them in the notebook
+    run_cell(page, "import os\n"
+                   "logdir = os.path.join(os.environ.get('GPULAB_USER_DIR') or "
+                   "os.path.expanduser('~'), 'e2e-held-logs')\n"
+                   "with tf.summary.create_file_writer(logdir).as_default():\n"
+                   "    for i in range(5):\n"
+                   "        coordinator.schedule(step)\n"
+                   "        coordinator.join()\n"
+                   "        tf.summary.scalar('cluster_loss', 1.0 / float(v.numpy()), step=i)\n"
+                   "%load_ext tensorboard\n"
+                   "%tensorboard --logdir $logdir", 2, paste=True)
+    board = page.frame_locator(".jp-OutputArea-output iframe").last
+    board.get_by_text(re.compile("cluster_loss")).first.wait_for(timeout=180_000)
+    shot(page, "cluster.png")
 
     widget.locator("button.gpulab-cluster-stop").click()
     status.locator("[data-state='Stopped']").wait_for(timeout=60_000)

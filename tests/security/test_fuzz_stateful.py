@@ -62,6 +62,7 @@ class Figures:
     accepted = 0  # jobs that passed validation and admission (their replicas ran)
     plants = 0
     answers: dict[str, int] = {}  # "<rule> <status>" -> count
+    seconds: dict[str, float] = {}  # "<method> <path's first part>" -> time spent answering
     server_errors: list[str] = []
     vic_slowest = 0.0
     vic_requests = 0
@@ -152,7 +153,10 @@ def make_machine(hub, admin, eve, vic):
     def send(who, method, path, **kw):
         kw.setdefault("timeout", 60)
         headers = {"Authorization": f"token {tokens[who]}", **kw.pop("headers", {})}
+        t0 = time.monotonic()
         r = session.request(method, hub.service_api + path.lstrip("/"), headers=headers, **kw)
+        kind = f"{method} {path.split('/')[0]}"
+        Figures.seconds[kind] = Figures.seconds.get(kind, 0.0) + time.monotonic() - t0
         Figures.requests += 1
         key = f"{method} {path.split('/')[0]} {r.status_code}"
         Figures.answers[key] = Figures.answers.get(key, 0) + 1
@@ -194,8 +198,11 @@ def make_machine(hub, admin, eve, vic):
         def generated_request(self, generated):
             label = generated.draw(st.sampled_from(sorted(ops)))
             who, case = generated.draw(case_strategy(label))
+            t0 = time.monotonic()
             r = case.call(base_url=base, session=session,
                           headers={"Authorization": f"token {tokens[who]}"}, timeout=60)
+            kind = f"generated {label}"
+            Figures.seconds[kind] = Figures.seconds.get(kind, 0.0) + time.monotonic() - t0
             Figures.requests += 1
             key = f"generated {label} {r.status_code}"
             Figures.answers[key] = Figures.answers.get(key, 0) + 1
@@ -307,4 +314,6 @@ def test_random_sequences_of_users_and_admins_break_nothing(hub, admin, eve, vic
               f"{len(Figures.server_errors)} answers 5xx; vic's slowest of "
               f"{Figures.vic_requests} answers meanwhile {Figures.vic_slowest * 1000:.0f} ms (goal < {GOAL * 1000:.0f} ms)")
         print("answers:", ", ".join(f"{k}: {v}" for k, v in sorted(Figures.answers.items())))
+        print("time answering:", ", ".join(f"{k} {v:.1f} s" for k, v in sorted(
+            Figures.seconds.items(), key=lambda kv: -kv[1])[:6]))
     assert Figures.vic_slowest < SLOWEST_OK, f"vic waited {Figures.vic_slowest:.2f} s"
