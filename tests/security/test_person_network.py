@@ -242,61 +242,42 @@ def test_a_persons_namespace_is_made_once_and_goes_with_their_last_server(hub, a
 NETNS = "/run/gpulab/netns"
 
 
-#: a TensorFlow client: runs one op on the worker at argv[1] (grpc://host:port); prints RAN and
-#: the result, or what failed (a subprocess, bounded in time: gRPC may retry for long)
-TF_CLIENT = r"""
-import os, subprocess, sys
-code = '''
-import os, sys
-os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-import tensorflow as tf
-tf.config.experimental_connect_to_host(sys.argv[1], job_name="worker")
-with tf.device("/job:worker/replica:0/task:0/device:CPU:0"):
-    x = tf.reduce_sum(tf.range(10))
-print("RAN", int(x.numpy()), flush=True)
-'''
-for target in sys.argv[1:]:
-    try:
-        r = subprocess.run([sys.executable, "-c", code, target], capture_output=True, text=True,
-                           timeout=120, env={**os.environ, "GRPC_FAIL_FAST": "use_caller"})
-        print(target, r.stdout.strip() if "RAN" in r.stdout else
-              (r.stdout.strip() or r.stderr.strip().splitlines()[-1:] or ["failed"])[-1], flush=True)
-    except subprocess.TimeoutExpired:
-        print(target, "TIMEOUT", flush=True)
-"""
-
-
 @pytest.mark.tf
 def test_a_tensorflow_server_in_a_notebook_runs_only_its_persons_graphs(hub, vic, eve):
     """The issue's own attack with TensorFlow itself: vic's notebook starts
-    ``tf.distribute.Server`` (it listens on every address); vic's other kernel runs an op on
-    it; eve's kernel cannot run one on it through loopback (on 4f6998b she ran graphs on it as
-    vic), nor even connect to its port at any other address of the machine."""
+    ``tf.distribute.Server`` (it listens on every address) and a graph runs on it through its
+    gRPC port; vic's other kernel connects to that port; eve's kernel cannot even connect to it,
+    through loopback or any other address of the machine (on 4f6998b she connected through
+    loopback and ran graphs as vic: no connection, no graph). One TensorFlow process only
+    (the server's kernel runs the graph through the port itself): each costs a start-up."""
     from tests.security.test_tensorboard_isolation import kernel_of
 
     with kernel_of(vic) as run:
-        port = int(run(
+        out = run(
             "import os, socket\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\n"
             "import tensorflow as tf\n"
             "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
             "server = tf.distribute.Server(tf.train.ClusterSpec({'worker': [f'localhost:{port}']}),\n"
             "                              job_name='worker', task_index=0, protocol='grpc',"
             " start=True)\n"
-            "print(port)\n", timeout=180).strip().splitlines()[-1])
-        client = f"import sys\nsys.argv = ['x', 'grpc://127.0.0.1:{port}']\n" + TF_CLIENT
-        # vic's other kernel, and eve's, with TensorFlow where vic's kernels reach it (loopback);
-        # both at once, since each pays TensorFlow's start-up
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            mine = pool.submit(vic.run_in_kernel, client, timeout=240)
-            theirs = pool.submit(eve.run_in_kernel, client, timeout=240)
-            mine, theirs = mine.result(), theirs.result()
-        assert f"grpc://127.0.0.1:{port} RAN 45" in mine, mine
-        assert f"grpc://127.0.0.1:{port} " in theirs and "RAN" not in theirs, theirs
-        # eve at every other address of the machine: no connection at all, so no graph
-        others = [a for a in machine_addresses() if a not in ("127.0.0.1", "::1")]
-        reached = json.loads(eve.run_in_kernel(connect_code(port, others), timeout=60)
+            "g = tf.Graph()\n"
+            "with g.as_default():\n"
+            "    x = tf.reduce_sum(tf.range(10))\n"
+            "with tf.compat.v1.Session(f'grpc://127.0.0.1:{port}', graph=g) as sess:\n"
+            "    print('RAN', int(sess.run(x)))\n"
+            "print(port)\n", timeout=180).strip().splitlines()
+        assert "RAN 45" in out, out
+        port = int(out[-1])
+        # vic's other kernel reaches it on loopback (her namespace): the port is there to reach
+        mine = json.loads(vic.run_in_kernel(connect_only(port, ["127.0.0.1"]), timeout=60)
+                          .strip().splitlines()[-1])
+        assert mine == {"127.0.0.1": "connected"}, mine
+        # eve, at loopback and every other address of the machine: no connection at all (a
+        # TensorFlow server says nothing first: `connect_only` tells connected from refused)
+        targets = machine_addresses()
+        reached = json.loads(eve.run_in_kernel(connect_only(port, targets), timeout=60)
                              .strip().splitlines()[-1])
-        assert set(reached) == set(others), reached
+        assert set(reached) == set(targets), reached
         assert all(v in REFUSED for v in reached.values()), reached
 
 
