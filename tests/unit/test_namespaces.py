@@ -197,28 +197,31 @@ async def test_the_mirrors_sync_reads_the_ledger_in_a_worker_thread(ledger, read
 
 
 async def test_the_event_loop_runs_while_the_quota_is_read(ledger, monkeypatch):
-    """A slow ledger (its lock held elsewhere) does not stop the loop's other work."""
+    """A slow ledger (its lock held elsewhere) does not stop the loop's other work: while the
+    quota is read, the loop runs a callback (were the read on the loop's thread, nothing else
+    could run until it returned, and the wait below would time out). No timing is assumed:
+    the read waits, up to 10 s, for the loop to show it runs."""
     real = Ledger.effective
+    loop_ran, seen = threading.Event(), []
 
     def slow(self, *args, **kwargs):
-        threading.Event().wait(0.5)
+        loop_ran.clear()
+        seen.append(loop_ran.wait(10))
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(Ledger, "effective", slow)
-    ticks = 0
 
     async def tick():
-        nonlocal ticks
         while True:
-            await asyncio.sleep(0.02)
-            ticks += 1
+            await asyncio.sleep(0.01)
+            loop_ran.set()
 
     ticker = asyncio.ensure_future(tick())
     try:
         await prepare(FakeKubeAPI(), ledger)
     finally:
         ticker.cancel()
-    assert ticks >= 10, ticks
+    assert seen and all(seen), seen
 
 
 @pytest.mark.parametrize("kw, network", [
