@@ -34,8 +34,9 @@ from tests.unit.test_egress import internet  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.security
 
-#: vic's "TensorFlow server": accepts on every address ([::] and 0.0.0.0) for `seconds`,
-#: answering each connection with the secret; its port goes to `port_file` (in her server's /tmp)
+#: vic's "TensorFlow server": accepts on every address ([::] and 0.0.0.0) for at most `seconds`,
+#: answering each connection with the secret, until `port_file`.stop appears; its port goes to
+#: `port_file` (in her server's /tmp)
 SERVE = r"""
 import socket, time
 secret, seconds, port_file = {secret!r}, {seconds}, {port_file!r}
@@ -46,7 +47,7 @@ s.bind(("::", 0)); s.listen(16); s.settimeout(0.2)
 open(port_file + ".new", "w").write(str(s.getsockname()[1]))
 import os; os.rename(port_file + ".new", port_file)
 end = time.time() + seconds
-while time.time() < end:
+while time.time() < end and not os.path.exists(port_file + ".stop"):
     try:
         c, _ = s.accept()
     except socket.timeout:
@@ -138,7 +139,7 @@ def test_a_port_a_notebook_serves_is_its_persons_alone(hub, admin, vic, eve):
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         # vic's kernel serves for a while (run_in_kernel returns when the cell ends)
         serving = pool.submit(vic.run_in_kernel,
-                              SERVE.format(secret=secret, seconds=45, port_file=port_file), "", 120)
+                              SERVE.format(secret=secret, seconds=150, port_file=port_file), "", 180)
         port, deadline = None, time.time() + 30
         while port is None and time.time() < deadline:
             out = vic.run_in_kernel(  # her second kernel (same server, same /tmp)
@@ -195,7 +196,8 @@ def test_a_port_a_notebook_serves_is_its_persons_alone(hub, admin, vic, eve):
             assert theirs == {"127.0.0.1": secret}, theirs
         finally:
             vic.stop_server("second")
-        assert "SERVED" in serving.result(timeout=120)
+        vic.run_in_kernel(f"open({port_file!r} + '.stop', 'w').close()\n")  # done: it may end
+        assert "SERVED" in serving.result(timeout=180)
 
     # vic's server still reaches the hub's API and the gpulab service (relayed into it):
     # the notebook client in a kernel, the gpulab CLI in a terminal
