@@ -328,7 +328,7 @@ def test_a_revoked_token_stops_opening_the_server_within_seconds(hub, vic):
 #: prints the ports found, how many listening sockets it saw in all, and whether `secret` came
 #: through (what read vic's cells on 4f6998b)
 LISTEN = r"""
-import socket, sys, time, zmq
+import select, socket, sys, time, zmq
 uid, secret, seconds = int(sys.argv[1]), sys.argv[2].encode(), float(sys.argv[3])
 ctx, poller, ports, got = zmq.Context(), zmq.Poller(), set(), False
 
@@ -348,7 +348,8 @@ def scan():
 
 print("READY", flush=True)
 deadline = time.time() + seconds
-while time.time() < deadline and not got:
+# until `seconds` pass, the secret is read, or a line (or EOF) on stdin says the cell is done
+while time.time() < deadline and not got and not select.select([sys.stdin], [], [], 0)[0]:
     for ip, port in scan() - ports:
         ports.add((ip, port))
         s = ctx.socket(zmq.SUB)
@@ -389,8 +390,8 @@ def test_nobody_reads_another_persons_kernel(hub, vic, eve):
     acc = eve.account
     listener = subprocess.Popen(
         ["runuser", "-u", acc.pw_name, "--", sys.executable, "-c", LISTEN,
-         str(vic.account.pw_uid), secret, "25"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/",
+         str(vic.account.pw_uid), secret, "90"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/",
         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": acc.pw_dir})
     try:
         assert listener.stdout.readline().strip() == "READY", listener.stderr.read()
@@ -402,7 +403,8 @@ def test_nobody_reads_another_persons_kernel(hub, vic, eve):
             "time.sleep(4)\n"
             f"for _ in range(15): print({secret!r}, flush=True); time.sleep(0.3)\n"
             "print(json.dumps({'info': info, 'pid': os.getpid()}))\n", timeout=90)
-        stdout, stderr = listener.communicate(timeout=60)
+        # vic's cell is over: eve's scan of its whole life ends here
+        stdout, stderr = listener.communicate("done\n", timeout=60)
     finally:
         if listener.poll() is None:
             listener.kill()
@@ -420,12 +422,15 @@ def test_nobody_reads_another_persons_kernel(hub, vic, eve):
     assert info["ip"].startswith("/tmp/jupyter-runtime/kernel-"), info
 
     # the kernel is gone (run_in_kernel shut it down): a live one to aim at
+    done = f".attacks-done-{uuid.uuid4().hex[:8]}"
     code = ("import json, os, time\n"
             "from ipykernel.connect import get_connection_info\n"
             "info = json.loads(get_connection_info())\n"
             "print(json.dumps({'path': f\"{info['ip']}-{info['iopub_port']}\", 'pid': os.getpid()}),"
             " flush=True)\n"
-            "time.sleep(12)\n")
+            "end = time.time() + 60\n"  # alive until the attacks are over (a file says so)
+            f"while time.time() < end and not os.path.exists('/tmp/{done}'):\n"
+            "    time.sleep(0.2)\n")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(vic.run_in_kernel, code, "", 90)
         deadline = time.time() + 60
@@ -458,6 +463,8 @@ def test_nobody_reads_another_persons_kernel(hub, vic, eve):
         tried = json.loads(eve.run_in_kernel(
             f"import sys\nsys.argv = ['x', {json.dumps(targets)!r}]\n" + CONNECT))
         assert "connected" not in tried.values(), tried
+        with open(f"/proc/{pid}/root/tmp/{done}", "w"):
+            pass  # vic's kernel may end
         first = json.loads(running.result(timeout=90).strip().splitlines()[0])
         assert first["path"].startswith("/tmp/jupyter-runtime/"), first
 
