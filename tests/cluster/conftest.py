@@ -8,7 +8,9 @@ built or cached binaries the fixture fails with build.sh's message: it does not 
 
 import os
 import subprocess
+import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -40,7 +42,11 @@ _background_build: subprocess.Popen | None = None
 
 def _start_background_build(config) -> None:
     global _background_build
-    log = open(config.cache.mkdir("cluster-build") / "build.log", "w")
+    # pytest's cache folder (absent under ``-p no:cacheprovider``: a folder of its own then)
+    cache = getattr(config, "cache", None)
+    folder = cache.mkdir("cluster-build") if cache is not None else Path(
+        tempfile.mkdtemp(prefix="gpulab-cluster-build-"))
+    log = open(folder / "build.log", "w")
     # at the lowest priority: the tests that run meanwhile keep the CPU they need
     _background_build = subprocess.Popen(
         ["nice", "-n", "19", "bash", str(BUILD_SCRIPT), "--quiet"],

@@ -158,7 +158,8 @@ kubernetes_config(c, first_admin="admin", service_ip={host_ip!r}, config_dir="{d
 
 
 class KubeHub:
-    """``jupyterhub`` with the configuration above, its proxy and the gpulab service."""
+    """The chart's hub (``python3 -m gpulab.hub.deploy.kubehub``, as helm-values' ``hub.args``
+    starts it) with the configuration above, its proxy and the gpulab service."""
 
     # URLs of servers and the service as `Browser` builds them (no subdomains here)
     subdomains = False
@@ -186,7 +187,8 @@ class KubeHub:
 
     def start(self, timeout: float = 90) -> KubeHub:
         self.log = open(self.dir / "hub.log", "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", "jupyterhub_config.py"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "gpulab.hub.deploy.kubehub",
+                                      "--config", "jupyterhub_config.py"],
                                      cwd=self.dir, env=self.env, stdout=self.log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
@@ -643,8 +645,9 @@ def test_a_multi_worker_job_runs_in_pods_and_tensorboard_shows_it(cluster, hub, 
 
 
 def test_a_copied_cookie_dies_at_logout_on_the_charts_hub(hub):
-    """The chart runs the stock ``jupyterhub`` app; `kubernetes_config` makes its logout end the
-    person's sessions as the local hub's does (tests/security/test_hub_doors.py)."""
+    """The chart's hub (`GpulabKubeHub`, started as the chart starts it); `kubernetes_config`
+    makes its logout end the person's sessions as the local hub's does
+    (tests/security/test_hub_doors.py)."""
     cal = Browser(hub, "cal")
     cal.login(PASSWORD)
     assert cal.api("GET", "/user").json()["name"] == "cal"
