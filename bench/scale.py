@@ -319,6 +319,8 @@ class Profile:
             inclusive, total = collections.Counter(), 0
             for line in out.read_text().splitlines():
                 stack, _, n = line.rpartition(" ")
+                if not n.isdigit():  # a frame's name with a space in it, split by py-spy
+                    continue
                 frames = [f for f in stack.split(";") if f]
                 total += int(n)
                 for f in set(frames):
