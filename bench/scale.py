@@ -424,11 +424,13 @@ def measure_pages(args) -> dict:
             codes[r.status_code] = codes.get(r.status_code, 0) + 1
         print(f"  gpulab: {len(names)} people, {len(tokens)} queued jobs {codes}", flush=True)
         procs = run.procs()
-        with Profile(args, "gpulab", "pages", procs):
-            out["service"] = service_figures(run, names, args)
-            out["service"]["polls"] = asyncio.run(polls(run, tokens, args.poll_seconds))
-        for job in run.admin.service("GET", "jobs?all=1&limit=1000").json().get("jobs", []):
-            run.admin.service("POST", f"jobs/{job['name']}/stop?user={job['user']}")
+        try:
+            with Profile(args, "gpulab", "pages", procs):
+                out["service"] = service_figures(run, names, args)
+                out["service"]["polls"] = asyncio.run(polls(run, tokens, args.poll_seconds))
+        finally:  # the service's jobs outlive the hub: stopped whatever happened
+            for job in run.admin.service("GET", "jobs?all=1&limit=1000").json().get("jobs", []):
+                run.admin.service("POST", f"jobs/{job['name']}/stop?user={job['user']}")
     return out
 
 
