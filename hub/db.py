@@ -7,6 +7,8 @@ run by `gpulab.hub.quota.ledger.Ledger.migrate`.
 
 from __future__ import annotations
 
+import math
+import sqlite3
 import time
 from pathlib import Path
 
@@ -30,6 +32,10 @@ def make_engine(url: str, echo: bool = False) -> Engine:
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA busy_timeout=60000")
             cur.execute("PRAGMA foreign_keys=ON")
+            try:  # the queue sums decayed GPU use in SQL (`Queue._decayed_usage`)
+                cur.execute("SELECT exp(0)")
+            except sqlite3.OperationalError:  # an SQLite built without its math functions
+                dbapi_conn.create_function("exp", 1, math.exp, deterministic=True)
             cur.close()
 
         @event.listens_for(engine, "begin")

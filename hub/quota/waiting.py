@@ -22,21 +22,23 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Mapping
 
-from sqlalchemy import Float, Index, Integer, String, Text, func, select
+from sqlalchemy import Float, Index, Integer, String, Text, case, func, literal, select
 from sqlalchemy.orm import Mapped, mapped_column
 import traitlets as t
 from traitlets.config import Configurable
 
 from gpulab.hub.db import Base
 from gpulab.hub.quota import queue as policy
-from gpulab.hub.quota.fastpath import SEL_USED, person_key
-from gpulab.hub.quota.ledger import Allocation, BadRequest, Ledger, Request, _sum_gpu_hours
-from gpulab.hub.quota.rows import KINDS, AllocationRow, AuditRow, Device, Pool
+from gpulab.hub.quota.fastpath import person_key
+from gpulab.hub.quota.ledger import Allocation, BadRequest, Ledger, Request
+from gpulab.hub.quota.rows import KINDS, AllocationRow, AuditRow, Device, Pool, QuotaRow
 
 log = logging.getLogger("gpulab.queue")
 
@@ -47,6 +49,10 @@ STATES = ("waiting", "admitted", "preempting", "cancelled", "expired")
 ACTIONS = ("hold", "release", "top", "cancel")
 #: the reason of an entry its owner took out of line (a waiting notebook's start fails so)
 LEFT_REASON = "You left the queue."
+#: seconds a read of the line (`Queue.entries`: places, estimated starts, reasons) is reused
+#: while nothing it depends on changed: many people polling ``GET queue`` and ``GET jobs``
+#: cost one plan a second (a change in any process, seen in `Queue._stamp`, plans again)
+PLAN_TTL = 1.0
 
 
 class QueueEntryRow(Base):
@@ -134,7 +140,8 @@ class Queue:
 
     def __init__(self, ledger: Ledger, *, half_life_hours: float = 168.0, borrowing: bool = True,
                  group_shares: Mapping[str, float] | None = None,
-                 matches: Callable[[str | None, str], bool] = policy.exact_model):
+                 matches: Callable[[str | None, str], bool] = policy.exact_model,
+                 plan_ttl: float = PLAN_TTL):
         if not half_life_hours > 0:
             raise ValueError("half_life_hours must be positive")
         self.ledger = ledger
@@ -143,6 +150,22 @@ class Queue:
         self.settings = policy.Settings(borrowing=borrowing)
         self.group_shares = dict(group_shares or {})
         self.matches = matches
+        self.plan_ttl = plan_ttl
+        #: the line as last planned for a read: (stamp, now, every entry with its place)
+        self._line: tuple[tuple, float, list[Entry]] | None = None
+        self._line_lock = threading.Lock()
+        #: how many times the line was planned for a read (the tests count them)
+        self.plans = 0
+        self._writes = 0  # this object's own writes (part of the stamp: exact in-process)
+
+    @contextmanager
+    def _writing(self):
+        """A write transaction of the ledger; a read of the line after it plans again."""
+        try:
+            with self.ledger.Session.begin() as s:
+                yield s
+        finally:
+            self._writes += 1
 
     # -- entries ---------------------------------------------------------------------------
 
@@ -159,7 +182,7 @@ class Queue:
                                             and math.isfinite(max_runtime) and max_runtime > 0):
             raise BadRequest("max_runtime must be a positive number of seconds.")
         now = time.time() if now is None else now
-        with self.ledger.Session.begin() as s:
+        with self._writing() as s:
             self._lock(s)
             devices = self._devices(s)
             quota, source = self.ledger.effective(req.user, req.groups, s)
@@ -200,10 +223,49 @@ class Queue:
 
     def entries(self, user: str | None = None, now: float | None = None) -> list[Entry]:
         """The waiting, held and preempting entries in the order of the line, each with its
-        place, estimated start and the reason it waits (of everyone, or of `user`)."""
+        place, estimated start and the reason it waits (of everyone, or of `user`: the line
+        is planned for everyone and shared, the filter is each caller's own).
+
+        The plan is reused for `plan_ttl` seconds of `now` while `_stamp` (read first, in
+        the same read) is unchanged: an entry, an allocation or a quota written by any
+        process plans again, so a person's own submission shows in their next read."""
         now = time.time() if now is None else now
+        line = self._planned(now)
+        return list(line) if user is None else [e for e in line if e.user == user]
+
+    def _planned(self, now: float) -> list[Entry]:
         with self.ledger.Reader() as s:
-            state = self._read(s, now)
+            stamp = (self._writes, *s.execute(self._stamp_sql()).one())
+            # one plan at a time: callers that asked meanwhile take the one just made
+            with self._line_lock:
+                hit = self._line
+                if hit is not None and hit[0] == stamp and 0 <= now - hit[1] < self.plan_ttl:
+                    return hit[2]
+                state = self._read(s, now)
+                line = self._annotate(state, now)
+                self.plans += 1
+                self._line = (stamp, now, line)
+                return line
+
+    def _stamp_sql(self):
+        """One statement whose row changes when anything the line's plan reads changes: the
+        live entries (their number and newest change: every write sets ``updated_at``), the
+        open allocations (number, newest start; a release lowers the number), the quotas
+        (number, newest change) and the devices."""
+        live = (QueueEntryRow.pool == self.pool,
+                QueueEntryRow.state.in_(("waiting", "admitted", "preempting")))
+        held = (AllocationRow.ended_at.is_(None), AllocationRow.pool == self.pool)
+        return select(
+            select(func.count()).select_from(QueueEntryRow).where(*live).scalar_subquery(),
+            select(func.max(QueueEntryRow.updated_at)).where(*live).scalar_subquery(),
+            select(func.count()).select_from(AllocationRow).where(*held).scalar_subquery(),
+            select(func.max(AllocationRow.started_at)).where(*held).scalar_subquery(),
+            select(func.count()).select_from(QuotaRow).scalar_subquery(),
+            select(func.max(QuotaRow.updated_at)).scalar_subquery(),
+            select(func.count()).select_from(Device).where(
+                Device.pool == self.pool).scalar_subquery())
+
+    def _annotate(self, state: "_State", now: float) -> list[Entry]:
         plan = self._plan(state, now)
         by_id = {e.id: e for e in state.entries}
         starting = {st.id for st in plan.start}
@@ -225,8 +287,7 @@ class Queue:
                             reason=_join(e.reason, place.reason))
             if e.position is not None:
                 ahead_gpus += e.gpus
-            if user is None or e.user == user:
-                out.append(e)
+            out.append(e)
         return out
 
     # -- a pass --------------------------------------------------------------------------
@@ -235,6 +296,8 @@ class Queue:
         """One scheduling pass: start what may start, say what to preempt, expire notebooks
         that waited past their longest wait."""
         fixed = now
+        # a pass that changes nothing (most of them: the service's supervisor runs one every
+        # few seconds) leaves the reads' plan (`entries`) as it is
         with self.ledger.Session.begin() as s:
             locked = self._lock(s, people=True)
             now = time.time() if fixed is None else fixed
@@ -275,6 +338,8 @@ class Queue:
                 for a in s.scalars(select(AllocationRow).where(
                         AllocationRow.id.in_(list(victims)))):
                     preempt.append((Allocation.of(a), victims[a.id]))
+        if started or preempt or expired:
+            self._writes += 1
         for e, a in started:
             log.info("Started from the queue: %s %s/%s on %s%s", e.kind, e.user, e.holder,
                      list(a.devices), " (borrowed)" if e.borrowed else "")
@@ -286,7 +351,7 @@ class Queue:
         """Put preempted (or otherwise stopped) admitted work back in line, in its old place:
         its submit time is kept. Its allocation must be released first."""
         now = time.time() if now is None else now
-        with self.ledger.Session.begin() as s:
+        with self._writing() as s:
             row = s.get(QueueEntryRow, entry_id)
             if row is None or row.state not in ("admitted", "preempting"):
                 return None
@@ -298,7 +363,7 @@ class Queue:
 
     def done(self, entry_id: str) -> None:
         """An admitted entry's work ended for good: it leaves the queue's view."""
-        with self.ledger.Session.begin() as s:
+        with self._writing() as s:
             row = s.get(QueueEntryRow, entry_id)
             if row is not None and row.state in ("admitted", "preempting"):
                 row.state, row.updated_at = "cancelled", time.time()
@@ -334,7 +399,7 @@ class Queue:
         """A holder's work ended for good (stopped, failed, done): its entry, whatever its
         state, leaves the line."""
         now = time.time()
-        with self.ledger.Session.begin() as s:
+        with self._writing() as s:
             for row in s.scalars(select(QueueEntryRow).where(
                     QueueEntryRow.pool == self.pool, QueueEntryRow.user == user,
                     QueueEntryRow.kind == kind, QueueEntryRow.holder == holder,
@@ -346,7 +411,7 @@ class Queue:
         those admitted for an allocation in `keep` (the servers it restored) leaves the
         line; returns how many."""
         now, n = time.time(), 0
-        with self.ledger.Session.begin() as s:
+        with self._writing() as s:
             for row in s.scalars(select(QueueEntryRow).where(
                     QueueEntryRow.pool == self.pool, QueueEntryRow.kind == "notebook",
                     QueueEntryRow.state.in_(("waiting", "admitted", "preempting")))):
@@ -370,7 +435,7 @@ class Queue:
 
     def _act(self, entry_id: str, actor: str, action: str, reason: str) -> Entry | None:
         now = time.time()
-        with self.ledger.Session.begin() as s:
+        with self._writing() as s:
             row = s.get(QueueEntryRow, entry_id)
             if row is None or row.pool != self.pool or row.state != "waiting":
                 return None
@@ -450,45 +515,61 @@ class Queue:
         for r in sorted(entry_rows, key=lambda r: r.submitted_at):
             groups[r.user] = json.loads(r.groups or "[]")
         users = {r.user for r in waiting} | {a.user for a in open_rows}
-        since = now - 5 * self.half_life  # older use weighs less than 1/32
-        history = s.execute(select(AllocationRow.user, AllocationRow.gpus,
-                                   AllocationRow.started_at, AllocationRow.ended_at).where(
-            AllocationRow.gpus > 0,
-            (AllocationRow.ended_at.is_(None)) | (AllocationRow.ended_at > since))).all()
-        usage = policy.decayed_usage(((u, g, a, b) for u, g, a, b in history), now,
-                                     self.half_life)
-        # everyone's quota from one read, and the history split by person once: no query
-        # and no scan of the history per person (tests/unit/test_scale_paths.py counts them)
+        # everyone's quota from one read, and the history summed per person in the database
+        # (decayed use, GPU-hours of each budget's window): no query per person
+        # (tests/unit/test_scale_paths.py counts them), and no row of the history carried into
+        # Python (bench/scale.py --only-pages --profile, 100,000 past allocations: reading
+        # the 58,000 of the last five half-lives was 60 % of the service's samples)
         quotas = self.ledger.effective_of({u: groups.get(u, ()) for u in users}, s)
-        history_of: dict[str, list] = {}
-        for row in history:
-            history_of.setdefault(row[0], []).append(row)
-        # windows that reach past the history read above: one more read, from the earliest
-        long = {u: now - quotas[u][0].window_hours * 3600 for u in users
-                if quotas[u][0] is not None and quotas[u][0].gpu_hours is not None
-                and now - quotas[u][0].window_hours * 3600 < since}
-        older: dict[str, list] = {}
-        if long:
-            for row in s.execute(SEL_USED, {"since": min(long.values()), "until": now}):
-                if row[0] in long:
-                    older.setdefault(row[0], []).append(row)
+        usage = self._decayed_usage(s, users, now)
+        windows = {u: now - q.window_hours * 3600 for u, (q, _) in quotas.items()
+                   if u in users and q is not None and q.gpu_hours is not None}
+        used = self._window_usage(s, windows, now)
         people = {}
         for user in users:
             quota, _ = quotas[user]
-            used = 0.0
-            if quota is not None and quota.gpu_hours is not None:
-                window_start = now - quota.window_hours * 3600
-                if user in long:  # the window reaches past the usage read above
-                    used = _sum_gpu_hours(older.get(user, ()), window_start, now)[user]
-                else:
-                    used = _sum_gpu_hours(
-                        ((u, g, a, now if b is None else b)
-                         for u, g, a, b in history_of.get(user, ())), window_start, now)[user]
             shares = [self.group_shares[g] for g in groups.get(user, ()) if g in self.group_shares]
             people[user] = policy.Person(quota, max(shares) if shares else None,
-                                         usage.get(user, 0.0), used)
+                                         usage.get(user, 0.0), used.get(user, 0.0))
         entries = [Entry.of(r) for r in entry_rows if r.state in ("waiting",)]
         return _State(devices, running, entries, people)
+
+    def _decayed_usage(self, s, users: set[str], now: float) -> dict[str, float]:
+        """`policy.decayed_usage` of `users`' history (use that ended in the last five
+        half-lives, or runs on: older weighs less than 1/32), summed per person by the
+        database (their rows found by the person's index)."""
+        if not users:
+            return {}
+        a = AllocationRow.__table__.c
+        k = policy.LN2 / self.half_life
+        end = func.coalesce(a.ended_at, literal(now))
+        end_in = case((end > now, literal(now)), else_=end)
+        # the integral of 2 ** (-(now - t) / half_life) over [start, end], per GPU
+        weight = (func.exp((end_in - now) * k) - func.exp((a.started_at - now) * k)) / k
+        q = select(a.user, func.sum(a.gpus * weight)).where(
+            a.user.in_(sorted(users)), a.gpus > 0, end_in > a.started_at,
+            a.ended_at.is_(None) | (a.ended_at > now - 5 * self.half_life)).group_by(a.user)
+        return {user: (v or 0.0) / 3600.0 for user, v in s.execute(q)}
+
+    def _window_usage(self, s, windows: dict[str, float], now: float) -> dict[str, float]:
+        """GPU-hours of each person in `windows` from their window's start to `now` (open
+        allocations to `now`), summed by the database: one column per distinct start."""
+        if not windows:
+            return {}
+        a = AllocationRow.__table__.c
+        starts = sorted(set(windows.values()))
+        end = func.coalesce(a.ended_at, literal(now))
+        end_in = case((end > now, literal(now)), else_=end)
+        parts = [func.sum(case((end > st, a.gpus * (end_in - case(
+            (a.started_at < st, literal(st)), else_=a.started_at))), else_=0)) for st in starts]
+        q = select(a.user, *parts).where(a.gpus > 0, a.started_at < now, end > starts[0],
+                                         a.user.in_(sorted(windows))).group_by(a.user)
+        column = {st: i for i, st in enumerate(starts)}
+        out = {}
+        for user, *sums in s.execute(q):
+            v = sums[column[windows[user]]]
+            out[user] = max(0.0, v or 0.0) / 3600.0
+        return out
 
     def _plan(self, state: "_State", now: float) -> policy.Plan:
         line = [policy.Waiting(e.id, e.user, e.kind, e.gpus, e.submitted_at, e.model, e.priority,

@@ -98,6 +98,15 @@ class FrameAncestors(web.OutputTransform):
         return status_code, headers, chunk
 
 
+async def read_people_once(directory: HubDirectory) -> None:
+    """The hub's users read in full once (`HubDirectory.users`); a failure is left for the
+    admin page's own read."""
+    try:
+        await directory.users()
+    except Exception as e:
+        log.info("The hub's users were not read at start (%s); the admin page reads them", e)
+
+
 def make_app(ledger: Ledger, prefix: str, hub_prefix: str, directory: HubDirectory,
              on_quota_change=None, jobs=None, job_limits=None,
              tls: "ServiceTLS | None" = None, gpu_usage=None,
@@ -502,6 +511,9 @@ class GpulabService(Application):
             jobs.recover()
             IOLoop.current().add_callback(jobs.ensure_supervisor)
         start_notebook_reconciler(ledger, directory, self.reconcile_seconds, jobs=jobs)
+        # the hub's people read once now: on a hub where that is slow (thousands of people)
+        # the admin page's first load shows them as read, never waiting for the whole list
+        IOLoop.current().add_callback(read_people_once, directory)
         # tornado buffers a body whole before a handler sees it (100 MB by default): bound it.
         # Up to this size an oversized body gets the handlers' clear 413 (`json_body`); past it
         # tornado refuses the request from its Content-Length alone, before reading it

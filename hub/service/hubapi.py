@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from urllib.parse import quote
 
@@ -28,13 +29,29 @@ def _log_failure(f: asyncio.Future) -> None:
         log.warning("Reading the hub's users failed: %s", f.exception())
 
 
-class HubDirectory:
-    """Users and groups as the hub knows them, read with the service's own token."""
+#: seconds a full read of the hub's users may take for the admin page to wait for a fresh
+#: one (`HubDirectory.users_recent`); past it the page shows the list as last read and says
+#: how old it is (10,000 people: ~1.8 s, 50 pages of 200 on a 2-core machine)
+SLOW_READ = 0.25
 
-    def __init__(self, api_url: str, token: str, ttl: float = 5.0, page: int = 200):
+
+class HubDirectory:
+    """Users and groups as the hub knows them, read with the service's own token.
+
+    ``ttl``: seconds a full read of the users is reused; ``slow``: `SLOW_READ`; ``clock``:
+    the monotonic clock (the tests' own)."""
+
+    def __init__(self, api_url: str, token: str, ttl: float = 5.0, page: int = 200,
+                 slow: float = SLOW_READ, clock=time.monotonic):
         self.api_url, self.token, self.ttl = api_url.rstrip("/"), token, ttl
         self.page = page  # users a request (the hub's most, `api_page_max_limit`, is 200)
+        self.slow, self.clock = slow, clock
+        #: (when the read ended, the users); `forget` makes it stale, never drops it
         self._cache: tuple[float, list[dict]] | None = None
+        self._read_at: float | None = None  # when the last full read began
+        self._read_took: float | None = None  # and how long it took (seconds)
+        #: full reads of the users (every page), for the tests
+        self.full_reads = 0
         self._reads_all: bool | None = None
         self._one: dict[str, tuple[float, list[str]]] = {}  # groups_of, per person
         self._lock = asyncio.Lock()
@@ -65,13 +82,31 @@ class HubDirectory:
             offset = page["_pagination"]["next"]["offset"]
 
     async def users(self) -> list[dict]:
+        """Every user (name, sorted groups, admin), read in full when the last read is older
+        than the ttl (callers meanwhile wait for that one read)."""
         async with self._lock:
-            if self._cache and time.monotonic() - self._cache[0] < self.ttl:
+            if self._cache and self.clock() - self._cache[0] < self.ttl:
                 return self._cache[1]
+            began = self.clock()
             users = [{"name": u["name"], "groups": sorted(u.get("groups", [])),
                       "admin": bool(u.get("admin"))} for u in await self._all_users()]
-            self._cache = (time.monotonic(), users)
+            self.full_reads += 1
+            end = self.clock()
+            self._cache, self._read_at, self._read_took = (end, users), began, end - began
             return users
+
+    async def users_recent(self) -> tuple[list[dict], float | None]:
+        """The users for the admin page, and None, or how many seconds ago they were read.
+
+        Where the last full read took under ``slow`` seconds (a hub of a few hundred people)
+        this is `users`: a fresh list, waited for (None). Where it took longer (10,000
+        people: ~1.8 s of the hub's and this service's time), the list as last read, with a
+        fresh read started in the background once it is older than the ttl (`users_now`),
+        and its age, which the page shows. The first read is always waited for."""
+        if self._cache is None or self._read_took is None or self._read_took < self.slow:
+            return await self.users(), None
+        users = await self.users_now()
+        return users, max(0.0, self.clock() - self._read_at)
 
     async def users_now(self) -> list[dict]:
         """The users as last read, however old (the metrics endpoint: a scrape never waits
@@ -80,7 +115,7 @@ class HubDirectory:
         background read keeps the old list (and is logged)."""
         if self._cache is None:
             return await self.users()
-        if time.monotonic() - self._cache[0] >= self.ttl and (
+        if self.clock() - self._cache[0] >= self.ttl and (
                 self._refresh is None or self._refresh.done()):
             self._refresh = asyncio.ensure_future(self.users())
             self._refresh.add_done_callback(_log_failure)
@@ -101,7 +136,7 @@ class HubDirectory:
         """`name`'s groups: from the cached list of everyone when it is fresh, else from the
         hub's model of that one person (cached as long), never by listing every user: a
         person's page at 10,000 users reads 1 model, not 50 pages of them."""
-        now = time.monotonic()
+        now = self.clock()
         if self._cache and now - self._cache[0] < self.ttl:
             for u in self._cache[1]:
                 if u["name"] == name:
@@ -156,5 +191,8 @@ class HubDirectory:
         return resp.code
 
     def forget(self) -> None:
-        self._cache = None
+        """The next `users` reads the hub again; the list read so far stays what
+        `users_now` and a slow hub's `users_recent` show meanwhile."""
+        if self._cache is not None:
+            self._cache = (-math.inf, self._cache[1])
         self._one.clear()

@@ -72,10 +72,14 @@ async def overview(handler: Base, search: str = "", offset: int = 0,
                    limit: int = ADMIN_PAGE_USERS) -> dict:
     """Everything the admin page shows: one page of users (``limit`` from ``offset`` of those
     whose name or group holds `search`), groups, default quota, audit trail. The ledger is
-    read in a worker thread, never on the event loop."""
-    users = await handler.directory.users()
-    return await asyncio.to_thread(_overview, handler.ledger, users, _usage(handler), time.time(),
-                                   search, offset, limit)
+    read in a worker thread, never on the event loop. The hub's users as
+    `HubDirectory.users_recent` gives them: on a hub whose list is slow to read, as last
+    read (``people_read_ago``: how many seconds ago; None: read fresh)."""
+    users, age = await handler.directory.users_recent()
+    o = await asyncio.to_thread(_overview, handler.ledger, users, _usage(handler), time.time(),
+                                search, offset, limit)
+    o["people_read_ago"] = age
+    return o
 
 
 def known_names(ledger: Ledger, users: list, search: str = "", extra=()) -> list[dict]:
@@ -239,8 +243,8 @@ class EffectiveQuotasHandler(APIHandler):
         self.require_admin()
         offset, limit = self.page_args()
         search = self.get_query_argument("q", "")
-        names = await asyncio.to_thread(known_names, self.ledger, await self.directory.users(),
-                                        search)
+        users, _age = await self.directory.users_recent()  # as the admin page lists them
+        names = await asyncio.to_thread(known_names, self.ledger, users, search)
         page = names[offset:offset + limit]
         self.send_page("users", await asyncio.to_thread(effective_view, self.ledger, page),
                        offset, limit, len(names))

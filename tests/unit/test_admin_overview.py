@@ -1,17 +1,32 @@
 """The admin page's audit trail says every field of a quota change (issue 14: GPU-hour
-changes were left out), rendered by the service's own template from a real SQLite ledger."""
+changes were left out), rendered by the service's own template from a real SQLite ledger;
+and at organisation scale (issue 40) it lists the hub's people as last read where reading
+them all is slow, saying how old the list is, and waits for a fresh read where it is quick."""
 
 import asyncio
+import os
+import re
+from unittest import mock
 
+import pytest
+from tornado.httpclient import AsyncHTTPClient
+from tornado.httpserver import HTTPServer
+from tornado.testing import bind_unused_port
+
+from gpulab.hub.service import app as service
+from gpulab.hub.service.hubapi import HubDirectory
 from gpulab.hub.service.pages import _pages, page_context
 from gpulab.hub.service.quotas import overview
-from gpulab.hub.quota.ledger import DeviceInfo, Ledger
+from gpulab.hub.quota.ledger import DeviceInfo, Ledger, Request
 from gpulab.hub.quota.policy import Quota
 
 
 class Directory:  # the hub's user list, as the service reads it from the hub API
     async def users(self):
         return [{"name": "ann", "groups": [], "admin": False}]
+
+    async def users_recent(self):  # read fresh (a small hub)
+        return await self.users(), None
 
 
 def test_audit_trail_shows_gpu_hours_and_unsets(tmp_path):
@@ -101,3 +116,133 @@ def test_an_admins_queue_actions_are_in_the_audit_trail_in_words():
                                       "state": "waiting"}, "unset") == words
     assert _change_text("user", {"max_gpus": 2}, "—") == "2 GPUs at once"
     assert _change_text("user", None, "unset") == "unset"
+
+
+# -- the hub's people as last read, when reading them all is slow (issue 40) --------------
+
+class Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+class TimedHub(HubDirectory):
+    """The service's own `HubDirectory`, with the hub's paged list of everyone stood in for:
+    `people` as the hub lists them now; each full read takes `cost` seconds of the test's
+    clock (10,000 people: ~1.8 s) and is counted (`full_reads`)."""
+
+    def __init__(self, people: list[dict], cost: float):
+        super().__init__("http://127.0.0.1:1/hub/api", "unused", clock=Clock())
+        self.people, self.cost = people, cost
+
+    async def _all_users(self, state: str = ""):
+        await asyncio.sleep(0)
+        self.clock.t += self.cost
+        return [dict(u) for u in self.people]
+
+
+def person(name, *groups):
+    return {"name": name, "groups": list(groups), "admin": False}
+
+
+async def test_a_quick_hub_is_read_fresh_a_slow_one_as_last_read_with_its_age():
+    quick = TimedHub([person("ann")], cost=0.01)
+    assert await quick.users_recent() == ([person("ann")], None)
+    quick.people.append(person("bob"))
+    quick.clock.t += 6  # past the ttl: read again, waited for (a new person shows at once)
+    users, age = await quick.users_recent()
+    assert [u["name"] for u in users] == ["ann", "bob"] and age is None
+    assert quick.full_reads == 2
+
+    slow = TimedHub([person("ann")], cost=1.8)
+    assert (await slow.users_recent())[1] is None  # the first read is waited for
+    slow.people.append(person("bob"))
+    slow.clock.t += 6
+    # past the ttl: everyone who asks meanwhile gets the list as last read, and its age,
+    # while one read of the hub goes on in the background
+    got = await asyncio.gather(*(slow.users_recent() for _ in range(5)))
+    assert all([u["name"] for u in users] == ["ann"] and age == pytest.approx(7.8)
+               for users, age in got)
+    await slow._refresh
+    assert slow.full_reads == 2
+    users, age = await slow.users_recent()
+    assert [u["name"] for u in users] == ["ann", "bob"] and age == pytest.approx(1.8)
+    # a quota saved (`forget`): the next read is due, the list is still served meanwhile
+    slow.forget()
+    assert [u["name"] for u in (await slow.users_recent())[0]] == ["ann", "bob"]
+    await slow._refresh
+    assert slow.full_reads == 3
+
+
+PREFIX = "/services/gpulab/"
+ADMIN = {"kind": "user", "name": "root", "admin": True,
+         "scopes": [service.ACCESS_SCOPE, service.ADMIN_SCOPE]}
+
+
+@pytest.fixture
+async def admin_page(tmp_path):
+    """The service's admin page over HTTP in this process (who asks: an admin, the hub's
+    token check replaced), on a real SQLite ledger; ``serve(directory)``."""
+    env = {"JUPYTERHUB_API_TOKEN": "x", "JUPYTERHUB_API_URL": "http://127.0.0.1:1/hub/api",
+           "JUPYTERHUB_CLIENT_ID": "service-gpulab", "JUPYTERHUB_SERVICE_PREFIX": PREFIX}
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.sqlite'}")
+    ledger.migrate()
+    ledger.sync_inventory(DeviceInfo(i) for i in range(2))
+    # someone the hub no longer lists still holds a GPU
+    ledger.admit(Request("left-the-lab", "notebook", "nb", 1))
+    servers = []
+
+    async def get_user(self, handler, *, sync=True):
+        return ADMIN
+
+    with mock.patch.dict(os.environ, env), \
+            mock.patch.object(service.HubOAuth, "get_user", get_user):
+        def serve(directory):
+            sock, port = bind_unused_port()
+            server = HTTPServer(service.make_app(ledger, PREFIX, "/hub/", directory))
+            server.add_sockets([sock])
+            servers.append(server)
+
+            async def get(query=""):
+                r = await AsyncHTTPClient().fetch(f"http://127.0.0.1:{port}{PREFIX}admin{query}")
+                return r.body.decode()
+            return get
+
+        yield serve
+        for server in servers:
+            server.stop()
+
+
+def names_on(page: str) -> list[str]:
+    return re.findall(r'<tr data-user="([^"]+)">', page)
+
+
+async def test_the_admin_page_of_a_slow_hub_shows_people_as_last_read_and_says_how_old(admin_page):
+    hub = TimedHub([person("ann", "vision"), person("bob")], cost=1.8)
+    get = admin_page(hub)
+    page = await get()
+    assert names_on(page) == ["ann", "bob", "left-the-lab"] and 'id="people-read"' not in page
+    hub.people.append(person("cyd", "vision"))
+    hub.clock.t += 12
+    page = await get()  # not waited for: as read 13.8 s ago, and it says so
+    assert names_on(page) == ["ann", "bob", "left-the-lab"]
+    assert "People as read from the hub 14 s ago" in page
+    await hub._refresh  # the newer read, made meanwhile in the background
+    page = await get("?q=VISION")  # the newer read, searched by group
+    assert names_on(page) == ["ann", "cyd"] and hub.full_reads == 2
+    assert names_on(await get("?q=left")) == ["left-the-lab"]  # holds a GPU: still listed
+
+
+async def test_the_admin_page_of_a_quick_hub_waits_for_a_fresh_read(admin_page):
+    hub = TimedHub([person("ann")], cost=0.01)
+    get = admin_page(hub)
+    assert names_on(await get()) == ["ann", "left-the-lab"]
+    hub.people.append(person("bob"))
+    hub.clock.t += 6
+    page = await get()
+    assert names_on(page) == ["ann", "bob", "left-the-lab"] and 'id="people-read"' not in page
+    assert hub.full_reads == 2

@@ -24,6 +24,9 @@ class BrokenDirectory:  # the hub's API does not answer
     async def users(self):
         raise ConnectionRefusedError("hub API down")
 
+    async def users_recent(self):
+        raise ConnectionRefusedError("hub API down")
+
     async def groups_of(self, name):
         raise ConnectionRefusedError("hub API down")
 

@@ -244,3 +244,50 @@ def test_estimates_count_the_time_limit_of_work_admitted_at_once(ledger):
     q.schedule(now=T + 160)
     (alloc,) = [a for a in ledger.open_allocations() if a.holder == "next"]
     assert alloc.max_runtime == 600.0
+
+
+def test_many_reads_of_the_line_cost_one_plan_and_each_sees_only_their_own(ledger):
+    """``GET queue`` and ``GET jobs`` read the line (`Queue.entries`) on every poll; the plan
+    is shared for a second while nothing changed (issue 40: 26 % of the service's samples
+    under steady load were plans), the filter by person is each read's own: ann never sees
+    bob's entry through it, and any write (a submission here, another process's, a release)
+    plans again at the next read."""
+    q = Queue(ledger)
+    ledger.admit(req("cyd", "all", 4), now=T)
+    a = q.enqueue(req("ann", "a1", 1), now=T + 1)
+    b = q.enqueue(req("bob", "b1", 1), now=T + 2)
+    readers = ["ann", "bob", None] * 8
+    seen: dict[int, list] = {}
+    start = threading.Barrier(len(readers))
+
+    def read(i, who):
+        start.wait()
+        seen[i] = q.entries(who, now=T + 3)
+
+    threads = [threading.Thread(target=read, args=(i, w)) for i, w in enumerate(readers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert q.plans == 1
+    for i, who in enumerate(readers):
+        want = {"ann": [a.id], "bob": [b.id], None: [a.id, b.id]}[who]
+        assert [e.id for e in seen[i]] == want, (who, seen[i])
+    assert [e.position for e in q.entries(None, now=T + 3)] == [1, 2] and q.plans == 1
+    # bob's own new submission shows in his next read
+    b2 = q.enqueue(req("bob", "b2", 1), now=T + 3)
+    assert [e.id for e in q.entries("bob", now=T + 3)] == [b.id, b2.id] and q.plans == 2
+    assert [e.id for e in q.entries("ann", now=T + 3)] == [a.id] and q.plans == 2
+    # a write by another process (the hub's spawner queues a notebook): seen in the database
+    other = Queue(ledger)
+    nb = other.enqueue(req("ann", "nb", 1, kind="notebook"), now=T + 3)
+    assert [e.id for e in q.entries("ann", now=T + 3)] == [a.id, nb.id] and q.plans == 3
+    # a release: the GPUs are free, the reads say so at once
+    ledger.release(ledger.open_allocations(user="cyd")[0].id, now=T + 3)
+    assert q.entries("ann", now=T + 3)[0].reason.startswith("Its GPUs are free")
+    assert q.plans == 4
+    # and a second later (estimates move with the clock) it plans again
+    q.entries("ann", now=T + 3.5)
+    assert q.plans == 4
+    q.entries("ann", now=T + 4.5)
+    assert q.plans == 5

@@ -225,3 +225,39 @@ def test_usage_windows_sum_in_the_database_as_usage_sums_in_python(tmp_path):
         for user in want:
             assert abs(got[user] - want[user]) < 1e-6, (user, got[user], want[user])
     assert week["ann"] == 24 and month["dee"] == 24 and "cy" not in month
+
+
+def test_the_queue_sums_the_history_in_the_database_as_the_policy_sums_it(tmp_path):
+    """A plan's decayed use and budget windows are summed by the database (`Queue._read`:
+    at 100,000 past allocations, carrying the history into Python was 60 % of the service's
+    samples, bench/scale.py --only-pages --profile); they equal `policy.decayed_usage` and
+    `Ledger.usage` on the same history: spans across the five-half-life edge and a window's
+    edge, open ones, ones of no GPUs, people not asked for left out."""
+    from gpulab.hub.quota import queue as policy
+
+    lg = Ledger(f"sqlite:///{tmp_path}/l.sqlite")
+    lg.migrate()
+    lg.sync_inventory([DeviceInfo(i) for i in range(4)])
+    q = Queue(lg, half_life_hours=24)
+    now = T + 40 * 24 * H
+    spans = [("ann", 2, T, T + 20 * 24 * H), ("ann", 1, now - 8 * 24 * H, now - 6 * 24 * H),
+             ("ann", 1, now - 6 * 24 * H, now - 4 * 24 * H),  # across the 5-day edge
+             ("bob", 1, now - 3 * H, None), ("cy", 0, now - 5 * H, None),
+             ("dee", 1, now - 31 * 24 * H, now - 29 * 24 * H), ("eve", 3, now - H, now)]
+    for i, (user, gpus, start, end) in enumerate(spans):
+        a = lg.admit(Request(user, "job", f"j{i}", gpus), now=start)
+        if end is not None:
+            lg.release(a.id, now=end)
+    asked = {"ann", "bob", "cy", "dee"}
+    with lg.Reader() as s:
+        decayed = q._decayed_usage(s, asked, now)
+        windows = {"ann": now - 7 * 24 * H, "bob": now - H, "dee": now - 30 * 24 * H}
+        used = q._window_usage(s, windows, now)
+    recent = [(u, g, a, b) for u, g, a, b in spans if b is None or b > now - 5 * 24 * H]
+    want = policy.decayed_usage(recent, now, 24 * H)
+    assert set(decayed) == {"ann", "bob"}  # dee's use ended before the edge; cy has no GPUs
+    for user in decayed:
+        assert abs(decayed[user] - want[user]) < 1e-9, (user, decayed[user], want[user])
+    for user, since in windows.items():
+        assert abs(used[user] - lg.usage(since, now).get(user, 0.0)) < 1e-6, user
+    assert used == pytest.approx({"ann": 72.0, "bob": 1.0, "dee": 24.0})
