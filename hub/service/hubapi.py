@@ -33,19 +33,23 @@ def _log_failure(f: asyncio.Future) -> None:
 #: one (`HubDirectory.users_recent`); past it the page shows the list as last read and says
 #: how old it is (10,000 people: ~1.8 s, 50 pages of 200 on a 2-core machine)
 SLOW_READ = 0.25
+#: and the people it must list (more than 5 of the hub's pages): a hub of a few hundred people
+#: is always read fresh for the page, however loaded the machine (a slow read there is load,
+#: not size)
+MANY_PEOPLE = 1000
 
 
 class HubDirectory:
     """Users and groups as the hub knows them, read with the service's own token.
 
-    ``ttl``: seconds a full read of the users is reused; ``slow``: `SLOW_READ`; ``clock``:
-    the monotonic clock (the tests' own)."""
+    ``ttl``: seconds a full read of the users is reused; ``slow``: `SLOW_READ`; ``many``:
+    `MANY_PEOPLE`; ``clock``: the monotonic clock (the tests' own)."""
 
     def __init__(self, api_url: str, token: str, ttl: float = 5.0, page: int = 200,
-                 slow: float = SLOW_READ, clock=time.monotonic):
+                 slow: float = SLOW_READ, many: int = MANY_PEOPLE, clock=time.monotonic):
         self.api_url, self.token, self.ttl = api_url.rstrip("/"), token, ttl
         self.page = page  # users a request (the hub's most, `api_page_max_limit`, is 200)
-        self.slow, self.clock = slow, clock
+        self.slow, self.many, self.clock = slow, many, clock
         #: (when the read ended, the users); `forget` makes it stale, never drops it
         self._cache: tuple[float, list[dict]] | None = None
         self._read_at: float | None = None  # when the last full read began
@@ -98,12 +102,14 @@ class HubDirectory:
     async def users_recent(self) -> tuple[list[dict], float | None]:
         """The users for the admin page, and None, or how many seconds ago they were read.
 
-        Where the last full read took under ``slow`` seconds (a hub of a few hundred people)
-        this is `users`: a fresh list, waited for (None). Where it took longer (10,000
-        people: ~1.8 s of the hub's and this service's time), the list as last read, with a
+        Where the last full read took under ``slow`` seconds, or listed at most ``many``
+        people (a hub of a few hundred), this is `users`: a fresh list, waited for (None).
+        Where it took longer and listed more (10,000 people: ~1.8 s of the hub's and this
+        service's time), the list as last read, with a
         fresh read started in the background once it is older than the ttl (`users_now`),
         and its age, which the page shows. The first read is always waited for."""
-        if self._cache is None or self._read_took is None or self._read_took < self.slow:
+        if (self._cache is None or self._read_took is None or self._read_took < self.slow
+                or len(self._cache[1]) <= self.many):
             return await self.users(), None
         users = await self.users_now()
         return users, max(0.0, self.clock() - self._read_at)

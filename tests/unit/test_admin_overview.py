@@ -135,8 +135,8 @@ class TimedHub(HubDirectory):
     `people` as the hub lists them now; each full read takes `cost` seconds of the test's
     clock (10,000 people: ~1.8 s) and is counted (`full_reads`)."""
 
-    def __init__(self, people: list[dict], cost: float):
-        super().__init__("http://127.0.0.1:1/hub/api", "unused", clock=Clock())
+    def __init__(self, people: list[dict], cost: float, many: int = 0):
+        super().__init__("http://127.0.0.1:1/hub/api", "unused", many=many, clock=Clock())
         self.people, self.cost = people, cost
 
     async def _all_users(self, state: str = ""):
@@ -176,6 +176,14 @@ async def test_a_quick_hub_is_read_fresh_a_slow_one_as_last_read_with_its_age():
     assert [u["name"] for u in (await slow.users_recent())[0]] == ["ann", "bob"]
     await slow._refresh
     assert slow.full_reads == 3
+
+    # slow but small (a loaded machine, a hub of a few hundred people): read fresh, waited for
+    few = TimedHub([person("ann")], cost=1.8, many=1000)
+    await few.users_recent()
+    few.people.append(person("bob"))
+    few.clock.t += 6
+    users, age = await few.users_recent()
+    assert [u["name"] for u in users] == ["ann", "bob"] and age is None and few.full_reads == 2
 
 
 PREFIX = "/services/gpulab/"
