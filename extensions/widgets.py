@@ -596,10 +596,11 @@ class TrainingLauncher(W.VBox):
         self.validate()
 
     def _quota_may_change(self) -> bool:
-        """Whether the quota's picture can change by itself: a job of the person's holds GPUs
-        (it will end), or the form is refused for the quota or the hub's free GPUs."""
+        """Whether the quota's picture can change by itself: a job or a held cluster of the
+        person's holds GPUs (it will end), or the form is refused for the quota or the hub's
+        free GPUs."""
         holdings = (self.me or {}).get("holdings") or ()
-        return any(h.get("kind") == "job" for h in holdings) or (
+        return any(h.get("kind") in ("job", "cluster") for h in holdings) or (
             self.launch_button.disabled and "GPU" in self.reason.value)
 
     def _watch_quota(self) -> None:

@@ -261,8 +261,9 @@ class JobBackend:
         """``(user, name)`` of every held cluster not yet final (sync), for the pages that
         show GPU holdings and the queue, where a cluster's allocation is a job's.
         Drivers should not override this method (the workflow's; they fill the hooks)."""
-        return {(job.user, job.name) for job, _ in self.store.active()
-                if json.loads(job.spec).get("kind") == CLUSTER}
+        # one query of the specs alone (no replicas); only specs naming a cluster are parsed
+        return {(user, name) for user, name, spec in self.store.active_specs()
+                if CLUSTER in spec and json.loads(spec).get("kind") == CLUSTER}
 
     def active_owners(self) -> list[tuple[str, str]]:
         """``(user, name)`` of every job not yet final, waiting ones too (sync).

@@ -116,6 +116,13 @@ class JobStore:
             q = select(JobRow).where(JobRow.state.in_(ACTIVE), JobRow.backend == self.backend)
             return [(j, self.load(s, j.id)[1]) for j in s.scalars(q)]
 
+    def active_specs(self) -> list[tuple[str, str, str]]:
+        """``(user, name, spec JSON)`` of this backend's active jobs: one query, no replicas."""
+        with self.ledger.Reader() as s:
+            return [tuple(r) for r in s.execute(select(JobRow.user, JobRow.name, JobRow.spec)
+                                                .where(JobRow.state.in_(ACTIVE),
+                                                       JobRow.backend == self.backend))]
+
     def active_owners(self) -> list[tuple[str, str]]:
         """``(user, name)`` of this backend's active jobs, waiting ones too."""
         with self.ledger.Reader() as s:

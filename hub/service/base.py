@@ -5,6 +5,7 @@ request body passes (`check_json_values`)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -211,3 +212,23 @@ class FieldError(web.HTTPError):
         super().__init__(status, "%s", message)
         self.field = field
         self.message = message
+
+
+async def mark_cluster_kinds(handler, holdings: list[dict], entries: list[dict]) -> None:
+    """Holdings and queue entries of held clusters (issue 38) say ``cluster``, not ``job``:
+    the ledger and the queue hold a cluster's GPUs as a job's. A holding names its person in
+    ``user``; an entry in ``user`` and ``holder``. One read of the active jobs' kinds, and
+    none when nothing shown is a job's."""
+    backend = handler.settings.get("jobs")
+    if backend is None or not hasattr(backend, "active_clusters") or not any(
+            x.get("kind") == "job" for x in (*holdings, *entries)):
+        return
+    held = await asyncio.to_thread(backend.active_clusters)
+    if not held:
+        return
+    for h in holdings:
+        if h.get("kind") == "job" and (h.get("user"), h.get("name")) in held:
+            h["kind"] = "cluster"
+    for e in entries:
+        if e.get("kind") == "job" and (e.get("user"), e.get("holder")) in held:
+            e["kind"] = "cluster"

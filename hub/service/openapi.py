@@ -68,7 +68,9 @@ DEVICE_USAGE = {"type": "object", "required": ["device", "measured"], "propertie
     "namespace": {"type": "string", "description": "DCGM: the pod's namespace"},
     "text": {"type": "string", "description": "The same in words, as the pages show it"}}}
 HOLDING = {"type": "object", "properties": {
-    "id": {"type": "string"}, "kind": {"type": "string", "enum": ["notebook", "job"]},
+    "id": {"type": "string"}, "kind": {"type": "string", "enum": ["notebook", "job", "cluster"],
+                                       "description": "cluster: a cluster held for a "
+                                       "notebook (gpulab.cluster)"},
     "name": {"type": "string"}, "gpus": {"type": "integer"},
     "devices": {"type": "array", "items": {"type": "integer"}}, "since": {"type": "number"},
     "usage": {"type": "array", "items": DEVICE_USAGE,
@@ -163,7 +165,9 @@ REPLICA = {"type": "object", "properties": {
     "usage": {"type": "array", "items": DEVICE_USAGE}}}
 QUEUE_ENTRY = {"type": "object", "properties": {
     "id": {"type": "string"}, "user": {"type": "string"},
-    "kind": {"type": "string", "enum": ["job", "notebook"]}, "holder": {"type": "string"},
+    "kind": {"type": "string", "enum": ["job", "notebook", "cluster"],
+             "description": "cluster: a cluster held for a notebook (gpulab.cluster)"},
+    "holder": {"type": "string"},
     "gpus": {"type": "integer"}, "position": {"type": ["integer", "null"]},
     "estimated_start": {"type": ["number", "null"], "description": "Unix time: the earliest "
                         "start from the time limits of running work and of the work ahead; "

@@ -18,7 +18,7 @@ from jupyterhub.utils import url_path_join
 from tornado import httputil, web
 
 from gpulab.hub.service import ADMIN_SCOPE
-from gpulab.hub.service.base import AppHubAuth, Base, log
+from gpulab.hub.service.base import AppHubAuth, Base, log, mark_cluster_kinds
 from gpulab.hub.service.quotas import (ADMIN_PAGE_USERS, _usage, inventory_view, overview,
                                        user_view)
 from gpulab.hub.service.queue import entry_view
@@ -144,26 +144,15 @@ class PageHandler(ErrorPages, Base):
 
 async def mark_clusters(handler, holdings: list[dict], entries: list[dict]) -> None:
     """Holdings and queue entries of held clusters (issue 38) say ``cluster``, not ``job``
-    (the ledger and the queue hold a cluster's GPUs as a job's); every holding says how long
-    it has been held (``held_for``: ``1:02:03``)."""
+    (`mark_cluster_kinds`); every holding says how long it has been held (``held_for``:
+    ``1:02:03``)."""
     from gpulab.extensions.jobmodel import format_duration
 
     now = time.time()
     for h in holdings:
         if h.get("since"):
             h["held_for"] = format_duration(max(0.0, now - h["since"]))
-    backend = handler.settings.get("jobs")
-    if backend is None or not hasattr(backend, "active_clusters"):
-        return
-    held = await asyncio.to_thread(backend.active_clusters)
-    if not held:
-        return
-    for h in holdings:
-        if h.get("kind") == "job" and (h.get("user"), h.get("name")) in held:
-            h["kind"] = "cluster"
-    for e in entries:
-        if e.get("kind") == "job" and (e.get("user"), e.get("holder")) in held:
-            e["kind"] = "cluster"
+    await mark_cluster_kinds(handler, holdings, entries)
 
 
 class UserPage(PageHandler):

@@ -17,7 +17,7 @@ from tornado import web
 
 from gpulab.hub.quota.ledger import BadRequest
 from gpulab.hub.quota.waiting import ACTIONS, LEFT_REASON
-from gpulab.hub.service.base import APIHandler, FieldError
+from gpulab.hub.service.base import APIHandler, FieldError, mark_cluster_kinds
 
 
 ENTRY_ID = re.compile(r"[0-9a-f]{32}")
@@ -47,8 +47,9 @@ class QueueHandler(QueueBase):
         now = time.time()
         entries = await asyncio.to_thread(queue.entries, who, now)
         total = len(entries)
-        self.send_page("entries", [entry_view(e, now) for e in entries[offset:offset + limit]],
-                       offset, limit, total, enabled=True)
+        views = [entry_view(e, now) for e in entries[offset:offset + limit]]
+        await mark_cluster_kinds(self, [], views)
+        self.send_page("entries", views, offset, limit, total, enabled=True)
 
 
 class QueueActionHandler(QueueBase):

@@ -12,7 +12,7 @@ from tornado import web
 
 from gpulab.hub.quota.ledger import Ledger
 from gpulab.hub.quota.policy import Quota, QuotaError, disk_input, parse_quota
-from gpulab.hub.service.base import DAY, APIHandler, Base, FieldError
+from gpulab.hub.service.base import DAY, APIHandler, Base, FieldError, mark_cluster_kinds
 
 # -- views shared by the API and the pages ------------------------------------------------
 
@@ -219,6 +219,10 @@ def effective_view(ledger: Ledger, users: list) -> list[dict]:
 class MeHandler(APIHandler):
     async def get(self):
         view = await user_view(self, self.current_user["name"])
+        mine = [{**h, "user": view["user"]} for h in view["holdings"]]
+        await mark_cluster_kinds(self, mine, [])
+        for h, marked in zip(view["holdings"], mine):
+            h["kind"] = marked["kind"]
         view["inventory"] = await asyncio.to_thread(inventory_view, self.ledger, _usage(self))
         view["admin"] = self.is_gpulab_admin
         backend = self.settings.get("jobs")

@@ -132,9 +132,9 @@ def test_the_holding_kernels_shutdown_gives_the_gpus_back(ann, held, admin):
     name, holder = held
     # (the tutorials' kernels re-attached and went away; the holder still renews)
     assert ann.service("GET", f"jobs/{name}").json()["state"] == "Running"
-    assert any(h["kind"] == "job" and h["name"] == name for h in
+    # it shows as a cluster: the API's holdings, My GPUs, the admin page, `gpulab jobs list`
+    assert any(h["kind"] == "cluster" and h["name"] == name for h in
                ann.service("GET", "me").json()["holdings"])
-    # it shows as a cluster: My GPUs, the admin page, `gpulab jobs list`
     mine = ann.s.get(ann.hub.service_url, timeout=60).text
     assert f"<td>cluster</td><td>{name}</td>" in mine
     assert re.search(r'<td class="held-for">\d+:\d\d</td>', mine), mine

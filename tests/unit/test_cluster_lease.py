@@ -107,3 +107,30 @@ async def test_only_a_persons_own_clusters_take_leases(queued):
         await b.lease("eve", "held", 0)
     assert e.value.status == 404
     assert b.active_clusters() == {("ann", "held")}
+
+
+async def test_the_api_says_cluster_for_a_held_clusters_place_in_line(queued):
+    """`GET queue` and `me` (through `mark_cluster_kinds`) name a held cluster's entry and
+    holding ``cluster`` (the queue and the ledger hold it as a job's); a plain job of the same
+    person stays ``job``, and the same name of another person is not taken for it."""
+    from types import SimpleNamespace
+
+    from gpulab.hub.service.base import mark_cluster_kinds
+    from gpulab.hub.service.queue import entry_view
+
+    b = queued
+    plain = await b.submit("ann", (), parse_spec({
+        "name": "plain", "strategy": "multi-worker-mirrored", "replicas": {"worker": 1},
+        "source": "print(1)",
+        "resources": {"worker": {"gpus": 1}}}))
+    assert plain["state"] == "Queued", plain
+    now = time.time()
+    entries = [entry_view(e, now) for e in b.queue.entries(None, now)]
+    holdings = [{"kind": "job", "user": "ann", "name": "held"},
+                {"kind": "job", "user": "eve", "name": "held"},
+                {"kind": "notebook", "user": "ann", "name": "held"}]
+    await mark_cluster_kinds(SimpleNamespace(settings={"jobs": b}), holdings, entries)
+    assert sorted((e["holder"], e["kind"]) for e in entries if e["user"] == "ann") == [
+        ("held", "cluster"), ("plain", "job")], entries
+    assert [h["kind"] for h in holdings] == ["cluster", "job", "notebook"]
+    await b.stop("ann", "plain")
