@@ -250,7 +250,8 @@ class LocalGPUSpawner(GPUSpawnerMixin, LocalProcessSpawner):
         bomb where control groups cannot be made (the kernel's own default here, 96,367, is
         above ``pid_max``). Default: a quarter of what the kernel can hold (the smaller of
         ``pid_max`` and ``threads-max``; 8,192 where ``pid_max`` is 32,768), at least 1,024;
-        keep ``c.GPUJobs.max_user_processes`` the same. 0: left as it is.
+        training replicas follow it unless ``c.GPUJobs.max_user_processes`` is set. 0: left
+        as it is.
         Example: ``c.LocalGPUSpawner.max_user_processes = 4096``
         """,
     ).tag(config=True)

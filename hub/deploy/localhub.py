@@ -126,7 +126,8 @@ def person_bounds(config: Config, spawner_class=None) -> dict:
     and the hub's tag, `gpulab.hub.machine.cgroups.person_unit`), as `JobLimits` fields: the hub
     hands them to the gpulab service with the job limits, so a person's replicas nest in the
     same group, with the same limits, as their servers. A spawner that is not a
-    `LocalGPUSpawner` gives none (replicas then have no person-level group)."""
+    `LocalGPUSpawner` gives none (replicas then have no person-level group). The jobs'
+    ``max_user_processes`` is the spawner's unless ``c.GPUJobs.max_user_processes`` is set."""
     from gpulab.spawner import LocalGPUSpawner
 
     if not (isinstance(spawner_class, type) and issubclass(spawner_class, LocalGPUSpawner)):
@@ -134,10 +135,21 @@ def person_bounds(config: Config, spawner_class=None) -> dict:
     if spawner_class is None:
         return {}
     spawner = spawner_class(config=config)
-    return {"person_tag": spawner._hub_tag(),
-            "person_memory": int(spawner.person_mem_limit or 0),
-            "person_cpu": float(spawner.person_cpu_limit or 0),
-            "oom_score_adj": int(spawner.oom_score_adj)}
+    bounds = {"person_tag": spawner._hub_tag(),
+              "person_memory": int(spawner.person_mem_limit or 0),
+              "person_cpu": float(spawner.person_cpu_limit or 0),
+              "oom_score_adj": int(spawner.oom_score_adj)}
+    # RLIMIT_NPROC counts the account's processes in servers and replicas together: one
+    # figure. The jobs' follows the spawner's unless c.GPUJobs.max_user_processes is set.
+    if "max_user_processes" not in config.get("GPUJobs", {}):
+        bounds["max_user_processes"] = int(spawner.max_user_processes)
+    elif int(config.GPUJobs.max_user_processes) != int(spawner.max_user_processes):
+        logging.getLogger("gpulab").warning(
+            "c.GPUJobs.max_user_processes (%s) differs from c.LocalGPUSpawner."
+            "max_user_processes (%s): both bound the same account's processes; set one "
+            "(the jobs follow the spawner's when c.GPUJobs.max_user_processes is not set)",
+            config.GPUJobs.max_user_processes, spawner.max_user_processes)
+    return bounds
 
 
 def _disk_full(e: BaseException) -> bool:

@@ -476,8 +476,9 @@ class GPUJobs(Configurable):
         the most processes and threads of that person's account together, in every server
         and replica, the second line against a fork bomb where control groups cannot be made.
         Default: a quarter of what the kernel can hold (the smaller of ``pid_max`` and
-        ``threads-max``; 8,192 where ``pid_max`` is 32,768), at least 1,024; the same as
-        ``c.LocalGPUSpawner.max_user_processes``, which should match it. 0: left as it is.
+        ``threads-max``; 8,192 where ``pid_max`` is 32,768), at least 1,024. Under ``gpulab
+        up`` it follows ``c.LocalGPUSpawner.max_user_processes`` unless set here (the hub
+        warns when both are set and differ: they bound the same account). 0: left as it is.
         Example: ``c.GPUJobs.max_user_processes = 4096``
         """).tag(config=True)
 

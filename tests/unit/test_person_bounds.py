@@ -126,9 +126,10 @@ def test_the_hub_hands_the_person_bounds_to_the_service_with_the_job_limits(conf
     config.LocalGPUSpawner.person_cpu_limit = 1.25
     config.LocalGPUSpawner.oom_score_adj = 300
     config.JupyterHub.db_url = "sqlite:////srv/hub/jupyterhub.sqlite"
+    config.LocalGPUSpawner.max_user_processes = 2048
     bounds = person_bounds(config, LocalGPUSpawner)
     assert bounds == {"person_tag": spawner(config)._hub_tag(), "person_memory": 3 * GiB,
-                      "person_cpu": 1.25, "oom_score_adj": 300}
+                      "person_cpu": 1.25, "oom_score_adj": 300, "max_user_processes": 2048}
     import dataclasses
 
     limits = dataclasses.replace(GPUJobs(config=config).limits(), **bounds)
@@ -140,6 +141,27 @@ def test_the_hub_hands_the_person_bounds_to_the_service_with_the_job_limits(conf
     from jupyterhub.spawner import LocalProcessSpawner
 
     assert person_bounds(config, LocalProcessSpawner) == {}
+
+
+def test_the_jobs_process_bound_is_the_spawners_unless_set_apart(config, caplog):
+    """``RLIMIT_NPROC`` bounds one account's processes in servers and replicas together: the
+    jobs' bound follows ``c.LocalGPUSpawner.max_user_processes``; set on its own it stays, and
+    a different figure in both places is said in the log."""
+    import dataclasses
+
+    config.LocalGPUSpawner.max_user_processes = 3000
+    limits = dataclasses.replace(GPUJobs(config=config).limits(),
+                                 **person_bounds(config, LocalGPUSpawner))
+    assert limits.max_user_processes == 3000
+    config.GPUJobs.max_user_processes = 3000  # the same in both: nothing to say
+    with caplog.at_level("WARNING", logger="gpulab"):
+        assert "max_user_processes" not in person_bounds(config, LocalGPUSpawner)
+    assert "differs" not in caplog.text
+    config.GPUJobs.max_user_processes = 5000
+    with caplog.at_level("WARNING", logger="gpulab"):
+        bounds = person_bounds(config, LocalGPUSpawner)
+    assert "max_user_processes" not in bounds
+    assert "c.GPUJobs.max_user_processes (5000) differs" in caplog.text
 
 
 # -- nesting, on stand-in folders --------------------------------------------------------------
