@@ -467,41 +467,49 @@ class LocalJobBackend(JobBackend):
         # pool that lists no devices is left alone: it may count real GPUs it does not list)
         pool = self.ledger.devices()
         cuda = not pool or any(not d.simulated for d in pool)
+        # read alone, the processes started outside any transaction (a write transaction
+        # held the database's write lock, SQLite's for everyone, while they started), then
+        # what started written in one short one
+        job, reps = self.store.read(job_id)
+        spec = JobSpec.model_validate_json(job.spec)
+        account = self.accounts(job.user)
+        held = spec.is_cluster
+        cluster = {}
+        for r in reps:
+            if r.role != "evaluator":
+                cluster.setdefault(r.role, []).append((r.index, f"127.0.0.1:{r.port}"))
+        cluster = {k: [a for _, a in sorted(v)] for k, v in cluster.items()}
+        job_dir = Path(job.job_dir)
+        program = script or job_dir.joinpath(*code_parts(spec))
+        if script is None and spec.script is not None:
+            program = account.folder / spec.script
+        if held:  # a cluster's replicas only serve
+            program = None
+        started: dict[tuple[str, int], tuple[int, float]] = {}
+        for r in reps:
+            key = (r.role, r.index)
+            if only is not None and key not in only:
+                continue
+            with _their_folder():
+                logs = safefs.open_dir(*_in_job(job.job_dir, "logs"))
+            try:
+                os.unlink(f"{r.role}-{r.index}.exit", dir_fd=logs)
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(logs)
+            history = restart_history(r) if only is not None else []
+            marker = (restart_marker(r.role, r.index, history[-1])
+                      if history and history[-1].get("restart") == r.restarts else None)
+            proc = self._spawn(job, spec, r, cluster, program, account, marker, cuda=cuda)
+            self._procs[(job_id, r.role, r.index)] = proc
+            started[key] = (proc.pid, proc.create_time())
         with self.ledger.Session.begin() as s:
             job, reps = self.store.load(s, job_id)
-            spec = JobSpec.model_validate_json(job.spec)
-            account = self.accounts(job.user)
-            held = spec.is_cluster
-            cluster = {}
             for r in reps:
-                if r.role != "evaluator":
-                    cluster.setdefault(r.role, []).append((r.index, f"127.0.0.1:{r.port}"))
-            cluster = {k: [a for _, a in sorted(v)] for k, v in cluster.items()}
-            job_dir = Path(job.job_dir)
-            program = script or job_dir.joinpath(*code_parts(spec))
-            if script is None and spec.script is not None:
-                program = account.folder / spec.script
-            if held:  # a cluster's replicas only serve
-                program = None
-            for r in reps:
-                key = (r.role, r.index)
-                if only is not None and key not in only:
-                    continue
-                with _their_folder():
-                    logs = safefs.open_dir(*_in_job(job.job_dir, "logs"))
-                try:
-                    os.unlink(f"{r.role}-{r.index}.exit", dir_fd=logs)
-                except FileNotFoundError:
-                    pass
-                finally:
-                    os.close(logs)
-                history = restart_history(r) if only is not None else []
-                marker = (restart_marker(r.role, r.index, history[-1])
-                          if history and history[-1].get("restart") == r.restarts else None)
-                proc = self._spawn(job, spec, r, cluster, program, account, marker, cuda=cuda)
-                self._procs[(job_id, r.role, r.index)] = proc
-                r.pid, r.pid_started = proc.pid, proc.create_time()
-                r.state, r.reason, r.exit_code = "Running", "", None
+                if (r.role, r.index) in started:
+                    r.pid, r.pid_started = started[(r.role, r.index)]
+                    r.state, r.reason, r.exit_code = "Running", "", None
             job.state = "Running"
             job.started_at = job.started_at or time.time()
             job.reason = "all replicas started"
