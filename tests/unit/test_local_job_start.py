@@ -11,23 +11,14 @@ from __future__ import annotations
 import sqlite3
 
 import psutil
-import pytest
 
 from gpulab.hub.jobs.local import LocalJobBackend, UserAccount
 from gpulab.hub.jobs.spec import parse_spec
-from gpulab.hub.quota.ledger import DeviceInfo, Ledger
 from gpulab.hub.quota.waiting import Queue
+from tests.unit.test_queued_job_recovery import ledger  # noqa: F401 (a fixture: one GPU)
 
 SPEC = {"name": "two", "strategy": "parameter-server", "replicas": {"chief": 1, "ps": 1, "worker": 1},
         "resources": {"worker": {"gpus": 1}}, "source": "print(1)"}
-
-
-@pytest.fixture
-def ledger(tmp_path):
-    lg = Ledger(f"sqlite:///{tmp_path}/ledger.sqlite")
-    lg.migrate()
-    lg.sync_inventory([DeviceInfo(0)])
-    return lg
 
 
 async def test_replicas_start_while_others_may_write_to_the_ledger(ledger, tmp_path, monkeypatch):
