@@ -424,8 +424,9 @@ def parse(argv=None):
     parser.add_argument("--kueue-interval", type=float, default=3.0,
                         help="seconds between the Kueue mirror's passes (gpulab's default 3)")
     parser.add_argument("--kueue-qps", type=int, default=0,
-                        help="Kueue's client QPS (burst twice that); 0: Kueue's default "
-                             "manifests' 50 (burst 100)")
+                        help="Kueue's client QPS (burst twice that); 0: the test cluster's "
+                             "(tests/cluster/queueing.py KUEUE_CLIENT_CONNECTION: 500, burst "
+                             "1000; Kueue's release manifests say 50, burst 100)")
     parser.add_argument("--configs", default="stock,gpulab",
                         help="which to run, in order: stock, gpulab (with Kueue), "
                              "gpulab-nokueue (KubeGPUSpawner with the ResourceQuota instead)")
@@ -442,8 +443,12 @@ def main(argv=None) -> int:
     with (ControlPlane(queueing=True, nodes=nodes_for(args.servers),
                        kueue_settings=kueue_settings) as cp,
           tempfile.TemporaryDirectory(prefix="gpulab-bench-") as tmp):
+        from tests.cluster.queueing import KUEUE_CLIENT_CONNECTION
+
         print(f"control plane with Kueue and {len(cp.nodes) - 1} GPU nodes up in "
-              f"{cp.startup_seconds:.1f}s", flush=True)
+              f"{cp.startup_seconds:.1f}s; Kueue's clientConnection "
+              f"{(kueue_settings or {}).get('clientConnection', KUEUE_CLIENT_CONNECTION)}",
+              flush=True)
         kubeconfig = rbac_kubeconfig(cp)
         out = asyncio.run(bench(args, kubeconfig, str(Path(tmp) / "gpulab.sqlite")))
     report(args, out)

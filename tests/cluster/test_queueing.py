@@ -320,7 +320,11 @@ def test_kueue_configuration():
         "webhook": {"port": 9443, "host": "127.0.0.1", "certDir": "/c"},
         "leaderElection": {"leaderElect": False},
         "internalCertManagement": {"enable": False},
-        "clientConnection": {"qps": 50, "burst": 100},
+        "clientConnection": {"qps": 500, "burst": 1000},
+        "controller": {"groupKindConcurrency": {
+            "Job.batch": 5, "Pod": 5, "Workload.kueue.x-k8s.io": 5, "LocalQueue.kueue.x-k8s.io": 1,
+            "Cohort.kueue.x-k8s.io": 1, "ClusterQueue.kueue.x-k8s.io": 1,
+            "ResourceFlavor.kueue.x-k8s.io": 1}},
         "managedJobsNamespaceSelector": {"matchExpressions": [{
             "key": "kubernetes.io/metadata.name", "operator": "NotIn",
             "values": ["kube-system", "kueue-system", "jobset-system"]}]},
