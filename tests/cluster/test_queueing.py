@@ -1030,6 +1030,7 @@ async def test_a_gpu_notebook_waits_in_the_persons_queue_and_the_progress_says_w
     from gpulab.hub.jobs.kueue import backend_from_settings
     from gpulab.hub.quota.ledger import Ledger
     from gpulab.hub.quota.policy import Quota
+    from gpulab.hub.cluster.kueuewatch import REFLECTOR_KEY, WorkloadWatch
     from gpulab.hub.cluster.namespaces import GPUQuotaMirror
     from gpulab.spawner.kube import KubeGPUSpawner
     from gpulab.hub.cluster.kueuemirror import KueueMirror
@@ -1086,6 +1087,10 @@ async def test_a_gpu_notebook_waits_in_the_persons_queue_and_the_progress_says_w
             said.append(event.get("message", ""))
         words = next(m for m in said if m.startswith("Waiting for GPUs in your queue"))
         assert "insufficient" in words, said
+        # read from the hub's one Workload watch (issue 40: not a list per waiting server),
+        # which runs while this stream needs it
+        assert KubeGPUSpawner.reflectors.get(REFLECTOR_KEY) is not None
+        assert WorkloadWatch.shared().users == 1
         # the place is Kueue's own, from its visibility API (with the hub's credentials)
         assert not s._said_no_visibility
         status, pending = cp.api("GET", f"/apis/visibility.kueue.x-k8s.io/v1beta2/namespaces/{ns}"
@@ -1105,6 +1110,7 @@ async def test_a_gpu_notebook_waits_in_the_persons_queue_and_the_progress_says_w
         assert [(a.kind, a.holder, a.gpus) for a in ledger.open_allocations(user=user)] == [
             ("notebook", "default", 1)]
         await events.aclose()
+        assert WorkloadWatch.shared().users == 0  # stops IDLE_SECONDS after the last stream
         await s.stop()
         assert ledger.open_allocations(user=user) == []
     finally:
