@@ -284,7 +284,7 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
             ledger, shared_client("CustomObjectsApi"), self.api,
             interval=self.gpu_quota_sync_interval, log=self.log,
             request_timeout=self.k8s_api_request_timeout, pool=self.kueue_gpus,
-            by_model=self.kueue_gpu_models)
+            by_model=self.kueue_gpu_models, preemptible=False)
 
     async def _kueue_record_gpus(self) -> None:
         """The pod runs: Kueue admitted it. Its GPUs in the ledger (as any server's)."""

@@ -164,6 +164,13 @@ async def test_with_kueue_a_left_quota_is_removed_once_per_namespace(ledger, rea
     assert not any(m.endswith("resource_quota") for m, _ in api.calls)
     assert reads == []
 
+    # a namespace the preparation makes (a person's first spawn) holds nothing from before:
+    # no DELETE at all (the API server answers the apply that made it 201)
+    fresh = FakeKubeAPI()
+    bob = dict(namespace="gpulab-bob", user="bob", user_label="bob", gpu_resource_quota=False)
+    assert await prepare(fresh, ledger, **bob) == 1 + 2 + 1
+    assert await prepare(fresh, ledger, **bob) == 1 + 2 + 1
+    assert not any(m.endswith("resource_quota") for m, _ in fresh.calls)
 
 
 async def test_the_mirrors_sync_reads_the_ledger_in_a_worker_thread(ledger, reads_of, monkeypatch):
