@@ -19,8 +19,13 @@ Kueue v0.17 and JobSet), as the hub's ServiceAccount bound by helm-values/rbac.y
    starts, API requests per spawn (the Kubernetes client's own requests, counted per spawn
    through a context variable; watches are counted apart), which requests they were, and at
    rest the requests per minute (the reflectors' watches, gpulab's quota and Kueue mirrors) and
-   the CPU this process used, with the Kueue mirror's pass time. Then the ratios against the
-   goals of issue 40: p99 <= 1.2x stock's, requests per spawn <= stock + 3.
+   the CPU this process used, with the Kueue mirror's pass time; where each spawn's time went
+   after its pod was made (the API server's timestamps: Kueue's Workload, its admission, the
+   scheduler's placement, kwok's Ready); and the requests of the spawns' progress streams,
+   read as each person's spawn-pending page would (``--no-progress``: not read). Then the
+   ratios against the goals of issue 40: p99 <= 1.2x stock's, requests per spawn <= stock + 3.
+   ``--configs stock,gpulab,gpulab-poll`` adds KubeGPUSpawner with each progress stream
+   listing its Workloads every 2 s, as before the hub's shared Workload watch.
 
     python -m bench.scale_kube                       # quick: 200 people, 40 servers
     python -m bench.scale_kube --users 2000 --servers 1000 --concurrency 50 --rest 60
