@@ -541,6 +541,9 @@ def parse(argv=None):
                              "1000; Kueue's release manifests say 50, burst 100)")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
                         help="do not read each spawn's progress stream (its pending page)")
+    parser.add_argument("--kueue-pod-concurrency", type=int, default=0,
+                        help="Kueue's Pod and Workload reconcilers at once; 0: the test "
+                             "cluster's (its release manifests' 5)")
     parser.add_argument("--configs", default="stock,gpulab",
                         help="which to run, in order: stock, gpulab (with Kueue), "
                              "gpulab-nokueue (KubeGPUSpawner with the ResourceQuota instead), "
@@ -555,7 +558,13 @@ def main(argv=None) -> int:
     args = parse(argv)
     subprocess.run(["bash", str(BUILD_SCRIPT), "--quiet"], check=True)
     kueue_settings = ({"clientConnection": {"qps": args.kueue_qps, "burst": 2 * args.kueue_qps}}
-                      if args.kueue_qps else None)
+                      if args.kueue_qps else {})
+    if args.kueue_pod_concurrency:
+        from tests.cluster.queueing import KUEUE_GROUP_KIND_CONCURRENCY
+
+        n = args.kueue_pod_concurrency
+        kueue_settings["controller"] = {"groupKindConcurrency": {
+            **KUEUE_GROUP_KIND_CONCURRENCY, "Pod": n, "Workload.kueue.x-k8s.io": n}}
     with (ControlPlane(queueing=True, nodes=nodes_for(args.servers),
                        kueue_settings=kueue_settings) as cp,
           tempfile.TemporaryDirectory(prefix="gpulab-bench-") as tmp):
@@ -563,8 +572,9 @@ def main(argv=None) -> int:
 
         print(f"control plane with Kueue and {len(cp.nodes) - 1} GPU nodes up in "
               f"{cp.startup_seconds:.1f}s; Kueue's clientConnection "
-              f"{(kueue_settings or {}).get('clientConnection', KUEUE_CLIENT_CONNECTION)}",
-              flush=True)
+              f"{kueue_settings.get('clientConnection', KUEUE_CLIENT_CONNECTION)}"
+              + (f", controller {kueue_settings['controller']}" if "controller" in kueue_settings
+                 else ""), flush=True)
         kubeconfig = rbac_kubeconfig(cp)
         out = asyncio.run(bench(args, kubeconfig, str(Path(tmp) / "gpulab.sqlite")))
     report(args, out)
