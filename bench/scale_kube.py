@@ -543,7 +543,8 @@ def parse(argv=None):
                         help="do not read each spawn's progress stream (its pending page)")
     parser.add_argument("--kueue-pod-concurrency", type=int, default=0,
                         help="Kueue's Pod and Workload reconcilers at once; 0: the test "
-                             "cluster's (its release manifests' 5)")
+                             "cluster's (tests/cluster/queueing.py: 20; Kueue's release "
+                             "manifests say 5)")
     parser.add_argument("--configs", default="stock,gpulab",
                         help="which to run, in order: stock, gpulab (with Kueue), "
                              "gpulab-nokueue (KubeGPUSpawner with the ResourceQuota instead), "

@@ -322,7 +322,7 @@ def test_kueue_configuration():
         "internalCertManagement": {"enable": False},
         "clientConnection": {"qps": 500, "burst": 1000},
         "controller": {"groupKindConcurrency": {
-            "Job.batch": 5, "Pod": 5, "Workload.kueue.x-k8s.io": 5, "LocalQueue.kueue.x-k8s.io": 1,
+            "Job.batch": 5, "Pod": 20, "Workload.kueue.x-k8s.io": 20, "LocalQueue.kueue.x-k8s.io": 1,
             "Cohort.kueue.x-k8s.io": 1, "ClusterQueue.kueue.x-k8s.io": 1,
             "ResourceFlavor.kueue.x-k8s.io": 1}},
         "managedJobsNamespaceSelector": {"matchExpressions": [{
