@@ -19,8 +19,13 @@ Kueue v0.17 and JobSet), as the hub's ServiceAccount bound by helm-values/rbac.y
    starts, API requests per spawn (the Kubernetes client's own requests, counted per spawn
    through a context variable; watches are counted apart), which requests they were, and at
    rest the requests per minute (the reflectors' watches, gpulab's quota and Kueue mirrors) and
-   the CPU this process used, with the Kueue mirror's pass time. Then the ratios against the
-   goals of issue 40: p99 <= 1.2x stock's, requests per spawn <= stock + 3.
+   the CPU this process used, with the Kueue mirror's pass time; where each spawn's time went
+   after its pod was made (the API server's timestamps: Kueue's Workload, its admission, the
+   scheduler's placement, kwok's Ready); and the requests of the spawns' progress streams,
+   read as each person's spawn-pending page would (``--no-progress``: not read). Then the
+   ratios against the goals of issue 40: p99 <= 1.2x stock's, requests per spawn <= stock + 3.
+   ``--configs stock,gpulab,gpulab-poll`` adds KubeGPUSpawner with each progress stream
+   listing its Workloads every 2 s, as before the hub's shared Workload watch.
 
     python -m bench.scale_kube                       # quick: 200 people, 40 servers
     python -m bench.scale_kube --users 2000 --servers 1000 --concurrency 50 --rest 60
@@ -173,7 +178,7 @@ def make_spawner(kind: str, config, name: str):
     from gpulab.spawner.kube import KubeGPUSpawner
 
     user = SimpleNamespace(name=name, id=1, url=f"/user/{name}/", groups=[])
-    cls = KubeSpawner if kind == "stock" else KubeGPUSpawner
+    cls = KubeSpawner if kind == "stock" else KubeGPUSpawner  # gpulab, gpulab-nokueue, -poll
     s = cls(config=config, user=user, hub=Hub(), api_token="not-a-token",
             oauth_client_id=f"jupyterhub-user-{name}")
     if kind == "gpulab-nokueue":
@@ -202,11 +207,24 @@ def time_pod_creation() -> None:
     KubeSpawner._make_create_pod_request = timed
 
 
-async def one_spawn(s, key: str) -> tuple[float, bool]:
+async def read_progress(s, who: str) -> None:
+    """What the spawn-pending page does: read the server's progress stream to its end."""
+    WHO.set(who)
+    try:
+        async for _ in s.progress():
+            pass
+    except Exception as e:  # noqa: BLE001 - the start's own failure is what counts
+        print(f"  progress of {s.user.name}: {type(e).__name__}: {e}"[:200], flush=True)
+
+
+async def one_spawn(s, key: str, progress: str | None = None) -> tuple[float, bool]:
     WHO.set(key)
     t0 = STARTED[key] = time.perf_counter()
+    started = s.start()
+    page = (asyncio.create_task(read_progress(s, progress), context=contextvars.Context())
+            if progress else None)
     try:
-        await asyncio.wait_for(s.start(), 600)
+        await asyncio.wait_for(started, 600)
     except Exception as e:  # noqa: BLE001 - counted as a failed start
         from kubernetes_asyncio.client.rest import ApiException
 
@@ -215,19 +233,25 @@ async def one_spawn(s, key: str) -> tuple[float, bool]:
         why = f"{e.status} {api_message(e)}" if isinstance(e, ApiException) else str(e)
         print(f"  {key}: failed: {type(e).__name__}: {why}"[:300], flush=True)
         return time.perf_counter() - t0, False
+    finally:
+        if page is not None:
+            await asyncio.gather(page, return_exceptions=True)
     return time.perf_counter() - t0, True
 
 
-async def storm(kind, config, names, counter, concurrency, tag):
+async def storm(kind, config, names, counter, concurrency, tag, progress=False):
     """Start a server for each of ``names``, ``concurrency`` at once; returns (spawners,
-    [(seconds, ok, requests)])."""
+    [(seconds, ok, requests)]). With ``progress``, each spawn's progress stream is read as
+    its spawn-pending page would (its requests counted apart, as ``<tag>-progress``)."""
     sem = asyncio.Semaphore(concurrency)
     spawners = [make_spawner(kind, config, n) for n in names]
 
     async def go(i, s):
         async with sem:
             key = f"{tag}:{i}"
-            t, ok = await asyncio.create_task(one_spawn(s, key), context=contextvars.Context())
+            t, ok = await asyncio.create_task(
+                one_spawn(s, key, f"{tag}-progress" if progress else None),
+                context=contextvars.Context())
             return t, ok, counter.by_who[key]
 
     results = await asyncio.gather(*(go(i, s) for i, s in enumerate(spawners)))
@@ -291,6 +315,61 @@ async def at_rest(seconds: float, counter: RequestCounter, timer: MirrorTimer) -
             "mirror_passes": len(passes)}
 
 
+def _when(stamp: str | None) -> float | None:
+    from datetime import datetime
+
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() if stamp else None
+
+
+def _since(obj: dict, kind: str) -> float | None:
+    for c in obj.get("status", {}).get("conditions") or []:
+        if c.get("type") == kind and c.get("status") == "True":
+            return _when(c.get("lastTransitionTime"))
+    return None
+
+
+async def breakdown(namespaces: set[str]) -> dict[str, list[float]]:
+    """Where the storm's spawns spent their time after the pod was made, by the API
+    server's own timestamps (whole seconds): the pod's creation to its Workload's, the
+    Workload's to Kueue's admission (QuotaReserved), then to the scheduler's placement
+    (PodScheduled) and to kwok's Ready. Two lists (not counted in any spawn's requests)."""
+    import json
+
+    from kubespawner.clients import shared_client
+
+    WHO.set("probe")
+    core, custom = shared_client("CoreV1Api"), shared_client("CustomObjectsApi")
+    resp = await core.list_pod_for_all_namespaces(label_selector="component=singleuser-server",
+                                                  _preload_content=False)
+    pods = [p for p in json.loads(await resp.read())["items"]
+            if p["metadata"]["namespace"] in namespaces]
+    try:
+        resp = await custom.list_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "workloads",
+                                                       _preload_content=False)
+        workloads = json.loads(await resp.read())["items"]
+    except Exception:  # noqa: BLE001 - no Kueue
+        workloads = []
+    of_pod = {o.get("uid"): w for w in workloads
+              for o in w["metadata"].get("ownerReferences") or []}
+    steps: dict[str, list[float]] = collections.defaultdict(list)
+    for p in pods:
+        made = _when(p["metadata"].get("creationTimestamp"))
+        scheduled, ready = _since(p, "PodScheduled"), _since(p, "Ready")
+        w = of_pod.get(p["metadata"].get("uid"))
+        before = made
+        if w is not None:
+            wmade, reserved = _when(w["metadata"].get("creationTimestamp")), _since(w, "QuotaReserved")
+            if wmade is not None and reserved is not None:
+                steps["pod to Workload"].append(wmade - made)
+                steps["Workload to admission"].append(reserved - wmade)
+                before = reserved
+        if scheduled is not None:
+            steps["to PodScheduled"].append(scheduled - before)
+            if ready is not None:
+                steps["PodScheduled to Ready"].append(ready - scheduled)
+    return dict(steps)
+
+
 def fill_ledger(db: str, users: list[str]) -> None:
     from gpulab.hub.quota.ledger import Ledger
     from gpulab.hub.quota.policy import Quota
@@ -328,12 +407,24 @@ async def bench(args, kubeconfig: str, db: str) -> dict:
     for k, kind in enumerate(args.configs):
         names = people[k * half:(k + 1) * half] if (k + 1) * half <= len(people) else [
             f"{n}{kind[0]}" for n in people[:half]]
+        poll = kind == "gpulab-poll"  # the progress streams as before the shared watch
+        if poll:
+            from gpulab.hub.cluster.kueuewatch import WorkloadWatch
+
+            async def no_watch(self, parent):
+                self.users += 1
+                return False
+
+            shared_acquire, WorkloadWatch.acquire = WorkloadWatch.acquire, no_watch
         # warm up: the shared watches, clients, the ledger, the mirrors (not counted)
         warm, _ = await storm(kind, config, [f"w{run}{kind[0]}"], counter, 1, f"{kind}-warm")
         t0 = time.monotonic()
-        spawners, results = await storm(kind, config, names, counter, args.concurrency, kind)
+        spawners, results = await storm(kind, config, names, counter, args.concurrency, kind,
+                                        progress=args.progress)
         took = time.monotonic() - t0
         print(f"{kind}: {len(names)} spawns in {took:.1f}s", flush=True)
+        steps = await asyncio.create_task(breakdown({s.namespace for s in spawners}),
+                                          context=contextvars.Context())
         rest = await at_rest(args.rest, counter, timer)
         again = []
         if args.respawns:
@@ -349,11 +440,15 @@ async def bench(args, kubeconfig: str, db: str) -> dict:
         own = [POD_CREATED[f"{kind}:{i}"] - STARTED[f"{kind}:{i}"] for i in range(len(names))
                if f"{kind}:{i}" in POD_CREATED]
         out[kind] = {"results": results, "rest": rest, "again": again, "storm_s": took,
-                     "own": own,
+                     "own": own, "steps": steps,
+                     "progress": counter.by_who[f"{kind}-progress"],
+                     "progress_shapes": dict(counter.shapes[f"{kind}-progress"]),
                      "shapes": {k: v / len(names) for k, v in shapes.items()}}
         t0 = time.monotonic()
         await stop_all(spawners + warm, args.concurrency)
         print(f"{kind}: stopped in {time.monotonic() - t0:.1f}s", flush=True)
+        if poll:
+            WorkloadWatch.acquire = shared_acquire
     await KubeSpawner._stop_all_reflectors()
     for mirrors in (GPUQuotaMirror._instances, KueueMirror._instances):
         for mirror in list(mirrors.values()):
@@ -382,7 +477,9 @@ def report(args, out: dict) -> None:
                      "again_p50": statistics.median([t for t, ok, _ in again if ok]) if again else None,
                      "rest": rest["per_minute"]}
         name = {"stock": "stock KubeSpawner", "gpulab": "KubeGPUSpawner + Kueue",
-                "gpulab-nokueue": "KubeGPUSpawner without Kueue"}[kind]
+                "gpulab-nokueue": "KubeGPUSpawner without Kueue",
+                "gpulab-poll": "KubeGPUSpawner + Kueue, progress polling each Workload list "
+                               "(before the shared watch)"}[kind]
         print(f"{name}: p50 {fig[kind]['p50']:.2f}s p99 {fig[kind]['p99']:.2f}s, "
               f"{fails} failed, storm {out[kind]['storm_s']:.1f}s; API requests per spawn "
               f"{fig[kind]['req']:.0f}" + (f" (returning person {fig[kind]['again']:.0f}, p50 "
@@ -393,6 +490,17 @@ def report(args, out: dict) -> None:
                   f"{statistics.median(own):.2f}s p99 {percentile(own, 99):.2f}s")
         for shape, n in sorted(out[kind]["shapes"].items(), key=lambda kv: -kv[1]):
             print(f"    {n:5.2f}  {shape}")
+        steps = out[kind]["steps"]
+        if steps:
+            print("  after the pod's creation (API server timestamps, whole seconds): " + "; ".join(
+                f"{name} p50 {statistics.median(v):.0f}s p99 {percentile(v, 99):.0f}s"
+                for name, v in steps.items() if v))
+        if args.progress:
+            storm_min = out[kind]["storm_s"] / 60
+            print(f"  progress streams (each spawn's page open): {out[kind]['progress']} "
+                  f"requests in the storm, {out[kind]['progress'] / storm_min:.0f}/min")
+            for shape, n in sorted(out[kind]["progress_shapes"].items(), key=lambda kv: -kv[1]):
+                print(f"    {n:6d}  {shape}")
         print(f"  at rest: {rest['per_minute']:.1f} requests/min, "
               f"{rest['watches_per_minute']:.1f} watches opened/min, CPU {rest['cpu']:.2f}"
               + (f", Kueue mirror: {rest['mirror_passes']} passes, slowest "
@@ -410,6 +518,10 @@ def report(args, out: dict) -> None:
           + (f"; returning person {g['again'] - s['again']:+.0f}"
              if g["again"] is not None else ""))
     print(f"at rest: stock {s['rest']:.1f}, KubeGPUSpawner {g['rest']:.1f} requests/min")
+    if args.progress:
+        print("progress streams in the storm: " + ", ".join(
+            f"{kind} {out[kind]['progress']} requests ({out[kind]['progress'] * 60 / out[kind]['storm_s']:.0f}/min)"
+            for kind in args.configs))
 
 
 def parse(argv=None):
@@ -424,11 +536,20 @@ def parse(argv=None):
     parser.add_argument("--kueue-interval", type=float, default=3.0,
                         help="seconds between the Kueue mirror's passes (gpulab's default 3)")
     parser.add_argument("--kueue-qps", type=int, default=0,
-                        help="Kueue's client QPS (burst twice that); 0: Kueue's default "
-                             "manifests' 50 (burst 100)")
+                        help="Kueue's client QPS (burst twice that); 0: the test cluster's "
+                             "(tests/cluster/queueing.py KUEUE_CLIENT_CONNECTION: 500, burst "
+                             "1000; Kueue's release manifests say 50, burst 100)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false",
+                        help="do not read each spawn's progress stream (its pending page)")
+    parser.add_argument("--kueue-pod-concurrency", type=int, default=0,
+                        help="Kueue's Pod and Workload reconcilers at once; 0: the test "
+                             "cluster's (tests/cluster/queueing.py: 20; Kueue's release "
+                             "manifests say 5)")
     parser.add_argument("--configs", default="stock,gpulab",
                         help="which to run, in order: stock, gpulab (with Kueue), "
-                             "gpulab-nokueue (KubeGPUSpawner with the ResourceQuota instead)")
+                             "gpulab-nokueue (KubeGPUSpawner with the ResourceQuota instead), "
+                             "gpulab-poll (with Kueue, each progress stream listing its "
+                             "Workloads every 2 s instead of the hub's shared watch)")
     args = parser.parse_args(argv)
     args.configs = args.configs.split(",")
     return args
@@ -438,12 +559,23 @@ def main(argv=None) -> int:
     args = parse(argv)
     subprocess.run(["bash", str(BUILD_SCRIPT), "--quiet"], check=True)
     kueue_settings = ({"clientConnection": {"qps": args.kueue_qps, "burst": 2 * args.kueue_qps}}
-                      if args.kueue_qps else None)
+                      if args.kueue_qps else {})
+    if args.kueue_pod_concurrency:
+        from tests.cluster.queueing import KUEUE_GROUP_KIND_CONCURRENCY
+
+        n = args.kueue_pod_concurrency
+        kueue_settings["controller"] = {"groupKindConcurrency": {
+            **KUEUE_GROUP_KIND_CONCURRENCY, "Pod": n, "Workload.kueue.x-k8s.io": n}}
     with (ControlPlane(queueing=True, nodes=nodes_for(args.servers),
                        kueue_settings=kueue_settings) as cp,
           tempfile.TemporaryDirectory(prefix="gpulab-bench-") as tmp):
+        from tests.cluster.queueing import KUEUE_CLIENT_CONNECTION
+
         print(f"control plane with Kueue and {len(cp.nodes) - 1} GPU nodes up in "
-              f"{cp.startup_seconds:.1f}s", flush=True)
+              f"{cp.startup_seconds:.1f}s; Kueue's clientConnection "
+              f"{kueue_settings.get('clientConnection', KUEUE_CLIENT_CONNECTION)}"
+              + (f", controller {kueue_settings['controller']}" if "controller" in kueue_settings
+                 else ""), flush=True)
         kubeconfig = rbac_kubeconfig(cp)
         out = asyncio.run(bench(args, kubeconfig, str(Path(tmp) / "gpulab.sqlite")))
     report(args, out)

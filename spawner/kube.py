@@ -31,6 +31,7 @@ import asyncio
 import copy
 import dataclasses
 import json
+import time
 from functools import partial
 from typing import Any
 
@@ -51,6 +52,7 @@ from gpulab.hub.cluster.kubeobjects import (
     with_runtime_default_seccomp,
 )
 from gpulab.hub.cluster.kueuemirror import KueueMirror
+from gpulab.hub.cluster.kueuewatch import PLACE_SECONDS, WorkloadWatch
 from gpulab.hub.cluster.kueueobjects import (
     ADMISSION_GATE,
     LOCAL_QUEUE,
@@ -81,7 +83,8 @@ from .profiles import (
 
 #: traits the spawner sets for each start (from the profile and its own settings)
 _MANAGED_TRAITS = ("tolerations", "volumes", "volume_mounts", "environment", "extra_labels")
-#: seconds between two reads of a queued notebook's Workload (its reason, for the progress page)
+#: seconds between two reads of a queued notebook's Workload (its reason, for the progress
+#: page), from the hub's shared watch
 KUEUE_PROGRESS_SECONDS = 2.0
 
 
@@ -106,6 +109,9 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
     """
 
     _said_no_visibility = False  # logged once that Kueue's visibility API did not answer
+    #: the waiting pod's place as last asked of Kueue: (its namespace's Workloads' versions,
+    #: when, the place)
+    _kueue_place_asked: tuple | None = None
 
     gpu_assigns_devices = False
 
@@ -278,7 +284,7 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
             ledger, shared_client("CustomObjectsApi"), self.api,
             interval=self.gpu_quota_sync_interval, log=self.log,
             request_timeout=self.k8s_api_request_timeout, pool=self.kueue_gpus,
-            by_model=self.kueue_gpu_models)
+            by_model=self.kueue_gpu_models, preemptible=False)
 
     async def _kueue_record_gpus(self) -> None:
         """The pod runs: Kueue admitted it. Its GPUs in the ledger (as any server's)."""
@@ -289,24 +295,36 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
             gpus=profile.gpus, groups=self.user_groups, model=profile.model))
         self._adopt(allocation, probe=None)
 
-    async def _kueue_wait_words(self) -> str | None:
-        """Why this server's gated pod waits, from its Workload (None: not gated)."""
+    async def _kueue_wait_words(self, watch: WorkloadWatch | None = None) -> str | None:
+        """Why this server's gated pod waits, from its Workload (None: not gated): from the
+        hub's shared Workload watch where it runs, else from a list of the namespace's
+        Workloads. Its place is asked of Kueue when the namespace's Workloads changed or
+        `PLACE_SECONDS` passed (`gpulab.hub.cluster.kueuewatch`)."""
         pod = (self.pod_reflector.pods.get(f"{self.namespace}/{self.pod_name}")
                if self.pod_reflector else None)
         if pod is None or not any(g.get("name") == ADMISSION_GATE
                                   for g in pod["spec"].get("schedulingGates") or []):
             return None
-        try:
-            workloads = await self._list_json(
-                partial(shared_client("CustomObjectsApi").list_namespaced_custom_object,
-                        "kueue.x-k8s.io", "v1beta2", self.namespace, "workloads"))
-        except (ApiException, asyncio.TimeoutError) as e:
-            self.log.info("Cannot read why %s waits: %s", self._log_name, e)
-            return None
+        workloads = watch.in_namespace(self.namespace) if watch is not None else None
+        if workloads is None:
+            try:
+                workloads = await self._list_json(
+                    partial(shared_client("CustomObjectsApi").list_namespaced_custom_object,
+                            "kueue.x-k8s.io", "v1beta2", self.namespace, "workloads"))
+            except (ApiException, asyncio.TimeoutError) as e:
+                self.log.info("Cannot read why %s waits: %s", self._log_name, e)
+                return None
         uid = pod["metadata"].get("uid")
         mine = next((w for w in workloads if any(
             o.get("uid") == uid for o in w["metadata"].get("ownerReferences") or [])), None)
-        place = await self._queue_place(workloads, mine)
+        seen = (WorkloadWatch.version(workloads), uid)
+        asked = self._kueue_place_asked
+        if (asked is not None and asked[0] == seen
+                and time.monotonic() - asked[1] < PLACE_SECONDS):
+            place = asked[2]
+        else:
+            place = await self._queue_place(workloads, mine)
+            self._kueue_place_asked = (seen, time.monotonic(), place)
         where = ("" if place is None else " (next in line)" if place == 1
                  else f" ({ordinal(place)} in line)")
         return f"Waiting for GPUs in your queue{where}: " + workload_wait_reason(mine)
@@ -508,8 +526,9 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
 
     async def progress(self):
         """KubeSpawner's progress, with the scheduler's reasons in plain words; with Kueue,
-        while the pod waits in the queue, why it waits (read from its Workload every
-        `KUEUE_PROGRESS_SECONDS`, an event when it changes)."""
+        while the pod waits in the queue, why it waits (read every `KUEUE_PROGRESS_SECONDS`
+        from the hub's one shared watch over Kueue's Workloads, `WorkloadWatch`, which runs
+        while some server's progress needs it; an event when it changes)."""
         events = self._explained_progress()
         if not self.kueue:
             async for event in events:
@@ -517,6 +536,7 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
             return
         pending = asyncio.ensure_future(events.__anext__())
         said = None
+        watch = None
         try:
             while True:
                 done, _ = await asyncio.wait({pending}, timeout=KUEUE_PROGRESS_SECONDS)
@@ -528,11 +548,18 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
                     yield event
                     pending = asyncio.ensure_future(events.__anext__())
                     continue
-                words = await self._kueue_wait_words()
+                if watch is None:  # once the pod waits longer than a moment
+                    shared = WorkloadWatch.shared()
+                    watch = shared if await shared.acquire(self) else False
+                    if watch is False:
+                        shared.release()
+                words = await self._kueue_wait_words(watch or None)
                 if words and words != said:
                     said = words
                     yield {"progress": 50, "message": words}
         finally:
+            if watch:
+                watch.release()
             pending.cancel()
             # the generator runs until the cancelled step has ended: only then can it close
             await asyncio.gather(pending, return_exceptions=True)

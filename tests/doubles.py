@@ -153,6 +153,12 @@ class FakeKubeAPI:
         self.calls.append(("patch_namespace", name))
         return self._store("Namespace", "", name, body)
 
+    async def patch_namespace_with_http_info(self, name, body, **kwargs):
+        """`patch_namespace` (as a test may have replaced it), with the status: 201 where it
+        made the namespace, as the API server answers a server-side apply that creates."""
+        new = ("Namespace", "", name) not in self.stored
+        return await self.patch_namespace(name, body, **kwargs), 201 if new else 200, {}
+
     async def patch_namespaced_network_policy(self, name, namespace, body, **kwargs):
         assert kwargs.get("_content_type") == "application/apply-patch+yaml"
         self.calls.append(("patch_namespaced_network_policy", f"{namespace}/{name}"))

@@ -19,7 +19,9 @@ their next server or job). The objects are `gpulab.hub.cluster.kueueobjects`'s:
   every ``capacity_seconds``), applied again when that changes (everyone's queues too when
   the models change);
 - per person, the cohort of the group their quota comes from, their two ClusterQueues and two
-  LocalQueues.
+  LocalQueues (the hub's mirror, ``preemptible=False``, the in-quota ones only: notebook
+  servers never wait in the preemptible queue, which the service's mirror makes with the
+  person's first job).
 
 What a person's in-quota ClusterQueue admits is what it may borrow from the pool: their gpulab
 quota's ``max_gpus`` (no quota: the whole pool). Their GPU notebook pods and their jobs both
@@ -118,9 +120,13 @@ class KueueMirror(LedgerMirror):
 
     def __init__(self, ledger: Ledger, custom, core, *, interval: float, log: logging.Logger,
                  request_timeout: float = 30.0, capacity_seconds: float = 30.0,
-                 pool: int | None = None, by_model: bool = False):
+                 pool: int | None = None, by_model: bool = False, preemptible: bool = True):
         self.ledger, self.custom, self.core, self.interval, self.log = (
             ledger, custom, core, interval, log)
+        #: whether the person's preemptible ClusterQueue and LocalQueue are made too (the job
+        #: backend's mirror); the hub's makes the in-quota pair only, as notebook servers
+        #: wait in it alone (bench/scale_kube.py: two requests less at a first spawn)
+        self.preemptible = preemptible
         self.pool = pool  # the operator's fixed pool; None: the nodes' GPUs
         self.by_model = by_model  # the nodes' GPUs per model (``kueue_gpu_models``)
         self.request_timeout, self.capacity_seconds = request_timeout, capacity_seconds
@@ -136,13 +142,15 @@ class KueueMirror(LedgerMirror):
 
     @classmethod
     def for_loop(cls, ledger: Ledger, custom, core, **kwargs) -> KueueMirror:
-        loop = asyncio.get_running_loop()
-        mirror = cls._instances.get(loop)
+        # one per loop and kind (the hub's and the service's are two processes; a test may
+        # run both in one loop)
+        key = (asyncio.get_running_loop(), kwargs.get("preemptible", True))
+        mirror = cls._instances.get(key)
         if (mirror is None or mirror.ledger is not ledger or mirror.pool != kwargs.get("pool")
                 or mirror.by_model != kwargs.get("by_model", False)):
             if mirror is not None and mirror._task is not None:
                 mirror._task.cancel()
-            mirror = cls._instances[loop] = cls(ledger, custom, core, **kwargs)
+            mirror = cls._instances[key] = cls(ledger, custom, core, **kwargs)
         return mirror
 
     async def sync_capacity(self, force: bool = False) -> None:
@@ -247,11 +255,12 @@ class KueueMirror(LedgerMirror):
         user, _, label = self.users[namespace]
         await self.sync_capacity(force=self.capacity is None)
         objects: list[dict] = make_cohorts(want.group)[1:]  # the group's, below the root
+        kinds = 2 if self.preemptible else 1  # [in-quota, preemptible]
         objects += make_cluster_queues(namespace=namespace, user_label=label,
                                        max_gpus=want.max_gpus, group=want.group,
-                                       hold=want.hold, models=gpu_models(self.capacity))
+                                       hold=want.hold, models=gpu_models(self.capacity))[:kinds]
         if namespace not in self.applied:
-            objects += make_local_queues(namespace=namespace, user_label=label)
+            objects += make_local_queues(namespace=namespace, user_label=label)[:kinds]
         cohorts = [o for o in objects if o["kind"] == "Cohort"]
         for obj in cohorts:  # in order: the cohorts before the queues naming them
             await self._apply_object(obj)

@@ -11,7 +11,8 @@
    ephemeral-storage of every container that names none (servers and replicas alike);
 4. registers the namespace with this event loop's `GPUQuotaMirror` and writes its GPU
    ResourceQuota if it differs from the user's effective gpulab quota (with Kueue instead:
-   removes a ResourceQuota left from before, once per namespace and process).
+   removes a ResourceQuota left from before, once per namespace and process, and never in a
+   namespace step 1 has just made: the API server answers its apply 201 Created).
 
 Steps 2-4 each need only the namespace: they are sent together once it is applied, so a
 spawn waits for two round trips to the API server, not one per object.
@@ -319,10 +320,11 @@ async def prepare_user_namespace(
                       else container_requests))
     except ValueError as e:
         raise NamespaceSettingsError(str(e)) from e
-    await asyncio.wait_for(
-        api.patch_namespace(namespace, body, field_manager=FIELD_MANAGER, force=True,
-                            _content_type=APPLY),
+    _, status, _ = await asyncio.wait_for(
+        api.patch_namespace_with_http_info(namespace, body, field_manager=FIELD_MANAGER,
+                                           force=True, _content_type=APPLY),
         request_timeout)
+    created = status == 201  # made by this apply: nothing in it is left from before
 
     async def network_policies() -> int:
         # before any pod of the namespace exists, and at every call (put back if edited)
@@ -342,8 +344,12 @@ async def prepare_user_namespace(
     async def quota() -> int:
         mirror = GPUQuotaMirror.for_loop(ledger, api, sync_interval, log)
         if not gpu_resource_quota:
-            # once per namespace and process: a quota left from before Kueue is gone after
+            # once per namespace and process: a quota left from before Kueue is gone after;
+            # none in a namespace this call made (a person's first spawn: one request less)
             if namespace in mirror.cleared:
+                return 0
+            if created:
+                mirror.cleared.add(namespace)
                 return 0
             try:
                 await asyncio.wait_for(

@@ -35,11 +35,9 @@ import asyncio
 import json
 import logging
 import time
-from types import SimpleNamespace
 
 from kubernetes_asyncio.client.rest import ApiException
 from kubespawner.clients import load_config, shared_client
-from kubespawner.reflector import MultiNamespaceResourceReflector
 from traitlets import Unicode
 
 from gpulab.hub.jobs.base import JobError
@@ -56,6 +54,7 @@ from gpulab.hub.jobs.spec import JobSpec
 from gpulab.hub.quota.ledger import AdmissionRefused, Allocation, Request
 from gpulab.hub.quota.policy import never_fits
 from gpulab.hub.cluster.kueuemirror import KueueMirror
+from gpulab.hub.cluster.kueuewatch import CustomReflector, WorkloadReflector
 from gpulab.hub.cluster.kueueobjects import (
     LOCAL_QUEUE,
     PREEMPTIBLE_PRIORITY_CLASS,
@@ -70,7 +69,6 @@ from gpulab.hub.cluster.kueueobjects import (
 log = logging.getLogger("gpulab.jobs.kueue")
 
 JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
-WORKLOAD = ("kueue.x-k8s.io", "v1beta2", "workloads")
 #: seconds after which a job whose JobSet the watch never saw is marked lost
 LOST_AFTER = 30.0
 #: Kueue's label on a Workload: the uid of the object (JobSet, pod) it is for
@@ -79,31 +77,9 @@ JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 GROUPS_ANNOTATION = "gpulab.io/groups"
 
 
-class _CustomReflector(MultiNamespaceResourceReflector):
-    """kubespawner's shared watch over a custom resource in all namespaces."""
-
-    api_group_name = "CustomObjectsApi"
-    list_method_name = "list_objects"
-    resource: tuple[str, str, str] = ("", "", "")
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        custom, (group, version, plural) = self.api, self.resource
-
-        async def list_objects(**kw):
-            return await custom.list_cluster_custom_object(group, version, plural, **kw)
-
-        self.api = SimpleNamespace(list_objects=list_objects)
-
-
-class _JobSetReflector(_CustomReflector):
+class _JobSetReflector(CustomReflector):
     kind = "jobsets"
     resource = JOBSET
-
-
-class _WorkloadReflector(_CustomReflector):
-    kind = "workloads"
-    resource = WORKLOAD
 
 
 def waiting_words(workload: dict | None, place: int | None = None) -> str:
@@ -162,7 +138,7 @@ class KueueJobBackend(KubeJobBackend):
     def __init__(self, ledger, **kwargs):
         super().__init__(ledger, **kwargs)
         self._jobsets_r: _JobSetReflector | None = None
-        self._workloads_r: _WorkloadReflector | None = None
+        self._workloads_r: WorkloadReflector | None = None
         self._wl_by_uid: dict[tuple[str, str], dict] = {}
         self._wl_by_ns: dict[str, list[dict]] = {}
 
@@ -177,7 +153,7 @@ class KueueJobBackend(KubeJobBackend):
                 load_config()
                 watches = [_JobSetReflector(labels=JOB_LABELS, parent=self),
                            PodReflector(labels=JOB_LABELS, parent=self),
-                           _WorkloadReflector(parent=self)]
+                           WorkloadReflector(parent=self)]
                 for r in watches:
                     await r.start()
                 self._jobsets_r, self._pods_r, self._workloads_r = watches
@@ -432,7 +408,7 @@ class KueueJobBackend(KubeJobBackend):
         return max(at, allocation.started_at) if allocation is not None else at
 
     def _waiting_words(self, ns: str, workload: dict | None) -> str:
-        want = KueueMirror._instances.get(asyncio.get_running_loop())
+        want = KueueMirror._instances.get((asyncio.get_running_loop(), True))
         held = want is not None and want.applied.get(ns) is not None and want.applied[ns].hold
         if held:
             return ("waiting: your GPU-hour budget is used up; it starts when the budget's "

@@ -77,6 +77,22 @@ CONTROLLERS = {
 REGISTERS_WEBHOOKS_LATE = frozenset({"jobset"})
 
 
+#: Kueue's client to the API server (``clientConnection``): its release manifests' 50 requests/s
+#: (burst 100) made each gated notebook pod wait seconds for its admission in a storm of 500
+#: first spawns (bench/scale_kube.py: p99 6.5-9.5x stock KubeSpawner's, gpulab's own part
+#: 0.3-0.9 s at p50); every admission is several writes (the Workload, its quota reservation,
+#: the pod's gate, the queues' status). docs/deploy-kubernetes.md, section 9, says the same
+KUEUE_CLIENT_CONNECTION = {"qps": 500, "burst": 1000}
+#: reconcilers at once per kind: Kueue's release manifests' (controller-runtime's default is 1
+#: where the configuration names none), but 20 Pod and Workload reconcilers instead of 5
+#: (bench/scale_kube.py, 500 first spawns: Kueue's pod reconciler made each Workload p99 3 s
+#: after its pod and lifted its gate p99 4 s after admission with 5; 1 s and 2 s with 20,
+#: p99 spawn 12.1 s to 8.4 s). docs/deploy-kubernetes.md, section 9
+KUEUE_GROUP_KIND_CONCURRENCY = {
+    "Job.batch": 5, "Pod": 20, "Workload.kueue.x-k8s.io": 20, "LocalQueue.kueue.x-k8s.io": 1,
+    "Cohort.kueue.x-k8s.io": 1, "ClusterQueue.kueue.x-k8s.io": 1, "ResourceFlavor.kueue.x-k8s.io": 1}
+
+
 # --------------------------------------------------------------------------- pure builders
 
 
@@ -91,7 +107,8 @@ def kueue_configuration(*, webhook_port: int, health_port: int, cert_dir: str,
         "webhook": {"port": webhook_port, "host": "127.0.0.1", "certDir": cert_dir},
         "leaderElection": {"leaderElect": False},
         "internalCertManagement": {"enable": False},
-        "clientConnection": {"qps": 50, "burst": 100},
+        "clientConnection": dict(KUEUE_CLIENT_CONNECTION),
+        "controller": {"groupKindConcurrency": dict(KUEUE_GROUP_KIND_CONCURRENCY)},
         "managedJobsNamespaceSelector": {
             "matchExpressions": [
                 {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": list(UNMANAGED_NAMESPACES)}

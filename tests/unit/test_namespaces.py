@@ -164,6 +164,14 @@ async def test_with_kueue_a_left_quota_is_removed_once_per_namespace(ledger, rea
     assert not any(m.endswith("resource_quota") for m, _ in api.calls)
     assert reads == []
 
+    # a namespace the preparation makes (a person's first spawn) holds nothing from before:
+    # no DELETE at all (the API server answers the apply that made it 201)
+    fresh = FakeKubeAPI()
+    bob = dict(namespace="gpulab-bob", user="bob", user_label="bob", gpu_resource_quota=False)
+    assert await prepare(fresh, ledger, **bob) == 1 + 2 + 1
+    assert await prepare(fresh, ledger, **bob) == 1 + 2 + 1
+    assert not any(m.endswith("resource_quota") for m, _ in fresh.calls)
+
 
 async def test_the_mirrors_sync_reads_the_ledger_in_a_worker_thread(ledger, reads_of, monkeypatch):
     ledger.set_quota("user", "ann", Quota(max_gpus=1), actor="admin")
@@ -575,6 +583,76 @@ async def test_a_waiting_notebooks_place_is_kueues_and_worked_out_where_kueue_ca
     assert asked == [("GET", "/apis/visibility.kueue.x-k8s.io/v1beta2/namespaces/gpulab-ann"
                              "/localqueues/gpulab/pendingworkloads")] * 3
     assert await s._queue_place([], None) is None and len(asked) == 3
+
+
+async def test_waiting_servers_read_one_shared_workload_watch_and_ask_kueue_on_change(
+        config, monkeypatch):
+    """Issue 40: the progress of waiting servers reads the hub's one Workload watch (started
+    by the first that needs it, stopped a while after the last), never a list per server;
+    Kueue's visibility API is asked for the place again only when the namespace's Workloads
+    changed (or `PLACE_SECONDS` passed)."""
+    from kubespawner import KubeSpawner
+
+    from gpulab.hub.cluster import kueuewatch
+    from gpulab.hub.cluster.kueueobjects import ADMISSION_GATE
+
+    started = []
+
+    class Reflector:  # kubespawner's reflector, without an API server
+        def __init__(self, parent, on_failure):
+            self.resources, self.watch_task = {}, None
+            started.append(self)
+
+        async def start(self):
+            self.watch_task = asyncio.get_running_loop().create_future()  # runs until stopped
+
+        async def stop(self):
+            self.watch_task.cancel()
+
+    monkeypatch.setattr(KubeSpawner, "reflectors", {})
+    monkeypatch.setattr(kueuewatch, "WorkloadReflector", Reflector)
+    monkeypatch.setattr(kueuewatch.WorkloadWatch, "_instance", None)
+    watch = kueuewatch.WorkloadWatch.shared()
+    watch.idle_seconds = 0.05
+    assert await watch.acquire(None) and await watch.acquire(None)
+    assert len(started) == 1 and watch.in_namespace("gpulab-ann") == []
+
+    s = spawner(config)
+    pod = {"metadata": {"uid": "u2"}, "spec": {"schedulingGates": [{"name": ADMISSION_GATE}]}}
+    KubeSpawner.reflectors[s._get_reflector_key("pods")] = SimpleNamespace(
+        pods={f"{s.namespace}/{s.pod_name}": pod})
+    mine = {"metadata": {"name": "pod-x", "namespace": s.namespace, "resourceVersion": "1",
+                         "ownerReferences": [{"uid": "u2"}]},
+            "spec": {"queueName": "gpulab"}, "status": {}}
+    started[0].resources = {f"{s.namespace}/pod-x": mine,
+                            "gpulab-bob/pod-y": {"metadata": {"name": "pod-y", "namespace": "gpulab-bob"}}}
+    asked = []
+
+    class Resp:
+        async def read(self):
+            return json.dumps({"items": [{"metadata": {"name": "pod-x"},
+                                          "positionInLocalQueue": 0}]}).encode()
+
+    class Client:  # Kueue's visibility API; no list of Workloads is there to be sent
+        async def call_api(self, path, method, **kw):
+            asked.append(path)
+            return Resp()
+
+    monkeypatch.setattr("gpulab.spawner.kube.shared_client",
+                        lambda name: SimpleNamespace(api_client=Client()))
+    words = await s._kueue_wait_words(watch)
+    assert words == "Waiting for GPUs in your queue (next in line): waiting for quota"
+    assert await s._kueue_wait_words(watch) == words and len(asked) == 1  # nothing changed
+    changed = {**mine, "metadata": {**mine["metadata"], "resourceVersion": "2"}}
+    started[0].resources = {f"{s.namespace}/pod-x": changed}
+    await s._kueue_wait_words(watch)
+    assert len(asked) == 2
+
+    watch.release()
+    watch.release()
+    await asyncio.sleep(0.2)
+    assert kueuewatch.REFLECTOR_KEY not in KubeSpawner.reflectors  # stopped: nobody waits
+    assert started[0].watch_task.cancelled() and watch.in_namespace(s.namespace) is None
 
 
 @pytest.mark.parametrize("message, retried", [
