@@ -119,10 +119,15 @@ class Run:
             [sys.executable, str(ROOT / "bench" / "scale_standin.py"), str(self.spool),
              "--activity-every", str(self.args.activity_every)],
             stdout=open(self.dir / "standin.log", "wb"), stderr=subprocess.STDOUT)
-        self.hub.start(timeout=120)
-        self.admin = Browser(self.hub, "admin")
-        self.admin.login(self.hub.admin_password)
-        self.token = self.admin.token()
+        try:
+            self.hub.start(timeout=120)
+            self.admin = Browser(self.hub, "admin")
+            self.admin.login(self.hub.admin_password)
+            self.token = self.admin.token()
+        except BaseException:
+            # `with` calls no __exit__ when __enter__ fails: the stand-in would go on
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc):
