@@ -85,11 +85,14 @@ class HubDirectory:
                 return models
             offset = page["_pagination"]["next"]["offset"]
 
-    async def users(self) -> list[dict]:
+    async def users(self, since: float | None = None) -> list[dict]:
         """Every user (name, sorted groups, admin), read in full when the last read is older
-        than the ttl (callers meanwhile wait for that one read)."""
+        than the ttl (callers meanwhile wait for that one read); with `since` (this
+        directory's clock), unless the last read began at or after it (a read another caller
+        began meanwhile counts)."""
         async with self._lock:
-            if self._cache and self.clock() - self._cache[0] < self.ttl:
+            if self._cache and (self._read_at >= since if since is not None
+                                else self.clock() - self._cache[0] < self.ttl):
                 return self._cache[1]
             began = self.clock()
             users = [{"name": u["name"], "groups": sorted(u.get("groups", [])),
@@ -103,14 +106,17 @@ class HubDirectory:
         """The users for the admin page, and None, or how many seconds ago they were read.
 
         Where the last full read took under ``slow`` seconds, or listed at most ``many``
-        people (a hub of a few hundred), this is `users`: a fresh list, waited for (None).
+        people (a hub of a few hundred), this is a fresh list, read now and waited for
+        (None).
         Where it took longer and listed more (10,000 people: ~1.8 s of the hub's and this
         service's time), the list as last read, with a
         fresh read started in the background once it is older than the ttl (`users_now`),
         and its age, which the page shows. The first read is always waited for."""
         if (self._cache is None or self._read_took is None or self._read_took < self.slow
                 or len(self._cache[1]) <= self.many):
-            return await self.users(), None
+            # read now (one page of the hub's at a few hundred people): a person the hub has
+            # just made shows at once, whatever the ttl
+            return await self.users(since=self.clock()), None
         users = await self.users_now()
         return users, max(0.0, self.clock() - self._read_at)
 

@@ -157,6 +157,11 @@ async def test_a_quick_hub_is_read_fresh_a_slow_one_as_last_read_with_its_age():
     users, age = await quick.users_recent()
     assert [u["name"] for u in users] == ["ann", "bob"] and age is None
     assert quick.full_reads == 2
+    quick.people.append(person("cyd"))  # within the ttl too: the page reads the hub now
+    users, age = await quick.users_recent()
+    assert [u["name"] for u in users] == ["ann", "bob", "cyd"] and quick.full_reads == 3
+    assert [u["name"] for u in await quick.users()] == ["ann", "bob", "cyd"]  # (the ttl's)
+    assert quick.full_reads == 3
 
     slow = TimedHub([person("ann")], cost=1.8)
     assert (await slow.users_recent())[1] is None  # the first read is waited for
