@@ -1,4 +1,5 @@
-"""gpulab at organisation scale on Kubernetes: KubeGPUSpawner with Kueue against stock KubeSpawner.
+"""gpulab at organisation scale on Kubernetes: KubeGPUSpawner with Kueue against stock KubeSpawner,
+without Kueue and with it.
 
 The Kubernetes half of issue 40 (`bench/scale.py --kube` runs this: ``main(argv)``, the
 arguments below; ``parse``, ``bench`` and ``report`` for a caller of its own). Everything runs in this
@@ -9,12 +10,17 @@ Kueue v0.17 and JobSet), as the hub's ServiceAccount bound by helm-values/rbac.y
 1. a ledger (SQLite) with ``--users`` people, each with their own quota (2 GPUs at once and a
    weekly GPU-hour budget, as an organisation sets them), so that every read of the quotas
    reads them all;
-2. for each configuration in turn (stock KubeSpawner, then KubeGPUSpawner with
-   ``c.KubeGPUSpawner.kueue``: the pod waits in the person's Kueue queue and is admitted by
-   Kueue), a storm of ``--servers`` spawns, ``--concurrency`` at once, each a new person
-   (a new namespace), 1 GPU each (the same profile; the stock spawner adds the GPU
-   toleration itself, as an admin would); then ``--rest`` seconds at rest with all those
-   servers running; then all are stopped;
+2. for each configuration in turn (stock KubeSpawner; stock KubeSpawner under Kueue as an
+   operator of z2jh would run it; then KubeGPUSpawner with ``c.KubeGPUSpawner.kueue``: the
+   pod waits in the person's Kueue queue and is admitted by Kueue), a storm of ``--servers``
+   spawns, ``--concurrency`` at once, each a new person (with user namespaces, a new
+   namespace), 1 GPU each (the same profile; the stock spawner adds the GPU toleration
+   itself, as an admin would); then ``--rest`` seconds at rest with all those servers
+   running; then all are stopped (the spawners' shared watches, reflectors, run on: the
+   requests at rest of a configuration include those of the ones before it; stock-kueue's
+   watch its one namespace, 12/min at 500 pods. Two runs that stopped them between configurations had 2
+   of 500 gpulab spawns hang each (one run without it: none), cause not found, so they are
+   not stopped);
 3. it prints, per configuration: p50/p99 spawn time (start() to the server's address), failed
    starts, API requests per spawn (the Kubernetes client's own requests, counted per spawn
    through a context variable; watches are counted apart), which requests they were, and at
@@ -23,15 +29,22 @@ Kueue v0.17 and JobSet), as the hub's ServiceAccount bound by helm-values/rbac.y
    after its pod was made (the API server's timestamps: Kueue's Workload, its admission, the
    scheduler's placement, kwok's Ready); and the requests of the spawns' progress streams,
    read as each person's spawn-pending page would (``--no-progress``: not read). Then the
-   ratios against the goals of issue 40: p99 <= 1.2x stock's, requests per spawn <= stock + 3.
+   ratios against the goals of issue 40 (p99 <= 1.2x stock's, requests per spawn <= stock + 3),
+   against each stock baseline that ran.
    ``--configs stock,gpulab,gpulab-poll`` adds KubeGPUSpawner with each progress stream
    listing its Workloads every 2 s, as before the hub's shared Workload watch.
 
     python -m bench.scale_kube                       # quick: 200 people, 40 servers
     python -m bench.scale_kube --users 2000 --servers 1000 --concurrency 50 --rest 60
 
-Stock KubeSpawner has no Kueue: its pods go to the scheduler at once. gpulab's go through
-Kueue's admission (a scheduling gate Kueue lifts), which is part of what is measured.
+The two stock baselines: ``stock`` has no Kueue (its pods go to the scheduler at once) and a
+namespace per person (``enable_user_namespaces``, as gpulab's); ``stock-kueue`` is stock
+KubeSpawner as an operator would run it under Kueue in a z2jh deployment: every server pod in
+one namespace (`Z2JH_NAMESPACE`, z2jh's default: no namespace per person), labelled
+``kueue.x-k8s.io/queue-name: <Z2JH_QUEUE>`` by ``c.KubeSpawner.extra_labels``, a LocalQueue of
+one ClusterQueue with GPUs for every pod (made once, before the runs, with the admin's
+credentials), so that its pods pay Kueue's admission (a scheduling gate Kueue lifts) as
+gpulab's do.
 A first spawn of a person also makes their namespace's objects and, with Kueue, their queues;
 ``--respawns`` more spawns of people who ran a server before measure a returning person.
 """
@@ -73,6 +86,19 @@ PROFILE = [{
     },
 }]
 GPUS_PER_NODE = 100  # kwok nodes: 100 GPUs and 110 pods each
+#: the ``stock-kueue`` baseline: the namespace of every server pod (z2jh's release namespace)
+#: and its LocalQueue, of the ClusterQueue `Z2JH_QUEUE` (`z2jh_queue`)
+Z2JH_NAMESPACE = "jhub"
+Z2JH_QUEUE = "jhub-users"
+QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"
+NAMES = {"stock": "stock KubeSpawner (no Kueue, a namespace per person)",
+         "stock-kueue": "stock KubeSpawner + Kueue (z2jh: one namespace, one LocalQueue)",
+         "gpulab": "KubeGPUSpawner + Kueue",
+         "gpulab-nokueue": "KubeGPUSpawner without Kueue",
+         "gpulab-poll": "KubeGPUSpawner + Kueue, progress polling each Workload list "
+                        "(before the shared watch)"}
+#: a letter per configuration for the names of its people where ``--users`` is too few
+LETTER = {"stock": "s", "stock-kueue": "z", "gpulab": "g", "gpulab-nokueue": "n", "gpulab-poll": "p"}
 
 #: which spawn (or phase) the current task works for; tasks inherit it
 WHO: contextvars.ContextVar[str | None] = contextvars.ContextVar("who", default=None)
@@ -152,6 +178,43 @@ def rbac_kubeconfig(cp: ControlPlane) -> str:
     return cp.service_account_kubeconfig(ns, "hub")
 
 
+def z2jh_queue(cp: ControlPlane, servers: int) -> None:
+    """What an operator adds to run stock KubeSpawner under Kueue (``stock-kueue``): the
+    namespace of the server pods, a ResourceFlavor, one ClusterQueue with enough GPUs for every
+    pod (``servers`` and the warm-up's) and CPU and memory, and its LocalQueue `Z2JH_QUEUE` in
+    that namespace; returns once Kueue says both are active."""
+    cp.create_namespace(Z2JH_NAMESPACE)
+    gpus = str(servers + 10)
+    cp.apply(
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor",
+         "metadata": {"name": "jhub-default"}, "spec": {}},
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue",
+         "metadata": {"name": Z2JH_QUEUE},
+         "spec": {"namespaceSelector": {
+                      "matchLabels": {"kubernetes.io/metadata.name": Z2JH_NAMESPACE}},
+                  "resourceGroups": [{
+                      "coveredResources": ["cpu", "memory", "nvidia.com/gpu"],
+                      "flavors": [{"name": "jhub-default", "resources": [
+                          {"name": "cpu", "nominalQuota": "100000"},
+                          {"name": "memory", "nominalQuota": "10000Ti"},
+                          {"name": "nvidia.com/gpu", "nominalQuota": gpus}]}]}]}},
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
+         "metadata": {"name": Z2JH_QUEUE, "namespace": Z2JH_NAMESPACE},
+         "spec": {"clusterQueue": Z2JH_QUEUE}},
+    )
+
+    def active(*path: str) -> bool:
+        obj = cp.kubectl_json("get", *path)
+        return any(c.get("type") == "Active" and c.get("status") == "True"
+                   for c in obj.get("status", {}).get("conditions") or [])
+
+    from tests.cluster.controlplane import wait_until
+
+    wait_until(lambda: active("clusterqueue", Z2JH_QUEUE) and active(
+        "localqueue", Z2JH_QUEUE, "-n", Z2JH_NAMESPACE), timeout=60,
+        what=f"ClusterQueue and LocalQueue {Z2JH_QUEUE} active")
+
+
 def make_config(db: str, kueue_interval: float):
     from traitlets.config import Config
 
@@ -171,6 +234,18 @@ def make_config(db: str, kueue_interval: float):
     return c
 
 
+def z2jh_config(config):
+    """``config`` for ``stock-kueue``: z2jh's one namespace for every server pod, each pod in
+    the LocalQueue `Z2JH_QUEUE` (``extra_labels``)."""
+    import copy
+
+    c = copy.deepcopy(config)
+    c.KubeSpawner.enable_user_namespaces = False
+    c.KubeSpawner.namespace = Z2JH_NAMESPACE
+    c.KubeSpawner.extra_labels = {QUEUE_NAME_LABEL: Z2JH_QUEUE}
+    return c
+
+
 def make_spawner(kind: str, config, name: str):
     from jupyterhub.objects import Hub
     from kubespawner import KubeSpawner
@@ -178,7 +253,8 @@ def make_spawner(kind: str, config, name: str):
     from gpulab.spawner.kube import KubeGPUSpawner
 
     user = SimpleNamespace(name=name, id=1, url=f"/user/{name}/", groups=[])
-    cls = KubeSpawner if kind == "stock" else KubeGPUSpawner  # gpulab, gpulab-nokueue, -poll
+    # stock, stock-kueue; gpulab, gpulab-nokueue, gpulab-poll
+    cls = KubeSpawner if kind.startswith("stock") else KubeGPUSpawner
     s = cls(config=config, user=user, hub=Hub(), api_token="not-a-token",
             oauth_client_id=f"jupyterhub-user-{name}")
     if kind == "gpulab-nokueue":
@@ -328,11 +404,12 @@ def _since(obj: dict, kind: str) -> float | None:
     return None
 
 
-async def breakdown(namespaces: set[str]) -> dict[str, list[float]]:
+async def breakdown(pods_of: set[tuple[str, str]]) -> dict[str, list[float]]:
     """Where the storm's spawns spent their time after the pod was made, by the API
     server's own timestamps (whole seconds): the pod's creation to its Workload's, the
     Workload's to Kueue's admission (QuotaReserved), then to the scheduler's placement
-    (PodScheduled) and to kwok's Ready. Two lists (not counted in any spawn's requests)."""
+    (PodScheduled) and to kwok's Ready, of the pods ``pods_of`` ((namespace, name) pairs).
+    Two lists (not counted in any spawn's requests)."""
     import json
 
     from kubespawner.clients import shared_client
@@ -342,7 +419,7 @@ async def breakdown(namespaces: set[str]) -> dict[str, list[float]]:
     resp = await core.list_pod_for_all_namespaces(label_selector="component=singleuser-server",
                                                   _preload_content=False)
     pods = [p for p in json.loads(await resp.read())["items"]
-            if p["metadata"]["namespace"] in namespaces]
+            if (p["metadata"]["namespace"], p["metadata"]["name"]) in pods_of]
     try:
         resp = await custom.list_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "workloads",
                                                        _preload_content=False)
@@ -394,6 +471,8 @@ async def bench(args, kubeconfig: str, db: str) -> dict:
     kube_config.KUBE_CONFIG_DEFAULT_LOCATION = kubeconfig
     load_config.cache_clear()
     config = make_config(db, args.kueue_interval)
+    configs = {kind: z2jh_config(config) if kind == "stock-kueue" else config
+               for kind in args.configs}
     counter = RequestCounter()
     timer = MirrorTimer()
     time_pod_creation()
@@ -406,7 +485,7 @@ async def bench(args, kubeconfig: str, db: str) -> dict:
     half = args.servers
     for k, kind in enumerate(args.configs):
         names = people[k * half:(k + 1) * half] if (k + 1) * half <= len(people) else [
-            f"{n}{kind[0]}" for n in people[:half]]
+            f"{n}{LETTER[kind]}" for n in people[:half]]
         poll = kind == "gpulab-poll"  # the progress streams as before the shared watch
         if poll:
             from gpulab.hub.cluster.kueuewatch import WorkloadWatch
@@ -417,13 +496,14 @@ async def bench(args, kubeconfig: str, db: str) -> dict:
 
             shared_acquire, WorkloadWatch.acquire = WorkloadWatch.acquire, no_watch
         # warm up: the shared watches, clients, the ledger, the mirrors (not counted)
-        warm, _ = await storm(kind, config, [f"w{run}{kind[0]}"], counter, 1, f"{kind}-warm")
+        warm, _ = await storm(kind, configs[kind], [f"w{run}{LETTER[kind]}"], counter, 1,
+                              f"{kind}-warm")
         t0 = time.monotonic()
-        spawners, results = await storm(kind, config, names, counter, args.concurrency, kind,
+        spawners, results = await storm(kind, configs[kind], names, counter, args.concurrency, kind,
                                         progress=args.progress)
         took = time.monotonic() - t0
         print(f"{kind}: {len(names)} spawns in {took:.1f}s", flush=True)
-        steps = await asyncio.create_task(breakdown({s.namespace for s in spawners}),
+        steps = await asyncio.create_task(breakdown({(s.namespace, s.pod_name) for s in spawners}),
                                           context=contextvars.Context())
         rest = await at_rest(args.rest, counter, timer)
         again = []
@@ -432,7 +512,7 @@ async def bench(args, kubeconfig: str, db: str) -> dict:
             await stop_all(back, args.concurrency)
             for s in back:
                 s.user_options = {"profile": "h100-1"}
-            _, again = await storm(kind, config, [s.user.name for s in back], counter,
+            _, again = await storm(kind, configs[kind], [s.user.name for s in back], counter,
                                    args.concurrency, f"{kind}-again")
         shapes = collections.Counter()
         for i in range(len(names)):
@@ -471,15 +551,12 @@ def report(args, out: dict) -> None:
         reqs = [n for _, ok, n in r if ok]
         again = out[kind]["again"]
         rest = out[kind]["rest"]
-        fig[kind] = {"p50": statistics.median(times), "p99": percentile(times, 99),
+        fig[kind] = {"p50": statistics.median(times), "p99": percentile(times, 99), "fails": fails,
                      "req": statistics.median(reqs),
                      "again": statistics.median([n for _, ok, n in again if ok]) if again else None,
                      "again_p50": statistics.median([t for t, ok, _ in again if ok]) if again else None,
                      "rest": rest["per_minute"]}
-        name = {"stock": "stock KubeSpawner", "gpulab": "KubeGPUSpawner + Kueue",
-                "gpulab-nokueue": "KubeGPUSpawner without Kueue",
-                "gpulab-poll": "KubeGPUSpawner + Kueue, progress polling each Workload list "
-                               "(before the shared watch)"}[kind]
+        name = NAMES[kind]
         print(f"{name}: p50 {fig[kind]['p50']:.2f}s p99 {fig[kind]['p99']:.2f}s, "
               f"{fails} failed, storm {out[kind]['storm_s']:.1f}s; API requests per spawn "
               f"{fig[kind]['req']:.0f}" + (f" (returning person {fig[kind]['again']:.0f}, p50 "
@@ -507,17 +584,24 @@ def report(args, out: dict) -> None:
                  f"{rest['mirror_pass'] * 1000:.0f} ms" if rest["mirror_pass"] is not None else ""))
         for shape, n in sorted(rest["shapes"].items(), key=lambda kv: -kv[1]):
             print(f"    {n * 60 / args.rest:6.1f}/min  {shape}")
-    if "stock" not in fig or "gpulab" not in fig:
+    if "gpulab" not in fig:
         return
-    s, g = fig["stock"], fig["gpulab"]
-    print()
-    print(f"p99 spawn KubeGPUSpawner / stock: {g['p99'] / s['p99']:.2f} (goal <= 1.2); "
-          f"p50 {g['p50'] / s['p50']:.2f}")
-    print(f"API requests per spawn: stock {s['req']:.0f}, KubeGPUSpawner {g['req']:.0f}, extra "
-          f"{g['req'] - s['req']:+.0f} (goal <= +3)"
-          + (f"; returning person {g['again'] - s['again']:+.0f}"
-             if g["again"] is not None else ""))
-    print(f"at rest: stock {s['rest']:.1f}, KubeGPUSpawner {g['rest']:.1f} requests/min")
+    g = fig["gpulab"]
+    for base in ("stock", "stock-kueue"):
+        if base not in fig:
+            continue
+        s = fig[base]
+        print()
+        print(f"against {NAMES[base]}:")
+        print(f"  p99 spawn KubeGPUSpawner / {base}: {g['p99'] / s['p99']:.2f} (goal <= 1.2); "
+              f"p50 {g['p50'] / s['p50']:.2f} (p99 {g['p99']:.2f} against {s['p99']:.2f}s, "
+              f"p50 {g['p50']:.2f} against {s['p50']:.2f}s); failed {g['fails']} against "
+              f"{s['fails']} of {args.servers}")
+        print(f"  API requests per spawn: {base} {s['req']:.0f}, KubeGPUSpawner {g['req']:.0f}, "
+              f"extra {g['req'] - s['req']:+.0f} (goal <= +3)"
+              + (f"; returning person {g['again'] - s['again']:+.0f}"
+                 if g["again"] is not None and s["again"] is not None else ""))
+        print(f"  at rest: {base} {s['rest']:.1f}, KubeGPUSpawner {g['rest']:.1f} requests/min")
     if args.progress:
         print("progress streams in the storm: " + ", ".join(
             f"{kind} {out[kind]['progress']} requests ({out[kind]['progress'] * 60 / out[kind]['storm_s']:.0f}/min)"
@@ -545,13 +629,18 @@ def parse(argv=None):
                         help="Kueue's Pod and Workload reconcilers at once; 0: the test "
                              "cluster's (tests/cluster/queueing.py: 20; Kueue's release "
                              "manifests say 5)")
-    parser.add_argument("--configs", default="stock,gpulab",
-                        help="which to run, in order: stock, gpulab (with Kueue), "
+    parser.add_argument("--configs", default="stock,stock-kueue,gpulab",
+                        help="which to run, in order: stock (no Kueue, a namespace per "
+                             "person), stock-kueue (z2jh's one namespace, its pods in one "
+                             "LocalQueue of Kueue), gpulab (with Kueue), "
                              "gpulab-nokueue (KubeGPUSpawner with the ResourceQuota instead), "
                              "gpulab-poll (with Kueue, each progress stream listing its "
                              "Workloads every 2 s instead of the hub's shared watch)")
     args = parser.parse_args(argv)
     args.configs = args.configs.split(",")
+    unknown = [k for k in args.configs if k not in NAMES]
+    if unknown:
+        parser.error(f"--configs: unknown {', '.join(unknown)} (known: {', '.join(NAMES)})")
     return args
 
 
@@ -577,6 +666,8 @@ def main(argv=None) -> int:
               + (f", controller {kueue_settings['controller']}" if "controller" in kueue_settings
                  else ""), flush=True)
         kubeconfig = rbac_kubeconfig(cp)
+        if "stock-kueue" in args.configs:
+            z2jh_queue(cp, args.servers)
         out = asyncio.run(bench(args, kubeconfig, str(Path(tmp) / "gpulab.sqlite")))
     report(args, out)
     return 0
