@@ -418,6 +418,10 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
         return pod
 
     async def _make_create_pod_request(self, pod, request_timeout):
+        # KubeSpawner answers a 409 (the pod is there already: most often made by its own
+        # create that timed out on this side under load) with `stop(True)` and a new create:
+        # the start goes on, so the GPUs admitted for it stay held (`stop`)
+        self._recreating_pod = True
         try:
             return await super()._make_create_pod_request(pod, request_timeout)
         except ApiException as e:
@@ -433,6 +437,8 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
                 # namespace yet: retry (within k8s_api_request_retry_timeout)
                 return False
             raise
+        finally:
+            self._recreating_pod = False
 
     # -- start, and what the person reads ------------------------------------------------
 
@@ -458,6 +464,12 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
 
     async def stop(self, now=False):
         await super().stop(now=now)
+        if now and getattr(self, "_recreating_pod", False):
+            # KubeSpawner removing a pod in the way of the one this start creates (its
+            # ``stop(True)``): the start goes on, and its pod holds the GPUs admitted for it
+            # (released, they would be used by the new pod and admitted to someone else too).
+            # A stop asked meanwhile (JupyterHub's, not `now`) releases; so does clear_state.
+            return
         # the pod is gone: its GPUs go back (off the event loop; clear_state, which JupyterHub
         # calls next, then has nothing left to release)
         await self.release_gpus_async()
