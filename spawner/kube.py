@@ -32,6 +32,7 @@ import copy
 import dataclasses
 import json
 import time
+import uuid
 from functools import partial
 from typing import Any
 
@@ -418,10 +419,21 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
         return pod
 
     async def _make_create_pod_request(self, pod, request_timeout):
-        # KubeSpawner answers a 409 (the pod is there already: most often made by its own
-        # create that timed out on this side under load) with `stop(True)` and a new create:
-        # the start goes on, so the GPUs admitted for it stay held (`stop`)
-        self._recreating_pod = True
+        # KubeSpawner answers a 409 (the pod is there already) with `stop(True)` and a new
+        # create. Most often the pod in the way is this start's own: its create timed out on
+        # this side under load, and the API server made it all the same. Deleting it then
+        # races the next create: a DELETE that timed out here too can land after the new pod
+        # is made and remove it (a spawn of 500 waited `start_timeout` so, bench/scale_kube.py).
+        # So each start marks its pod (`START_ANNOTATION`, set here: the manifest stays
+        # KubeSpawner's), and `stop` keeps a pod with this start's mark: the next try takes
+        # it as made. A pod of an earlier start is still deleted, as KubeSpawner does; the
+        # start goes on, so the GPUs admitted for it stay held (`stop`).
+        start = _mark_start(pod)
+        if start is not None and getattr(self, "_own_pod", None) == start:
+            self.log.info("Pod %s/%s is this start's own (its create answered late): kept",
+                          self.namespace, self.pod_name)
+            return True
+        self._recreating_pod = start or True
         try:
             return await super()._make_create_pod_request(pod, request_timeout)
         except ApiException as e:
@@ -439,6 +451,25 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
             raise
         finally:
             self._recreating_pod = False
+
+    async def _pod_in_the_way(self, start: str) -> str:
+        """Whose is the pod a create met with 409: ``"own"`` (this start's mark, not being
+        deleted), ``"other"``, ``"gone"`` (404 now) or ``"unknown"`` (not read in time)."""
+        try:
+            pod = await asyncio.wait_for(
+                self.api.read_namespaced_pod(self.pod_name, self.namespace),
+                self.k8s_api_request_timeout)
+        except asyncio.TimeoutError:
+            return "unknown"
+        except ApiException as e:
+            if e.status == 404:
+                return "gone"
+            raise
+        meta = pod.metadata
+        if (meta.deletion_timestamp is None
+                and (meta.annotations or {}).get(START_ANNOTATION) == start):
+            return "own"
+        return "other"
 
     # -- start, and what the person reads ------------------------------------------------
 
@@ -463,8 +494,17 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
                                      api_message(e))
 
     async def stop(self, now=False):
+        start = getattr(self, "_recreating_pod", False)
+        if now and isinstance(start, str):
+            # KubeSpawner's answer to a 409 on this start's create (`_make_create_pod_request`)
+            whose = await self._pod_in_the_way(start)
+            if whose == "own":
+                self._own_pod = start  # the next try takes it as made
+                return
+            if whose != "other":  # gone already, or not read in time: try the create again
+                return
         await super().stop(now=now)
-        if now and getattr(self, "_recreating_pod", False):
+        if now and start:
             # KubeSpawner removing a pod in the way of the one this start creates (its
             # ``stop(True)``): the start goes on, and its pod holds the GPUs admitted for it
             # (released, they would be used by the new pod and admitted to someone else too).
@@ -643,4 +683,19 @@ async def _maybe_await(value):
     return value
 
 
+START_ANNOTATION = "gpulab.io/start"
+
+
+def _mark_start(pod) -> str | None:
+    """This start's mark on its pod (made at the first create try, kept by the next ones: they
+    send the same object); None for a pod without object metadata (a hook's own type)."""
+    meta = getattr(pod, "metadata", None)
+    if meta is None or isinstance(meta, dict) or not hasattr(meta, "annotations"):
+        return None
+    if meta.annotations is None:
+        meta.annotations = {}
+    return meta.annotations.setdefault(START_ANNOTATION, uuid.uuid4().hex)
+
+
 __all__ = ["KubeGPUSpawner"]
+

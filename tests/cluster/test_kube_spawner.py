@@ -225,6 +225,48 @@ async def test_spawn_makes_the_pod_binds_it_to_h100_and_stop_frees_the_quota(
     s.clear_state()
 
 
+async def test_a_pod_create_answered_late_is_kept_not_deleted(control_plane, make_spawner, ledger):
+    """Under load a pod create can time out on the hub's side and be made all the same: the
+    next try meets 409. KubeSpawner deletes the pod in the way and creates again, and a late
+    DELETE of that could remove the new pod (a spawn of 500 stuck until start_timeout,
+    bench/scale_kube.py). KubeGPUSpawner keeps its own start's pod: made once, never deleted,
+    the start's GPUs held."""
+    cp = control_plane
+    _, led = ledger
+    s = make_spawner(storage_pvc_ensure=False)
+    led.set_quota("user", s.user.name, Quota(max_gpus=4), actor="admin")
+    s.user_options = {"profile": "h100-2"}
+    real, made, deleted = s.api, [], []
+
+    class LateAnswers:  # the hub's API client, its first pod create answered too late
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        async def create_namespaced_pod(self, namespace, body, **kw):
+            pod = await real.create_namespaced_pod(namespace, body, **kw)  # 409 raises here
+            made.append(pod.metadata.uid)
+            if len(made) == 1:
+                raise asyncio.TimeoutError  # as KubeSpawner's wait_for would
+            return pod
+
+        async def delete_namespaced_pod(self, *a, **kw):
+            deleted.append(a or kw)
+            return await real.delete_namespaced_pod(*a, **kw)
+
+    s.api = LateAnswers()
+    url = await asyncio.wait_for(s.start(), 90)
+
+    pod = get(cp, f"/api/v1/namespaces/{s.namespace}/pods/{s.pod_name}")
+    assert url == f"http://{pod['status']['podIP']}:8888"
+    assert made == [pod["metadata"]["uid"]] and deleted == [], (made, deleted)
+    (alloc,) = led.open_allocations(user=s.user.name)
+    assert alloc.gpus == 2
+    s.api = real
+    await s.stop()
+    s.clear_state()
+    assert led.open_allocations(user=s.user.name) == []
+
+
 NFS_EGRESS = [{"to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}],
                "ports": [{"protocol": "TCP", "port": 2049}]}]
 
