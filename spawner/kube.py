@@ -383,27 +383,42 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
             wait = min(wait * 2, 5.0)
 
     async def _prepare_namespace(self, ledger) -> None:
+        # with Kueue, the person's queues (the first spawn in this process) go while the
+        # namespace is made, their LocalQueue with the namespace's objects: one round trip
+        # to the API server less before the pod (bench/scale_kube.py)
+        made = asyncio.Event()
+        queues = None
+        if self.kueue:
+            mirror = self.kueue_mirror(ledger)
+            if (self.namespace not in mirror.applied
+                    or mirror.users[self.namespace][1] != tuple(self.user_groups)):
+                queues = asyncio.ensure_future(mirror.register(
+                    self.namespace, self.user.name, tuple(self.user_groups), self.user_label,
+                    namespace_ready=made.wait))
         try:
             await prepare_user_namespace(
                 api=self.api, ledger=ledger, namespace=self.namespace, user=self.user.name,
                 groups=self.user_groups, user_label=self.user_label,
                 pod_security_level=self.pod_security_level, hub_namespace=self.hub_namespace,
-                allowed_egress=self.allowed_egress, allowed_server_ingress=self.allowed_server_ingress,
+                allowed_egress=self.allowed_egress,
+                allowed_server_ingress=self.allowed_server_ingress,
                 sync_interval=self.gpu_quota_sync_interval,
                 request_timeout=self.k8s_api_request_timeout, log=self.log,
                 server_port=self.port, server_component=self.component_label,
                 gpu_resource_quota=not self.kueue,
                 container_limits=self.default_container_limits,
-                container_requests=self.default_container_requests)
-        except NamespaceSettingsError as e:
-            raise SpawnRefused(500, f"The server's network settings are wrong: {e}"
-                               if e.network else str(e)) from e
-        if self.kueue:
-            mirror = self.kueue_mirror(ledger)
-            if (self.namespace not in mirror.applied
-                    or mirror.users[self.namespace][1] != tuple(self.user_groups)):
-                await mirror.register(self.namespace, self.user.name, tuple(self.user_groups),
-                                      self.user_label)
+                container_requests=self.default_container_requests,
+                namespace_made=made.set)
+        except BaseException as e:
+            if queues is not None:  # (waiting for a namespace that is not coming)
+                queues.cancel()
+                await asyncio.gather(queues, return_exceptions=True)
+            if isinstance(e, NamespaceSettingsError):
+                raise SpawnRefused(500, f"The server's network settings are wrong: {e}"
+                                   if e.network else str(e)) from e
+            raise
+        if queues is not None:
+            await queues
 
     async def get_pod_manifest(self):
         """KubeSpawner's pod, run under the container runtime's default seccomp filter

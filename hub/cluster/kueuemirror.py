@@ -189,15 +189,17 @@ class KueueMirror(LedgerMirror):
         self.capacity = capacity
 
     async def register(self, namespace: str, user: str, groups: tuple[str, ...],
-                       label: str) -> None:
+                       label: str, namespace_ready=None) -> None:
         """Mirror ``namespace``'s person from now on; their objects are applied before this
-        returns (raises the API's error if they cannot be)."""
+        returns (raises the API's error if they cannot be). ``namespace_ready``: awaited
+        before the objects in the namespace (its LocalQueues) are sent, so that the rest
+        (the ledger's read, the ClusterQueues) can go while the namespace is being made."""
         self.users[namespace] = (user, groups, label)
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._run())
         want = (await asyncio.to_thread(self._wanted, [namespace]))[namespace]
         if self.applied.get(namespace) != want:
-            await self.apply(namespace, want)
+            await self.apply(namespace, want, namespace_ready)
 
     # -- reading the ledger (in a worker thread) -------------------------------------------
 
@@ -250,8 +252,9 @@ class KueueMirror(LedgerMirror):
             await self.custom.patch_cluster_custom_object(
                 *KUEUE, _PLURALS[kind], meta["name"], obj, **common)
 
-    async def apply(self, namespace: str, want: Wanted) -> None:
-        """Apply the person's objects (and, the first time, the shared ones)."""
+    async def apply(self, namespace: str, want: Wanted, namespace_ready=None) -> None:
+        """Apply the person's objects (and, the first time, the shared ones); those in the
+        namespace after ``namespace_ready()`` (when given) returns."""
         user, _, label = self.users[namespace]
         await self.sync_capacity(force=self.capacity is None)
         objects: list[dict] = make_cohorts(want.group)[1:]  # the group's, below the root
@@ -267,7 +270,13 @@ class KueueMirror(LedgerMirror):
         # the queues together (Kueue reads a LocalQueue whose ClusterQueue is not there
         # yet as inactive until it is, and nothing is queued in them before this returns):
         # one round trip's wait instead of four (bench/scale_kube.py)
-        await asyncio.gather(*(self._apply_object(o) for o in objects if o not in cohorts))
+        async def in_namespace(obj: dict) -> None:
+            if namespace_ready is not None:
+                await namespace_ready()
+            await self._apply_object(obj)
+
+        await asyncio.gather(*(in_namespace(o) if "namespace" in o["metadata"]
+                               else self._apply_object(o) for o in objects if o not in cohorts))
         self.applied[namespace] = want
         self.log.info("Kueue quota of %s (namespace %s): %s GPUs%s%s", user, namespace,
                       "any" if want.max_gpus is None else want.max_gpus,

@@ -15,7 +15,9 @@
    namespace step 1 has just made: the API server answers its apply 201 Created).
 
 Steps 2-4 each need only the namespace: they are sent together once it is applied, so a
-spawn waits for two round trips to the API server, not one per object.
+spawn waits for two round trips to the API server, not one per object; for a namespace this
+process has prepared before (`PREPARED`: a returning person), together with step 1, one round
+trip (a namespace deleted meanwhile answers 404: then it is done in two, as for a new one).
 
 The ledger is read in a worker thread (`asyncio.to_thread`), here (the person's own quota)
 and in the mirror's periodic sync (everyone's, in one query): the event loop never waits for
@@ -32,6 +34,7 @@ import asyncio
 import copy
 import json
 import logging
+import weakref
 from typing import Any
 
 from kubernetes_asyncio.client.rest import ApiException
@@ -75,6 +78,11 @@ DEFAULT_CONTAINER_LIMITS = {"cpu": "2", "memory": "8Gi", "ephemeral-storage": "2
 #: what such a container reserves on its node (``defaultRequest``): small, so that a person's
 #: idle notebook or a job's parameter server does not hold a node's CPUs from others
 DEFAULT_CONTAINER_REQUESTS = {"cpu": "100m", "memory": "512Mi", "ephemeral-storage": "1Gi"}
+
+
+#: the namespaces this process has prepared (`prepare_user_namespace`), by API client (one
+#: cluster's): their objects are applied together with the namespace itself, in one round trip
+PREPARED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 
 
 class NamespaceSettingsError(ValueError):
@@ -281,6 +289,7 @@ async def prepare_user_namespace(
     gpu_resource_quota: bool = True,
     container_limits: dict | None = None,
     container_requests: dict | None = None,
+    namespace_made=None,
 ) -> int:
     """Create or update ``namespace`` for ``user``: Pod Security labels, NetworkPolicies,
     GPU ResourceQuota (see the module's docstring). Returns how many API requests it made.
@@ -295,7 +304,9 @@ async def prepare_user_namespace(
     `gpulab.hub.cluster.kueuemirror`): no GPU ResourceQuota, and one left from before is removed
     (it would refuse the pods of preemptible work that borrows beyond the person's quota).
     ``container_limits`` / ``container_requests``: the LimitRange's defaults (None: gpulab's
-    `DEFAULT_CONTAINER_LIMITS` / `DEFAULT_CONTAINER_REQUESTS`; ``{}``: none). Raises
+    `DEFAULT_CONTAINER_LIMITS` / `DEFAULT_CONTAINER_REQUESTS`; ``{}``: none).
+    ``namespace_made``: called (no arguments) once the namespace is there, or is taken to
+    be (`PREPARED`), so that the caller's own objects in it go out with these. Raises
     `NamespaceSettingsError` for a bad ``pod_security_level``, ``allowed_egress``,
     ``allowed_server_ingress`` or default before any request, and the API's
     ``ApiException`` as it comes.
@@ -320,11 +331,14 @@ async def prepare_user_namespace(
                       else container_requests))
     except ValueError as e:
         raise NamespaceSettingsError(str(e)) from e
-    _, status, _ = await asyncio.wait_for(
-        api.patch_namespace_with_http_info(namespace, body, field_manager=FIELD_MANAGER,
-                                           force=True, _content_type=APPLY),
-        request_timeout)
-    created = status == 201  # made by this apply: nothing in it is left from before
+    async def apply_namespace() -> bool:
+        _, status, _ = await asyncio.wait_for(
+            api.patch_namespace_with_http_info(namespace, body, field_manager=FIELD_MANAGER,
+                                               force=True, _content_type=APPLY),
+            request_timeout)
+        return status == 201  # made by this apply: nothing in it is left from before
+
+    created = False
 
     async def network_policies() -> int:
         # before any pod of the namespace exists, and at every call (put back if edited)
@@ -369,6 +383,36 @@ async def prepare_user_namespace(
             return 1
         return 0
 
+    prepared = PREPARED.setdefault(api, set())
+    if namespace in prepared:
+        # a returning person: the namespace is there (this process made or found it), so
+        # its objects go with it, one round trip in all
+        if namespace_made is not None:
+            namespace_made()
+        results = await asyncio.gather(apply_namespace(), network_policies(), defaults(),
+                                       quota(), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if not errors and results[0] is False:
+            return 1 + sum(results[1:])
+        for e in errors:
+            if not (isinstance(e, ApiException) and e.status == 404):
+                raise e
+        # deleted meanwhile (by an admin; its objects answered 404, or this apply made it
+        # anew: 201): made again below, its objects after it, its GPU quota too (the
+        # mirror's record of it went with the namespace)
+        tried = 2 + len(policies) + (results[3] if isinstance(results[3], int) else 1)
+        prepared.discard(namespace)
+        mirror = GPUQuotaMirror.for_loop(ledger, api, sync_interval, log)
+        mirror.applied.pop(namespace, None)
+        mirror.cleared.discard(namespace)
+        log.info("Namespace %s was deleted meanwhile: making it again", namespace)
+    else:
+        tried = 0
+    created = await apply_namespace()
+    if namespace_made is not None:
+        namespace_made()
     # the namespace's objects at once (each needs only the namespace): one round trip's
     # wait instead of one per object (bench/scale_kube.py)
-    return 1 + sum(await asyncio.gather(network_policies(), defaults(), quota()))
+    made = 1 + sum(await asyncio.gather(network_policies(), defaults(), quota()))
+    prepared.add(namespace)
+    return tried + made

@@ -28,6 +28,7 @@ from gpulab.hub.cluster.kubeobjects import make_user_network_policies
 from gpulab.hub.quota.settings import GPULedger
 from gpulab.spawner.mixin import SpawnRefused, hub_ledger
 from gpulab.hub.cluster.namespaces import (
+    PREPARED,
     GPUQuotaMirror,
     NamespaceSettingsError,
     prepare_user_namespace,
@@ -63,7 +64,9 @@ def ledger(tmp_path):
 
 @pytest.fixture(autouse=True)
 def _no_mirrors_left():
+    PREPARED.clear()
     yield
+    PREPARED.clear()
     for mirror in list(GPUQuotaMirror._instances.values()):
         if mirror._task is not None:
             mirror._task.cancel()
@@ -98,6 +101,83 @@ def prepare(api, ledger, **kw):
 
 
 # -- the preparation ---------------------------------------------------------------------
+
+
+class SlowKubeAPI(FakeKubeAPI):
+    """FakeKubeAPI whose every request takes a while and is recorded as it starts and ends,
+    and whose objects in a namespace it does not have answer 404, as the API server's do."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[tuple[str, str]] = []
+
+    def __getattribute__(self, name):
+        attr = super().__getattribute__(name)
+        if (not name.startswith(("patch_", "delete_", "replace_"))
+                or name.endswith("_with_http_info")):  # (it calls patch_namespace)
+            return attr
+        events, stored = super().__getattribute__("events"), super().__getattribute__("stored")
+
+        async def slow(*args, **kwargs):
+            events.append(("start", name))
+            await asyncio.sleep(0.02)
+            namespace = kwargs.get("namespace") or (args[1] if len(args) > 1 else "")
+            if "namespaced" in name and ("Namespace", "", namespace) not in stored:
+                events.append(("end", name))
+                raise ApiException(status=404, reason="Not Found")
+            try:
+                return await attr(*args, **kwargs)
+            finally:
+                events.append(("end", name))
+
+        return slow
+
+
+def round_trips(events) -> int:
+    """How many waits one after the other: a request started after another ended begins
+    a new one."""
+    trips, open_ = 0, False
+    for kind, _ in events:
+        if kind == "start" and not open_:
+            trips, open_ = trips + 1, True
+        elif kind == "end":
+            open_ = False
+    return trips
+
+
+async def test_a_returning_persons_namespace_goes_out_with_its_objects_in_one_round_trip(
+        ledger, caplog):
+    """A new namespace first, then its objects together (two round trips: an object in a
+    namespace not there yet is refused); one this process has prepared, all together (a
+    returning person's spawn waits for one round trip before its pod). One deleted meanwhile
+    (an admin's hand) is made again, its objects after it."""
+    api = SlowKubeAPI()
+    made = []
+    assert await prepare(api, ledger, namespace_made=lambda: made.append(len(api.events))) == 5
+    assert round_trips(api.events) == 2, api.events
+    assert api.events[0] == ("start", "patch_namespace")
+    assert made == [2]  # told once the namespace was there, before its objects went out
+
+    api.events.clear(), made.clear()  # (the quota as applied: not sent again)
+    assert await prepare(api, ledger, namespace_made=lambda: made.append(len(api.events))) == 4
+    assert round_trips(api.events) == 1, api.events
+    assert len(api.events) == 2 * 4 and made == [0]
+
+    del api.stored[("Namespace", "", "gpulab-ann")]  # deleted by hand
+    for key in [k for k in api.stored if k[1] == "gpulab-ann"]:
+        del api.stored[key]
+    api.events.clear()
+    with caplog.at_level(logging.INFO, logger="test"):
+        # 4 together (made anew, or refused), then 5 as for a new namespace
+        assert await prepare(api, ledger) == 4 + 5
+    assert round_trips(api.events) == 3, api.events
+    assert ("Namespace", "", "gpulab-ann") in api.stored
+    assert ("LimitRange", "gpulab-ann", "gpulab-defaults") in api.stored
+    # its GPU quota written again (ann has none: the quota object removed)
+    assert [e for e in api.events if "resource_quota" in e[1]] == [
+        ("start", "delete_namespaced_resource_quota"), ("end", "delete_namespaced_resource_quota")]
+    assert len([k for k in api.stored if k[0] == "NetworkPolicy"]) == 2
+    assert "deleted meanwhile" in caplog.text
 
 
 async def test_the_quota_read_runs_in_a_worker_thread_and_the_requests_are_counted(
