@@ -133,18 +133,33 @@ class RequestCounter:
             collections.Counter)
         self.watches = 0
         self.total = 0
+        #: configuration -> shape -> [(seconds, HTTP status or exception's name)]
+        self.answers: dict[str, dict[str, list]] = collections.defaultdict(
+            lambda: collections.defaultdict(list))
         original = rest.RESTClientObject.request
         counter = self
 
         async def counted(self, method, url, query_params=None, *args, **kwargs):
             if any(k == "watch" and str(v).lower() == "true" for k, v in (query_params or [])):
                 counter.watches += 1
-            else:
-                who = WHO.get()
-                counter.total += 1
-                counter.by_who[who] += 1
-                counter.shapes[who][_shape(method, url)] += 1
-            return await original(self, method, url, query_params, *args, **kwargs)
+                return await original(self, method, url, query_params, *args, **kwargs)
+            who = WHO.get()
+            shape = _shape(method, url)
+            counter.total += 1
+            counter.by_who[who] += 1
+            counter.shapes[who][shape] += 1
+            t0, status = time.perf_counter(), None
+            try:
+                answer = await original(self, method, url, query_params, *args, **kwargs)
+                status = getattr(answer, "status", 200)
+                return answer
+            except BaseException as e:
+                status = getattr(e, "status", None) or type(e).__name__
+                raise
+            finally:
+                if who and ":" in who:
+                    counter.answers[who.split(":")[0]][shape].append(
+                        (time.perf_counter() - t0, status))
 
         rest.RESTClientObject.request = counted
 
@@ -269,15 +284,48 @@ POD_CREATED: dict[str, float] = {}
 STARTED: dict[str, float] = {}
 
 
+#: where the spawner's own part goes (`WHO` -> phase -> seconds): gpulab's profile and
+#: admission of the GPUs (the ledger), its namespace's preparation (every API request before
+#: the pod's), the manifest; the pod's create, its tries and the waits between (both sides)
+PHASES: dict[str, dict[str, float]] = collections.defaultdict(dict)
+
+
 def time_pod_creation() -> None:
     from kubespawner import KubeSpawner
 
-    original = KubeSpawner._make_create_pod_request
+    from gpulab.spawner.kube import KubeGPUSpawner
+
+    def timed_phase(cls, method, phase):
+        real = getattr(cls, method)
+
+        async def timed_call(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return await real(self, *args, **kwargs)
+            finally:
+                PHASES[WHO.get()][phase] = time.perf_counter() - t0
+
+        setattr(cls, method, timed_call)
+
+    timed_phase(KubeGPUSpawner, "load_user_options", "profile and admission")
+    timed_phase(KubeGPUSpawner, "_ensure_namespace", "namespace, its objects, queues")
+    timed_phase(KubeGPUSpawner, "get_pod_manifest", "manifest")
+    real_create = KubeSpawner._make_create_pod_request
+
+    async def tried(self, pod, request_timeout):  # the pod's create, tries and waits between
+        PHASES[WHO.get()].setdefault("_first_try", time.perf_counter())
+        return await real_create(self, pod, request_timeout)
+
+    KubeSpawner._make_create_pod_request = tried
+    original = tried
 
     async def timed(self, pod, request_timeout):
         done = await original(self, pod, request_timeout)
         if done:
             POD_CREATED[WHO.get()] = time.perf_counter()
+            phases = PHASES[WHO.get()]
+            if "_first_try" in phases:
+                phases["pod create (tries)"] = POD_CREATED[WHO.get()] - phases.pop("_first_try")
         return done
 
     KubeSpawner._make_create_pod_request = timed
@@ -459,7 +507,25 @@ def fill_ledger(db: str, users: list[str]) -> None:
                          actor="bench")
 
 
-async def bench(args, kubeconfig: str, db: str) -> dict:
+ADMISSION_METRICS = re.compile(
+    r'^apiserver_admission_(webhook|controller)_admission_duration_seconds_(sum|count)'
+    r'\{([^}]*)\} ([0-9.e+-]+)$', re.M)
+
+
+def admission_seconds(metrics_text: str) -> dict[str, list[float]]:
+    """The API server's admission time by webhook or admission plugin, of creates (any kind):
+    name -> [seconds in all, calls] (its own metrics, cumulative)."""
+    out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    for kind, field, labels, value in ADMISSION_METRICS.findall(metrics_text):
+        tags = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if tags.get("operation") != "CREATE" or tags.get("rejected") == "true":
+            continue
+        name = f"{kind} {tags.get('name', '?')} ({tags.get('type', '?')})"
+        out[name][0 if field == "sum" else 1] += float(value)
+    return out
+
+
+async def bench(args, kubeconfig: str, db: str, metrics=None) -> dict:
     from kubernetes_asyncio.config import kube_config
     from kubespawner import KubeSpawner
     from kubespawner.clients import load_config
@@ -499,9 +565,13 @@ async def bench(args, kubeconfig: str, db: str) -> dict:
         warm, _ = await storm(kind, configs[kind], [f"w{run}{LETTER[kind]}"], counter, 1,
                               f"{kind}-warm")
         t0 = time.monotonic()
+        before = admission_seconds(await asyncio.to_thread(metrics)) if metrics else {}
         spawners, results = await storm(kind, configs[kind], names, counter, args.concurrency, kind,
                                         progress=args.progress)
         took = time.monotonic() - t0
+        after = admission_seconds(await asyncio.to_thread(metrics)) if metrics else {}
+        admission = {name: (total - before.get(name, [0, 0])[0], n - before.get(name, [0, 0])[1])
+                     for name, (total, n) in after.items()}
         print(f"{kind}: {len(names)} spawns in {took:.1f}s", flush=True)
         steps = await asyncio.create_task(breakdown({(s.namespace, s.pod_name) for s in spawners}),
                                           context=contextvars.Context())
@@ -519,8 +589,14 @@ async def bench(args, kubeconfig: str, db: str) -> dict:
             shapes.update(counter.shapes[f"{kind}:{i}"])
         own = [POD_CREATED[f"{kind}:{i}"] - STARTED[f"{kind}:{i}"] for i in range(len(names))
                if f"{kind}:{i}" in POD_CREATED]
+        phases = collections.defaultdict(list)
+        for i in range(len(names)):
+            for phase, t in PHASES.get(f"{kind}:{i}", {}).items():
+                phases[phase].append(t)
         out[kind] = {"results": results, "rest": rest, "again": again, "storm_s": took,
-                     "own": own, "steps": steps,
+                     "own": own, "steps": steps, "phases": dict(phases),
+                     "answers": {k: list(v) for k, v in counter.answers[kind].items()},
+                     "admission": admission,
                      "progress": counter.by_who[f"{kind}-progress"],
                      "progress_shapes": dict(counter.shapes[f"{kind}-progress"]),
                      "shapes": {k: v / len(names) for k, v in shapes.items()}}
@@ -564,9 +640,25 @@ def report(args, out: dict) -> None:
         own = out[kind]["own"]
         if own:
             print(f"  start() to the pod's creation (the spawner's own part): p50 "
-                  f"{statistics.median(own):.2f}s p99 {percentile(own, 99):.2f}s")
+                  f"{statistics.median(own):.2f}s p99 {percentile(own, 99):.2f}s" + "".join(
+                      f"; {phase} p50 {statistics.median(v):.2f}s p99 {percentile(v, 99):.2f}s"
+                      for phase, v in out[kind].get("phases", {}).items()
+                      if v and not phase.startswith("_")))
+        answers = out[kind].get("answers", {})
         for shape, n in sorted(out[kind]["shapes"].items(), key=lambda kv: -kv[1]):
-            print(f"    {n:5.2f}  {shape}")
+            took = answers.get(shape, [])
+            print(f"    {n:5.2f}  {shape}" + (
+                f"  (answered in p50 {statistics.median(t for t, _ in took):.2f}s p99 "
+                f"{percentile([t for t, _ in took], 99):.2f}s; " + ", ".join(
+                    f"{status} {k}" for status, k in collections.Counter(
+                        str(st) for _, st in took).most_common()) + ")" if took else ""))
+        slow = sorted(((total, n, name) for name, (total, n) in out[kind].get("admission", {}).items()
+                       if n and total / n >= 0.001), reverse=True)[:6]
+        if slow:
+            print("  the API server's admission of creates in the storm (its metrics), by "
+                  "webhook or plugin: " + "; ".join(
+                      f"{name} {total:.1f}s in {n:.0f} calls, mean {1000 * total / n:.0f} ms"
+                      for total, n, name in slow))
         steps = out[kind]["steps"]
         if steps:
             print("  after the pod's creation (API server timestamps, whole seconds): " + "; ".join(
@@ -668,7 +760,8 @@ def main(argv=None) -> int:
         kubeconfig = rbac_kubeconfig(cp)
         if "stock-kueue" in args.configs:
             z2jh_queue(cp, args.servers)
-        out = asyncio.run(bench(args, kubeconfig, str(Path(tmp) / "gpulab.sqlite")))
+        out = asyncio.run(bench(args, kubeconfig, str(Path(tmp) / "gpulab.sqlite"),
+                                metrics=lambda: cp.api("GET", "/metrics", expect=[200])[1]))
     report(args, out)
     return 0
 

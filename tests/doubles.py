@@ -181,6 +181,11 @@ class FakeKubeAPI:
         self.calls.append(("patch_namespaced_limit_range", f"{namespace}/{name}"))
         return self._store("LimitRange", namespace, name, body)
 
+    async def patch_namespaced_service_account(self, name, namespace, body, **kwargs):
+        assert kwargs.get("_content_type") == "application/apply-patch+yaml"
+        self.calls.append(("patch_namespaced_service_account", f"{namespace}/{name}"))
+        return self._store("ServiceAccount", namespace, name, body)
+
     async def delete_namespaced_resource_quota(self, name, namespace, **kwargs):
         from kubernetes_asyncio.client.rest import ApiException
 

@@ -8,7 +8,10 @@
 2. makes its NetworkPolicies exactly so (`apply_network_policies`), before any pod of the
    namespace runs;
 3. applies its LimitRange (`make_limit_range`): the operator's default CPU, memory and
-   ephemeral-storage of every container that names none (servers and replicas alike);
+   ephemeral-storage of every container that names none (servers and replicas alike), and
+   (not again for a namespace this process prepared) its ``default`` ServiceAccount, whose
+   token no pod mounts (`make_default_service_account`: the API server would wait for the
+   controller-manager's before admitting the first pod);
 4. registers the namespace with this event loop's `GPUQuotaMirror` and writes its GPU
    ResourceQuota if it differs from the user's effective gpulab quota (with Kueue instead:
    removes a ResourceQuota left from before, once per namespace and process, and never in a
@@ -47,6 +50,7 @@ from .kubeobjects import (
     LIMIT_RANGE_NAME,
     POD_SECURITY_LEVELS,
     QUOTA_NAME,
+    make_default_service_account,
     make_gpu_quota,
     make_limit_range,
     make_user_namespace,
@@ -355,6 +359,17 @@ async def prepare_user_namespace(
             request_timeout)
         return 1
 
+    async def service_account() -> int:
+        # a new namespace's: there before the pod, so that the API server does not wait for
+        # the controller-manager's (`make_default_service_account`)
+        await asyncio.wait_for(
+            api.patch_namespaced_service_account(
+                "default", namespace, make_default_service_account(
+                    namespace=namespace, user_label=user_label),
+                field_manager=FIELD_MANAGER, force=True, _content_type=APPLY),
+            request_timeout)
+        return 1
+
     async def quota() -> int:
         mirror = GPUQuotaMirror.for_loop(ledger, api, sync_interval, log)
         if not gpu_resource_quota:
@@ -413,6 +428,7 @@ async def prepare_user_namespace(
         namespace_made()
     # the namespace's objects at once (each needs only the namespace): one round trip's
     # wait instead of one per object (bench/scale_kube.py)
-    made = 1 + sum(await asyncio.gather(network_policies(), defaults(), quota()))
+    made = 1 + sum(await asyncio.gather(network_policies(), defaults(), service_account(),
+                                        quota()))
     prepared.add(namespace)
     return tried + made

@@ -153,7 +153,7 @@ async def test_a_returning_persons_namespace_goes_out_with_its_objects_in_one_ro
     (an admin's hand) is made again, its objects after it."""
     api = SlowKubeAPI()
     made = []
-    assert await prepare(api, ledger, namespace_made=lambda: made.append(len(api.events))) == 5
+    assert await prepare(api, ledger, namespace_made=lambda: made.append(len(api.events))) == 6
     assert round_trips(api.events) == 2, api.events
     assert api.events[0] == ("start", "patch_namespace")
     assert made == [2]  # told once the namespace was there, before its objects went out
@@ -168,8 +168,8 @@ async def test_a_returning_persons_namespace_goes_out_with_its_objects_in_one_ro
         del api.stored[key]
     api.events.clear()
     with caplog.at_level(logging.INFO, logger="test"):
-        # 4 together (made anew, or refused), then 5 as for a new namespace
-        assert await prepare(api, ledger) == 4 + 5
+        # 4 together (made anew, or refused), then 6 as for a new namespace
+        assert await prepare(api, ledger) == 4 + 6
     assert round_trips(api.events) == 3, api.events
     assert ("Namespace", "", "gpulab-ann") in api.stored
     assert ("LimitRange", "gpulab-ann", "gpulab-defaults") in api.stored
@@ -191,8 +191,8 @@ async def test_the_quota_read_runs_in_a_worker_thread_and_the_requests_are_count
     api = FakeKubeAPI()
     loop_thread = threading.current_thread()
 
-    # namespace, two policies, the LimitRange, the quota
-    assert await prepare(api, ledger) == 1 + 2 + 1 + 1
+    # namespace, two policies, the LimitRange, the default ServiceAccount, the quota
+    assert await prepare(api, ledger) == 1 + 2 + 1 + 1 + 1
     assert [n for n, _ in reads] == ["effective"]
     assert all(thread is not loop_thread for _, thread in reads), reads
     # the namespace first; then its objects, sent together
@@ -200,7 +200,10 @@ async def test_the_quota_read_runs_in_a_worker_thread_and_the_requests_are_count
     assert sorted(m for m, _ in api.calls[1:]) == ["patch_namespaced_limit_range",
                                                    "patch_namespaced_network_policy",
                                                    "patch_namespaced_network_policy",
-                                                   "patch_namespaced_resource_quota"]
+                                                   "patch_namespaced_resource_quota",
+                                                   "patch_namespaced_service_account"]
+    sa = api.stored[("ServiceAccount", "gpulab-ann", "default")]
+    assert sa["automountServiceAccountToken"] is False
     limits = api.stored[("LimitRange", "gpulab-ann", "gpulab-defaults")]
     assert limits["spec"]["limits"] == [{
         "type": "Container",
@@ -248,7 +251,7 @@ async def test_with_kueue_a_left_quota_is_removed_once_per_namespace(ledger, rea
     # no DELETE at all (the API server answers the apply that made it 201)
     fresh = FakeKubeAPI()
     bob = dict(namespace="gpulab-bob", user="bob", user_label="bob", gpu_resource_quota=False)
-    assert await prepare(fresh, ledger, **bob) == 1 + 2 + 1
+    assert await prepare(fresh, ledger, **bob) == 1 + 2 + 1 + 1  # (its ServiceAccount)
     assert await prepare(fresh, ledger, **bob) == 1 + 2 + 1
     assert not any(m.endswith("resource_quota") for m, _ in fresh.calls)
 
@@ -396,10 +399,10 @@ async def test_both_callers_read_the_quota_off_the_loop_and_prepare_the_same_nam
     monkeypatch.setattr(KubeJobBackend, "core", property(lambda self: also))
     monkeypatch.setattr(KubeJobBackend, "networking", property(lambda self: also))
     assert await b._ensure_namespace("ann", ()) == "gpulab-ann"
-    assert b.api_requests == 5
+    assert b.api_requests == 6
     assert [n for n, _ in reads] == ["effective", "effective"] and reads[1][1] is not loop_thread
     assert await b._ensure_namespace("ann", ()) == "gpulab-ann"  # once per namespace
-    assert b.api_requests == 5
+    assert b.api_requests == 6
 
     assert s.namespace == "gpulab-ann"
     assert made.stored.keys() == also.stored.keys()
