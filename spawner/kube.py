@@ -17,6 +17,9 @@ It is KubeSpawner configured through its own traits and hooks, plus `GPUSpawnerM
   a profile's ``allowed_groups`` limits who sees and starts it;
 - the shared ReadWriteMany volume is mounted as the user's own sub-path read-write and the
   datasets read-only, next to KubeSpawner's home volume; no service-account token is mounted;
+- a pod create that timed out on the hub's side but was made (the next try meets 409) is
+  kept, not deleted and made again as KubeSpawner does: each start marks its pod
+  (``gpulab.io/start``), and a pod with this start's mark is taken as made;
 - the quota ledger admits the GPUs before the pod is made; a 403 "exceeded quota" from the API
   server becomes the same quota message; the scheduler's reasons reach the progress page in
   plain words.

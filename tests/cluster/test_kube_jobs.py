@@ -197,9 +197,9 @@ async def test_submit_creates_the_objects_runs_on_h100_and_chief_completion_succ
     ns = job["namespace"]
     assert ns == f"gpulab-{u}" and job["state"] == "Admitted" and job["gpus"] == 4
     # roles (3) + Service + NetworkPolicy + ConfigMap (source) + the user's namespace, its two
-    # NetworkPolicies, its LimitRange and its quota (the first job of a user) + the nodes
-    # (listed every time here: node_cache_seconds = 0)
-    assert backend.api_requests - before == 3 + 9
+    # NetworkPolicies, its LimitRange, its default ServiceAccount and its quota (the first
+    # job of a user) + the nodes (listed every time here: node_cache_seconds = 0)
+    assert backend.api_requests - before == 3 + 10
     # the namespace's defaults (issue 36): every replica whose role names no CPU, memory or
     # ephemeral storage gets them at admission, so none runs unbounded
     [limit_range] = items(cp, ns, "limitranges", "app.kubernetes.io/managed-by=gpulab")
