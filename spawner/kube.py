@@ -389,7 +389,7 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
         # with Kueue, the person's queues (the first spawn in this process) go while the
         # namespace is made, their LocalQueue with the namespace's objects: one round trip
         # to the API server less before the pod (bench/scale_kube.py)
-        made = asyncio.Event()
+        made, remade = asyncio.Event(), []
         queues = None
         if self.kueue:
             mirror = self.kueue_mirror(ledger)
@@ -411,7 +411,7 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
                 gpu_resource_quota=not self.kueue,
                 container_limits=self.default_container_limits,
                 container_requests=self.default_container_requests,
-                namespace_made=made.set)
+                namespace_made=made.set, namespace_remade=lambda: remade.append(True))
         except BaseException as e:
             if queues is not None:  # (waiting for a namespace that is not coming)
                 queues.cancel()
@@ -422,6 +422,10 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
             raise
         if queues is not None:
             await queues
+        elif remade and self.kueue:  # deleted meanwhile: its LocalQueues went with it
+            mirror.applied.pop(self.namespace, None)
+            await mirror.register(self.namespace, self.user.name, tuple(self.user_groups),
+                                  self.user_label)
 
     async def get_pod_manifest(self):
         """KubeSpawner's pod, run under the container runtime's default seccomp filter
@@ -446,7 +450,7 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
         # KubeSpawner's), and `stop` keeps a pod with this start's mark: the next try takes
         # it as made. A pod of an earlier start is still deleted, as KubeSpawner does; the
         # start goes on, so the GPUs admitted for it stay held (`stop`).
-        start = _mark_start(pod)
+        start = self._mark_start(pod)
         if start is not None and getattr(self, "_own_pod", None) == start:
             self.log.info("Pod %s/%s is this start's own (its create answered late): kept",
                           self.namespace, self.pod_name)
@@ -470,6 +474,21 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
         finally:
             self._recreating_pod = False
 
+    def _mark_start(self, pod) -> str | None:
+        """This start's mark on its pod: made at the first create try (a new pod object),
+        kept by the next ones (they send the same object); None for a pod without object
+        metadata (a hook's own type)."""
+        meta = getattr(pod, "metadata", None)
+        if meta is None or isinstance(meta, dict) or not hasattr(meta, "annotations"):
+            return None
+        last = getattr(self, "_start_mark", None)
+        if last is None or last[0] is not pod:
+            # a new start: a fresh mark, over any the manifest had (extra_annotations)
+            last = self._start_mark = (pod, uuid.uuid4().hex)
+            self._own_pod = None
+        meta.annotations = {**(meta.annotations or {}), START_ANNOTATION: last[1]}
+        return last[1]
+
     async def _pod_in_the_way(self, start: str) -> str:
         """Whose is the pod a create met with 409: ``"own"`` (this start's mark, not being
         deleted), ``"other"``, ``"gone"`` (404 now) or ``"unknown"`` (not read in time)."""
@@ -479,10 +498,8 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
                 self.k8s_api_request_timeout)
         except asyncio.TimeoutError:
             return "unknown"
-        except ApiException as e:
-            if e.status == 404:
-                return "gone"
-            raise
+        except ApiException as e:  # (a busy API server's 429 or 5xx: try the create again)
+            return "gone" if e.status == 404 else "unknown"
         meta = pod.metadata
         if (meta.deletion_timestamp is None
                 and (meta.annotations or {}).get(START_ANNOTATION) == start):
@@ -702,17 +719,6 @@ async def _maybe_await(value):
 
 
 START_ANNOTATION = "gpulab.io/start"
-
-
-def _mark_start(pod) -> str | None:
-    """This start's mark on its pod (made at the first create try, kept by the next ones: they
-    send the same object); None for a pod without object metadata (a hook's own type)."""
-    meta = getattr(pod, "metadata", None)
-    if meta is None or isinstance(meta, dict) or not hasattr(meta, "annotations"):
-        return None
-    if meta.annotations is None:
-        meta.annotations = {}
-    return meta.annotations.setdefault(START_ANNOTATION, uuid.uuid4().hex)
 
 
 __all__ = ["KubeGPUSpawner"]

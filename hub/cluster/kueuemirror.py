@@ -275,8 +275,16 @@ class KueueMirror(LedgerMirror):
                 await namespace_ready()
             await self._apply_object(obj)
 
-        await asyncio.gather(*(in_namespace(o) if "namespace" in o["metadata"]
-                               else self._apply_object(o) for o in objects if o not in cohorts))
+        tasks = [asyncio.ensure_future(in_namespace(o) if "namespace" in o["metadata"]
+                                       else self._apply_object(o))
+                 for o in objects if o not in cohorts]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:  # (one waiting for a namespace that is not coming, too)
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         self.applied[namespace] = want
         self.log.info("Kueue quota of %s (namespace %s): %s GPUs%s%s", user, namespace,
                       "any" if want.max_gpus is None else want.max_gpus,

@@ -294,6 +294,7 @@ async def prepare_user_namespace(
     container_limits: dict | None = None,
     container_requests: dict | None = None,
     namespace_made=None,
+    namespace_remade=None,
 ) -> int:
     """Create or update ``namespace`` for ``user``: Pod Security labels, NetworkPolicies,
     GPU ResourceQuota (see the module's docstring). Returns how many API requests it made.
@@ -310,7 +311,9 @@ async def prepare_user_namespace(
     ``container_limits`` / ``container_requests``: the LimitRange's defaults (None: gpulab's
     `DEFAULT_CONTAINER_LIMITS` / `DEFAULT_CONTAINER_REQUESTS`; ``{}``: none).
     ``namespace_made``: called (no arguments) once the namespace is there, or is taken to
-    be (`PREPARED`), so that the caller's own objects in it go out with these. Raises
+    be (`PREPARED`), so that the caller's own objects in it go out with these;
+    ``namespace_remade``: called when one taken to be there turns out deleted meanwhile (the
+    caller's objects in it are gone too). Raises
     `NamespaceSettingsError` for a bad ``pod_security_level``, ``allowed_egress``,
     ``allowed_server_ingress`` or default before any request, and the API's
     ``ApiException`` as it comes.
@@ -407,20 +410,25 @@ async def prepare_user_namespace(
         results = await asyncio.gather(apply_namespace(), network_policies(), defaults(),
                                        quota(), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
+        gone = [e for e in errors if isinstance(e, ApiException) and e.status == 404]
         if not errors and results[0] is False:
             return 1 + sum(results[1:])
+        if gone or results[0] is True:
+            # deleted meanwhile (by an admin; its objects answered 404, or this apply made
+            # it anew: 201): made again as a new one, its objects after it, its GPU quota
+            # too (the mirror's record of it went with the namespace), here or at the
+            # caller's next try
+            prepared.discard(namespace)
+            mirror = GPUQuotaMirror.for_loop(ledger, api, sync_interval, log)
+            mirror.applied.pop(namespace, None)
+            mirror.cleared.discard(namespace)
+            log.info("Namespace %s was deleted meanwhile: making it again", namespace)
+            if namespace_remade is not None:
+                namespace_remade()
         for e in errors:
-            if not (isinstance(e, ApiException) and e.status == 404):
+            if e not in gone:
                 raise e
-        # deleted meanwhile (by an admin; its objects answered 404, or this apply made it
-        # anew: 201): made again below, its objects after it, its GPU quota too (the
-        # mirror's record of it went with the namespace)
         tried = 2 + len(policies) + (results[3] if isinstance(results[3], int) else 1)
-        prepared.discard(namespace)
-        mirror = GPUQuotaMirror.for_loop(ledger, api, sync_interval, log)
-        mirror.applied.pop(namespace, None)
-        mirror.cleared.discard(namespace)
-        log.info("Namespace %s was deleted meanwhile: making it again", namespace)
     else:
         tried = 0
     created = await apply_namespace()

@@ -4,6 +4,7 @@ helm-values/rbac.yaml (not as cluster admin), with a real quota ledger (SQLite).
 import asyncio
 import copy
 import html
+import json
 import re
 import threading
 import time
@@ -479,6 +480,41 @@ def test_the_hub_token_is_not_cluster_admin(control_plane, hub_kubeconfig):
     r = control_plane.kubectl("auth", "can-i", "create", "pods", "-n", "gpulab-anyone",
                               kubeconfig=hub_kubeconfig, check=False)
     assert r.stdout.strip() == "yes", r.stdout + r.stderr
+
+
+def test_the_hub_writes_no_service_account_but_an_owned_namespaces_default(control_plane,
+                                                                          hub_kubeconfig):
+    """The hub applies each user namespace's default ServiceAccount (no token mounted), and
+    nothing more: not one of another name (an old binding may still name it), not one that
+    mounts its token, not in a namespace gpulab does not own."""
+    cp, ns = control_plane, f"gpulab-sa{uuid.uuid4().hex[:6]}"
+
+    def apply_as_hub(obj):
+        return cp.kubectl("apply", "--server-side", "--field-manager=gpulab-hub", "-f", "-",
+                          input=json.dumps(obj), kubeconfig=hub_kubeconfig, check=False)
+
+    r = apply_as_hub({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": {
+        "app.kubernetes.io/managed-by": "gpulab", "gpulab.io/user": "sa",
+        "pod-security.kubernetes.io/enforce": "baseline"}}})
+    assert r.returncode == 0, r.stderr
+
+    def account(name, namespace=ns, automount=False):
+        return {"apiVersion": "v1", "kind": "ServiceAccount",
+                "metadata": {"name": name, "namespace": namespace},
+                "automountServiceAccountToken": automount}
+
+    try:
+        for refused in (account("prometheus"), account("default", automount=True),
+                        account("default", namespace="kube-system")):
+            r = apply_as_hub(refused)
+            assert r.returncode != 0 and "(Forbidden)" in r.stderr, (refused, r.stdout)
+        r = apply_as_hub(account("default"))
+        assert r.returncode == 0, r.stderr
+        assert get(cp, f"/api/v1/namespaces/{ns}/serviceaccounts/default")[
+            "automountServiceAccountToken"] is False
+        assert get(cp, f"/api/v1/namespaces/{ns}/serviceaccounts/prometheus") is None
+    finally:
+        cp.api("DELETE", f"/api/v1/namespaces/{ns}")
 
 
 def form_text(form: str) -> str:

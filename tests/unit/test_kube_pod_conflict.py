@@ -127,3 +127,23 @@ async def test_a_starts_own_pod_in_the_way_is_kept_not_deleted(tmp_path, monkeyp
         assert made is False and calls == [("create pod", "jupyter-ann"),
                                            ("read pod", "jupyter-ann")], calls
     load_config.cache_clear()
+
+
+async def test_each_start_marks_its_pod_anew(tmp_path, monkeypatch):
+    """A start's mark is its own: the same for each try of one start (the same pod object),
+    fresh for the next start, over any value the manifest had (an operator's
+    extra_annotations), so a mark kept from an earlier start never takes a pod as made."""
+    offline_kubeconfig(tmp_path, monkeypatch)
+    load_config.cache_clear()
+    config = Config()
+    config.KubeGPUSpawner.storage_pvc_ensure = False
+    spawner = KubeGPUSpawner(config=config, _mock=True)
+    first = pod_named("jupyter-ann", {START_ANNOTATION: "an-operators", "keep": "me"})
+    mark = spawner._mark_start(first)
+    assert mark not in (None, "an-operators") and spawner._mark_start(first) == mark
+    assert first.metadata.annotations == {START_ANNOTATION: mark, "keep": "me"}
+    spawner._own_pod = mark  # that start's pod was taken as made
+    second = pod_named("jupyter-ann", {START_ANNOTATION: "an-operators"})
+    again = spawner._mark_start(second)
+    assert again not in (mark, "an-operators") and spawner._own_pod is None
+    load_config.cache_clear()
