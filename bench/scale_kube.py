@@ -310,22 +310,15 @@ def time_pod_creation() -> None:
     timed_phase(KubeGPUSpawner, "load_user_options", "profile and admission")
     timed_phase(KubeGPUSpawner, "_ensure_namespace", "namespace, its objects, queues")
     timed_phase(KubeGPUSpawner, "get_pod_manifest", "manifest")
-    real_create = KubeSpawner._make_create_pod_request
+    original = KubeSpawner._make_create_pod_request
 
-    async def tried(self, pod, request_timeout):  # the pod's create, tries and waits between
-        PHASES[WHO.get()].setdefault("_first_try", time.perf_counter())
-        return await real_create(self, pod, request_timeout)
-
-    KubeSpawner._make_create_pod_request = tried
-    original = tried
-
-    async def timed(self, pod, request_timeout):
+    async def timed(self, pod, request_timeout):  # each try; the first one starts the phase
+        phases = PHASES[WHO.get()]
+        phases.setdefault("_first_try", time.perf_counter())
         done = await original(self, pod, request_timeout)
         if done:
             POD_CREATED[WHO.get()] = time.perf_counter()
-            phases = PHASES[WHO.get()]
-            if "_first_try" in phases:
-                phases["pod create (tries)"] = POD_CREATED[WHO.get()] - phases.pop("_first_try")
+            phases["pod create (tries)"] = POD_CREATED[WHO.get()] - phases.pop("_first_try")
         return done
 
     KubeSpawner._make_create_pod_request = timed

@@ -722,4 +722,3 @@ START_ANNOTATION = "gpulab.io/start"
 
 
 __all__ = ["KubeGPUSpawner"]
-
