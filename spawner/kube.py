@@ -42,6 +42,7 @@ from typing import Any
 from kubernetes_asyncio.client.rest import ApiException
 from kubespawner import KubeSpawner
 from kubespawner.clients import load_config, shared_client
+from kubespawner.spawner import PodReflector
 from traitlets import Unicode, default
 
 from gpulab.hub.quota.ledger import Request
@@ -74,6 +75,7 @@ from gpulab.hub.cluster.namespaces import (
     api_message,
     prepare_user_namespace,
 )
+from gpulab.hub.cluster.podwatch import WakingPodReflector
 from gpulab.hub.cluster.settings import KubeSettings
 
 from .mixin import GPUSpawnerMixin, LedgerView, SpawnRefused, hub_ledger
@@ -87,6 +89,9 @@ from .profiles import (
 
 #: traits the spawner sets for each start (from the profile and its own settings)
 _MANAGED_TRAITS = ("tolerations", "volumes", "volume_mounts", "environment", "extra_labels")
+#: seconds between two looks at a starting pod in a pod watch that wakes nobody (one a stock
+#: KubeSpawner of the same process started), and the longest a wait for it sleeps otherwise
+POD_LOOK_SECONDS = 0.25
 #: seconds between two reads of a queued notebook's Workload (its reason, for the progress
 #: page), from the hub's shared watch
 KUEUE_PROGRESS_SECONDS = 2.0
@@ -505,6 +510,62 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
                 and (meta.annotations or {}).get(START_ANNOTATION) == start):
             return "own"
         return "other"
+
+    # -- waiting for the pod -------------------------------------------------------------
+
+    async def _start_reflector(self, kind, reflector_class, replace=False, **kwargs):
+        # KubeSpawner's shared pod watch, as KubeSpawner selects it, with a store that wakes
+        # a start waiting for its pod (`is_pod_running`)
+        if reflector_class is PodReflector:
+            reflector_class = WakingPodReflector
+        return await super()._start_reflector(kind, reflector_class, replace=replace, **kwargs)
+
+    def is_pod_running(self, pod):
+        """KubeSpawner's answer, except in a start's own wait for its pod: there a pod not
+        running yet gives an awaitable that answers once it runs, or at ``start_timeout``.
+
+        KubeSpawner's start reads its pod watch with JupyterHub's ``exponential_backoff``,
+        whose pauses grow to 5 s at random; a pod that runs a few seconds after its creation
+        (Kueue admits it) was seen running up to 5 s late. The backoff awaits what its test
+        returns, so the wait is the watch's: woken by each change of the pod
+        (`WakingPodReflector`), re-read every `POD_LOOK_SECONDS` where the watch wakes
+        nobody. Any other caller (``poll``, an operator's) gets KubeSpawner's bool."""
+        running = super().is_pod_running(pod)
+        if running or not self._in_start_wait():
+            return running
+        return self._pod_runs()
+
+    def _in_start_wait(self) -> bool:
+        start = getattr(self, "_start_future", None)
+        if start is None or start.done():
+            return False
+        try:
+            return asyncio.current_task() is start
+        except RuntimeError:  # no running event loop: a synchronous caller
+            return False
+
+    async def _pod_runs(self) -> bool:
+        loop = asyncio.get_running_loop()
+        start = self._start_future
+        mark = getattr(self, "_pod_wait_deadline", None)
+        if mark is None or mark[0] is not start:
+            # one deadline per start: a second call of the backoff's (after this one said
+            # False at ``start_timeout``) gives up at once, as its own deadline is near
+            mark = self._pod_wait_deadline = (start, loop.time() + self.start_timeout)
+        key = f"{self.namespace}/{self.pod_name}"
+        while True:
+            reflector = self.pod_reflector
+            if super().is_pod_running(reflector.pods.get(key)):
+                return True
+            left = mark[1] - loop.time()
+            if left <= 0:
+                return False
+            if isinstance(reflector, WakingPodReflector):
+                # re-read after a while all the same: a watch replaced meanwhile (KubeSpawner
+                # restarts one that failed) wakes nobody
+                await reflector.changed(key, min(left, 1.0))
+            else:
+                await asyncio.sleep(min(left, POD_LOOK_SECONDS))
 
     # -- start, and what the person reads ------------------------------------------------
 
