@@ -20,6 +20,8 @@ It is KubeSpawner configured through its own traits and hooks, plus `GPUSpawnerM
 - a pod create that timed out on the hub's side but was made (the next try meets 409) is
   kept, not deleted and made again as KubeSpawner does: each start marks its pod
   (``gpulab.io/start``), and a pod with this start's mark is taken as made;
+- a start sees its pod run when the shared pod watch writes it (`WakingPodReflector`), not
+  after KubeSpawner's backoff pauses (random, growing to 5 s) between reads of the watch;
 - the quota ledger admits the GPUs before the pod is made; a 403 "exceeded quota" from the API
   server becomes the same quota message; the scheduler's reasons reach the progress page in
   plain words.
@@ -518,6 +520,11 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
         # a start waiting for its pod (`is_pod_running`)
         if reflector_class is PodReflector:
             reflector_class = WakingPodReflector
+            running = self.__class__.reflectors.get(self._get_reflector_key(kind))
+            if running is not None and not isinstance(running, WakingPodReflector):
+                # a stock KubeSpawner's of this process (same selection): replaced by one
+                # that wakes, which its spawners then read too
+                replace = True
         return await super()._start_reflector(kind, reflector_class, replace=replace, **kwargs)
 
     def is_pod_running(self, pod):

@@ -158,3 +158,18 @@ async def test_kubegpuspawner_watches_pods_with_the_waking_store(spawner, monkey
     assert isinstance(reflector, WakingPodReflector) and made == [reflector]
     assert reflector.labels == {"component": spawner.component_label}
     assert spawner.pod_reflector is reflector
+    assert await spawner._start_watching_pods() is reflector and len(made) == 1  # kept
+
+    # a stock KubeSpawner's watch of the same process (a plain store) is replaced: same
+    # selection, and its spawners read the new one (KubeSpawner's reflectors are shared)
+    stopped = []
+
+    class Plain:
+        async def stop(self):
+            stopped.append(self)
+
+    old = Plain()
+    watch_of(spawner, old)
+    reflector = await spawner._start_watching_pods()
+    assert isinstance(reflector, WakingPodReflector) and made[-1] is reflector
+    assert stopped == [old] and KubeSpawner.reflectors[spawner._get_reflector_key("pods")] is reflector
