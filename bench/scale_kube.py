@@ -327,11 +327,15 @@ def time_pod_creation() -> None:
     KubeSpawner._make_create_pod_request = timed
 
 
-async def read_progress(s, who: str) -> None:
-    """What the spawn-pending page does: read the server's progress stream to its end."""
+async def read_progress(s, who: str, started) -> None:
+    """What the spawn-pending page does: read the server's progress stream until the start
+    ends, as JupyterHub's progress handler does (``iterate_until``: the spawner's own
+    stream may go on; KubeSpawner's looks again only every second)."""
+    from jupyterhub.utils import iterate_until
+
     WHO.set(who)
     try:
-        async for _ in s.progress():
+        async for _ in iterate_until(started, s.progress()):
             pass
     except Exception as e:  # noqa: BLE001 - the start's own failure is what counts
         print(f"  progress of {s.user.name}: {type(e).__name__}: {e}"[:200], flush=True)
@@ -341,10 +345,11 @@ async def one_spawn(s, key: str, progress: str | None = None) -> tuple[float, bo
     WHO.set(key)
     t0 = STARTED[key] = time.perf_counter()
     started = s.start()
-    page = (asyncio.create_task(read_progress(s, progress), context=contextvars.Context())
-            if progress else None)
+    page = (asyncio.create_task(read_progress(s, progress, started),
+                                context=contextvars.Context()) if progress else None)
     try:
         await asyncio.wait_for(started, 600)
+        took = time.perf_counter() - t0  # (not waiting for the stream's last read)
     except Exception as e:  # noqa: BLE001 - counted as a failed start
         from kubernetes_asyncio.client.rest import ApiException
 
@@ -356,8 +361,8 @@ async def one_spawn(s, key: str, progress: str | None = None) -> tuple[float, bo
     finally:
         if page is not None:
             await asyncio.gather(page, return_exceptions=True)
-    ENDED[key] = time.time()
-    return time.perf_counter() - t0, True
+    ENDED[key] = time.time() - (time.perf_counter() - t0 - took)
+    return took, True
 
 
 async def storm(kind, config, names, counter, concurrency, tag, progress=False):
