@@ -27,8 +27,10 @@ Kueue v0.17 and JobSet), as the hub's ServiceAccount bound by helm-values/rbac.y
    rest the requests per minute (the reflectors' watches, gpulab's quota and Kueue mirrors) and
    the CPU this process used, with the Kueue mirror's pass time; where each spawn's time went
    after its pod was made (the API server's timestamps: Kueue's Workload, its admission, the
-   scheduler's placement, kwok's Ready); and the requests of the spawns' progress streams,
-   read as each person's spawn-pending page would (``--no-progress``: not read). Then the
+   scheduler's placement, kwok's Ready, the spawner seeing it run); and the requests of the
+   spawns' progress streams, read as each person's spawn-pending page would, until the
+   start ends, as JupyterHub's progress handler reads them (``--no-progress``: not read; a
+   spawn's time never waits for its stream). Then the
    ratios against the goals of issue 40 (p99 <= 1.2x stock's, requests per spawn <= stock + 3),
    against each stock baseline that ran.
    ``--configs stock,gpulab,gpulab-poll`` adds KubeGPUSpawner with each progress stream
