@@ -536,11 +536,13 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
         (Kueue admits it) was seen running up to 5 s late. The backoff awaits what its test
         returns, so the wait is the watch's: woken by each change of the pod
         (`WakingPodReflector`), re-read every `POD_LOOK_SECONDS` where the watch wakes
-        nobody. Any other caller (``poll``, an operator's) gets KubeSpawner's bool."""
+        nobody. Any other caller (``poll``, an operator's) gets KubeSpawner's bool; the
+        awaitable itself is false (an operator's hook that runs in the start and tests it
+        reads "not running"), and waits only when awaited."""
         running = super().is_pod_running(pod)
         if running or not self._in_start_wait():
             return running
-        return self._pod_runs()
+        return _RunningSoon(self._pod_runs)
 
     def _in_start_wait(self) -> bool:
         start = getattr(self, "_start_future", None)
@@ -623,7 +625,10 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
 
     async def _finish_start(self, inner):
         try:
-            url = await inner
+            try:
+                url = await inner
+            finally:
+                self._pod_wait_deadline = None  # (holds the start's task)
         except ApiException as e:
             await self.release_gpus_async("server did not start")
             raise await self._translate(e) from e
@@ -778,6 +783,23 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
                                            self.user_label)
             except RuntimeError:  # no running loop (a hub that restores state synchronously)
                 pass
+
+
+class _RunningSoon:
+    """`KubeGPUSpawner.is_pod_running`'s answer in a start's wait: false as a bool (the pod
+    does not run yet), and, awaited (as JupyterHub's ``exponential_backoff`` awaits what its
+    test returns), whether the pod ran before ``start_timeout``."""
+
+    __slots__ = ("_wait",)
+
+    def __init__(self, wait):
+        self._wait = wait
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __await__(self):
+        return self._wait().__await__()
 
 
 async def _maybe_await(value):

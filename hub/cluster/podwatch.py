@@ -85,11 +85,12 @@ class WakingPodReflector(PodReflector):
         waiters = self._waiters().setdefault(key, set())
         waiters.add(future)
         try:
-            await asyncio.wait_for(future, timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
+            # (not `wait_for`: on Python 3.11 it drops a cancel that comes after the wake and
+            # before this task runs again, and the start would wait on past its stop)
+            done, _ = await asyncio.wait({future}, timeout=timeout)
+            return bool(done)
         finally:
+            future.cancel()
             waiters.discard(future)
             if not waiters and self._waiters().get(key) is waiters:
                 del self._waiters()[key]

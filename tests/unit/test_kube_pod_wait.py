@@ -11,6 +11,8 @@ are made by hand (no API server: the reflector's store is written as its watch w
 from __future__ import annotations
 
 import asyncio
+import inspect
+import warnings
 
 from types import SimpleNamespace
 
@@ -117,7 +119,7 @@ async def test_a_start_sees_its_pod_run_at_the_watchs_write_not_after_a_backoff(
     # one look in all: the backoff never slept; its one test answered when the watch wrote
     # the pod running (KubeSpawner's bool would have made it look again and again, each
     # time after a longer random pause)
-    assert len(looks) == 1 and asyncio.iscoroutine(looks[0])
+    assert len(looks) == 1 and inspect.isawaitable(looks[0]) and not looks[0]
     assert spawner.is_pod_running(reflector.pods[key]) is True
 
 
@@ -173,3 +175,42 @@ async def test_kubegpuspawner_watches_pods_with_the_waking_store(spawner, monkey
     reflector = await spawner._start_watching_pods()
     assert isinstance(reflector, WakingPodReflector) and made[-1] is reflector
     assert stopped == [old] and KubeSpawner.reflectors[spawner._get_reflector_key("pods")] is reflector
+
+
+async def test_inside_the_start_a_bool_test_reads_not_running_and_leaves_nothing_unawaited(spawner):
+    # an operator's hook (modify_pod_hook, after_pod_created_hook) runs in the start's task:
+    # a pod that does not run yet is not running to it, as to KubeSpawner
+    reflector = WakingPodReflector(parent=spawner, namespace="gpulab-ann")
+    watch_of(spawner, reflector)
+    key = "gpulab-ann/jupyter-ann"
+    reflector.resources[key] = pod("Pending")
+    answers = []
+
+    async def hook():
+        answers.append(bool(spawner.is_pod_running(reflector.pods[key])))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "coroutine ... was never awaited" would fail here
+        spawner._start_future = asyncio.ensure_future(hook())
+        await spawner._start_future
+        import gc
+        gc.collect()
+    assert answers == [False]
+
+
+async def test_a_start_cancelled_as_its_pod_runs_ends_cancelled(spawner):
+    # JupyterHub cancels a start it stopped waiting for; the wake and the cancel in the same
+    # pass of the loop must not leave the start waiting on (Python 3.11's wait_for drops such
+    # a cancel)
+    reflector = WakingPodReflector(parent=spawner, namespace="gpulab-ann")
+    watch_of(spawner, reflector)
+    key = "gpulab-ann/jupyter-ann"
+    reflector.resources[key] = pod("Pending")
+    looks: list = []
+    started = await start_wait(spawner, looks)
+    await asyncio.sleep(0.2)
+    reflector.resources[key] = pod("Pending")  # wakes the wait: the pod still does not run
+    started.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(started, 5)
+    assert reflector._waiters() == {}
