@@ -352,6 +352,7 @@ async def one_spawn(s, key: str, progress: str | None = None) -> tuple[float, bo
     try:
         await asyncio.wait_for(started, 600)
         took = time.perf_counter() - t0  # (not waiting for the stream's last read)
+        ENDED[key] = time.time()
     except Exception as e:  # noqa: BLE001 - counted as a failed start
         from kubernetes_asyncio.client.rest import ApiException
 
@@ -363,7 +364,6 @@ async def one_spawn(s, key: str, progress: str | None = None) -> tuple[float, bo
     finally:
         if page is not None:
             await asyncio.gather(page, return_exceptions=True)
-    ENDED[key] = time.time() - (time.perf_counter() - t0 - took)
     return took, True
 
 

@@ -555,18 +555,18 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
 
     async def _pod_runs(self) -> bool:
         loop = asyncio.get_running_loop()
-        start = self._start_future
-        mark = getattr(self, "_pod_wait_deadline", None)
-        if mark is None or mark[0] is not start:
-            # one deadline per start: a second call of the backoff's (after this one said
-            # False at ``start_timeout``) gives up at once, as its own deadline is near
-            mark = self._pod_wait_deadline = (start, loop.time() + self.start_timeout)
+        deadline = getattr(self, "_pod_wait_deadline", None)
+        if deadline is None:
+            # one deadline per start (`_finish_start` clears it): a second call of the
+            # backoff's (after this one said False at ``start_timeout``) gives up at once, as
+            # its own deadline is near
+            deadline = self._pod_wait_deadline = loop.time() + self.start_timeout
         key = f"{self.namespace}/{self.pod_name}"
         while True:
             reflector = self.pod_reflector
             if super().is_pod_running(reflector.pods.get(key)):
                 return True
-            left = mark[1] - loop.time()
+            left = deadline - loop.time()
             if left <= 0:
                 return False
             if isinstance(reflector, WakingPodReflector):
@@ -628,7 +628,7 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
             try:
                 url = await inner
             finally:
-                self._pod_wait_deadline = None  # (holds the start's task)
+                self._pod_wait_deadline = None  # (the next start's wait has its own)
         except ApiException as e:
             await self.release_gpus_async("server did not start")
             raise await self._translate(e) from e
