@@ -190,7 +190,7 @@ async def test_inside_the_start_a_bool_test_reads_not_running_and_leaves_nothing
         answers.append(bool(spawner.is_pod_running(reflector.pods[key])))
 
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # "coroutine ... was never awaited" would fail here
+        warnings.simplefilter("error", RuntimeWarning)  # "coroutine ... was never awaited"
         spawner._start_future = asyncio.ensure_future(hook())
         await spawner._start_future
         import gc
