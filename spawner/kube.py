@@ -56,6 +56,7 @@ from gpulab.hub.cluster.kubeobjects import (
     free_gpus_by_node,
     parse_quota_refusal,
     server_pod_settings,
+    with_container_defaults,
     with_runtime_default_seccomp,
 )
 from gpulab.hub.cluster.kueuemirror import KueueMirror
@@ -396,6 +397,7 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
         # with Kueue, the person's queues (the first spawn in this process) go while the
         # namespace is made, their LocalQueue with the namespace's objects: one round trip
         # to the API server less before the pod (bench/scale_kube.py)
+        self._checked_container_defaults()  # before any request
         made, remade = asyncio.Event(), []
         queues = None
         if self.kueue:
@@ -416,8 +418,6 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
                 request_timeout=self.k8s_api_request_timeout, log=self.log,
                 server_port=self.port, server_component=self.component_label,
                 gpu_resource_quota=not self.kueue,
-                container_limits=self.default_container_limits,
-                container_requests=self.default_container_requests,
                 namespace_made=made.set, namespace_remade=lambda: remade.append(True))
         except BaseException as e:
             if queues is not None:  # (waiting for a namespace that is not coming)
@@ -457,6 +457,7 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
         # KubeSpawner's), and `stop` keeps a pod with this start's mark: the next try takes
         # it as made. A pod of an earlier start is still deleted, as KubeSpawner does; the
         # start goes on, so the GPUs admitted for it stay held (`stop`).
+        self._fill_container_defaults(pod)
         start = self._mark_start(pod)
         if start is not None and getattr(self, "_own_pod", None) == start:
             self.log.info("Pod %s/%s is this start's own (its create answered late): kept",
@@ -480,6 +481,35 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
             raise
         finally:
             self._recreating_pod = False
+
+    def _checked_container_defaults(self) -> tuple[dict[str, str], dict[str, str]]:
+        try:
+            return self.container_defaults()
+        except ValueError as e:
+            raise SpawnRefused(500, f"The servers' container defaults are wrong: {e}") from e
+
+    def _fill_container_defaults(self, pod) -> None:
+        """The operator's container defaults (``default_container_limits`` /
+        ``default_container_requests``) into each container of ``pod`` that names none of
+        its own, init containers too, after ``modify_pod_hook`` (its containers may be the
+        client's model objects or dicts; idempotent: each create try sends the same pod)."""
+        limits, requests = self._checked_container_defaults()
+        spec = getattr(pod, "spec", None)
+        if spec is None:
+            return
+        for c in [*(spec.containers or []), *(spec.init_containers or [])]:
+            own = c.get("resources") if isinstance(c, dict) else c.resources
+            if own is None or isinstance(own, dict):
+                filled = with_container_defaults(own, limits=limits, requests=requests)
+                if isinstance(c, dict):
+                    c["resources"] = filled
+                else:
+                    c.resources = filled
+            else:  # V1ResourceRequirements
+                filled = with_container_defaults(
+                    {"limits": own.limits, "requests": own.requests},
+                    limits=limits, requests=requests)
+                own.limits, own.requests = filled.get("limits"), filled.get("requests")
 
     def _mark_start(self, pod) -> str | None:
         """This start's mark on its pod: made at the first create try (a new pod object),

@@ -176,11 +176,6 @@ class FakeKubeAPI:
         self.calls.append(("patch_namespaced_resource_quota", f"{namespace}/{name}"))
         return self._store("ResourceQuota", namespace, name, body)
 
-    async def patch_namespaced_limit_range(self, name, namespace, body, **kwargs):
-        assert kwargs.get("_content_type") == "application/apply-patch+yaml"
-        self.calls.append(("patch_namespaced_limit_range", f"{namespace}/{name}"))
-        return self._store("LimitRange", namespace, name, body)
-
     async def patch_namespaced_service_account(self, name, namespace, body, **kwargs):
         assert kwargs.get("_content_type") == "application/apply-patch+yaml"
         self.calls.append(("patch_namespaced_service_account", f"{namespace}/{name}"))

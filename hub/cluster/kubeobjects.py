@@ -6,8 +6,9 @@ JSON the API server receives), so the tests compare them with literal dicts
 
 - `make_user_namespace`: a user's namespace, labelled for Pod Security admission.
 - `make_gpu_quota`: the ResourceQuota on ``requests.nvidia.com/gpu`` that mirrors a user's quota.
-- `make_limit_range`: the LimitRange that gives every container of a user namespace without
-  its own CPU, memory or ephemeral-storage values the operator's defaults.
+- `container_defaults`, `with_container_defaults`: the operator's CPU, memory and
+  ephemeral-storage defaults, written into every container of the pods the hub makes that
+  names none of its own.
 - `make_user_network_policies`: the NetworkPolicies of a user namespace (nothing reaches a
   user's pods but the hub and the proxy, and their own job's replicas; they reach DNS, the hub,
   the gpulab service and what the operator allows).
@@ -39,9 +40,7 @@ GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedu
 #: name of the ResourceQuota in each user's namespace
 QUOTA_NAME = "gpulab-gpus"
 QUOTA_RESOURCE = f"requests.{GPU_RESOURCE}"
-#: name of the LimitRange in each user's namespace
-LIMIT_RANGE_NAME = "gpulab-defaults"
-#: the resources a LimitRange of gpulab's gives defaults for
+#: the resources gpulab gives containers defaults for
 LIMITED_RESOURCES = ("cpu", "memory", "ephemeral-storage")
 _QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?")
 MANAGED_BY = {"app.kubernetes.io/managed-by": "gpulab"}
@@ -164,31 +163,67 @@ def check_quantities(name: str, values: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
-def make_limit_range(*, namespace: str, user_label: str, limits: Mapping[str, Any],
-                     requests: Mapping[str, Any], name: str = LIMIT_RANGE_NAME) -> dict:
-    """The LimitRange of a user namespace: a container that names no limit (request) of a
-    resource gets ``limits`` (``requests``) of it at admission: notebook servers whose
-    profile sets none, and training replicas whose role sets none. A default request above
-    the default limit of its resource is a ValueError (the API server refuses such a
-    LimitRange)."""
+def container_defaults(*, limits: Mapping[str, Any],
+                       requests: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+    """The operator's defaults of a container of a user namespace (``default_container_limits``,
+    ``default_container_requests``), checked: ``(limits, requests)``, the requests completed
+    as a LimitRange's ``defaultRequest`` is (a resource with a default limit and no default
+    request reserves its limit). ValueError naming the setting and the bad entry, and for a
+    default request above the default limit of its resource (the API server would refuse
+    every pod that gets both)."""
     lim = check_quantities("default_container_limits", limits)
     req = check_quantities("default_container_requests", requests)
     for resource, value in req.items():
         if resource in lim and quantity(value) > quantity(lim[resource]):
             raise ValueError(f"default_container_requests: {resource} {value} is above "
                              f"default_container_limits' {lim[resource]}")
-    item: dict[str, Any] = {"type": "Container"}
-    if lim:
-        item["default"] = lim
-    if req:
-        item["defaultRequest"] = req
-    return {
-        "apiVersion": "v1",
-        "kind": "LimitRange",
-        "metadata": {"name": name, "namespace": namespace,
-                     "labels": {**MANAGED_BY, USER_LABEL: user_label}},
-        "spec": {"limits": [item]},
-    }
+    return lim, {**lim, **req}
+
+
+def _own_quantity(value: Any) -> Fraction | None:
+    """A container's own quantity (KubeSpawner writes numbers: ``cpu_guarantee`` 0.5,
+    ``mem_guarantee`` in bytes), or None where it is no quantity this module reads."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return quantity(str(value))
+    except ValueError:
+        try:
+            return Fraction(str(value))  # 1e3, .5
+        except ValueError:
+            return None
+
+
+def with_container_defaults(resources: Mapping[str, Any] | None, *,
+                            limits: Mapping[str, Any],
+                            requests: Mapping[str, Any]) -> dict[str, dict]:
+    """One container's ``resources`` (``limits``, ``requests``) with the operator's defaults
+    (`container_defaults`' pair) of the resources it names none of, as the LimitRange that
+    user namespaces had gave them at admission; every pod the hub makes carries them instead
+    (one API request fewer at each spawn and job, bench/scale_kube.py). A resource without a
+    limit gets the default limit, or its own request where that is higher (a request above
+    the limit is refused by the API server, which the LimitRange's limit caused); one with
+    neither a limit nor a request, the default request (with a limit and no request the API
+    server makes the request the limit: nothing is added). Other keys are kept; the result
+    is a new dict, without an empty ``limits`` or ``requests``."""
+    out = dict(resources or {})
+    own_limits = dict(out.get("limits") or {})
+    lim, req = dict(own_limits), dict(out.get("requests") or {})
+    for resource, value in limits.items():
+        if resource in lim:
+            continue
+        own, default = _own_quantity(req.get(resource)), _own_quantity(value)
+        lim[resource] = (req[resource] if own is not None and default is not None
+                         and own > default else value)
+    for resource, value in requests.items():
+        if resource not in req and resource not in own_limits:
+            req[resource] = value
+    for key, value in (("limits", lim), ("requests", req)):
+        if value:
+            out[key] = value
+        else:
+            out.pop(key, None)
+    return out
 
 
 def make_gpu_quota(*, namespace: str, max_gpus: int, user_label: str, name: str = QUOTA_NAME) -> dict:

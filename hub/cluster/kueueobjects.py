@@ -78,7 +78,8 @@ PREEMPTIBLE_PRIORITY = -1000
 #: resource a queue covers): enough never to be what limits anyone, GPUs do
 POOL_CPU = "100000"
 POOL_MEMORY = "10000Ti"
-#: and of ephemeral storage (user namespaces' LimitRange gives every container a request)
+#: and of ephemeral storage (the hub gives every container of its pods a request of it,
+#: `gpulab.hub.cluster.kubeobjects.with_container_defaults`)
 POOL_EPHEMERAL_STORAGE = "10000Ti"
 #: the GPUs of every model together, as gpulab's quota counts them: Kueue's configuration
 #: turns each ``nvidia.com/gpu`` a workload asks for into one of these too

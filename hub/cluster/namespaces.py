@@ -7,11 +7,9 @@
 1. applies the namespace, labelled for Pod Security enforcement (server-side apply);
 2. makes its NetworkPolicies exactly so (`apply_network_policies`), before any pod of the
    namespace runs;
-3. applies its LimitRange (`make_limit_range`): the operator's default CPU, memory and
-   ephemeral-storage of every container that names none (servers and replicas alike), and
-   (not again for a namespace this process prepared) its ``default`` ServiceAccount, whose
-   token no pod mounts (`make_default_service_account`: the API server would wait for the
-   controller-manager's before admitting the first pod);
+3. (not again for a namespace this process prepared) applies its ``default``
+   ServiceAccount, whose token no pod mounts (`make_default_service_account`: the API server
+   would wait for the controller-manager's before admitting the first pod);
 4. registers the namespace with this event loop's `GPUQuotaMirror` and writes its GPU
    ResourceQuota if it differs from the user's effective gpulab quota (with Kueue instead:
    removes a ResourceQuota left from before, once per namespace and process, and never in a
@@ -47,12 +45,10 @@ from gpulab.hub.quota.ledger import Ledger
 from gpulab.hub.quota.policy import Quota, effective_quota
 
 from .kubeobjects import (
-    LIMIT_RANGE_NAME,
     POD_SECURITY_LEVELS,
     QUOTA_NAME,
     make_default_service_account,
     make_gpu_quota,
-    make_limit_range,
     make_user_namespace,
     make_user_network_policies,
 )
@@ -75,11 +71,11 @@ SHARED_MOUNT_PATH = "/gpulab/shared"
 USER_SUBPATH_TEMPLATE = "users/{username}"
 #: the read-only datasets folder on the shared storage ('' for none)
 DATASETS_SUBPATH = "datasets"
-#: what a container of a user namespace that names none of its own may use (the LimitRange's
-#: ``default``): a replica as the local backend bounds one (``c.GPUJobs.default_cpu`` /
+#: what a container of a user namespace that names none of its own may use (written into
+#: every pod the hub makes: `gpulab.hub.cluster.kubeobjects.with_container_defaults`): a replica as the local backend bounds one (``c.GPUJobs.default_cpu`` /
 #: ``default_memory``), and disk for a checkpoint or two beside the shared storage
 DEFAULT_CONTAINER_LIMITS = {"cpu": "2", "memory": "8Gi", "ephemeral-storage": "20Gi"}
-#: what such a container reserves on its node (``defaultRequest``): small, so that a person's
+#: what such a container reserves on its node: small, so that a person's
 #: idle notebook or a job's parameter server does not hold a node's CPUs from others
 DEFAULT_CONTAINER_REQUESTS = {"cpu": "100m", "memory": "512Mi", "ephemeral-storage": "1Gi"}
 
@@ -291,8 +287,6 @@ async def prepare_user_namespace(
     allowed_server_ingress: list[dict] | tuple = (),
     networking=None,
     gpu_resource_quota: bool = True,
-    container_limits: dict | None = None,
-    container_requests: dict | None = None,
     namespace_made=None,
     namespace_remade=None,
 ) -> int:
@@ -308,14 +302,14 @@ async def prepare_user_namespace(
     this call starts it. ``gpu_resource_quota`` False (Kueue admits the namespace's work,
     `gpulab.hub.cluster.kueuemirror`): no GPU ResourceQuota, and one left from before is removed
     (it would refuse the pods of preemptible work that borrows beyond the person's quota).
-    ``container_limits`` / ``container_requests``: the LimitRange's defaults (None: gpulab's
-    `DEFAULT_CONTAINER_LIMITS` / `DEFAULT_CONTAINER_REQUESTS`; ``{}``: none).
+    (The operator's container defaults are no object here: every pod the hub makes carries
+    them, `gpulab.hub.cluster.kubeobjects.with_container_defaults`.)
     ``namespace_made``: called (no arguments) once the namespace is there, or is taken to
     be (`PREPARED`), so that the caller's own objects in it go out with these;
     ``namespace_remade``: called when one taken to be there turns out deleted meanwhile (the
     caller's objects in it are gone too). Raises
-    `NamespaceSettingsError` for a bad ``pod_security_level``, ``allowed_egress``,
-    ``allowed_server_ingress`` or default before any request, and the API's
+    `NamespaceSettingsError` for a bad ``pod_security_level``, ``allowed_egress`` or
+    ``allowed_server_ingress`` before any request, and the API's
     ``ApiException`` as it comes.
     """
     if pod_security_level not in POD_SECURITY_LEVELS:
@@ -330,14 +324,6 @@ async def prepare_user_namespace(
             allowed_egress=allowed_egress, allowed_server_ingress=allowed_server_ingress)
     except ValueError as e:
         raise NamespaceSettingsError(str(e), network=True) from e
-    try:
-        limit_range = make_limit_range(
-            namespace=namespace, user_label=user_label,
-            limits=DEFAULT_CONTAINER_LIMITS if container_limits is None else container_limits,
-            requests=(DEFAULT_CONTAINER_REQUESTS if container_requests is None
-                      else container_requests))
-    except ValueError as e:
-        raise NamespaceSettingsError(str(e)) from e
     async def apply_namespace() -> bool:
         _, status, _ = await asyncio.wait_for(
             api.patch_namespace_with_http_info(namespace, body, field_manager=FIELD_MANAGER,
@@ -352,15 +338,6 @@ async def prepare_user_namespace(
         replaced = await asyncio.wait_for(apply_network_policies(policies, networking),
                                           request_timeout)
         return len(policies) + replaced
-
-    async def defaults() -> int:
-        # before any pod too: the defaults apply when a pod is admitted
-        await asyncio.wait_for(
-            api.patch_namespaced_limit_range(LIMIT_RANGE_NAME, namespace, limit_range,
-                                             field_manager=FIELD_MANAGER, force=True,
-                                             _content_type=APPLY),
-            request_timeout)
-        return 1
 
     async def service_account() -> int:
         # a new namespace's: there before the pod, so that the API server does not wait for
@@ -407,8 +384,8 @@ async def prepare_user_namespace(
         # its objects go with it, one round trip in all
         if namespace_made is not None:
             namespace_made()
-        results = await asyncio.gather(apply_namespace(), network_policies(), defaults(),
-                                       quota(), return_exceptions=True)
+        results = await asyncio.gather(apply_namespace(), network_policies(), quota(),
+                                       return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         gone = [e for e in errors if isinstance(e, ApiException) and e.status == 404]
         if not errors and results[0] is False:
@@ -428,7 +405,7 @@ async def prepare_user_namespace(
         for e in errors:
             if e not in gone:
                 raise e
-        tried = 2 + len(policies) + (results[3] if isinstance(results[3], int) else 1)
+        tried = 1 + len(policies) + (results[2] if isinstance(results[2], int) else 1)
     else:
         tried = 0
     created = await apply_namespace()
@@ -436,7 +413,6 @@ async def prepare_user_namespace(
         namespace_made()
     # the namespace's objects at once (each needs only the namespace): one round trip's
     # wait instead of one per object (bench/scale_kube.py)
-    made = 1 + sum(await asyncio.gather(network_policies(), defaults(), service_account(),
-                                        quota()))
+    made = 1 + sum(await asyncio.gather(network_policies(), service_account(), quota()))
     prepared.add(namespace)
     return tried + made

@@ -17,6 +17,7 @@ import os
 from traitlets import Bool, Dict, Float, Integer, List, Unicode, default
 from traitlets.config import Configurable
 
+from .kubeobjects import container_defaults
 from .namespaces import (
     DATASETS_SUBPATH,
     DEFAULT_CONTAINER_LIMITS,
@@ -106,9 +107,11 @@ class KubeSettings(Configurable):
     default_container_limits = Dict(
         DEFAULT_CONTAINER_LIMITS,
         help="""What a container of a user namespace may use when it names no limit of its
-        own (the namespace's LimitRange ``gpulab-defaults``, applied at every spawn and by the
-        job backend): notebook servers whose profile sets no ``cpu_limit`` / ``mem_limit``,
-        and training replicas whose role sets no ``cpu`` / ``memory``. Keys ``cpu``,
+        own, written into every pod the hub makes (notebook servers, and the operator's
+        ``init_containers``, ``extra_containers`` and ``modify_pod_hook``'s containers there,
+        and training replicas): servers whose profile sets no ``cpu_limit`` / ``mem_limit``,
+        replicas whose role sets no ``cpu`` / ``memory``. A container whose own request is
+        higher gets that request as its limit. Keys ``cpu``,
         ``memory``, ``ephemeral-storage`` (the container's writable layer, logs and
         ``emptyDir``: the kubelet evicts a pod over it); ``{}``: no defaults. Default
         ``{"cpu": "2", "memory": "8Gi", "ephemeral-storage": "20Gi"}``: without them one
@@ -121,8 +124,9 @@ class KubeSettings(Configurable):
 
     default_container_requests = Dict(
         DEFAULT_CONTAINER_REQUESTS,
-        help="""What such a container reserves on its node (the LimitRange's
-        ``defaultRequest``; each at most the limit above). Default ``{"cpu": "100m", "memory":
+        help="""What such a container reserves on its node when it names neither a request
+        nor a limit of its own (each at most the limit above; a resource with a limit above and
+        none here reserves that limit, as a LimitRange's ``defaultRequest``). Default ``{"cpu": "100m", "memory":
         "512Mi", "ephemeral-storage": "1Gi"}``: small, so that idle notebooks and parameter
         servers do not hold nodes from others. With Kueue these count against its pool (cpu,
         memory and ephemeral-storage are covered there). Example:
@@ -232,3 +236,10 @@ class KubeSettings(Configurable):
         ``c.KubeJobBackend.kueue_gpu_models`` is refused.
         Example: ``c.KubeGPUSpawner.kueue_gpu_models = True``""",
     ).tag(config=True)
+
+    def container_defaults(self) -> tuple[dict[str, str], dict[str, str]]:
+        """``(limits, requests)`` that containers naming none of their own get
+        (`gpulab.hub.cluster.kubeobjects.container_defaults`); ValueError naming the
+        setting for a bad one."""
+        return container_defaults(limits=self.default_container_limits,
+                                  requests=self.default_container_requests)

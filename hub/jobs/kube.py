@@ -622,9 +622,7 @@ class KubeJobBackend(JobBackend, KubeSettings, LoggingConfigurable):
                 server_port=self.server_port, server_component=self.server_component,
                 sync_interval=self.gpu_quota_sync_interval,
                 request_timeout=self.request_timeout, log=log, networking=self.networking,
-                gpu_resource_quota=not self.kueue,
-                container_limits=self.default_container_limits,
-                container_requests=self.default_container_requests)
+                gpu_resource_quota=not self.kueue)
         except NamespaceSettingsError as e:
             raise JobError(f"The cluster's network settings are wrong: {e}" if e.network
                            else str(e), 500) from e
@@ -692,6 +690,10 @@ class KubeJobBackend(JobBackend, KubeSettings, LoggingConfigurable):
             program = f"{user_dir}/{spec.script}"
         else:
             program = spec.script
+        try:
+            limits, requests = self.container_defaults()
+        except ValueError as e:
+            raise JobError(f"The cluster's container defaults are wrong: {e}", 500) from e
         return Placement(namespace=ns, user_label=self.user_label(user),
                          image=spec.image or self.image, program=program, job_dir=job_dir,
                          user_dir=user_dir, gpu_model=self.gpu_model,
@@ -699,11 +701,12 @@ class KubeJobBackend(JobBackend, KubeSettings, LoggingConfigurable):
                          user_subpath=self._expand(self.user_subpath_template, user),
                          datasets_subpath=self.datasets_subpath or None,
                          node_selector=self.node_selector or None,
-                         tolerations=self.tolerations or None)
+                         tolerations=self.tolerations or None,
+                         container_limits=limits, container_requests=requests)
 
     async def _create_objects(self, user, groups, spec: JobSpec, ns, user_dir, job_dir) -> None:
+        where = self._placement(user, spec, ns, user_dir, job_dir)  # (a bad setting: no request)
         await self._ensure_namespace(user, groups)
-        where = self._placement(user, spec, ns, user_dir, job_dir)
         service = make_training_job_objects(spec, where)[0]
         self.api_requests += 1
         created = await self.core.create_namespaced_service(

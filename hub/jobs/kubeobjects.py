@@ -60,7 +60,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpulab.hub.cluster.kubeobjects import (COMPONENT_LABEL, MANAGED_BY, USER_LABEL, escape_expansion,
-                                       server_pod_settings, with_runtime_default_seccomp)
+                                       server_pod_settings, with_container_defaults,
+                                       with_runtime_default_seccomp)
 from gpulab.hub.cluster.kueueobjects import PRIORITY_CLASS_LABEL, QUEUE_NAME_LABEL
 from gpulab.hub.cluster.kubeobjects import GPU_MODEL_LABEL, GPU_RESOURCE
 from gpulab.hub.cluster.namespaces import SHARED_MOUNT_PATH
@@ -104,7 +105,8 @@ class Placement:
     ``user_subpath`` and ``datasets_subpath`` mount the shared storage as notebook servers
     have it (`KubeSettings <gpulab.hub.cluster.settings.KubeSettings>`); ``node_selector``
     and ``tolerations`` (KubeSpawner's traits of the same names, for a node pool) go to
-    every pod, the GPU model's selector and the GPU toleration added to them."""
+    every pod, the GPU model's selector and the GPU toleration added to them;
+    ``container_limits`` / ``container_requests`` fill in what a role names none of."""
 
     namespace: str
     user_label: str
@@ -120,6 +122,10 @@ class Placement:
     port: int = TF_PORT
     node_selector: Mapping[str, str] | None = None
     tolerations: list | dict | None = None
+    #: the operator's container defaults (`gpulab.hub.cluster.kubeobjects.container_defaults`'
+    #: checked pair) for what a role names none of
+    container_limits: Mapping[str, str] | None = None
+    container_requests: Mapping[str, str] | None = None
 
 
 def job_labels(*, user_label: str, job: str, role: str | None = None) -> dict[str, str]:
@@ -194,7 +200,9 @@ def _pod_spec(*, spec: JobSpec, role: str, where: Placement, env: list[dict]) ->
                         if k not in {e["name"] for e in env}),
                 *({"name": k, "value": escape_expansion(v)} for k, v in spec.env.items())],
         "ports": [{"name": "tf", "containerPort": where.port}],
-        "resources": _resources(spec, role),
+        "resources": with_container_defaults(
+            _resources(spec, role), limits=where.container_limits or {},
+            requests=where.container_requests or {}),
         "securityContext": {"allowPrivilegeEscalation": False, "privileged": False},
     }
     if shared["volume_mounts"]:

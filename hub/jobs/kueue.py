@@ -246,6 +246,7 @@ class KueueJobBackend(KubeJobBackend):
         return None
 
     async def _create_objects(self, user, groups, spec: JobSpec, ns, user_dir, job_dir) -> None:
+        where = self._placement(user, spec, ns, user_dir, job_dir)  # (a bad setting: no request)
         await self._ensure_namespace(user, groups)
         # a job without GPUs is not queued (the ledger never held such work back), nor held
         # by a used-up GPU-hour budget: its JobSet runs at once
@@ -253,7 +254,7 @@ class KueueJobBackend(KubeJobBackend):
                  else self.preemptible_queue if spec.preemptible else self.local_queue)
         # preemptible work has a priority below in-quota work's: what in-quota work may preempt
         jobset = make_training_jobset(
-            spec, self._placement(user, spec, ns, user_dir, job_dir), queue_name=queue,
+            spec, where, queue_name=queue,
             priority_class=PREEMPTIBLE_PRIORITY_CLASS if queue and spec.preemptible else None)
         # the person's groups (their quota may be a group's): a restarted service mirrors
         # the quota of the people whose jobs it finds without waiting for their next submit

@@ -197,13 +197,12 @@ async def test_submit_creates_the_objects_runs_on_h100_and_chief_completion_succ
     ns = job["namespace"]
     assert ns == f"gpulab-{u}" and job["state"] == "Admitted" and job["gpus"] == 4
     # roles (3) + Service + NetworkPolicy + ConfigMap (source) + the user's namespace, its two
-    # NetworkPolicies, its LimitRange, its default ServiceAccount and its quota (the first
-    # job of a user) + the nodes (listed every time here: node_cache_seconds = 0)
-    assert backend.api_requests - before == 3 + 10
-    # the namespace's defaults (issue 36): every replica whose role names no CPU, memory or
-    # ephemeral storage gets them at admission, so none runs unbounded
-    [limit_range] = items(cp, ns, "limitranges", "app.kubernetes.io/managed-by=gpulab")
-    assert limit_range["metadata"]["name"] == "gpulab-defaults"
+    # NetworkPolicies, its default ServiceAccount and its quota (the first job of a user) +
+    # the nodes (listed every time here: node_cache_seconds = 0)
+    assert backend.api_requests - before == 3 + 9
+    # the operator's container defaults (issue 36) are in every replica's template (below:
+    # in the pods), not in a LimitRange of the namespace (one request fewer, issue 40)
+    assert items(cp, ns, "limitranges", "app.kubernetes.io/managed-by=gpulab") == []
 
     # exactly the expected objects, all owned by the Service
     svc = items(cp, ns, "services")
@@ -245,6 +244,8 @@ async def test_submit_creates_the_objects_runs_on_h100_and_chief_completion_succ
             assert p["spec"]["nodeName"].startswith("gpu-h100-")
         else:
             assert p["spec"]["nodeName"] == "cpu-0"
+        # every replica whose role names no CPU, memory or ephemeral storage gets the
+        # defaults, so none runs unbounded
         resources = p["spec"]["containers"][0]["resources"]
         assert {k: v for k, v in resources["limits"].items() if k != "nvidia.com/gpu"} == {
             "cpu": "2", "memory": "8Gi", "ephemeral-storage": "20Gi"}, resources

@@ -169,8 +169,8 @@ async def test_spawn_makes_the_pod_binds_it_to_h100_and_stop_frees_the_quota(
     assert not any(v["name"].startswith("kube-api-access") for v in spec["volumes"])
     (c,) = spec["containers"]
     assert c["name"] == "notebook"
-    # the profile's CPU, memory and GPUs; the namespace's LimitRange adds the ephemeral
-    # storage the profile does not set (issue 36)
+    # the profile's CPU, memory and GPUs; the operator's container defaults add the
+    # ephemeral storage the profile does not set (issue 36), in the pod as the hub sends it
     assert c["resources"] == {
         "limits": {"cpu": "2", "memory": "4294967296", "nvidia.com/gpu": "2",  # 4G: 4 GiB
                    "ephemeral-storage": "20Gi"},

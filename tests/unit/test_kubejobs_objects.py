@@ -153,6 +153,35 @@ def test_cpu_roles_get_no_gpu_settings_and_no_host_paths():
         assert "hostPath" not in text and '"privileged": true' not in text
 
 
+def test_every_replica_gets_the_container_defaults_of_what_its_role_names_none_of():
+    """The operator's defaults (the backend's `container_defaults`) are in each replica's
+    template, for Indexed Jobs, JobSets and TFJobs alike (no LimitRange in the namespace:
+    issue 40); a role's own CPU, memory and GPUs are kept."""
+    from gpulab.hub.cluster.kubeobjects import container_defaults
+    from gpulab.hub.jobs.kubeobjects import make_tfjob, make_training_jobset
+
+    limits, requests = container_defaults(
+        limits={"cpu": "2", "memory": "8Gi", "ephemeral-storage": "20Gi"},
+        requests={"cpu": "100m", "memory": "512Mi", "ephemeral-storage": "1Gi"})
+    where = placement(container_limits=limits, container_requests=requests)
+    spec = parse_spec(PS_SPEC)
+    chief = {"limits": {"cpu": "2", "memory": "8Gi", "ephemeral-storage": "20Gi"},
+             "requests": {"cpu": "100m", "memory": "512Mi", "ephemeral-storage": "1Gi"}}
+    worker = {"limits": {"cpu": "4", "memory": "8Gi", "nvidia.com/gpu": "2",
+                         "ephemeral-storage": "20Gi"},
+              "requests": {"cpu": "4", "memory": "8Gi", "ephemeral-storage": "1Gi"}}
+    jobs = make_training_job_objects(spec, where, parent_uid="uid-1")[1:]
+    by_role = {j["metadata"]["name"].rsplit("-", 1)[1]:
+               j["spec"]["template"]["spec"]["containers"][0]["resources"] for j in jobs}
+    assert by_role == {"chief": chief, "ps": chief, "worker": worker}
+    jobset = make_training_jobset(spec, where)
+    assert {r["name"]: r["template"]["spec"]["template"]["spec"]["containers"][0]["resources"]
+            for r in jobset["spec"]["replicatedJobs"]} == by_role
+    tfjob = make_tfjob(spec, where)
+    assert {role.lower(): r["template"]["spec"]["containers"][0]["resources"]
+            for role, r in tfjob["spec"]["tfReplicaSpecs"].items()} == by_role
+
+
 def expand(value, index):
     """What the kubelet does with the TF_CONFIG template (dependent variables)."""
     return re.sub(r"(?<!\$)\$\(GPULAB_TASK_INDEX\)", str(index), value)

@@ -1,5 +1,6 @@
 """The Kubernetes objects of KubeGPUSpawner, compared with literal dicts."""
 
+import copy
 import re
 
 import pytest
@@ -379,23 +380,18 @@ def test_escape_expansion_literal():
     assert expand("$$(HOME)".replace("$(", "$$("), {"HOME": "/root"}) == "$/root"
 
 
-def test_make_limit_range():
-    """Issue 36: every container of a user namespace that names none gets the operator's
-    default CPU, memory and ephemeral storage (replicas and notebooks alike)."""
-    from gpulab.hub.cluster.kubeobjects import make_limit_range
+def test_container_defaults():
+    """Issue 36: the operator's default CPU, memory and ephemeral storage, checked; a
+    resource with a default limit and no default request reserves its limit (as a
+    LimitRange's ``defaultRequest`` did)."""
+    from gpulab.hub.cluster.kubeobjects import container_defaults
 
-    assert make_limit_range(namespace="gpulab-ann", user_label="ann",
-                            limits={"cpu": 2, "memory": "8Gi", "ephemeral-storage": "20Gi"},
-                            requests={"cpu": "100m", "memory": "512Mi"}) == {
-        "apiVersion": "v1", "kind": "LimitRange",
-        "metadata": {"name": "gpulab-defaults", "namespace": "gpulab-ann",
-                     "labels": {"app.kubernetes.io/managed-by": "gpulab", "gpulab.io/user": "ann"}},
-        "spec": {"limits": [{"type": "Container",
-                             "default": {"cpu": "2", "memory": "8Gi", "ephemeral-storage": "20Gi"},
-                             "defaultRequest": {"cpu": "100m", "memory": "512Mi"}}]},
-    }
-    assert make_limit_range(namespace="n", user_label="u", limits={}, requests={})["spec"] == {
-        "limits": [{"type": "Container"}]}
+    assert container_defaults(limits={"cpu": 2, "memory": "8Gi", "ephemeral-storage": "20Gi"},
+                              requests={"cpu": "100m", "memory": "512Mi"}) == (
+        {"cpu": "2", "memory": "8Gi", "ephemeral-storage": "20Gi"},
+        {"cpu": "100m", "memory": "512Mi", "ephemeral-storage": "20Gi"})
+    assert container_defaults(limits={}, requests={}) == ({}, {})
+    assert container_defaults(limits={}, requests={"cpu": "1"}) == ({}, {"cpu": "1"})
 
 
 @pytest.mark.parametrize("limits, requests, message", [
@@ -405,11 +401,58 @@ def test_make_limit_range():
     ({"memory": "1Gi"}, {"memory": "2G"}, "memory 2G is above default_container_limits' 1Gi"),
     ({"cpu": "500m"}, {"cpu": "1"}, "cpu 1 is above"),
 ], ids=["resource", "unit", "bool", "request-above-limit", "millicores"])
-def test_make_limit_range_refuses_bad_defaults(limits, requests, message):
-    from gpulab.hub.cluster.kubeobjects import make_limit_range
+def test_container_defaults_refuses_bad_ones(limits, requests, message):
+    from gpulab.hub.cluster.kubeobjects import container_defaults
 
     with pytest.raises(ValueError, match=re.escape(message)):
-        make_limit_range(namespace="n", user_label="u", limits=limits, requests=requests)
+        container_defaults(limits=limits, requests=requests)
+
+
+LIMITS = {"cpu": "2", "memory": "8Gi", "ephemeral-storage": "20Gi"}
+REQUESTS = {"cpu": "100m", "memory": "512Mi", "ephemeral-storage": "1Gi"}
+
+
+@pytest.mark.parametrize("own, want", [
+    # nothing of its own: the defaults (what the LimitRange gave at admission)
+    (None, {"limits": LIMITS, "requests": REQUESTS}),
+    ({}, {"limits": LIMITS, "requests": REQUESTS}),
+    # a limit of its own and no request: the API server makes the request that limit, so
+    # no default request is added; the other resources get theirs
+    ({"limits": {"cpu": "4", "nvidia.com/gpu": "1"}},
+     {"limits": {**LIMITS, "cpu": "4", "nvidia.com/gpu": "1"},
+      "requests": {"memory": "512Mi", "ephemeral-storage": "1Gi"}}),
+    # a request of its own (KubeSpawner writes numbers) below the default limit: kept, with
+    # the default limit
+    ({"requests": {"cpu": 0.5, "memory": 16000000}},
+     {"limits": LIMITS, "requests": {"cpu": 0.5, "memory": 16000000, "ephemeral-storage": "1Gi"}}),
+    # one above it: the limit is the request (with the default limit, the API server would
+    # refuse the pod: a request above its limit)
+    ({"requests": {"cpu": 8, "memory": "16Gi"}},
+     {"limits": {"cpu": 8, "memory": "16Gi", "ephemeral-storage": "20Gi"},
+      "requests": {"cpu": 8, "memory": "16Gi", "ephemeral-storage": "1Gi"}}),
+    # both of its own: untouched; other keys (claims) kept
+    ({"limits": {"cpu": "1", "memory": "1G", "ephemeral-storage": "2Gi"},
+      "requests": {"cpu": "1", "memory": "1G", "ephemeral-storage": "2Gi"}, "claims": []},
+     {"limits": {"cpu": "1", "memory": "1G", "ephemeral-storage": "2Gi"},
+      "requests": {"cpu": "1", "memory": "1G", "ephemeral-storage": "2Gi"}, "claims": []}),
+], ids=["none", "empty", "own-limit", "own-request-below", "own-request-above", "all-own"])
+def test_with_container_defaults(own, want):
+    from gpulab.hub.cluster.kubeobjects import with_container_defaults
+
+    before = copy.deepcopy(own)
+    got = with_container_defaults(own, limits=LIMITS, requests=REQUESTS)
+    assert got == want
+    assert own == before  # a new dict: the caller's untouched
+    # applied twice (each create try sends the same pod): the same
+    assert with_container_defaults(got, limits=LIMITS, requests=REQUESTS) == want
+
+
+def test_with_container_defaults_none_configured():
+    from gpulab.hub.cluster.kubeobjects import with_container_defaults
+
+    assert with_container_defaults({"limits": {}, "requests": {}}, limits={}, requests={}) == {}
+    assert with_container_defaults({"limits": {"cpu": "1"}}, limits={}, requests={}) == {
+        "limits": {"cpu": "1"}}
 
 
 def test_quantities_compare_across_units():

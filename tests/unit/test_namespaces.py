@@ -153,26 +153,26 @@ async def test_a_returning_persons_namespace_goes_out_with_its_objects_in_one_ro
     (an admin's hand) is made again, its objects after it."""
     api = SlowKubeAPI()
     made = []
-    assert await prepare(api, ledger, namespace_made=lambda: made.append(len(api.events))) == 6
+    assert await prepare(api, ledger, namespace_made=lambda: made.append(len(api.events))) == 5
     assert round_trips(api.events) == 2, api.events
     assert api.events[0] == ("start", "patch_namespace")
     assert made == [2]  # told once the namespace was there, before its objects went out
 
     api.events.clear(), made.clear()  # (the quota as applied: not sent again)
-    assert await prepare(api, ledger, namespace_made=lambda: made.append(len(api.events))) == 4
+    assert await prepare(api, ledger, namespace_made=lambda: made.append(len(api.events))) == 3
     assert round_trips(api.events) == 1, api.events
-    assert len(api.events) == 2 * 4 and made == [0]
+    assert len(api.events) == 2 * 3 and made == [0]
 
     del api.stored[("Namespace", "", "gpulab-ann")]  # deleted by hand
     for key in [k for k in api.stored if k[1] == "gpulab-ann"]:
         del api.stored[key]
     api.events.clear()
     with caplog.at_level(logging.INFO, logger="test"):
-        # 4 together (made anew, or refused), then 6 as for a new namespace
-        assert await prepare(api, ledger) == 4 + 6
+        # 3 together (made anew, or refused), then 5 as for a new namespace
+        assert await prepare(api, ledger) == 3 + 5
     assert round_trips(api.events) == 3, api.events
     assert ("Namespace", "", "gpulab-ann") in api.stored
-    assert ("LimitRange", "gpulab-ann", "gpulab-defaults") in api.stored
+    assert ("ServiceAccount", "gpulab-ann", "default") in api.stored
     # its GPU quota written again (ann has none: the quota object removed)
     assert [e for e in api.events if "resource_quota" in e[1]] == [
         ("start", "delete_namespaced_resource_quota"), ("end", "delete_namespaced_resource_quota")]
@@ -191,24 +191,19 @@ async def test_the_quota_read_runs_in_a_worker_thread_and_the_requests_are_count
     api = FakeKubeAPI()
     loop_thread = threading.current_thread()
 
-    # namespace, two policies, the LimitRange, the default ServiceAccount, the quota
-    assert await prepare(api, ledger) == 1 + 2 + 1 + 1 + 1
+    # namespace, two policies, the default ServiceAccount, the quota (no LimitRange: every
+    # pod carries the container defaults)
+    assert await prepare(api, ledger) == 1 + 2 + 1 + 1
     assert [n for n, _ in reads] == ["effective"]
     assert all(thread is not loop_thread for _, thread in reads), reads
     # the namespace first; then its objects, sent together
     assert api.calls[0][0] == "patch_namespace"
-    assert sorted(m for m, _ in api.calls[1:]) == ["patch_namespaced_limit_range",
-                                                   "patch_namespaced_network_policy",
+    assert sorted(m for m, _ in api.calls[1:]) == ["patch_namespaced_network_policy",
                                                    "patch_namespaced_network_policy",
                                                    "patch_namespaced_resource_quota",
                                                    "patch_namespaced_service_account"]
     sa = api.stored[("ServiceAccount", "gpulab-ann", "default")]
     assert sa["automountServiceAccountToken"] is False
-    limits = api.stored[("LimitRange", "gpulab-ann", "gpulab-defaults")]
-    assert limits["spec"]["limits"] == [{
-        "type": "Container",
-        "default": {"cpu": "2", "memory": "8Gi", "ephemeral-storage": "20Gi"},
-        "defaultRequest": {"cpu": "100m", "memory": "512Mi", "ephemeral-storage": "1Gi"}}]
     ns = api.stored[("Namespace", "", "gpulab-ann")]
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "baseline"
     quota = api.stored[("ResourceQuota", "gpulab-ann", "gpulab-gpus")]
@@ -218,7 +213,7 @@ async def test_the_quota_read_runs_in_a_worker_thread_and_the_requests_are_count
     # a policy another field manager widened is replaced whole, and that counts
     api.foreign[("gpulab-ann", "gpulab-user-pods")] = {"ingress": [{}]}
     api.calls.clear()
-    assert await prepare(api, ledger) == 1 + 2 + 1 + 1
+    assert await prepare(api, ledger) == 1 + 2 + 1
     assert ("replace_namespaced_network_policy", "gpulab-ann/gpulab-user-pods") in api.calls
     assert not any(m.endswith("resource_quota") for m, _ in api.calls)
     want = {p["metadata"]["name"]: p["spec"] for p in make_user_network_policies(
@@ -231,7 +226,7 @@ async def test_the_quota_read_runs_in_a_worker_thread_and_the_requests_are_count
 async def test_with_kueue_a_left_quota_is_removed_once_per_namespace(ledger, reads_of):
     """With Kueue (no GPU ResourceQuota) a quota left from before is deleted at the
     namespace's first preparation in this process only, not at every spawn (a returning
-    person's spawn costs the namespace, its policies and LimitRange, bench/scale_kube.py);
+    person's spawn costs the namespace and its policies, bench/scale_kube.py);
     the ledger is not read at all."""
     ledger.set_quota("user", "ann", Quota(max_gpus=2), actor="admin")
     reads = reads_of("quotas", "effective")
@@ -240,10 +235,10 @@ async def test_with_kueue_a_left_quota_is_removed_once_per_namespace(ledger, rea
     assert ("ResourceQuota", "gpulab-ann", "gpulab-gpus") in api.stored
     reads.clear()
     api.calls.clear()
-    assert await prepare(api, ledger, gpu_resource_quota=False) == 1 + 2 + 1 + 1
+    assert await prepare(api, ledger, gpu_resource_quota=False) == 1 + 2 + 1
     assert ("ResourceQuota", "gpulab-ann", "gpulab-gpus") not in api.stored
     api.calls.clear()
-    assert await prepare(api, ledger, gpu_resource_quota=False) == 1 + 2 + 1
+    assert await prepare(api, ledger, gpu_resource_quota=False) == 1 + 2
     assert not any(m.endswith("resource_quota") for m, _ in api.calls)
     assert reads == []
 
@@ -251,8 +246,8 @@ async def test_with_kueue_a_left_quota_is_removed_once_per_namespace(ledger, rea
     # no DELETE at all (the API server answers the apply that made it 201)
     fresh = FakeKubeAPI()
     bob = dict(namespace="gpulab-bob", user="bob", user_label="bob", gpu_resource_quota=False)
-    assert await prepare(fresh, ledger, **bob) == 1 + 2 + 1 + 1  # (its ServiceAccount)
-    assert await prepare(fresh, ledger, **bob) == 1 + 2 + 1
+    assert await prepare(fresh, ledger, **bob) == 1 + 2 + 1  # (its ServiceAccount)
+    assert await prepare(fresh, ledger, **bob) == 1 + 2
     assert not any(m.endswith("resource_quota") for m, _ in fresh.calls)
 
 
@@ -399,10 +394,10 @@ async def test_both_callers_read_the_quota_off_the_loop_and_prepare_the_same_nam
     monkeypatch.setattr(KubeJobBackend, "core", property(lambda self: also))
     monkeypatch.setattr(KubeJobBackend, "networking", property(lambda self: also))
     assert await b._ensure_namespace("ann", ()) == "gpulab-ann"
-    assert b.api_requests == 6
+    assert b.api_requests == 5
     assert [n for n, _ in reads] == ["effective", "effective"] and reads[1][1] is not loop_thread
     assert await b._ensure_namespace("ann", ()) == "gpulab-ann"  # once per namespace
-    assert b.api_requests == 6
+    assert b.api_requests == 5
 
     assert s.namespace == "gpulab-ann"
     assert made.stored.keys() == also.stored.keys()
@@ -432,7 +427,7 @@ async def test_the_spawner_sends_a_namespace_request_again_when_it_times_out(
     made.patch_namespace = patch_namespace
     await s._ensure_namespace()
     assert ("Namespace", "", "gpulab-ann") in made.stored
-    assert ("LimitRange", "gpulab-ann", "gpulab-defaults") in made.stored
+    assert ("ServiceAccount", "gpulab-ann", "default") in made.stored
 
     async def refused(*args, **kwargs):
         raise ApiException(status=403, reason="Forbidden")
