@@ -552,7 +552,10 @@ def replica_process(job: str, role: str, index: int, timeout: float = 180) -> ps
                 env = p.info["environ"] or {}
             except psutil.Error:
                 continue
-            if env.get("GPULAB_JOB_NAME") != job or "TF_CONFIG" not in env:
+            # a pod's (the kubelet gives every container the API's Service), not a local
+            # replica of a test of the tiers running beside this one
+            if (env.get("GPULAB_JOB_NAME") != job or "TF_CONFIG" not in env
+                    or "KUBERNETES_SERVICE_HOST" not in env):
                 continue
             task = json.loads(env["TF_CONFIG"])["task"]
             if (task["type"], task["index"]) == (role, index) and p.info["status"] != psutil.STATUS_ZOMBIE:
