@@ -38,13 +38,21 @@ py="$GPULAB_HOME/venv/bin/python"
 # Kubernetes control planes and real node, in processes of their own; tests/cluster and the
 # Kubernetes attacks) runs in a second pytest beside the other tiers, which mostly wait on
 # hubs, browsers and TensorFlow; its report follows theirs, and either failing fails the run.
-# GPULAB_TEST_SERIAL=1: every tier in one pytest, one after the other.
-if (($#)) || [[ -n ${GPULAB_TEST_SERIAL:-} ]]; then
+# GPULAB_TEST_SERIAL=1: every tier in one pytest, one after the other; so too on a machine
+# where no account holds uid 1000: the real node's pods run as that uid of this machine
+# (tests/cluster/images.py), and the other tiers' first test account would get it beside them
+# (its removal kills its uid's processes).
+if (($#)) || [[ -n ${GPULAB_TEST_SERIAL:-} ]] || ! getent passwd 1000 >/dev/null; then
   exec "$py" -m pytest "$@"
 fi
 cluster_tier=(tests/cluster tests/security/test_kube_isolation.py)
 log="$(mktemp -t gpulab-cluster-tier.XXXXXX)"
-GPULAB_TEST_BESIDE=1 "$py" -m pytest -p no:cacheprovider "${cluster_tier[@]}" >"$log" 2>&1 &
+# bash starts a background command with SIGINT ignored: put back, Ctrl-C stops both pytests;
+# the tier keeps a pytest cache of its own
+GPULAB_TEST_BESIDE=1 "$py" -c 'import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+os.execv(sys.executable, [sys.executable, "-m", "pytest", *sys.argv[1:]])' \
+  -o cache_dir=.pytest_cache/cluster-tier "${cluster_tier[@]}" >"$log" 2>&1 &
 beside=$!
 trap 'kill -INT "$beside" 2>/dev/null || true; wait "$beside" 2>/dev/null || true; rm -f "$log"' EXIT
 set +e
@@ -64,4 +72,5 @@ rm -f "$log"
 ((rest == 5)) && rest=0
 ((tier == 5)) && tier=0
 echo "scripts/test.sh: the other tiers exit $rest, the cluster tier exit $tier"
-((rest == 0 && tier == 0))
+if ((rest != 0)); then exit "$rest"; fi
+exit "$tier"

@@ -55,6 +55,7 @@ from gpulab.hub.cluster.kubeobjects import (
     explain_unschedulable,
     free_gpus_by_node,
     parse_quota_refusal,
+    ContainerDefaultsError,
     server_pod_settings,
     with_container_defaults,
     with_runtime_default_seccomp,
@@ -495,21 +496,31 @@ class KubeGPUSpawner(GPUSpawnerMixin, KubeSettings, KubeSpawner):
         client's model objects or dicts; idempotent: each create try sends the same pod)."""
         limits, requests = self._checked_container_defaults()
         spec = getattr(pod, "spec", None)
-        if spec is None:
+        if isinstance(spec, dict):  # a hook's
+            containers = [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]
+        elif spec is not None:
+            containers = [*(spec.containers or []), *(spec.init_containers or [])]
+        else:  # no pod the API server takes: it says so
             return
-        for c in [*(spec.containers or []), *(spec.init_containers or [])]:
+        for c in containers:
+            name = c.get("name") if isinstance(c, dict) else c.name
             own = c.get("resources") if isinstance(c, dict) else c.resources
-            if own is None or isinstance(own, dict):
-                filled = with_container_defaults(own, limits=limits, requests=requests)
-                if isinstance(c, dict):
-                    c["resources"] = filled
-                else:
-                    c.resources = filled
-            else:  # V1ResourceRequirements
-                filled = with_container_defaults(
-                    {"limits": own.limits, "requests": own.requests},
-                    limits=limits, requests=requests)
-                own.limits, own.requests = filled.get("limits"), filled.get("requests")
+            try:
+                if own is None or isinstance(own, dict):
+                    filled = with_container_defaults(own, limits=limits, requests=requests)
+                    if isinstance(c, dict):
+                        c["resources"] = filled
+                    else:
+                        c.resources = filled
+                else:  # V1ResourceRequirements
+                    filled = with_container_defaults(
+                        {"limits": own.limits, "requests": own.requests},
+                        limits=limits, requests=requests)
+                    own.limits, own.requests = filled.get("limits"), filled.get("requests")
+            except ContainerDefaultsError as e:
+                raise SpawnRefused(400, f"This server's container {name!r} asks for {e}: the "
+                                        "cluster would refuse its pod. Choose less, or ask an "
+                                        "admin for a profile that sets a limit too.") from e
 
     def _mark_start(self, pod) -> str | None:
         """This start's mark on its pod: made at the first create try (a new pod object),

@@ -142,6 +142,8 @@ def export_tfjob(args) -> str:
     from kubespawner.slugs import safe_slug
 
     from gpulab.hub.jobs.spec import JobLimits, SpecError, parse_spec
+    from gpulab.hub.cluster.kubeobjects import container_defaults
+    from gpulab.hub.cluster.namespaces import DEFAULT_CONTAINER_LIMITS, DEFAULT_CONTAINER_REQUESTS
     from gpulab.hub.jobs.kubeobjects import (SOURCE_PROGRAM, Placement, make_source_configmap,
                                              make_tfjob, mount_source)
 
@@ -166,7 +168,10 @@ def export_tfjob(args) -> str:
         program=SOURCE_PROGRAM if spec.source is not None else f"{user_dir}/{spec.script}",
         job_dir=f"{user_dir}/jobs/{spec.name}", user_dir=user_dir, gpu_model=args.gpu_model,
         shared_volume=shared, shared_mount=root, user_subpath=f"users/{label}",
-        datasets_subpath="datasets"))
+        datasets_subpath="datasets",
+        # gpulab's default container resources, as the hub gives its own replicas
+        **dict(zip(("container_limits", "container_requests"), container_defaults(
+            limits=DEFAULT_CONTAINER_LIMITS, requests=DEFAULT_CONTAINER_REQUESTS)))))
     docs = [tfjob]
     if spec.source is not None:
         for replica in tfjob["spec"]["tfReplicaSpecs"].values():

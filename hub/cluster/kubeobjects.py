@@ -180,6 +180,15 @@ def container_defaults(*, limits: Mapping[str, Any],
     return lim, {**lim, **req}
 
 
+class ContainerDefaultsError(ValueError):
+    """A container's own request of ``resource`` is above the default limit it would get."""
+
+    def __init__(self, resource: str, request: Any, limit: str):
+        super().__init__(f"a {resource} request of {request} with no {resource} limit of its "
+                         f"own, above the default {resource} limit {limit}")
+        self.resource, self.request, self.limit = resource, request, limit
+
+
 def _own_quantity(value: Any) -> Fraction | None:
     """A container's own quantity (KubeSpawner writes numbers: ``cpu_guarantee`` 0.5,
     ``mem_guarantee`` in bytes), or None where it is no quantity this module reads."""
@@ -201,11 +210,13 @@ def with_container_defaults(resources: Mapping[str, Any] | None, *,
     (`container_defaults`' pair) of the resources it names none of, as the LimitRange that
     user namespaces had gave them at admission; every pod the hub makes carries them instead
     (one API request fewer at each spawn and job, bench/scale_kube.py). A resource without a
-    limit gets the default limit, or its own request where that is higher (a request above
-    the limit is refused by the API server, which the LimitRange's limit caused); one with
-    neither a limit nor a request, the default request (with a limit and no request the API
-    server makes the request the limit: nothing is added). Other keys are kept; the result
-    is a new dict, without an empty ``limits`` or ``requests``."""
+    limit gets the default limit; one with neither a limit nor a request, the default request
+    (with a limit and no request the API server makes the request the limit: nothing is
+    added). A request of its own above the default limit, with no limit of its own, is a
+    `ContainerDefaultsError`, as the LimitRange's limit made the API server refuse the pod
+    (the request is not taken as the limit: a profile's choice of requests would then reserve
+    without bound). Other keys are kept; the result is a new dict, without an empty
+    ``limits`` or ``requests``."""
     out = dict(resources or {})
     own_limits = dict(out.get("limits") or {})
     lim, req = dict(own_limits), dict(out.get("requests") or {})
@@ -213,8 +224,9 @@ def with_container_defaults(resources: Mapping[str, Any] | None, *,
         if resource in lim:
             continue
         own, default = _own_quantity(req.get(resource)), _own_quantity(value)
-        lim[resource] = (req[resource] if own is not None and default is not None
-                         and own > default else value)
+        if own is not None and default is not None and own > default:
+            raise ContainerDefaultsError(resource, req[resource], value)
+        lim[resource] = value
     for resource, value in requests.items():
         if resource not in req and resource not in own_limits:
             req[resource] = value

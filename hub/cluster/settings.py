@@ -110,8 +110,8 @@ class KubeSettings(Configurable):
         own, written into every pod the hub makes (notebook servers, and the operator's
         ``init_containers``, ``extra_containers`` and ``modify_pod_hook``'s containers there,
         and training replicas): servers whose profile sets no ``cpu_limit`` / ``mem_limit``,
-        replicas whose role sets no ``cpu`` / ``memory``. A container whose own request is
-        higher gets that request as its limit. Keys ``cpu``,
+        replicas whose role sets no ``cpu`` / ``memory``. A server whose own request is higher
+        and that sets no limit is refused in words (the API server would refuse its pod). Keys ``cpu``,
         ``memory``, ``ephemeral-storage`` (the container's writable layer, logs and
         ``emptyDir``: the kubelet evicts a pod over it); ``{}``: no defaults. Default
         ``{"cpu": "2", "memory": "8Gi", "ephemeral-storage": "20Gi"}``: without them one

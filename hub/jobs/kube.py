@@ -632,7 +632,14 @@ class KubeJobBackend(JobBackend, KubeSettings, LoggingConfigurable):
     # -- submit: the workflow's hooks ------------------------------------------------------
 
     async def _prepare(self, user: str, groups: tuple[str, ...], spec: JobSpec) -> None:
+        self._container_defaults()  # a bad setting: refused before any request
         await self.check_capacity(spec)
+
+    def _container_defaults(self) -> tuple[dict[str, str], dict[str, str]]:
+        try:
+            return self.container_defaults()
+        except ValueError as e:
+            raise JobError(f"The cluster's container defaults are wrong: {e}", 500) from e
 
     def _user_dir(self, user: str) -> str:
         return (f"{self.shared_mount_path.rstrip('/')}/"
@@ -690,10 +697,7 @@ class KubeJobBackend(JobBackend, KubeSettings, LoggingConfigurable):
             program = f"{user_dir}/{spec.script}"
         else:
             program = spec.script
-        try:
-            limits, requests = self.container_defaults()
-        except ValueError as e:
-            raise JobError(f"The cluster's container defaults are wrong: {e}", 500) from e
+        limits, requests = self._container_defaults()
         return Placement(namespace=ns, user_label=self.user_label(user),
                          image=spec.image or self.image, program=program, job_dir=job_dir,
                          user_dir=user_dir, gpu_model=self.gpu_model,
@@ -705,7 +709,7 @@ class KubeJobBackend(JobBackend, KubeSettings, LoggingConfigurable):
                          container_limits=limits, container_requests=requests)
 
     async def _create_objects(self, user, groups, spec: JobSpec, ns, user_dir, job_dir) -> None:
-        where = self._placement(user, spec, ns, user_dir, job_dir)  # (a bad setting: no request)
+        where = self._placement(user, spec, ns, user_dir, job_dir)
         await self._ensure_namespace(user, groups)
         service = make_training_job_objects(spec, where)[0]
         self.api_requests += 1

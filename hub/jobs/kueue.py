@@ -225,6 +225,7 @@ class KueueJobBackend(KubeJobBackend):
         work may be preempted, across people (every queue borrows from one pool), so a
         person's priority 100 would take GPUs from other people's work of priority 0; their
         jobs wait in submit order instead."""
+        self._container_defaults()  # a bad setting: refused before any request
         if spec.priority:
             raise JobError(
                 "priority: this cluster's queue (Kueue) cannot order your own jobs by priority "
@@ -246,7 +247,7 @@ class KueueJobBackend(KubeJobBackend):
         return None
 
     async def _create_objects(self, user, groups, spec: JobSpec, ns, user_dir, job_dir) -> None:
-        where = self._placement(user, spec, ns, user_dir, job_dir)  # (a bad setting: no request)
+        where = self._placement(user, spec, ns, user_dir, job_dir)
         await self._ensure_namespace(user, groups)
         # a job without GPUs is not queued (the ledger never held such work back), nor held
         # by a used-up GPU-hour budget: its JobSet runs at once

@@ -37,7 +37,10 @@ def test_export_renders_chief_ps_workers_with_clean_pod_policy(tmp_path, capsys)
     assert "Master" not in replicas
     worker = replicas["Worker"]["template"]["spec"]
     c = worker["containers"][0]
-    assert c["name"] == "tensorflow" and c["resources"] == {"limits": {"nvidia.com/gpu": "2"}}
+    # its GPUs, and gpulab's default CPU, memory and disk (as the hub's own replicas get them)
+    assert c["name"] == "tensorflow" and c["resources"] == {
+        "limits": {"nvidia.com/gpu": "2", "cpu": "2", "memory": "8Gi", "ephemeral-storage": "20Gi"},
+        "requests": {"cpu": "100m", "memory": "512Mi", "ephemeral-storage": "1Gi"}}
     assert c["command"][-1] == "/gpulab/shared/users/ann/examples/train.py"
     assert worker["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100"}
     assert worker["volumes"] == [{"name": "gpulab-shared",

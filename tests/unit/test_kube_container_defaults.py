@@ -65,7 +65,7 @@ async def test_every_container_of_a_server_pod_gets_what_it_names_none_of(spawne
         pod.spec.containers.append({"name": "hooked", "image": "h"})  # a dict among models
         return pod
 
-    s = make(cpu_limit=4, mem_guarantee="16G",
+    s = make(cpu_limit=4, mem_guarantee="4G",
              init_containers=[{"name": "init", "image": "i"}],
              extra_containers=[{"name": "side", "image": "x",
                                 "resources": {"limits": {"memory": "1Gi"}}}],
@@ -76,11 +76,10 @@ async def test_every_container_of_a_server_pod_gets_what_it_names_none_of(spawne
     resources = {c["name"]: c["resources"] for c in
                  [*first["spec"]["containers"], *first["spec"]["initContainers"]]}
     assert resources == {
-        # the profile's CPU limit is kept (the API server makes it the request too); its
-        # memory request (16G: 16 GiB), above the default limit, is the limit (8Gi would be refused)
-        "notebook": {"limits": {"cpu": 4.0, "memory": 17179869184,
-                                "ephemeral-storage": "20Gi"},
-                     "requests": {"memory": 17179869184, "ephemeral-storage": "1Gi"}},
+        # the profile's CPU limit is kept (the API server makes it the request too), and its
+        # memory request (4G: 4 GiB) under the default memory limit
+        "notebook": {"limits": {"cpu": 4.0, "memory": "8Gi", "ephemeral-storage": "20Gi"},
+                     "requests": {"memory": 4294967296, "ephemeral-storage": "1Gi"}},
         "side": {"limits": {**LIMITS, "memory": "1Gi"},
                  "requests": {"cpu": "100m", "ephemeral-storage": "1Gi"}},
         "hooked": {"limits": LIMITS, "requests": REQUESTS},
@@ -100,6 +99,23 @@ async def test_a_default_limit_alone_reserves_it_and_none_configured_adds_nothin
     await start_pod(make(default_container_limits={}, default_container_requests={}))
     [notebook] = sent[0]["spec"]["containers"]
     assert notebook.get("resources", {}) == {}
+
+
+async def test_a_request_above_the_default_limit_without_a_limit_is_refused_in_words(
+        spawner_of):
+    """A profile (or a choice of its options) that reserves more than the default limit and
+    sets no limit: the API server refused the pod the LimitRange completed; now the spawn is
+    refused with what to do, before the pod is sent."""
+    make, sent = spawner_of
+    s = make(mem_guarantee="16G")
+    with pytest.raises(SpawnRefused) as e:
+        await s._make_create_pod_request(await s.get_pod_manifest(), 3)
+    assert e.value.status_code == 400
+    assert e.value.jupyterhub_message == (
+        "This server's container 'notebook' asks for a memory request of 17179869184 with no "
+        "memory limit of its own, above the default memory limit 8Gi: the cluster would refuse "
+        "its pod. Choose less, or ask an admin for a profile that sets a limit too.")
+    assert sent == []
 
 
 async def test_bad_defaults_refuse_the_spawn_before_any_request(spawner_of):

@@ -425,17 +425,12 @@ REQUESTS = {"cpu": "100m", "memory": "512Mi", "ephemeral-storage": "1Gi"}
     # the default limit
     ({"requests": {"cpu": 0.5, "memory": 16000000}},
      {"limits": LIMITS, "requests": {"cpu": 0.5, "memory": 16000000, "ephemeral-storage": "1Gi"}}),
-    # one above it: the limit is the request (with the default limit, the API server would
-    # refuse the pod: a request above its limit)
-    ({"requests": {"cpu": 8, "memory": "16Gi"}},
-     {"limits": {"cpu": 8, "memory": "16Gi", "ephemeral-storage": "20Gi"},
-      "requests": {"cpu": 8, "memory": "16Gi", "ephemeral-storage": "1Gi"}}),
     # both of its own: untouched; other keys (claims) kept
     ({"limits": {"cpu": "1", "memory": "1G", "ephemeral-storage": "2Gi"},
       "requests": {"cpu": "1", "memory": "1G", "ephemeral-storage": "2Gi"}, "claims": []},
      {"limits": {"cpu": "1", "memory": "1G", "ephemeral-storage": "2Gi"},
       "requests": {"cpu": "1", "memory": "1G", "ephemeral-storage": "2Gi"}, "claims": []}),
-], ids=["none", "empty", "own-limit", "own-request-below", "own-request-above", "all-own"])
+], ids=["none", "empty", "own-limit", "own-request-below", "all-own"])
 def test_with_container_defaults(own, want):
     from gpulab.hub.cluster.kubeobjects import with_container_defaults
 
@@ -445,6 +440,26 @@ def test_with_container_defaults(own, want):
     assert own == before  # a new dict: the caller's untouched
     # applied twice (each create try sends the same pod): the same
     assert with_container_defaults(got, limits=LIMITS, requests=REQUESTS) == want
+
+
+@pytest.mark.parametrize("own, message", [
+    ({"requests": {"cpu": 8}}, "a cpu request of 8 with no cpu limit of its own, above the "
+                               "default cpu limit 2"),
+    ({"requests": {"memory": 17179869184}, "limits": {"cpu": "4"}}, "a memory request of "
+     "17179869184 with no memory limit of its own, above the default memory limit 8Gi"),
+], ids=["cpu", "memory-bytes"])
+def test_a_request_above_the_default_limit_without_a_limit_is_refused(own, message):
+    """As the LimitRange made the API server refuse such a pod: the request is not taken as
+    the limit (a profile option's choice of requests would reserve without bound)."""
+    from gpulab.hub.cluster.kubeobjects import ContainerDefaultsError, with_container_defaults
+
+    with pytest.raises(ContainerDefaultsError, match=re.escape(message)):
+        with_container_defaults(own, limits=LIMITS, requests=REQUESTS)
+    # with a limit of its own, any request up to it is the container's business
+    own = {**own, "limits": {**own.get("limits", {}), **{r: "64" if r == "cpu" else "64Gi"
+                                                           for r in own["requests"]}}}
+    assert with_container_defaults(own, limits=LIMITS, requests=REQUESTS)["requests"] == {
+        **own["requests"], **{r: v for r, v in REQUESTS.items() if r not in own["limits"]}}
 
 
 def test_with_container_defaults_none_configured():

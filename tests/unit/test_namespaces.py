@@ -347,7 +347,10 @@ def backend(config, tmp_path, **traits):
     ({"allowed_egress": BAD_EGRESS}, "The server's network settings are wrong: allowed_egress:"),
     ({"allowed_server_ingress": BAD_INGRESS},
      "The server's network settings are wrong: allowed_server_ingress:"),
-], ids=["pod-security-level", "allowed-egress", "allowed-server-ingress"])
+    ({"default_container_limits": {"gpu": "1"}},
+     "The servers' container defaults are wrong: default_container_limits: 'gpu' is not one "
+     "of cpu, memory, ephemeral-storage"),
+], ids=["pod-security-level", "allowed-egress", "allowed-server-ingress", "container-defaults"])
 async def test_the_spawner_refuses_bad_namespace_settings_with_500(config, traits, message):
     s = spawner(config, **traits)
     with pytest.raises(SpawnRefused) as e:
@@ -370,6 +373,30 @@ async def test_the_job_backend_refuses_bad_namespace_settings_with_500(
         await b._ensure_namespace("ann", ())
     assert e.value.status == 500 and str(e.value).startswith(message), str(e.value)
     assert b.api_requests == 0
+
+
+@pytest.mark.parametrize("kueue", [False, True], ids=["indexed-jobs", "kueue-jobsets"])
+async def test_the_job_backends_refuse_bad_container_defaults_before_any_request(
+        config, tmp_path, kueue):
+    """A job is refused with the setting's fault (500) before anything is asked of the API
+    server, admitted or written: both backends check it first when a job is submitted."""
+    from gpulab.hub.jobs.kueue import KueueJobBackend
+    from gpulab.hub.jobs.spec import parse_spec
+
+    c = Config()
+    c.KubeJobBackend.default_container_limits = {"memory": "1Gi"}
+    c.KubeJobBackend.default_container_requests = {"memory": "2Gi"}
+    ledger = Ledger(f"sqlite:///{tmp_path / 'jobs.sqlite'}", pool="kubernetes")
+    ledger.migrate()
+    b = (KueueJobBackend if kueue else KubeJobBackend)(ledger, config=c)
+    spec = parse_spec({"name": "j", "strategy": "multi-worker-mirrored", "script": "t.py"})
+    with pytest.raises(JobError) as e:
+        await b.submit("ann", (), spec)
+    assert e.value.status == 500
+    assert e.value.message == ("The cluster's container defaults are wrong: "
+                               "default_container_requests: memory 2Gi is above "
+                               "default_container_limits' 1Gi")
+    assert b.api_requests == 0 and b.list() == [] and ledger.open_allocations() == []
 
 
 async def test_both_callers_read_the_quota_off_the_loop_and_prepare_the_same_namespace(
