@@ -52,10 +52,10 @@ from gpulab.hub.quota.policy import Holding, Quota, never_fits, refusal
 
 from gpulab.hub.cluster.kubeobjects import (
     RUNTIME_DEFAULT_SECCOMP,
+    ContainerDefaultsError,
     explain_unschedulable,
     free_gpus_by_node,
     parse_quota_refusal,
-    ContainerDefaultsError,
     server_pod_settings,
     with_container_defaults,
     with_runtime_default_seccomp,

@@ -163,15 +163,15 @@ def export_tfjob(args) -> str:
         if not server or not path.startswith("/"):
             raise UsageError(f"--nfs takes SERVER:/PATH, not {args.nfs!r}")
         shared = {"nfs": {"server": server, "path": path}}
+    # gpulab's default container resources, as the hub gives its own replicas
+    limits, requests = container_defaults(limits=DEFAULT_CONTAINER_LIMITS,
+                                          requests=DEFAULT_CONTAINER_REQUESTS)
     tfjob = make_tfjob(spec, Placement(
         namespace=ns, user_label=label, image=spec.image or args.default_image,
         program=SOURCE_PROGRAM if spec.source is not None else f"{user_dir}/{spec.script}",
         job_dir=f"{user_dir}/jobs/{spec.name}", user_dir=user_dir, gpu_model=args.gpu_model,
         shared_volume=shared, shared_mount=root, user_subpath=f"users/{label}",
-        datasets_subpath="datasets",
-        # gpulab's default container resources, as the hub gives its own replicas
-        **dict(zip(("container_limits", "container_requests"), container_defaults(
-            limits=DEFAULT_CONTAINER_LIMITS, requests=DEFAULT_CONTAINER_REQUESTS)))))
+        datasets_subpath="datasets", container_limits=limits, container_requests=requests))
     docs = [tfjob]
     if spec.source is not None:
         for replica in tfjob["spec"]["tfReplicaSpecs"].values():

@@ -72,11 +72,12 @@ USER_SUBPATH_TEMPLATE = "users/{username}"
 #: the read-only datasets folder on the shared storage ('' for none)
 DATASETS_SUBPATH = "datasets"
 #: what a container of a user namespace that names none of its own may use (written into
-#: every pod the hub makes: `gpulab.hub.cluster.kubeobjects.with_container_defaults`): a replica as the local backend bounds one (``c.GPUJobs.default_cpu`` /
-#: ``default_memory``), and disk for a checkpoint or two beside the shared storage
+#: every pod the hub makes: `gpulab.hub.cluster.kubeobjects.with_container_defaults`): a
+#: replica as the local backend bounds one (``c.GPUJobs.default_cpu`` / ``default_memory``),
+#: and disk for a checkpoint or two beside the shared storage
 DEFAULT_CONTAINER_LIMITS = {"cpu": "2", "memory": "8Gi", "ephemeral-storage": "20Gi"}
-#: what such a container reserves on its node: small, so that a person's
-#: idle notebook or a job's parameter server does not hold a node's CPUs from others
+#: what such a container reserves on its node: small, so that a person's idle notebook or a
+#: job's parameter server does not hold a node's CPUs from others
 DEFAULT_CONTAINER_REQUESTS = {"cpu": "100m", "memory": "512Mi", "ephemeral-storage": "1Gi"}
 
 
