@@ -280,7 +280,10 @@ def test_the_readme_path_from_sign_up_to_trained_jobs(page, hub):
     assert re.search(r"worker-0: restart 1 at \d\d:\d\d:\d\d \(attempt 2\): killed by "
                      r"SIGKILL \(exit -9\)", restarts.inner_text()), restarts.inner_text()
     box = kv.locator(".gpulab-log")
-    box.filter(has_text="Epoch 2/2").wait_for(timeout=60_000)
+    # the last epoch's bar in its final state (the log streams on after the job's state: a
+    # wait for "Epoch 2/2" alone read it while the bar still said 14/16)
+    box.filter(has_text=re.compile(r"Epoch 2/2\s*16/16 \[=+\] - \d+s")).wait_for(
+        timeout=60_000)
     log = box.inner_text()
     assert re.search(r"^--- restart 1 of worker 0 at \d\d:\d\d:\d\d: previous attempt killed by "
                      r"SIGKILL \(exit -9\) ---$", log, re.M), log
